@@ -1,0 +1,236 @@
+"""Checkpoint loading: diffusers-format folders (config.json + safetensors) into Flax NNX modules.
+
+No torch on this path. Safetensors files are read with a small header parser and `np.memmap`, because
+`safetensors`' numpy backend cannot represent bfloat16 (numpy has no such dtype; `ml_dtypes`, a JAX
+dependency, does).
+
+Names: our modules carry diffusers' / transformers' attribute names, so a PyTorch key maps to an NNX
+path by a handful of rules, applied by the leaf name and the array's rank:
+
+    PyTorch                          NNX
+    <path>.weight  (Linear, [O, I])  <path>.kernel  [I, O]        (transpose)
+    <path>.weight  (Conv, [O,I,*K])  <path>.kernel  [*K, I, O]    (HWIO; conv1d/conv3d alike)
+    <path>.weight  (norms)           <path>.scale
+    <path>.weight  (Embedding)       <path>.embedding
+    <path>.bias                      <path>.bias
+    anything else                    the same name
+
+A model whose keys differ beyond that passes `rename` (PyTorch key -> our key, or None to skip).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+
+# Weight file names diffusers and transformers write, in the order we look for them.
+_WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file that cannot be loaded, with the reason."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """Checkpoint keys and model parameters do not match; lists what is missing, unexpected or misshapen."""
+
+    def __init__(self, where: str, missing: list[str], unexpected: list[str], misshapen: list[str]):
+        self.missing, self.unexpected, self.misshapen = missing, unexpected, misshapen
+        parts = [f"checkpoint {where} does not match the model:"]
+        for title, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshapen)):
+            if keys:
+                shown = ", ".join(keys[:20]) + (f" ... (+{len(keys) - 20} more)" if len(keys) > 20 else "")
+                parts.append(f"  {title} ({len(keys)}): {shown}")
+        super().__init__("\n".join(parts))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading files
+
+
+def read_json(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found")
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped, no copy)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: dict | None = None) -> None:
+    """Writes numpy arrays (bfloat16 included) in the safetensors format."""
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset, blobs = 0, []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        raw = arr.tobytes()
+        header[name] = {
+            "dtype": _DTYPE_NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        offset += len(raw)
+        blobs.append(raw)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for raw in blobs:
+            f.write(raw)
+
+
+def read_component_weights(folder: Path, variant: str | None = None) -> dict[str, np.ndarray]:
+    """The state dict of one component folder: a single safetensors file or a sharded one with its index."""
+    folder = Path(folder)
+    suffix = f".{variant}.safetensors" if variant else ".safetensors"
+    for stem in _WEIGHT_STEMS:
+        single = folder / f"{stem}{suffix}"
+        if single.is_file():
+            return read_safetensors(single)
+        index = folder / f"{stem}{suffix}.index.json"
+        if index.is_file():
+            shards = sorted(set(read_json(index)["weight_map"].values()))
+            state: dict[str, np.ndarray] = {}
+            for shard in shards:
+                state.update(read_safetensors(folder / shard))
+            return state
+    if variant is None and list(folder.glob("*.fp16.safetensors")):
+        return read_component_weights(folder, "fp16")
+    found = sorted(p.name for p in folder.glob("*")) if folder.is_dir() else []
+    raise CheckpointError(
+        f"no safetensors weights in {folder} (looked for {', '.join(s + suffix for s in _WEIGHT_STEMS)} "
+        f"and their .index.json); found: {', '.join(found) or 'nothing'}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch layout <-> NNX layout
+
+
+def nnx_leaf_to_torch(leaf: str) -> str:
+    return {"kernel": "weight", "scale": "weight", "embedding": "weight"}.get(leaf, leaf)
+
+
+def to_nnx_layout(leaf: str, array: np.ndarray) -> np.ndarray:
+    """A PyTorch tensor in the layout of the NNX parameter `leaf`."""
+    if leaf == "kernel":
+        if array.ndim == 2:  # Linear [O, I] -> [I, O]
+            return array.T
+        if array.ndim >= 3:  # Conv [O, I, *K] -> [*K, I, O]
+            return np.transpose(array, (*range(2, array.ndim), 1, 0))
+    return array
+
+
+def to_torch_layout(leaf: str, array: np.ndarray) -> np.ndarray:
+    """The inverse of `to_nnx_layout`."""
+    if leaf == "kernel":
+        if array.ndim == 2:
+            return array.T
+        if array.ndim >= 3:
+            n = array.ndim
+            return np.transpose(array, (n - 1, n - 2, *range(0, n - 2)))
+    return array
+
+
+def _torch_key(path: tuple) -> str:
+    return ".".join(str(p) for p in path[:-1]) + ("." if len(path) > 1 else "") + nnx_leaf_to_torch(str(path[-1]))
+
+
+def load_weights(
+    module: nnx.Module,
+    state_dict: Mapping[str, np.ndarray],
+    *,
+    where: str = "",
+    rename: Callable[[str], str | None] | None = None,
+    ignore: Iterable[str] = (),
+    dtype=None,
+    place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+) -> None:
+    """Fills every nnx.Param of `module` from a PyTorch-named state dict, in place.
+
+    `rename` maps a checkpoint key to the module's key (None skips it); keys ending with one of `ignore`'s
+    suffixes are skipped (non-persistent buffers such as `position_ids`). `dtype` casts floating weights.
+    `place(path, array)` puts an array on devices (default: `jnp.asarray`); the parallel engine passes one
+    that device_puts straight into the parameter's sharding, so no device ever holds a full copy it
+    does not need. Raises CheckpointMismatchError naming every missing, unexpected and misshapen key.
+    """
+    ignore = tuple(ignore)
+    renamed: dict[str, np.ndarray] = {}
+    for key, value in state_dict.items():
+        if ignore and key.endswith(ignore):
+            continue
+        new = rename(key) if rename else key
+        if new is not None:
+            renamed[new] = value
+
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    missing, misshapen, used = [], [], set()
+    updates = {}
+    for path, var in flat:
+        key = _torch_key(path)
+        if key not in renamed:
+            missing.append(key)
+            continue
+        used.add(key)
+        array = to_nnx_layout(str(path[-1]), renamed[key])
+        target = var.get_value()
+        if tuple(array.shape) != tuple(target.shape):
+            misshapen.append(f"{key} {tuple(renamed[key].shape)} -> expected {tuple(target.shape)}")
+            continue
+        want = dtype if (dtype is not None and jax.numpy.issubdtype(array.dtype, jax.numpy.floating)) else target.dtype
+        array = np.asarray(array).astype(want, copy=False)
+        updates[path] = place(path, array) if place else jax.numpy.asarray(array)
+    unexpected = sorted(set(renamed) - used)
+    if missing or unexpected or misshapen:
+        raise CheckpointMismatchError(where or type(module).__name__, sorted(missing), unexpected, misshapen)
+    for path, var in flat:
+        var.set_value(updates[path])
+
+
+def export_weights(module: nnx.Module, rename: Callable[[str], str] | None = None) -> dict[str, np.ndarray]:
+    """The module's parameters as a PyTorch-named, PyTorch-layout state dict (the inverse of load_weights)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        key = _torch_key(path)
+        key = rename(key) if rename else key
+        out[key] = np.ascontiguousarray(to_torch_layout(str(path[-1]), np.asarray(var.get_value())))
+    return out

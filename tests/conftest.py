@@ -1,0 +1,32 @@
+"""Test session set-up: 8 CPU devices for every mesh layout, JAX's persistent compilation cache, and one tiny
+SDXL checkpoint per session."""
+
+import os
+
+# Before JAX is imported anywhere: 8 host devices so every mesh layout runs on the CPU.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+_CACHE = Path(os.environ.get("MESHSERVE_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+
+
+def pytest_configure(config):
+    import jax
+
+    # Compiling dominates on a 2-core machine; a warm cache makes the second run several times faster.
+    jax.config.update("jax_compilation_cache_dir", str(_CACHE / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_path(tmp_path_factory) -> Path:
+    """A tiny random SDXL diffusers folder written by diffusers' own save_pretrained."""
+    from tests.fixtures.tiny_sdxl import build_tiny_sdxl
+
+    return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl"))
