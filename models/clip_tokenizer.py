@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 
 MAX_LENGTH = 77
-_TINY_MERGES = [("t", "h"), ("th", "e</w>"), ("a", "n"), ("an", "d</w>"), ("o", "f</w>"), ("c", "a"), ("ca", "t</w>")]
+_TINY_MERGES = [
+    ("t", "h"),
+    ("th", "e</w>"),
+    ("a", "n"),
+    ("an", "d</w>"),
+    ("o", "f</w>"),
+    ("c", "a"),
+    ("ca", "t</w>"),
+]
 
 
 def load_clip_tokenizer(folder: Path):
@@ -30,7 +38,11 @@ def tokenize(tokenizer, prompts: list[str], max_length: int | None = None) -> np
 
 def _bytes_to_unicode() -> list[str]:
     """GPT-2/CLIP's reversible byte -> printable-character table, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = printable[:], 0
     for b in range(256):
         if b not in printable:
@@ -53,7 +65,9 @@ def build_tiny_clip_tokenizer(out_dir: Path, pad_token: str = "<|endoftext|>") -
     work.mkdir(exist_ok=True)
     (work / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}))
     (work / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in _TINY_MERGES) + "\n")
-    tok = CLIPTokenizer(str(work / "vocab.json"), str(work / "merges.txt"), pad_token=pad_token, model_max_length=MAX_LENGTH)
+    tok = CLIPTokenizer(
+        str(work / "vocab.json"), str(work / "merges.txt"), pad_token=pad_token, model_max_length=MAX_LENGTH
+    )
     tok.save_pretrained(str(out_dir))
     for f in work.iterdir():
         f.unlink()

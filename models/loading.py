@@ -171,8 +171,12 @@ def to_torch_layout(leaf: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _torch_key(path: tuple) -> str:
-    return ".".join(str(p) for p in path[:-1]) + ("." if len(path) > 1 else "") + nnx_leaf_to_torch(str(path[-1]))
+def torch_key(path: tuple) -> str:
+    return (
+        ".".join(str(p) for p in path[:-1])
+        + ("." if len(path) > 1 else "")
+        + nnx_leaf_to_torch(str(path[-1]))
+    )
 
 
 def load_weights(
@@ -206,7 +210,7 @@ def load_weights(
     missing, misshapen, used = [], [], set()
     updates = {}
     for path, var in flat:
-        key = _torch_key(path)
+        key = torch_key(path)
         if key not in renamed:
             missing.append(key)
             continue
@@ -216,7 +220,11 @@ def load_weights(
         if tuple(array.shape) != tuple(target.shape):
             misshapen.append(f"{key} {tuple(renamed[key].shape)} -> expected {tuple(target.shape)}")
             continue
-        want = dtype if (dtype is not None and jax.numpy.issubdtype(array.dtype, jax.numpy.floating)) else target.dtype
+        want = (
+            dtype
+            if (dtype is not None and jax.numpy.issubdtype(array.dtype, jax.numpy.floating))
+            else target.dtype
+        )
         array = np.asarray(array).astype(want, copy=False)
         updates[path] = place(path, array) if place else jax.numpy.asarray(array)
     unexpected = sorted(set(renamed) - used)
@@ -230,7 +238,33 @@ def export_weights(module: nnx.Module, rename: Callable[[str], str] | None = Non
     """The module's parameters as a PyTorch-named, PyTorch-layout state dict (the inverse of load_weights)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        key = _torch_key(path)
+        key = torch_key(path)
         key = rename(key) if rename else key
         out[key] = np.ascontiguousarray(to_torch_layout(str(path[-1]), np.asarray(var.get_value())))
     return out
+
+
+class _ShapeOnlyRngs:
+    """Stands in for nnx.Rngs when only shapes are wanted: every stream returns one fixed key.
+
+    Under tracing, each draw from a real nnx.Rngs updates its counter, and that update asks the tracer for a
+    `sharding` it does not have; the AttributeError's message walks the whole trace so far, so building a
+    module abstractly is quadratic in its parameter count (13.3 s for the tiny test UNet on 2 cores,
+    1.4 s with this stand-in; measured). The values are never used: load_weights replaces them all.
+    """
+
+    def __init__(self):
+        self._key = jax.random.key(0)
+
+    def __call__(self):
+        return self._key
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._key
+
+
+def abstract_module(factory: Callable[[object], nnx.Module]) -> nnx.Module:
+    """`factory(rngs)` built with shapes only (no random initialisation), ready for load_weights."""
+    return nnx.eval_shape(lambda: factory(_ShapeOnlyRngs()))

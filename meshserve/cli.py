@@ -1,0 +1,147 @@
+"""The `meshserve` command: generate | serve | api | worker.
+
+Each subcommand imports only what it needs, so `meshserve api` never loads JAX. Errors a user can fix are
+printed as one line (exit code 2), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs that the user can fix."""
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.height is not None and args.height % 8:
+        raise UsageError(f"--height must be a multiple of 8, got {args.height}")
+    if args.width is not None and args.width % 8:
+        raise UsageError(f"--width must be a multiple of 8, got {args.width}")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    out = Path(args.output)
+    if out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+        raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg or .webp, got {out.name}")
+
+    from tqdm import tqdm
+
+    from models import PipelineError, load_pipeline
+
+    try:
+        pipe = load_pipeline(args.model, dtype=args.dtype)
+        bar = tqdm(total=args.steps or pipe.defaults["num_inference_steps"], desc="denoise", unit="step")
+
+        def on_step(step: int, total: int) -> None:
+            bar.total = total
+            bar.update(step - bar.n)
+
+        result = pipe(
+            args.prompt,
+            negative_prompt=args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance_scale,
+            seed=args.seed,
+            num_images_per_prompt=args.n,
+            scheduler=args.scheduler,
+            output_type="pil",
+            callback=on_step,
+        )
+        bar.close()
+    except PipelineError as e:
+        raise UsageError(str(e)) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = (
+        [out]
+        if len(result.images) == 1
+        else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(result.images))]
+    )
+    for image, path in zip(result.images, paths, strict=True):
+        image.save(path)
+    t = result.timings
+    print(
+        f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; text "
+        f"{t['text_encode']:.2f}s, denoise {t['denoise']:.2f}s, decode {t['vae_decode']:.2f}s)"
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from workers.serve import run_serve
+
+    run_serve(port=args.port, redis_url=args.redis_url, model=args.model)
+    return 0
+
+
+def _api(args: argparse.Namespace) -> int:
+    from service.app import run_api
+
+    run_api(host=args.host, port=args.port)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    if not Path(args.config).is_file():
+        raise UsageError(f"--config: {args.config} not found")
+    from workers.main import run_worker
+
+    run_worker(args.config)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate an image locally (no server)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--model", default=None, help="diffusers folder; default: the embedded tiny SDXL model")
+    gen.add_argument("-o", "--output", default="out.png")
+    gen.add_argument("--height", type=int, default=None)
+    gen.add_argument("--width", type=int, default=None)
+    gen.add_argument("--steps", type=int, default=None)
+    gen.add_argument("--guidance-scale", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--scheduler", default=None, help="euler | euler_ancestral | ddim | dpmpp_2m")
+    gen.add_argument("-n", type=int, default=1, help="images for the prompt")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="API + one worker (+ a local redis-server when no URL is given)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--redis-url", default=os.environ.get("MESHSERVE_REDIS_URL"))
+    serve.add_argument(
+        "--model", default=None, help="diffusers folder; default: the embedded tiny SDXL model"
+    )
+    serve.set_defaults(func=_serve)
+
+    api = sub.add_parser("api", help="the HTTP front end alone")
+    api.add_argument("--host", default="0.0.0.0")
+    api.add_argument("--port", type=int, default=8000)
+    api.set_defaults(func=_api)
+
+    worker = sub.add_parser("worker", help="a worker process with the pools of a config file")
+    worker.add_argument("--config", required=True, help="pools.yaml")
+    worker.set_defaults(func=_worker)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"meshserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""`load_pipeline`: a diffusers-format folder (or the embedded default model) -> a ready JAX pipeline.
+
+The family comes from `model_index.json`'s `_class_name`; adding Flux or Wan is one more entry in
+`_FAMILIES` and one more pipeline file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from models.loading import CheckpointError, read_json
+from models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput
+
+# diffusers pipeline class -> (family, module, class)
+_FAMILIES = {
+    "StableDiffusionXLPipeline": ("sdxl", "models.pipelines.sdxl", "StableDiffusionXLPipeline"),
+}
+_DTYPES = {
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+}
+EMBEDDED = "embedded:tiny-sdxl"
+
+
+class ModelFolderError(PipelineError):
+    """The path is missing, is not a diffusers folder, or holds a family we do not serve."""
+
+
+def detect_family(path: Path) -> str:
+    path = Path(path)
+    if not path.exists():
+        raise ModelFolderError(f"model folder {path} does not exist")
+    if not (path / "model_index.json").is_file():
+        raise ModelFolderError(f"{path} is not a diffusers model folder (no model_index.json)")
+    class_name = read_json(path / "model_index.json").get("_class_name")
+    if class_name not in _FAMILIES:
+        raise ModelFolderError(
+            f"{path}: unsupported pipeline {class_name!r}; supported: {', '.join(sorted(_FAMILIES))}"
+        )
+    return _FAMILIES[class_name][0]
+
+
+def load_pipeline(
+    path: str | Path | None = None, *, dtype="float32", mesh: dict | None = None, devices=None, attention=None
+):
+    """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model.
+
+    `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice.
+    """
+    import importlib
+
+    model_id = None
+    if path is None or str(path) == EMBEDDED:
+        from models.embedded import embedded_model_path
+
+        path, model_id = embedded_model_path(), "tiny-sdxl"
+    path = Path(path).expanduser()
+    detect_family(path)
+    class_name = read_json(path / "model_index.json")["_class_name"]
+    _, module_name, cls_name = _FAMILIES[class_name]
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise PipelineError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    kwargs = {}
+    if mesh is not None or devices is not None:
+        from models.parallel.placement import pipeline_placement
+
+        kwargs.update(pipeline_placement(mesh or {}, devices))
+    if attention is not None:
+        kwargs["attention"] = attention
+    try:
+        return cls(path, dtype=dtype, model_id=model_id, **kwargs)
+    except CheckpointError as e:
+        raise ModelFolderError(str(e)) from None
+
+
+__all__ = [
+    "load_pipeline",
+    "detect_family",
+    "PipelineError",
+    "ModelFolderError",
+    "GenerationCancelled",
+    "PipelineOutput",
+    "EMBEDDED",
+]

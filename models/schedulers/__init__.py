@@ -1,0 +1,80 @@
+"""Diffusion schedulers as pure functions, equal to their diffusers counterparts (tests/models/test_schedulers.py).
+
+    sched = make_scheduler("euler", config)            # config: the folder's scheduler_config.json as a dict
+    schedule = sched.schedule(num_inference_steps)     # host numpy arrays (a pytree): timesteps [N], sigmas, ...
+    sample = latents * sched.init_noise_sigma(schedule)
+    state = sched.init_state(sample)                   # pytree carried through the loop
+    for i in range(schedule.num_steps):                # or lax.fori_loop / while_loop: i may be traced
+        x_in = sched.scale_model_input(schedule, sample, i)
+        model_output = unet(x_in, schedule.timesteps[i], ...)
+        sample, state = sched.step(schedule, state, model_output, sample, i, key_i)
+
+A scheduler is a frozen, hashable dataclass (a static argument of jit); a schedule's arrays are traced inputs,
+so a new step index or new schedule values of the same length reuse the compiled program. Stochastic
+schedulers (`sched.stochastic`) take a fresh PRNG key per step, or explicit standard-normal `noise=`.
+Loop over `schedule.num_steps`, not the requested count: DPM-Solver's clipped schedules can be shorter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from models.schedulers.common import NoiseScheduler, SigmaSchedule
+from models.schedulers.ddim import DDIMSchedule, DDIMScheduler
+from models.schedulers.dpm_solver import DPMSolverMultistepScheduler
+from models.schedulers.euler import EulerDiscreteScheduler
+from models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
+
+# The names the API offers, each with its class and the settings the name implies (over the model's config).
+_BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
+    "euler": (EulerDiscreteScheduler, {}),
+    "euler_ancestral": (EulerAncestralDiscreteScheduler, {}),
+    "ddim": (DDIMScheduler, {}),
+    "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+    "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
+}
+SCHEDULER_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+# diffusers class names are accepted too; they take every setting from the config.
+_BY_CLASS: dict[str, type[NoiseScheduler]] = {
+    cls.__name__: cls
+    for cls in (
+        EulerDiscreteScheduler,
+        EulerAncestralDiscreteScheduler,
+        DDIMScheduler,
+        DPMSolverMultistepScheduler,
+    )
+}
+
+
+def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> NoiseScheduler:
+    """The scheduler `name` (one of SCHEDULER_NAMES or a diffusers class name; None: the config's own
+    `_class_name`) built from a diffusers scheduler config, as diffusers' `Class.from_config(config)` would.
+
+    overrides: settings over the config, e.g. use_karras_sigmas=True, or eta=0.5 for DDIM.
+    Raises ValueError for an unknown name or a setting this port does not implement.
+    """
+    key = config.get("_class_name") if name is None else name
+    if key in _BY_NAME:
+        cls, implied = _BY_NAME[key]
+    elif key in _BY_CLASS:
+        cls, implied = _BY_CLASS[key], {}
+    else:
+        what = "the config's _class_name" if name is None else "scheduler"
+        raise ValueError(
+            f"unknown {what} {key!r}; expected one of {list(SCHEDULER_NAMES)} or {sorted(_BY_CLASS)}"
+        )
+    return cls.from_config(config, **{**implied, **overrides})
+
+
+__all__ = [
+    "SCHEDULER_NAMES",
+    "make_scheduler",
+    "NoiseScheduler",
+    "SigmaSchedule",
+    "DDIMSchedule",
+    "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler",
+    "DDIMScheduler",
+    "DPMSolverMultistepScheduler",
+]

@@ -1,0 +1,287 @@
+"""What the four schedulers share: the training noise schedule, inference timestep spacing, sigma conversions,
+config reading, and the pytree plumbing that lets a schedule enter a compiled program as traced arrays.
+
+Split of work. Everything that depends only on (config, num_inference_steps) is computed on the host in numpy
+when a schedule is made, and handed over as float32 arrays: timesteps, sigmas, alphas. The per-step update
+(`step`, `scale_model_input`) is pure jnp on float32 with the step index `i` traced, so one compiled denoise loop
+serves every request of a shape whatever its steps' values are. The formulas mirror diffusers (0.42) line by
+line, so a reader can check one against the other.
+
+Precision follows diffusers, not float64 throughout: the training tables (betas, alpha_bar, the training
+sigmas and their logs) are float32 as diffusers' torch tensors are, and the inference arrays derived from them
+are float64 numpy until the final cast, as in diffusers. This is deliberate: some timesteps are rounded or
+truncated to integers (DPM-Solver's Karras / exponential sigmas), and with float64 tables the first
+exponential-sigma timestep came out 999 where diffusers says 998, and the cosine schedule's sigma at t=0
+moved by 2.6e-4 relative. With float32 tables the schedules agree with diffusers to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+
+
+def pytree_dataclass(cls):
+    """A frozen dataclass whose fields are all pytree leaves (arrays), so it can be a traced jit argument."""
+    cls = dataclass(frozen=True)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@pytree_dataclass
+class SigmaSchedule:
+    """The schedule of the sigma-parameterised schedulers (Euler, Euler ancestral, DPM-Solver).
+
+    timesteps: [N] float32, what the UNet receives at step i (diffusers' `scheduler.timesteps`).
+    sigmas: [N + 1] float32 (N + 2 for Euler's "log_linear" interpolation, as diffusers), sigmas[i] is the noise
+        level of the sample entering step i, sigmas[i + 1] the level it leaves with.
+    init_noise_sigma: [] float32, the scale of the initial Gaussian latents.
+    """
+
+    timesteps: Any
+    sigmas: Any
+    init_noise_sigma: Any
+
+    @property
+    def num_steps(self) -> int:
+        return self.timesteps.shape[0]
+
+
+# -------------------------------------------------------------------------------------------------
+# Config reading
+
+
+@dataclass(frozen=True)
+class NoiseScheduler:
+    """Base of the schedulers: the training noise schedule fields every diffusers scheduler here has.
+
+    Subclasses are frozen (hashable) dataclasses, so a scheduler can be a static argument of `jax.jit`: the
+    fields are Python constants of the compiled program, the schedule arrays are its traced inputs. Field
+    defaults equal the defaults of the diffusers class of the same name, so a config that omits a key means
+    what it means to diffusers.
+    """
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"
+    trained_betas: tuple[float, ...] | None = None
+    prediction_type: str = "epsilon"
+    timestep_spacing: str = "linspace"
+    steps_offset: int = 0
+    rescale_betas_zero_snr: bool = False
+
+    # Config keys of the diffusers class this port does not implement, with the only value accepted for each
+    # (the diffusers default, which turns the feature off). Anything else raises instead of silently
+    # sampling differently from diffusers.
+    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {}
+    # Whether `step` consumes random noise (needs `key` or `noise`).
+    stochastic: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **overrides):
+        """Builds the scheduler from a diffusers scheduler config dict (scheduler_config.json).
+
+        Keys are read as diffusers' `from_config` reads them: keys listed in `_use_default_values` count as
+        absent, keys of other scheduler classes are ignored. `overrides` (e.g. use_karras_sigmas=True, or
+        DDIM's eta) must name fields of this class.
+        """
+        config = dict(config)
+        for key in config.pop("_use_default_values", None) or ():
+            config.pop(key, None)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no setting {unknown}; settings: {sorted(fields)}")
+        config.update(overrides)
+        for key, allowed in cls.UNSUPPORTED.items():
+            if key in config and config[key] != allowed:
+                raise ValueError(f"{cls.__name__}: {key}={config[key]!r} is not supported (only {allowed!r})")
+        kwargs = {k: v for k, v in config.items() if k in fields}
+        if kwargs.get("trained_betas") is not None:
+            kwargs["trained_betas"] = tuple(float(b) for b in kwargs["trained_betas"])
+        return cls(**kwargs)
+
+    def __post_init__(self):
+        # Fail when the scheduler is made (model load), not in the middle of a request's trace.
+        check_choice("beta_schedule", self.beta_schedule, BETA_SCHEDULES)
+        check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+        check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
+
+    def alphas_cumprod(self) -> np.ndarray:
+        """[num_train_timesteps] float32 alpha_bar: the product of (1 - beta) up to each training timestep."""
+        return cumprod32(np.float32(1.0) - self._betas())
+
+    def _betas(self) -> np.ndarray:
+        n = self.num_train_timesteps
+        if self.trained_betas is not None:
+            betas = np.asarray(self.trained_betas, np.float32)
+        elif self.beta_schedule == "linear":
+            betas = np.linspace(self.beta_start, self.beta_end, n).astype(np.float32)
+        elif self.beta_schedule == "scaled_linear":  # the Stable Diffusion schedule
+            betas = np.linspace(self.beta_start**0.5, self.beta_end**0.5, n).astype(np.float32) ** 2
+        else:
+            betas = betas_for_alpha_bar(n).astype(np.float32)
+        return rescale_zero_terminal_snr(betas) if self.rescale_betas_zero_snr else betas
+
+    def check_steps(self, num_inference_steps: int) -> None:
+        if not 1 <= num_inference_steps <= self.num_train_timesteps:
+            raise ValueError(
+                f"num_inference_steps must be in [1, {self.num_train_timesteps}], got {num_inference_steps}"
+            )
+
+    def init_noise_sigma(self, schedule) -> Any:
+        """The scale of the initial latents: `sample = latents * init_noise_sigma(schedule)`."""
+        return schedule.init_noise_sigma
+
+    def init_state(self, sample) -> Any:
+        """The pytree carried from step to step (nothing for the one-step methods)."""
+        return ()
+
+    def scale_model_input(self, schedule, sample, i):
+        return sample
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {choices}")
+
+
+# -------------------------------------------------------------------------------------------------
+# Training noise schedules (diffusers' module-level helpers, in float64)
+
+
+def betas_for_alpha_bar(num_diffusion_timesteps: int, max_beta: float = 0.999) -> np.ndarray:
+    """The cosine schedule ("squaredcos_cap_v2", Nichol & Dhariwal 2021)."""
+
+    def alpha_bar(t):
+        return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+
+    n = num_diffusion_timesteps
+    return np.array([min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), max_beta) for i in range(n)])
+
+
+def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
+    """Rescales float32 betas to zero terminal SNR (https://huggingface.co/papers/2305.08891, Algorithm 1)."""
+    alphas_bar_sqrt = np.sqrt(cumprod32(np.float32(1.0) - betas))
+    first, last = alphas_bar_sqrt[0], alphas_bar_sqrt[-1]
+    alphas_bar_sqrt = (alphas_bar_sqrt - last) * (first / (first - last))
+    alphas_bar = alphas_bar_sqrt**2
+    alphas = np.concatenate([alphas_bar[:1], alphas_bar[1:] / alphas_bar[:-1]])
+    return np.float32(1.0) - alphas
+
+
+def cumprod32(x: np.ndarray) -> np.ndarray:
+    """Cumulative product of a float32 array as torch's CPU kernel computes it: accumulated in float64,
+    each output rounded to float32 (measured: 2e-7 relative to torch, where a float32 numpy cumprod is 1e-6)."""
+    return np.cumprod(x.astype(np.float64)).astype(np.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# Inference timesteps and sigmas
+
+
+def spaced_timesteps(
+    spacing: str, num_train: int, n: int, steps_offset: int, *, round_linspace: bool
+) -> np.ndarray:
+    """[n] float64 descending training timesteps (Table 2 of https://huggingface.co/papers/2305.08891).
+
+    round_linspace: DDIM rounds "linspace" timesteps to integers, the Euler schedulers keep them fractional.
+    """
+    if spacing == "linspace":
+        timesteps = np.linspace(0, num_train - 1, n)[::-1]
+        return timesteps.round() if round_linspace else timesteps
+    if spacing == "leading":
+        step_ratio = num_train // n
+        return (np.arange(0, n) * step_ratio).round()[::-1] + steps_offset
+    return trailing_timesteps(num_train, num_train, n)
+
+
+def trailing_timesteps(start: int, num_train: int, n: int) -> np.ndarray:
+    """diffusers' "trailing" spacing: arange(start, 0, -num_train / n).round() - 1.
+
+    Deliberate deviation: for 62 step counts in [1, 1000] (61, 103, 121, ...) float rounding makes diffusers'
+    arange one element longer, ending in timestep -1 (the UNet then sees t=-1, DDIM reads alphas_cumprod[-1]).
+    We keep the first n timesteps, so a request for n steps runs n steps.
+    """
+    timesteps = np.arange(start, 0, -num_train / n).round() - 1
+    return timesteps[:n]
+
+
+def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) -> np.ndarray:
+    """Karras et al. 2022 (https://huggingface.co/papers/2206.00364), rho = 7 as in the paper."""
+    sigma_min, sigma_max = float(sigma_min), float(sigma_max)  # float64 arithmetic, as diffusers' .item()
+    ramp = np.linspace(0, 1, n)
+    min_inv_rho, max_inv_rho = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
+
+
+def exponential_sigmas(sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
+    return np.exp(np.linspace(math.log(float(sigma_max)), math.log(float(sigma_min)), n))
+
+
+def beta_sigmas(
+    sigma_min: float, sigma_max: float, n: int, alpha: float = 0.6, beta: float = 0.6
+) -> np.ndarray:
+    """Beta-distributed sigmas (https://huggingface.co/papers/2407.12173)."""
+    import scipy.stats  # a dependency of jax; imported here because only this option needs it
+
+    sigma_min, sigma_max = float(sigma_min), float(sigma_max)
+    ppf = scipy.stats.beta.ppf(1 - np.linspace(0, 1, n), alpha, beta)
+    return sigma_min + ppf * (sigma_max - sigma_min)
+
+
+def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
+    """Fractional training timesteps of `sigmas` by linear interpolation in log sigma (k-diffusion)."""
+    sigmas = np.asarray(sigmas, np.float64)  # log_sigmas: diffusers' float32 table, kept float32
+    log_sigma = np.log(np.maximum(sigmas, 1e-10))
+    dists = log_sigma - log_sigmas[:, None]
+    low_idx = np.cumsum(dists >= 0, axis=0).argmax(axis=0).clip(max=log_sigmas.shape[0] - 2)
+    high_idx = low_idx + 1
+    low, high = log_sigmas[low_idx], log_sigmas[high_idx]
+    w = np.clip((low - log_sigma) / (low - high), 0, 1)
+    return ((1 - w) * low_idx + w * high_idx).reshape(sigmas.shape)
+
+
+def f32(x) -> np.ndarray:
+    return np.asarray(x, np.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# Traced helpers used by the steps
+
+
+def at(table, i):
+    """table[i] with a traced i; works whether the schedule holds numpy arrays or traced ones."""
+    return jnp.asarray(table)[i]
+
+
+def step_noise(key, noise, like):
+    """The standard normal noise of a stochastic step: `noise` when given (tests feed diffusers' draws),
+    else drawn from `key`. float32 like diffusers' draws."""
+    if noise is not None:
+        return jnp.asarray(noise, jnp.float32)
+    if key is None:
+        raise ValueError("this scheduler adds noise at every step: pass a PRNG `key` (or explicit `noise`)")
+    return jax.random.normal(key, like.shape, jnp.float32)
+
+
+def threshold_sample(x0, ratio: float, max_value: float):
+    """Dynamic thresholding (Imagen, https://huggingface.co/papers/2205.11487): per sample, clip x0 to the
+    `ratio` quantile s of |x0| (s clamped to [1, max_value]) and divide by s. Layout-agnostic: a sample's
+    elements are flattened as diffusers' reshape(B, C * H * W) does."""
+    flat = x0.reshape(x0.shape[0], -1)
+    s = jnp.quantile(jnp.abs(flat), ratio, axis=1, method="linear")  # torch.quantile's default interpolation
+    s = jnp.clip(s, 1.0, max_value)[:, None]
+    return (jnp.clip(flat, -s, s) / s).reshape(x0.shape)

@@ -1,0 +1,119 @@
+"""DDIM (Song et al. 2020, https://huggingface.co/papers/2010.02502) = diffusers' DDIMScheduler.
+
+Works in alpha_bar (alphas_cumprod) rather than sigma: x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps. A step predicts
+x0 and eps from the model output, then re-noises x0 to the previous timestep's level along eps; eta > 0 mixes
+in fresh noise (eta = 1 is DDPM-like), eta = 0 is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.schedulers.common import (
+    NoiseScheduler,
+    at,
+    f32,
+    pytree_dataclass,
+    spaced_timesteps,
+    step_noise,
+    threshold_sample,
+)
+
+
+@pytree_dataclass
+class DDIMSchedule:
+    """timesteps: [N] float32 (integers, as float for a uniform UNet input);
+    alpha_prod_t, alpha_prod_t_prev: [N] float32 alpha_bar at step i's timestep and at the one it steps to;
+    init_noise_sigma: [] float32 (1: DDIM's latents are unit Gaussian)."""
+
+    timesteps: object
+    alpha_prod_t: object
+    alpha_prod_t_prev: object
+    init_noise_sigma: object
+
+    @property
+    def num_steps(self) -> int:
+        return self.timesteps.shape[0]
+
+
+@dataclass(frozen=True)
+class DDIMScheduler(NoiseScheduler):
+    """Settings: diffusers' DDIMScheduler config (defaults equal: note clip_sample=True and "leading" spacing),
+    plus eta, the runtime noise weight diffusers takes as a step argument (its pipelines' default 0)."""
+
+    timestep_spacing: str = "leading"
+    clip_sample: bool = True
+    set_alpha_to_one: bool = True
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    clip_sample_range: float = 1.0
+    sample_max_value: float = 1.0
+    eta: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.eta < 0:
+            raise ValueError(f"DDIM eta must be >= 0, got {self.eta}")
+
+    @property
+    def stochastic(self) -> bool:
+        return self.eta > 0
+
+    def schedule(self, num_inference_steps: int) -> DDIMSchedule:
+        n = int(num_inference_steps)
+        self.check_steps(n)
+        alphas_cumprod = self.alphas_cumprod()
+        # The alpha_bar "before" the first training step: 1 (a clean sample) or, for SD 1.x-style configs,
+        # alpha_bar[0].
+        final_alpha_cumprod = 1.0 if self.set_alpha_to_one else alphas_cumprod[0]
+        timesteps = spaced_timesteps(
+            self.timestep_spacing, self.num_train_timesteps, n, self.steps_offset, round_linspace=True
+        ).astype(np.int64)
+        # diffusers steps back by num_train // n whatever the spacing (exact only for "leading"); kept as is.
+        prev_timesteps = timesteps - self.num_train_timesteps // n
+        alpha_prod_t_prev = np.where(
+            prev_timesteps >= 0, alphas_cumprod[np.maximum(prev_timesteps, 0)], final_alpha_cumprod
+        )
+        return DDIMSchedule(
+            timesteps=f32(timesteps),
+            alpha_prod_t=f32(alphas_cumprod[timesteps]),
+            alpha_prod_t_prev=f32(alpha_prod_t_prev),
+            init_noise_sigma=f32(1.0),
+        )
+
+    def step(self, schedule: DDIMSchedule, state, model_output, sample, i, key=None, *, noise=None):
+        """One DDIM step; returns (prev_sample in sample's dtype, state). With eta > 0 the added noise is
+        `noise` when given, else jax.random.normal(key, sample.shape)."""
+        alpha_prod_t = at(schedule.alpha_prod_t, i)
+        alpha_prod_t_prev = at(schedule.alpha_prod_t_prev, i)
+        beta_prod_t = 1 - alpha_prod_t
+        x = sample.astype(jnp.float32)
+        out = model_output.astype(jnp.float32)
+        if self.prediction_type == "epsilon":
+            pred_original = (x - beta_prod_t**0.5 * out) / alpha_prod_t**0.5
+            pred_epsilon = out
+        elif self.prediction_type == "sample":
+            pred_original = out
+            pred_epsilon = (x - alpha_prod_t**0.5 * pred_original) / beta_prod_t**0.5
+        else:  # v_prediction
+            pred_original = alpha_prod_t**0.5 * x - beta_prod_t**0.5 * out
+            pred_epsilon = alpha_prod_t**0.5 * out + beta_prod_t**0.5 * x
+
+        if self.thresholding:
+            pred_original = threshold_sample(
+                pred_original, self.dynamic_thresholding_ratio, self.sample_max_value
+            )
+        elif self.clip_sample:
+            pred_original = jnp.clip(pred_original, -self.clip_sample_range, self.clip_sample_range)
+
+        # sigma_t of the DDIM paper (eq. 16) times eta; zero work when eta == 0 (a Python constant).
+        variance = ((1 - alpha_prod_t_prev) / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+        std_dev_t = self.eta * variance**0.5
+        pred_sample_direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** 0.5 * pred_epsilon
+        prev_sample = alpha_prod_t_prev**0.5 * pred_original + pred_sample_direction
+        if self.eta > 0:
+            prev_sample = prev_sample + std_dev_t * step_noise(key, noise, x)
+        return prev_sample.astype(sample.dtype), state

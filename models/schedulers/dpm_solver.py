@@ -1,0 +1,276 @@
+"""DPM-Solver++ multistep (Lu et al. 2022, https://huggingface.co/papers/2211.01095) = diffusers'
+DPMSolverMultistepScheduler with algorithm_type "dpmsolver++" ("DPM++ 2M" at solver_order 2) or
+"sde-dpmsolver++" ("DPM++ 2M SDE").
+
+It integrates the data-prediction ODE in lambda = log(alpha / sigma): each step converts the model output to
+x0, then extrapolates with the last `solver_order` x0 predictions (a linear multistep method). The history and
+the count of steps taken so far (the first steps, and with lower_order_final the last ones, use lower orders)
+are the state carried through the loop. Which order a step uses depends on traced values (step index, count),
+so the three updates are branches of a `lax.switch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.schedulers.common import (
+    NoiseScheduler,
+    SigmaSchedule,
+    beta_sigmas,
+    check_choice,
+    exponential_sigmas,
+    f32,
+    karras_sigmas,
+    sigma_to_t,
+    step_noise,
+    threshold_sample,
+    trailing_timesteps,
+)
+from models.schedulers.euler import capped_alphas_cumprod, training_sigmas
+
+
+@dataclass(frozen=True)
+class DPMSolverMultistepScheduler(NoiseScheduler):
+    """Settings: diffusers' DPMSolverMultistepScheduler config (defaults equal). Supported: solver_order 1-3,
+    algorithm_type dpmsolver++ / sde-dpmsolver++, solver_type midpoint / heun, lower_order_final,
+    euler_at_final, karras / exponential / beta / lu-lambda sigmas, final_sigmas_type, lambda_min_clipped,
+    thresholding. sigma_min / sigma_max are read when the config has them (diffusers honours them when a
+    config of another class, e.g. Euler's, carries them)."""
+
+    solver_order: int = 2
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    sample_max_value: float = 1.0
+    algorithm_type: str = "dpmsolver++"
+    solver_type: str = "midpoint"
+    lower_order_final: bool = True
+    euler_at_final: bool = False
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    use_lu_lambdas: bool = False
+    final_sigmas_type: str = "zero"
+    lambda_min_clipped: float = -float("inf")
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+
+    # The noise-prediction variants ("dpmsolver", "sde-dpmsolver") are deprecated in diffusers; flow sigmas
+    # belong to flow-matching models; learned variance to DeepFloyd-style UNets.
+    UNSUPPORTED = {"use_flow_sigmas": False, "variance_type": None, "use_dynamic_shifting": False}
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("algorithm_type", self.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
+        check_choice("solver_type", self.solver_type, ("midpoint", "heun"))
+        check_choice("solver_order", self.solver_order, (1, 2, 3))
+        check_choice("final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
+        if (
+            self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas + self.use_lu_lambdas
+            > 1
+        ):
+            raise ValueError(
+                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas, use_lu_lambdas can be set"
+            )
+
+    @property
+    def stochastic(self) -> bool:
+        return self.algorithm_type == "sde-dpmsolver++"
+
+    # ---------------------------------------------------------------------------------------------
+    # Host: the schedule
+
+    def schedule(self, num_inference_steps: int) -> SigmaSchedule:
+        """Note: "trailing" with lambda_min_clipped can give fewer than num_inference_steps steps, as in
+        diffusers; the pipeline loops over schedule.timesteps.shape[0]."""
+        n = int(num_inference_steps)
+        self.check_steps(n)
+        train_sigmas = training_sigmas(self)
+        log_sigmas = np.log(train_sigmas)
+        # lambda_min_clipped drops the noisiest training timesteps (cosine schedules' lambda blows up there).
+        alphas_cumprod = capped_alphas_cumprod(self)
+        lambdas = np.log(np.sqrt(alphas_cumprod)) - np.log(np.sqrt(1 - alphas_cumprod))
+        clipped_idx = np.searchsorted(lambdas[::-1], self.lambda_min_clipped)
+        last_timestep = self.num_train_timesteps - int(clipped_idx)
+
+        # n + 1 points with the last dropped, so the final step does not start at t = 0.
+        if self.timestep_spacing == "linspace":
+            timesteps = np.linspace(0, last_timestep - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+        elif self.timestep_spacing == "leading":
+            step_ratio = last_timestep // (n + 1)
+            timesteps = (np.arange(0, n + 1) * step_ratio).round()[::-1][:-1].astype(np.int64)
+            timesteps += self.steps_offset
+        else:
+            timesteps = trailing_timesteps(last_timestep, self.num_train_timesteps, n).astype(np.int64)
+
+        if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
+            # Respaced between the ends of the *training* sigmas (Euler uses the inference ones).
+            sigma_min = self.sigma_min if self.sigma_min is not None else train_sigmas[0]
+            sigma_max = self.sigma_max if self.sigma_max is not None else train_sigmas[-1]
+            convert = (
+                karras_sigmas if self.use_karras_sigmas
+                else exponential_sigmas if self.use_exponential_sigmas
+                else beta_sigmas
+            )  # fmt: skip
+            sigmas = convert(sigma_min, sigma_max, n)
+            timesteps = sigma_to_t(sigmas, log_sigmas)
+            if self.use_karras_sigmas and self.beta_schedule != "squaredcos_cap_v2":
+                timesteps = timesteps.round()
+        elif self.use_lu_lambdas:
+            # Uniform in log sigma between its training ends (diffusers' _convert_to_lu with rho = 1).
+            sigmas = np.exp(np.linspace(float(log_sigmas[-1]), float(log_sigmas[0]), n))
+            timesteps = sigma_to_t(sigmas, log_sigmas)
+            if self.beta_schedule != "squaredcos_cap_v2":
+                timesteps = timesteps.round()
+        else:
+            sigmas = np.interp(timesteps, np.arange(len(train_sigmas)), train_sigmas)
+
+        sigma_last = train_sigmas[0] if self.final_sigmas_type == "sigma_min" else 0.0
+        sigmas = np.concatenate([sigmas, [sigma_last]])
+        # diffusers stores int64 timesteps: fractional ones (exponential / beta sigmas) are truncated.
+        timesteps = np.asarray(timesteps).astype(np.int64)
+        return SigmaSchedule(timesteps=f32(timesteps), sigmas=f32(sigmas), init_noise_sigma=f32(1.0))
+
+    # ---------------------------------------------------------------------------------------------
+    # Traced: the step
+
+    def init_state(self, sample):
+        """model_outputs: the last solver_order x0 predictions, oldest first, float32 [order, *sample.shape];
+        lower_order_nums: how many steps have run (capped at solver_order), which bounds the usable order."""
+        return {
+            "model_outputs": jnp.zeros((self.solver_order, *sample.shape), jnp.float32),
+            "lower_order_nums": jnp.zeros((), jnp.int32),
+        }
+
+    def step(self, schedule: SigmaSchedule, state, model_output, sample, i, key=None, *, noise=None):
+        """One multistep update from sigmas[i] to sigmas[i + 1]; returns (prev_sample in sample's dtype, state).
+        For sde-dpmsolver++ the noise is `noise` when given, else jax.random.normal(key, sample.shape)."""
+        num_steps = schedule.timesteps.shape[0]  # static: a new step count is a new program anyway
+        sigmas = jnp.asarray(schedule.sigmas)
+        x = sample.astype(jnp.float32)
+        x0 = self._data_prediction(sigmas[i], model_output.astype(jnp.float32), x)
+        history = jnp.concatenate([state["model_outputs"][1:], x0[None]])
+        lower_order_nums = state["lower_order_nums"]
+
+        # The order of this step, as diffusers decides it: i (the position in the schedule) lowers the last
+        # steps, lower_order_nums (steps this loop has taken) the first ones, also when a loop starts
+        # mid-schedule (img2img).
+        small = num_steps < 15
+        is_last, is_second_last = i == num_steps - 1, i == num_steps - 2
+        lower_order_final = is_last & (
+            self.euler_at_final or (self.lower_order_final and small) or self.final_sigmas_type == "zero"
+        )
+        lower_order_second = is_second_last & (self.lower_order_final and small)
+        first = (self.solver_order == 1) | (lower_order_nums < 1) | lower_order_final
+        second = (self.solver_order == 2) | (lower_order_nums < 2) | lower_order_second
+        order = jnp.where(first, 1, jnp.where(second, 2, 3))
+
+        noise = step_noise(key, noise, x) if self.stochastic else jnp.zeros_like(x)
+        updates = (self._first_order, self._second_order, self._third_order)[: self.solver_order]
+        branch = jnp.minimum(order, self.solver_order) - 1
+        prev_sample = jax.lax.switch(branch, updates, sigmas, i, history, x, noise)
+        state = {
+            "model_outputs": history,
+            "lower_order_nums": jnp.minimum(lower_order_nums + 1, self.solver_order),
+        }
+        return prev_sample.astype(sample.dtype), state
+
+    def _data_prediction(self, sigma, model_output, sample):
+        """diffusers' convert_model_output for dpmsolver++: x0 from the model output at noise level sigma."""
+        alpha_t, sigma_t = _alpha_sigma(sigma)
+        if self.prediction_type == "epsilon":
+            x0 = (sample - sigma_t * model_output) / alpha_t
+        elif self.prediction_type == "v_prediction":
+            x0 = alpha_t * sample - sigma_t * model_output
+        else:
+            x0 = model_output
+        if self.thresholding:
+            x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
+        return x0
+
+    def _lambdas(self, sigmas, i, k: int):
+        """(alpha, sigma, lambda) at sigmas[i + 1] (the target t) and at sigmas[i], sigmas[i-1], ...
+        (s0, s1, ..., k of them). Indices below 0 are clamped: such branches are never taken there."""
+        out = []
+        for idx in [i + 1] + [jnp.maximum(i - j, 0) for j in range(k)]:
+            alpha, sigma = _alpha_sigma(sigmas[idx])
+            out.append((alpha, sigma, jnp.log(alpha) - jnp.log(sigma)))
+        return out
+
+    def _first_order(self, sigmas, i, history, sample, noise):
+        (alpha_t, sigma_t, lambda_t), (_, sigma_s, lambda_s) = self._lambdas(sigmas, i, 1)
+        h = lambda_t - lambda_s
+        x0 = history[-1]
+        if self.algorithm_type == "dpmsolver++":
+            return (sigma_t / sigma_s) * sample - (alpha_t * (jnp.exp(-h) - 1.0)) * x0
+        return (
+            (sigma_t / sigma_s * jnp.exp(-h)) * sample
+            + (alpha_t * (1 - jnp.exp(-2.0 * h))) * x0
+            + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
+        )
+
+    def _second_order(self, sigmas, i, history, sample, noise):
+        (alpha_t, sigma_t, lambda_t), (_, sigma_s0, lambda_s0), (_, _, lambda_s1) = self._lambdas(
+            sigmas, i, 2
+        )
+        m0, m1 = history[-1], history[-2]
+        h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
+        r0 = h_0 / h
+        d0, d1 = m0, (1.0 / r0) * (m0 - m1)
+        if self.algorithm_type == "dpmsolver++":
+            if self.solver_type == "midpoint":
+                return (
+                    (sigma_t / sigma_s0) * sample
+                    - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
+                    - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
+                )
+            return (
+                (sigma_t / sigma_s0) * sample
+                - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
+                + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
+            )
+        if self.solver_type == "midpoint":
+            d1_term = 0.5 * (alpha_t * (1 - jnp.exp(-2.0 * h))) * d1
+        else:
+            d1_term = (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
+        return (
+            (sigma_t / sigma_s0 * jnp.exp(-h)) * sample
+            + (alpha_t * (1 - jnp.exp(-2.0 * h))) * d0
+            + d1_term
+            + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
+        )
+
+    def _third_order(self, sigmas, i, history, sample, noise):
+        lams = self._lambdas(sigmas, i, 3)
+        (alpha_t, sigma_t, lambda_t), (_, sigma_s0, lambda_s0) = lams[0], lams[1]
+        lambda_s1, lambda_s2 = lams[2][2], lams[3][2]
+        m0, m1, m2 = history[-1], history[-2], history[-3]
+        h, h_0, h_1 = lambda_t - lambda_s0, lambda_s0 - lambda_s1, lambda_s1 - lambda_s2
+        r0, r1 = h_0 / h, h_1 / h
+        d0 = m0
+        d1_0, d1_1 = (1.0 / r0) * (m0 - m1), (1.0 / r1) * (m1 - m2)
+        d1 = d1_0 + (r0 / (r0 + r1)) * (d1_0 - d1_1)
+        d2 = (1.0 / (r0 + r1)) * (d1_0 - d1_1)
+        if self.algorithm_type == "dpmsolver++":
+            return (
+                (sigma_t / sigma_s0) * sample
+                - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
+                + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
+                - (alpha_t * ((jnp.exp(-h) - 1.0 + h) / h**2 - 0.5)) * d2
+            )
+        return (
+            (sigma_t / sigma_s0 * jnp.exp(-h)) * sample
+            + (alpha_t * (1.0 - jnp.exp(-2.0 * h))) * d0
+            + (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
+            + (alpha_t * ((1.0 - jnp.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2 - 0.5)) * d2
+            + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
+        )
+
+
+def _alpha_sigma(sigma):
+    """The VP pair of a VE sigma: alpha_t = 1 / sqrt(sigma^2 + 1), sigma_t = sigma * alpha_t."""
+    alpha_t = 1 / ((sigma**2 + 1) ** 0.5)
+    return alpha_t, sigma * alpha_t

@@ -1,0 +1,388 @@
+"""models.schedulers against diffusers' schedulers: schedules, single steps, and whole jitted loops.
+
+Every case starts from the tiny SDXL scheduler_config.json (written by diffusers' save_config from
+tests/fixtures/tiny_sdxl.SCHEDULER) with a few keys changed, and builds diffusers' class from the same dict
+with `from_config`. Random draws of the stochastic schedulers are fed to both sides: diffusers draws them from
+a torch.Generator, we replay the same generator's draws as explicit `noise`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import diffusers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from models.schedulers import SCHEDULER_NAMES, make_scheduler
+from tests.fixtures.tiny_sdxl import SCHEDULER
+
+TOL = 1e-4  # fp32 relative error budget of the house rules
+SHAPE = (2, 4, 8, 8)  # schedulers are elementwise: any layout, tiny latents
+
+CLASS = {
+    "euler": "EulerDiscreteScheduler",
+    "euler_ancestral": "EulerAncestralDiscreteScheduler",
+    "ddim": "DDIMScheduler",
+    "dpmpp_2m": "DPMSolverMultistepScheduler",
+    "dpmpp_2m_sde": "DPMSolverMultistepScheduler",
+}
+VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
+SDE = dict(algorithm_type="sde-dpmsolver++")
+
+# (name, config changes over the tiny SDXL config, runtime overrides)
+CASES = [
+    ("euler", {}, {}),
+    ("euler", dict(use_karras_sigmas=True), {}),
+    ("euler", dict(timestep_spacing="trailing"), {}),
+    ("euler", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("euler", dict(prediction_type="sample"), {}),
+    ("euler", dict(beta_schedule="squaredcos_cap_v2", timestep_spacing="linspace"), {}),
+    ("euler", dict(beta_schedule="linear", beta_start=0.0001, beta_end=0.02), {}),
+    ("euler", VPRED_ZSNR, {}),
+    ("euler", dict(use_karras_sigmas=True, final_sigmas_type="sigma_min"), {}),
+    ("euler", dict(use_karras_sigmas=True, sigma_min=0.1, sigma_max=10.0), {}),
+    ("euler", dict(interpolation_type="log_linear"), {}),
+    (
+        "euler",
+        dict(timestep_type="continuous", prediction_type="v_prediction", timestep_spacing="linspace"),
+        {},
+    ),
+    ("euler", dict(use_exponential_sigmas=True), {}),
+    ("euler", dict(use_beta_sigmas=True), {}),
+    ("euler", dict(trained_betas=list(np.linspace(0.001, 0.02, 1000))), {}),
+    ("euler_ancestral", {}, {}),
+    ("euler_ancestral", dict(timestep_spacing="trailing"), {}),
+    ("euler_ancestral", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("euler_ancestral", VPRED_ZSNR, {}),
+    ("ddim", {}, {}),
+    ("ddim", dict(clip_sample=False, timestep_spacing="trailing"), {}),
+    ("ddim", dict(VPRED_ZSNR, clip_sample=False), {}),
+    ("ddim", dict(set_alpha_to_one=False, timestep_spacing="linspace", clip_sample=False), {}),
+    ("ddim", dict(prediction_type="sample", clip_sample_range=0.5), {}),
+    ("ddim", dict(thresholding=True, dynamic_thresholding_ratio=0.9, sample_max_value=1.5), {}),
+    ("ddim", dict(clip_sample=False), dict(eta=0.7)),
+    ("dpmpp_2m", {}, {}),
+    ("dpmpp_2m", dict(use_karras_sigmas=True), {}),
+    ("dpmpp_2m", dict(timestep_spacing="trailing"), {}),
+    ("dpmpp_2m", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("dpmpp_2m", dict(prediction_type="sample"), {}),
+    ("dpmpp_2m", dict(final_sigmas_type="sigma_min", lower_order_final=False), {}),
+    ("dpmpp_2m", dict(solver_type="heun"), {}),
+    ("dpmpp_2m", dict(euler_at_final=True, final_sigmas_type="sigma_min"), {}),
+    ("dpmpp_2m", dict(use_exponential_sigmas=True), {}),
+    ("dpmpp_2m", dict(use_beta_sigmas=True), {}),
+    ("dpmpp_2m", dict(use_lu_lambdas=True), {}),
+    ("dpmpp_2m", VPRED_ZSNR, {}),
+    ("dpmpp_2m", dict(thresholding=True, prediction_type="sample", sample_max_value=1.2), {}),
+    (
+        "dpmpp_2m",
+        dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1, use_karras_sigmas=True),
+        {},
+    ),
+    ("DPMSolverMultistepScheduler", dict(solver_order=1), {}),
+    ("DPMSolverMultistepScheduler", dict(solver_order=3), {}),
+    (
+        "DPMSolverMultistepScheduler",
+        dict(solver_order=3, final_sigmas_type="sigma_min", lower_order_final=False),
+        {},
+    ),
+    ("dpmpp_2m_sde", SDE, {}),
+    ("dpmpp_2m_sde", dict(SDE, solver_type="heun", use_karras_sigmas=True), {}),
+    ("DPMSolverMultistepScheduler", dict(SDE, solver_order=3), {}),
+]
+
+
+def case_id(case) -> str:
+    name, changes, runtime = case
+    parts = [f"{k}={v}" for k, v in {**changes, **runtime}.items() if k != "trained_betas"]
+    parts += ["trained_betas"] if "trained_betas" in changes else []
+    return "-".join([name, *parts]) or name
+
+
+def rel_err(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    return float(np.max(np.abs(ours - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def sdxl_config(tmp_path_factory) -> dict:
+    """The tiny SDXL scheduler_config.json exactly as a diffusers folder holds it."""
+    folder = tmp_path_factory.mktemp("scheduler")
+    diffusers.EulerDiscreteScheduler(**SCHEDULER).save_config(str(folder))
+    return json.loads((folder / "scheduler_config.json").read_text())
+
+
+def build(sdxl_config: dict, case):
+    """(ours, diffusers') for a case: the same config dict into make_scheduler and Class.from_config."""
+    name, changes, runtime = case
+    config = {**sdxl_config, **changes}
+    ref_cls = getattr(diffusers, CLASS.get(name, name))
+    return make_scheduler(name, config, **runtime), ref_cls.from_config(config)
+
+
+def fake_model(x, t, xp):
+    """A fixed stand-in for the UNet, the same function of (input, timestep) in torch and jax."""
+    return xp.sin(x * 1.3 + t / 250.0) * 0.8 + 0.1 * x
+
+
+def torch_noises(seed: int, n: int) -> list[torch.Tensor]:
+    """The draws diffusers' step makes from torch.Generator().manual_seed(seed): one randn per step."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen) for _ in range(n)]
+
+
+def ref_step_kwargs(ours, seed: int) -> dict:
+    kwargs = {"generator": torch.Generator().manual_seed(seed)} if ours.stochastic else {}
+    if "DDIM" in type(ours).__name__:
+        kwargs["eta"] = ours.eta
+    return kwargs
+
+
+# -------------------------------------------------------------------------------------------------
+# Schedules
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("steps", [1, 5, 30])
+def test_schedule_matches_diffusers(sdxl_config, case, steps):
+    ours, ref = build(sdxl_config, case)
+    schedule = ours.schedule(steps)
+    ref.set_timesteps(steps)
+    assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
+    if hasattr(schedule, "sigmas"):
+        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
+    else:  # DDIM: alpha_bar at each step's timestep
+        t = ref.timesteps.numpy()
+        assert rel_err(schedule.alpha_prod_t, ref.alphas_cumprod.numpy()[t]) <= TOL
+    assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
+    assert schedule.timesteps.dtype == np.float32
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_new_step_count_gives_new_schedule(sdxl_config, name):
+    ours, ref = build(sdxl_config, (name, SDE if name == "dpmpp_2m_sde" else {}, {}))
+    first = ours.schedule(10)
+    second = ours.schedule(25)
+    ref.set_timesteps(10)
+    ref.set_timesteps(25)
+    assert first.timesteps.shape == (10,) and second.timesteps.shape == (25,)
+    assert rel_err(second.timesteps, ref.timesteps.numpy()) <= TOL
+    if hasattr(second, "sigmas"):
+        assert rel_err(second.sigmas, ref.sigmas.numpy()) <= TOL
+    # Making a schedule changes nothing in the scheduler: the 10-step one is made again identically.
+    np.testing.assert_array_equal(ours.schedule(10).timesteps, first.timesteps)
+
+
+def test_trailing_spacing_keeps_requested_step_count(sdxl_config):
+    """Deliberate deviation: diffusers' trailing arange gives 62 timesteps for 61 steps, the last being -1."""
+    for name in ("euler", "ddim", "dpmpp_2m"):
+        ours, ref = build(sdxl_config, (name, dict(timestep_spacing="trailing"), {}))
+        schedule = ours.schedule(61)
+        ref.set_timesteps(61)
+        assert ref.timesteps.shape == (62,) and int(ref.timesteps[-1]) == -1
+        assert schedule.timesteps.shape == (61,)
+        np.testing.assert_array_equal(schedule.timesteps, ref.timesteps.numpy()[:61].astype(np.float32))
+        if hasattr(schedule, "sigmas"):
+            assert rel_err(schedule.sigmas[:61], ref.sigmas.numpy()[:61]) <= TOL
+            assert schedule.sigmas[-1] == 0.0
+
+
+# -------------------------------------------------------------------------------------------------
+# One step
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_step_matches_diffusers(sdxl_config, case):
+    """Step 0 for every scheduler; also step 2 for the one-step methods (DPM-Solver's later steps need its
+    history, which the loop test covers)."""
+    ours, ref = build(sdxl_config, case)
+    steps = 5
+    schedule = ours.schedule(steps)
+    rng = np.random.default_rng(0)
+    sample = rng.standard_normal(SHAPE).astype(np.float32) * 3
+    model_output = rng.standard_normal(SHAPE).astype(np.float32)
+    indices = [0] if "DPMSolver" in type(ours).__name__ else [0, 2]
+    for i in indices:
+        ref.set_timesteps(steps)
+        if hasattr(ref, "set_begin_index"):
+            ref.set_begin_index(i)
+        t = ref.timesteps[i]
+        ref_in = ref.scale_model_input(torch.from_numpy(sample), t)
+        ref_out = ref.step(
+            torch.from_numpy(model_output), t, torch.from_numpy(sample), **ref_step_kwargs(ours, i)
+        )
+        noise = torch_noises(i, 1)[0].numpy() if ours.stochastic else None
+        x_in = ours.scale_model_input(schedule, jnp.asarray(sample), i)
+        prev, _ = ours.step(
+            schedule, ours.init_state(sample), jnp.asarray(model_output), sample, i, noise=noise
+        )
+        assert rel_err(x_in, ref_in.numpy()) <= TOL
+        assert rel_err(prev, ref_out.prev_sample.numpy()) <= TOL, i
+
+
+# -------------------------------------------------------------------------------------------------
+# Whole loops
+
+
+@partial(jax.jit, static_argnums=0)
+def run_loop(scheduler, schedule, latents, noises):
+    """The denoising loop as the pipeline runs it: one program, lax.fori_loop over a traced step index."""
+    sample = latents * scheduler.init_noise_sigma(schedule)
+
+    def body(i, carry):
+        sample, state = carry
+        x_in = scheduler.scale_model_input(schedule, sample, i)
+        model_output = fake_model(x_in, schedule.timesteps[i], jnp)
+        noise = noises[i] if scheduler.stochastic else None
+        return scheduler.step(schedule, state, model_output, sample, i, noise=noise)
+
+    sample, _ = jax.lax.fori_loop(0, schedule.num_steps, body, (sample, scheduler.init_state(sample)))
+    return sample
+
+
+def ref_loop(ref, steps: int, latents: np.ndarray, step_kwargs: dict) -> np.ndarray:
+    """diffusers' loop as StableDiffusionXLPipeline runs it (begin index 0: with repeated timesteps, e.g.
+    clipped Karras ones, looking the first one up would start at index 1)."""
+    ref.set_timesteps(steps)
+    if hasattr(ref, "set_begin_index"):
+        ref.set_begin_index(0)
+    sample = torch.from_numpy(latents) * ref.init_noise_sigma
+    for t in ref.timesteps:
+        x_in = ref.scale_model_input(sample, t)
+        sample = ref.step(fake_model(x_in, t.float(), torch), t, sample, **step_kwargs).prev_sample
+    return sample.numpy()
+
+
+def check_loop(ours, ref, steps: int, seed: int = 0) -> float:
+    latents = np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
+    noises = np.stack([n.numpy() for n in torch_noises(seed, steps)])
+    expected = ref_loop(ref, steps, latents, ref_step_kwargs(ours, seed))
+    got = run_loop(ours, ours.schedule(steps), jnp.asarray(latents), jnp.asarray(noises))
+    assert np.all(np.isfinite(expected))
+    return rel_err(got, expected)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_loop_matches_diffusers(sdxl_config, case):
+    ours, ref = build(sdxl_config, case)
+    assert check_loop(ours, ref, steps=5) <= TOL
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(solver_order=3), dict(solver_order=3, final_sigmas_type="sigma_min"), dict(use_karras_sigmas=True)],
+    ids=str,
+)
+def test_dpm_long_loop_matches_diffusers(sdxl_config, changes):
+    """16 steps: past diffusers' 15-step threshold where lower_order_final stops lowering the last steps."""
+    ours, ref = build(sdxl_config, ("DPMSolverMultistepScheduler", changes, {}))
+    assert check_loop(ours, ref, steps=16) <= TOL
+
+
+def test_loop_with_a_new_step_count(sdxl_config):
+    ours, ref = build(sdxl_config, ("euler", {}, {}))
+    for steps in (3, 7):
+        assert check_loop(ours, ref, steps=steps) <= TOL
+
+
+# -------------------------------------------------------------------------------------------------
+# Compilation, noise, names
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_jitted_step_compiles_once(sdxl_config, name):
+    ours = make_scheduler(name, sdxl_config)
+    traces = []
+
+    @jax.jit
+    def step(schedule, state, model_output, sample, i, key):
+        traces.append(i)
+        return ours.step(schedule, state, model_output, sample, i, key)
+
+    schedule = jax.tree.map(jnp.asarray, ours.schedule(5))
+    sample = jnp.ones(SHAPE, jnp.bfloat16)
+    state = ours.init_state(sample)
+    for i in range(4):
+        sample, state = step(schedule, state, sample * 0.5, sample, jnp.int32(i), jax.random.key(i))
+        assert sample.dtype == jnp.bfloat16  # the loop carry keeps its dtype
+    # New schedule values of the same length are traced inputs too.
+    other = jax.tree.map(lambda a: a * 1.01, schedule)
+    step(other, state, sample, sample, jnp.int32(1), jax.random.key(9))
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c[0] in ("euler_ancestral", "dpmpp_2m_sde")], ids=case_id
+)
+def test_key_draws_standard_normal_noise(sdxl_config, case):
+    ours, _ = build(sdxl_config, case)
+    schedule = ours.schedule(5)
+    sample = jnp.ones(SHAPE)
+    state = ours.init_state(sample)
+    key = jax.random.key(3)
+    by_key, _ = ours.step(schedule, state, sample, sample, 1, key)
+    by_noise, _ = ours.step(schedule, state, sample, sample, 1, noise=jax.random.normal(key, SHAPE))
+    other_key, _ = ours.step(schedule, state, sample, sample, 1, jax.random.key(4))
+    np.testing.assert_array_equal(by_key, by_noise)
+    assert np.max(np.abs(by_key - other_key)) > 1e-3
+    with pytest.raises(ValueError, match="key"):
+        ours.step(schedule, state, sample, sample, 1)
+
+
+def test_make_scheduler_names_and_errors(sdxl_config):
+    assert set(SCHEDULER_NAMES) >= {"euler", "euler_ancestral", "ddim", "dpmpp_2m"}
+    default = make_scheduler(None, sdxl_config)
+    assert type(default).__name__ == "EulerDiscreteScheduler"
+    assert (
+        default
+        == make_scheduler("euler", sdxl_config)
+        == make_scheduler("EulerDiscreteScheduler", sdxl_config)
+    )
+    hash(default)  # a static jit argument
+    # "dpmpp_2m" means DPM++ 2M whatever the config says; the class name takes the config as is.
+    dpm_config = {**sdxl_config, "solver_order": 3}
+    assert make_scheduler("dpmpp_2m", dpm_config).solver_order == 2
+    assert make_scheduler("DPMSolverMultistepScheduler", dpm_config).solver_order == 3
+    assert make_scheduler("euler", sdxl_config, use_karras_sigmas=True).use_karras_sigmas
+    with pytest.raises(ValueError, match="euler_ancestral"):
+        make_scheduler("heun", sdxl_config)
+    with pytest.raises(ValueError, match="_class_name"):
+        make_scheduler(None, {**sdxl_config, "_class_name": "LMSDiscreteScheduler"})
+    bad = [
+        ("euler", dict(timestep_spacing="middle")),
+        ("euler", dict(beta_schedule="sigmoid")),
+        ("ddim", dict(prediction_type="flow")),
+        ("euler_ancestral", dict(prediction_type="sample")),
+        ("dpmpp_2m", dict(use_flow_sigmas=True)),
+        ("DPMSolverMultistepScheduler", dict(algorithm_type="dpmsolver")),
+        ("dpmpp_2m", dict(use_karras_sigmas=True, use_lu_lambdas=True)),
+    ]
+    for name, changes in bad:
+        with pytest.raises(ValueError):
+            make_scheduler(name, {**sdxl_config, **changes})
+    with pytest.raises(ValueError, match="no setting"):
+        make_scheduler("euler", sdxl_config, karras=True)
+    with pytest.raises(ValueError, match="num_inference_steps"):
+        default.schedule(0)
+
+
+def test_runtime_imports_no_torch():
+    """models.schedulers is runtime code: importable with torch and diffusers unavailable."""
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['diffusers'] = None; "
+        "import models.schedulers as s; s.make_scheduler('euler', {}).schedule(4)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

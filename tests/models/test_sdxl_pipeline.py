@@ -1,0 +1,165 @@
+"""The whole SDXL pipeline against diffusers' StableDiffusionXLPipeline on the same weights and latents."""
+
+import numpy as np
+import pytest
+
+from models import GenerationCancelled, PipelineError, load_pipeline
+
+H, W = 64, 48  # non-square on purpose
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_sdxl_path):
+    return load_pipeline(tiny_sdxl_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sdxl_path):
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    torch.set_num_threads(2)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _diffusers_scheduler(pipe, name):
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
+
+    cls = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler, "dpmpp_2m": DPMSolverMultistepScheduler}[
+        name
+    ]
+    pipe.scheduler = cls.from_config(pipe.scheduler.config)
+
+
+@pytest.mark.parametrize(
+    "scheduler,prompt,negative,steps",
+    [
+        ("euler", ["a photo of a cat", "the dog and the cat"], None, 4),
+        ("ddim", ["a photo of a cat", "a red car"], ["blurry", "low quality"], 3),
+        ("dpmpp_2m", ["mountains at dawn", ""], "ugly", 4),
+    ],
+)
+def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):
+    import torch
+
+    latents = np.random.default_rng(0).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    _diffusers_scheduler(reference, scheduler)
+    expected = reference(
+        prompt,
+        negative_prompt=negative,
+        height=H,
+        width=W,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+    ).images
+    got = ours(
+        prompt,
+        negative_prompt=negative,
+        height=H,
+        width=W,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        latents=latents,
+        scheduler=scheduler,
+        output_type="np",
+    ).images
+    assert got.shape == expected.shape == (2, H, W, 3)
+    err = float(np.abs(got - expected).max())
+    assert err <= 1e-3, f"max abs pixel difference {err:.2e}"
+    # A real image, not a constant: guards against a test that passes on two blank outputs.
+    assert expected.std() > 1e-3
+
+
+def test_pipeline_without_guidance_matches_diffusers(ours, reference):
+    import torch
+
+    latents = np.random.default_rng(1).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
+    _diffusers_scheduler(reference, "euler")
+    expected = reference(
+        "a cat",
+        height=H,
+        width=W,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        latents=torch.from_numpy(latents),
+        output_type="np",
+    ).images
+    got = ours(
+        "a cat",
+        height=H,
+        width=W,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        latents=latents,
+        output_type="np",
+    ).images
+    assert float(np.abs(got - expected).max()) <= 1e-3
+
+
+def test_bf16_runs_close_to_fp32(tiny_sdxl_path, ours, record_property):
+    latents = np.random.default_rng(2).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
+    bf16 = load_pipeline(tiny_sdxl_path, dtype="bfloat16")
+    kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, latents=latents, output_type="np")
+    a, b = ours("a cat", **kw).images, bf16("a cat", **kw).images
+    err = float(np.abs(a - b).max())
+    record_property("bf16_max_abs_pixel_error", err)
+    assert np.isfinite(b).all() and err < 0.1
+
+
+def test_prompt_seed_guidance_never_recompile(ours):
+    kw = dict(height=H, width=W, num_inference_steps=2, output_type="np")
+    ours("first prompt", seed=1, guidance_scale=5.0, **kw)
+    before = ours.compilations
+    for prompt, seed, g in (("another prompt", 2, 7.5), ("a third, longer prompt about cats", 99, 3.0)):
+        out = ours(prompt, seed=seed, guidance_scale=g, **kw)
+        assert not out.compiled
+    assert ours.compilations == before
+    # A new shape does compile: the counter is live, not a constant.
+    ours("x", seed=1, guidance_scale=5.0, height=H, width=H, num_inference_steps=2, output_type="np")
+    assert ours.compilations > before
+
+
+def test_seed_is_reproducible_and_distinct(ours):
+    kw = dict(height=H, width=W, num_inference_steps=2, output_type="np")
+    a = ours("cat", seed=7, **kw)
+    b = ours("cat", seed=7, **kw)
+    c = ours("cat", seed=8, **kw)
+    assert a.seeds == [7] and np.array_equal(a.images, b.images)
+    assert not np.allclose(a.images, c.images)
+
+
+def test_progress_callback_and_cancel(ours):
+    seen = []
+    ours(
+        "cat",
+        height=H,
+        width=W,
+        num_inference_steps=3,
+        output_type="np",
+        callback=lambda s, t: seen.append((s, t)),
+    )
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    with pytest.raises(GenerationCancelled):
+        ours("cat", height=H, width=W, num_inference_steps=3, output_type="np", callback=lambda s, t: s < 2)
+
+
+def test_images_per_prompt_and_pil(ours):
+    out = ours(["a", "b"], height=H, width=W, num_inference_steps=1, num_images_per_prompt=2, seed=3)
+    assert len(out.images) == 4 and out.images[0].size == (W, H) and out.seeds == [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(height=60), "multiple of 8"),
+        (dict(num_inference_steps=0), "between 1"),
+        (dict(scheduler="nope"), "nope"),
+    ],
+)
+def test_bad_arguments_are_clear(ours, kw, match):
+    with pytest.raises(PipelineError, match=match):
+        ours("cat", **{"height": H, "width": W, "num_inference_steps": 1, **kw})

@@ -1,0 +1,70 @@
+"""`meshserve generate`: the main job on a fresh machine, and clear one-line errors (never a traceback)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+
+def _run(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "meshserve.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_generate_with_embedded_model(tmp_path):
+    out = tmp_path / "cat.png"
+    r = _run("generate", "--prompt", "a cat", "-o", str(out), "--steps", "2", "--seed", "5")
+    assert r.returncode == 0, r.stderr
+    image = Image.open(out)
+    assert image.size == (64, 64) and "seed 5" in r.stdout
+    assert "denoise" in r.stderr  # the per-step progress bar
+
+
+def test_generate_with_model_folder(tmp_path, tiny_sdxl_path):
+    out = tmp_path / "x.png"
+    r = _run(
+        "generate",
+        "--model",
+        str(tiny_sdxl_path),
+        "--prompt",
+        "a cat",
+        "-o",
+        str(out),
+        "--steps",
+        "1",
+        "--width",
+        "48",
+    )
+    assert r.returncode == 0, r.stderr
+    assert Image.open(out).size == (48, 64)
+
+
+def _not_diffusers(tmp_path):
+    (tmp_path / "x").mkdir()
+    return str(tmp_path / "x")
+
+
+def _unsupported(tmp_path):
+    (tmp_path / "y").mkdir()
+    (tmp_path / "y" / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    return str(tmp_path / "y")
+
+
+@pytest.mark.parametrize(
+    "make_args,match",
+    [
+        (lambda p: ["--model", str(p / "missing")], "does not exist"),
+        (lambda p: ["--model", _not_diffusers(p)], "not a diffusers model folder"),
+        (lambda p: ["--model", _unsupported(p)], "unsupported pipeline 'KandinskyPipeline'"),
+        (lambda p: ["--height", "60"], "multiple of 8"),
+        (lambda p: ["--steps", "0"], "at least 1"),
+    ],
+)
+def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
+    r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *make_args(tmp_path))
+    assert r.returncode == 2
+    assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
