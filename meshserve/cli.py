@@ -30,6 +30,9 @@ def _generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from models import PipelineError, load_pipeline
+    from models.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()
 
     try:
         pipe = load_pipeline(args.model, dtype=args.dtype)

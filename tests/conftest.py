@@ -13,6 +13,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 _CACHE = Path(os.environ.get("MESHSERVE_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+# The embedded model and the CLI's compilation cache go under the test cache too, not the user's home.
+os.environ.setdefault("MESHSERVE_CACHE", str(_CACHE / "meshserve"))
 
 
 def pytest_configure(config):

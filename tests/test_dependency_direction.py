@@ -1,0 +1,40 @@
+"""The one-way dependency rule, checked by importing: models without Redis/HTTP/torch, service without JAX."""
+
+import subprocess
+import sys
+
+import pytest
+
+_BLOCKER = """
+import sys
+# A None entry in sys.modules is how Python spells "not installed": import raises ImportError and
+# importlib.util.find_spec answers None, as libraries probing for optional packages expect.
+for name in BLOCKED:
+    sys.modules[name] = None
+import PACKAGE
+EXTRA
+"""
+
+
+@pytest.mark.parametrize(
+    "package,blocked,extra",
+    [
+        (
+            "models",
+            ["service", "workers", "redis", "fastapi", "torch", "diffusers"],
+            "import models.pipelines.sdxl, models.schedulers, models.attention\n"
+            "from models.clip_tokenizer import load_clip_tokenizer\n"
+            "from models.embedded import embedded_model_path\n"
+            "load_clip_tokenizer(embedded_model_path() / 'tokenizer')",
+        ),
+        (
+            "service",
+            ["jax", "flax", "models", "workers", "torch", "diffusers"],
+            "import service.app, service.store, service.contract",
+        ),
+    ],
+)
+def test_package_imports_without_the_other_side(package, blocked, extra):
+    code = _BLOCKER.replace("BLOCKED", repr(blocked)).replace("PACKAGE", package).replace("EXTRA", extra)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
