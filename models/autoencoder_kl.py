@@ -403,7 +403,7 @@ def _modernise(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def load_autoencoder_kl(
-    folder: Path, dtype=jnp.float32, settings: AttentionSettings | None = None
+    folder: Path, dtype=jnp.float32, settings: AttentionSettings | None = None, place=None
 ) -> AutoencoderKL:
     """An AutoencoderKL from a diffusers `vae/` folder (config.json + safetensors), weights cast to `dtype`."""
     folder = Path(folder)
@@ -411,5 +411,7 @@ def load_autoencoder_kl(
     dtype = jnp.dtype(dtype)
     # Built abstractly: no random initialisation of weights the checkpoint is about to replace.
     model = abstract_module(lambda rngs: AutoencoderKL(config, settings=settings, dtype=dtype, rngs=rngs))
-    load_weights(model, _modernise(read_component_weights(folder)), where=str(folder), dtype=dtype)
+    load_weights(
+        model, _modernise(read_component_weights(folder)), where=str(folder), dtype=dtype, place=place
+    )
     return model

@@ -299,7 +299,7 @@ def _rename(key: str) -> str:
 
 
 def load_clip_text_model(
-    folder: Path, dtype=jnp.float32, settings: AttentionSettings = _DEFAULT_SETTINGS
+    folder: Path, dtype=jnp.float32, settings: AttentionSettings = _DEFAULT_SETTINGS, place=None
 ) -> CLIPTextModel:
     """A text encoder folder (config.json + safetensors) -> CLIPTextModel or CLIPTextModelWithProjection.
 
@@ -321,6 +321,11 @@ def load_clip_text_model(
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, settings=settings, rngs=nnx.Rngs(0)))
     # `position_ids` is a non-persistent buffer some older checkpoints still carry.
     load_weights(
-        model, read_component_weights(folder), where=str(folder), rename=_rename, ignore=("position_ids",)
+        model,
+        read_component_weights(folder),
+        where=str(folder),
+        rename=_rename,
+        ignore=("position_ids",),
+        place=place,
     )
     return model

@@ -14,10 +14,12 @@ from models.embedded import cache_root
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
-    """Points JAX's persistent cache at `path` (default: $MESHSERVE_CACHE/jax) unless one is already set."""
-    if jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    """Points JAX's persistent cache at `path`; with no path, at $MESHSERVE_CACHE/jax unless one is already set."""
+    current = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if path is None and current:
+        return current
     path = path or str(cache_root() / "jax")
+    os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path

@@ -56,6 +56,20 @@ _UNSUPPORTED = {
     "cross_attention_norm": None,
     "time_embedding_type": "positional",
 }
+# Tensor parallelism: logical axes of the split parameters, matched on checkpoint keys, axes in our layout
+# (Linear kernel [in, out]). Attention heads split q/k/v by output and to_out by input, so each device
+# holds whole heads; the feed-forward's hidden units split the same way. GEGLU's `proj` holds [value | gate]
+# in one kernel: splitting its output puts values and gates on different devices, which XLA's partitioner
+# mends with one exchange per block (correct, not free; a checkpoint-side reorder would remove it).
+# Everything else (convs, norms, embeddings: a few percent of the FLOPs) is replicated.
+SHARDING_RULES = (
+    (r"attn[12]\.to_[qkv]\.weight$", (None, "heads")),
+    (r"attn[12]\.to_out\.0\.weight$", ("heads", None)),
+    (r"ff\.net\.0\.proj\.weight$", (None, "mlp")),
+    (r"ff\.net\.0\.proj\.bias$", ("mlp",)),
+    (r"ff\.net\.2\.weight$", ("mlp", None)),
+)
+
 _DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D")
 _UP_BLOCKS = ("UpBlock2D", "CrossAttnUpBlock2D")
 
@@ -577,7 +591,7 @@ class UNet2DConditionModel(nnx.Module):
 
 
 def load_unet(
-    folder: Path, dtype=jnp.float32, settings: AttentionSettings | None = None
+    folder: Path, dtype=jnp.float32, settings: AttentionSettings | None = None, place=None
 ) -> UNet2DConditionModel:
     """A UNet2DConditionModel from a diffusers `unet/` folder (config.json + safetensors), weights in `dtype`."""
     folder = Path(folder)
@@ -587,5 +601,5 @@ def load_unet(
     model = abstract_module(
         lambda rngs: UNet2DConditionModel(config, settings=settings, dtype=dtype, rngs=rngs)
     )
-    load_weights(model, read_component_weights(folder), where=str(folder), dtype=dtype)
+    load_weights(model, read_component_weights(folder), where=str(folder), dtype=dtype, place=place)
     return model

@@ -51,10 +51,15 @@ def load_pipeline(
 ):
     """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model.
 
-    `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice.
+    `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice;
+    `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy.
     """
     import importlib
 
+    if isinstance(attention, dict):  # from a pool config: kernel, context_strategy, block sizes...
+        from models.attention import AttentionSettings
+
+        attention = AttentionSettings(**attention)
     model_id = None
     if path is None or str(path) == EMBEDDED:
         from models.embedded import embedded_model_path
@@ -73,8 +78,8 @@ def load_pipeline(
     if mesh is not None or devices is not None:
         from models.parallel.placement import pipeline_placement
 
-        kwargs.update(pipeline_placement(mesh or {}, devices))
-    if attention is not None:
+        kwargs.update(pipeline_placement(mesh or {}, devices, attention=attention))
+    elif attention is not None:
         kwargs["attention"] = attention
     try:
         return cls(path, dtype=dtype, model_id=model_id, **kwargs)

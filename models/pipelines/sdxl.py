@@ -14,6 +14,7 @@ compiles. Whether CFG runs at all is static (it doubles the UNet batch); `warm_u
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +31,11 @@ from models.autoencoder_kl import load_autoencoder_kl
 from models.clip import load_clip_text_model
 from models.clip_tokenizer import load_clip_tokenizer, tokenize
 from models.loading import read_json
+from models.parallel.placement import Placement
 from models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput, to_list
 from models.schedulers import SCHEDULER_NAMES, make_scheduler
+from models.unet_2d_condition import SHARDING_RULES as UNET_SHARDING_RULES
+from models.unet_2d_condition import Attention as UNetAttention
 from models.unet_2d_condition import load_unet
 
 MAX_STEPS = 200
@@ -61,13 +65,18 @@ class StableDiffusionXLPipeline:
         dtype=jnp.float32,
         model_id: str | None = None,
         attention: AttentionSettings | None = None,
-        shard: Callable | None = None,
+        placement: Placement | None = None,
     ):
         folder = Path(folder)
         self.folder = folder
         self.model_id = model_id or folder.name
         self.dtype = jnp.dtype(dtype)
         settings = attention or AttentionSettings()
+        # Only the UNet (nearly all the FLOPs) runs attention on the mesh; the text encoders (77 tokens) and
+        # the VAE run plain kernels on replicated weights, their batch split by whatever sharding it carries.
+        plain = dataclasses.replace(settings, mesh=None)
+        self.placement = placement
+        replicate = placement.placer(()) if placement else None
         index = read_json(folder / "model_index.json")
         self.force_zeros_for_empty_prompt = bool(index.get("force_zeros_for_empty_prompt", True))
 
@@ -76,13 +85,23 @@ class StableDiffusionXLPipeline:
             load_clip_tokenizer(folder / "tokenizer_2"),
         ]
         text_encoders = [
-            load_clip_text_model(folder / "text_encoder", dtype=self.dtype, settings=settings),
-            load_clip_text_model(folder / "text_encoder_2", dtype=self.dtype, settings=settings),
+            load_clip_text_model(folder / "text_encoder", dtype=self.dtype, settings=plain, place=replicate),
+            load_clip_text_model(
+                folder / "text_encoder_2", dtype=self.dtype, settings=plain, place=replicate
+            ),
         ]
-        unet = load_unet(folder / "unet", dtype=self.dtype, settings=settings)
+        unet = load_unet(
+            folder / "unet",
+            dtype=self.dtype,
+            settings=settings,
+            place=placement.placer(UNET_SHARDING_RULES) if placement else None,
+        )
+        if placement:
+            heads = {m.heads for _, m in nnx.iter_graph(unet) if isinstance(m, UNetAttention)}
+            placement.validate_heads(heads, settings.context_strategy)
         # The VAE decodes in fp32 whatever the pipeline dtype: SDXL's VAE overflows in fp16 (diffusers'
         # force_upcast), and decoding is a small share of the time.
-        vae = load_autoencoder_kl(folder / "vae", dtype=jnp.float32, settings=settings)
+        vae = load_autoencoder_kl(folder / "vae", dtype=jnp.float32, settings=plain, place=replicate)
         self.unet_config = unet.config
         self.vae_config = vae.config
         self.projection_dim = text_encoders[1].config.projection_dim
@@ -103,7 +122,7 @@ class StableDiffusionXLPipeline:
         ):
             graph, state = nnx.split(module)
             self._graphs[name] = graph
-            self._states[name] = shard(name, state) if shard else state
+            self._states[name] = state
         self._programs = _Programs()
         self._jit_text = jax.jit(self._text_encode)
         self._jit_denoise = jax.jit(self._denoise, static_argnames=("scheduler", "do_cfg"))
@@ -174,7 +193,11 @@ class StableDiffusionXLPipeline:
         scheduler,
         do_cfg: bool,
     ):
-        """latents [B, h, w, C]; embeds [2B or B, S, D]; guidance [B]. Returns (latents, steps_done)."""
+        """latents [B, h, w, C]; embeds [2B or B, S, D]; guidance [B]. Returns (latents, steps_done).
+
+        With CFG the UNet batch is interleaved per sample, [u0, c0, u1, c1, ...]: split over (data, cfg), every
+        sample's two halves land on the two sides of the cfg axis, and the guidance combine is one exchange.
+        """
         self._programs.traces["denoise"] += 1
         unet = nnx.merge(self._graphs["unet"], unet_state)
         num_steps = schedule.timesteps.shape[0]
@@ -182,15 +205,17 @@ class StableDiffusionXLPipeline:
         def body(carry):
             i, go, latents, sched_state, key = carry
             key, step_key = jax.random.split(key)
-            x = jnp.concatenate([latents, latents]) if do_cfg else latents
-            x = scheduler.scale_model_input(schedule, x, i)
+            x = _interleave(latents, latents) if do_cfg else latents
+            x = self._constrain(scheduler.scale_model_input(schedule, x, i))
             t = jnp.broadcast_to(schedule.timesteps[i], (x.shape[0],))
             eps = unet(x, t, embeds, text_embeds=pooled, time_ids=time_ids)
             if do_cfg:
-                eps_uncond, eps_cond = jnp.split(eps, 2)
+                eps = eps.reshape(-1, 2, *eps.shape[1:])
+                eps_uncond, eps_cond = eps[:, 0], eps[:, 1]
                 g = guidance.astype(eps.dtype)[:, None, None, None]
                 eps = eps_uncond + g * (eps_cond - eps_uncond)
             latents, sched_state = scheduler.step(schedule, sched_state, eps, latents, i, step_key)
+            latents = self._constrain(latents)
             # The host hears of every step and may stop the loop (cancel). Always compiled in, so a call with
             # and one without a callback share one program; the host round trip is tiny next to a UNet step.
             go = io_callback(self._on_step, jax.ShapeDtypeStruct((), jnp.bool_), i + 1, ordered=True)
@@ -199,6 +224,9 @@ class StableDiffusionXLPipeline:
         carry = (jnp.int32(0), jnp.bool_(True), latents, scheduler.init_state(latents), key)
         i, _, latents, _, _ = jax.lax.while_loop(lambda c: (c[0] < num_steps) & c[1], body, carry)
         return latents, i
+
+    def _constrain(self, x):
+        return self.placement.constrain_batch(x) if self.placement else x
 
     def _vae_decode(self, vae_state, latents):
         self._programs.traces["vae_decode"] += 1
@@ -284,8 +312,8 @@ class StableDiffusionXLPipeline:
             neg, neg_pooled = embeds[batch:], pooled[batch:]
             neg = jnp.where(keep[:, None, None], neg, 0.0)
             neg_pooled = jnp.where(keep[:, None], neg_pooled, 0.0)
-            embeds = jnp.concatenate([neg, embeds[:batch]])  # uncond first, as diffusers orders the CFG batch
-            pooled = jnp.concatenate([neg_pooled, pooled[:batch]])
+            embeds = _interleave(neg, embeds[:batch])  # each sample's uncond row, then its cond row
+            pooled = _interleave(neg_pooled, pooled[:batch])
         # Micro-conditioning: (original size, crop top-left, target size), the same for both CFG halves.
         time_ids = jnp.tile(
             jnp.asarray([[height, width, 0, 0, height, width]], embeds.dtype), (embeds.shape[0], 1)
@@ -339,6 +367,12 @@ class StableDiffusionXLPipeline:
             raise GenerationCancelled(f"stopped after {done} of {steps} steps")
         timings["denoise"] = time.perf_counter() - t0
 
+        if output_type == "latent":  # diffusers' layout [B, C, h, w], before the VAE's scaling
+            images = np.transpose(np.asarray(latents, dtype=np.float32), (0, 3, 1, 2))
+            return PipelineOutput(
+                images=images, seeds=seeds, timings=timings, compiled=self.compilations > compiled_before
+            )
+
         # 4. Decode.
         t0 = time.perf_counter()
         images = np.asarray(self._jit_decode(self._states["vae"], latents), dtype=np.float32)
@@ -364,8 +398,8 @@ class StableDiffusionXLPipeline:
             raise PipelineError(f"num_inference_steps must be between 1 and {MAX_STEPS}, got {steps}")
         if not 1 <= n <= MAX_IMAGES:
             raise PipelineError(f"num_images_per_prompt must be between 1 and {MAX_IMAGES}, got {n}")
-        if output_type not in ("pil", "np"):
-            raise PipelineError(f"output_type must be 'pil' or 'np', got {output_type!r}")
+        if output_type not in ("pil", "np", "latent"):
+            raise PipelineError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
 
     def warm_up(
         self,
@@ -393,6 +427,11 @@ class StableDiffusionXLPipeline:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def _interleave(a, b):
+    """[B, ...] x 2 -> [2B, ...] as a0, b0, a1, b1, ..."""
+    return jnp.stack([a, b], axis=1).reshape(-1, *a.shape[1:])
 
 
 def _repeat(x, n: int, prompts: int):

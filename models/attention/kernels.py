@@ -1,0 +1,109 @@
+"""Kernel selection by platform, and one call into whichever kernel was chosen.
+
+    platform   kernel ("auto")
+    cuda       cudnn when models.attention.cudnn accepts the call (bf16/fp16, head dim % 8 == 0 and <= 128,
+               causal only with Sq == Sk), else xla_blockwise
+    tpu        splash
+    other      xla_blockwise (CPU; ROCm GPUs, where cuDNN does not exist)
+
+A forced "cudnn" or "splash" is likewise used only for the calls it can run (one settings object serves every
+attention of a model: SDXL's VAE has one head of dim 512, beyond cuDNN's limit), the rest go to xla_blockwise,
+as does a forced kernel on the wrong platform. Where the local kernel of a context-parallel strategy must take
+chunk positions (causal allgather) or return the log-sum-exp (ring, hybrid), only reference and xla_blockwise
+can; cudnn/splash are replaced by xla_blockwise there (ulysses and non-causal allgather keep them).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from models.attention.blockwise import xla_blockwise
+from models.attention.cudnn import cudnn_attention, cudnn_unsupported_reason
+from models.attention.reference import reference_attention
+from models.attention.settings import AttentionSettings
+from models.attention.splash import splash_attention
+
+
+def platform_of(settings: AttentionSettings) -> str:
+    """The platform ("cpu", "tpu", "cuda" or "rocm") of the mesh's devices, or of jax.devices()."""
+    device = settings.mesh.devices.flat[0] if settings.mesh is not None else jax.devices()[0]
+    if device.platform == "gpu":
+        version = getattr(device.client, "platform_version", "").lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return device.platform
+
+
+def select_kernel(kernel: str, *, platform: str, head_dim: int, dtype, causal: bool, sq: int, sk: int) -> str:
+    """The kernel that runs one call (pure: the platform is an argument so tests can fake it)."""
+    if kernel in ("reference", "xla_blockwise"):
+        return kernel
+    cudnn_ok = cudnn_unsupported_reason(head_dim=head_dim, dtype=dtype, causal=causal, sq=sq, sk=sk) is None
+    if kernel == "cudnn" or (kernel == "auto" and platform == "cuda"):
+        return "cudnn" if cudnn_ok and platform == "cuda" else "xla_blockwise"
+    if kernel == "splash" or (kernel == "auto" and platform == "tpu"):
+        return "splash" if platform == "tpu" else "xla_blockwise"
+    return "xla_blockwise"
+
+
+def run_kernel(
+    name: str,
+    q,
+    k,
+    v,
+    *,
+    causal: bool,
+    kv_mask,
+    scale,
+    settings: AttentionSettings,
+    q_offset=None,
+    kv_offset=0,
+    return_lse: bool = False,
+    out_dtype=None,
+):
+    """Run kernel `name` on local (per-device) arrays. Chunk positions or the log-sum-exp send cudnn and
+    splash calls to xla_blockwise (see the module docstring)."""
+    positional = return_lse or q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0)
+    if name in ("cudnn", "splash") and positional:
+        name = "xla_blockwise"
+    if name == "reference":
+        return reference_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            kv_mask=kv_mask,
+            scale=scale,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=return_lse,
+            out_dtype=out_dtype,
+        )
+    if name == "xla_blockwise":
+        return xla_blockwise(
+            q,
+            k,
+            v,
+            causal=causal,
+            kv_mask=kv_mask,
+            scale=scale,
+            block_q=settings.block_q,
+            block_kv=settings.block_kv,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            return_lse=return_lse,
+            out_dtype=out_dtype,
+        )
+    if name == "cudnn":
+        return cudnn_attention(q, k, v, causal=causal, kv_mask=kv_mask, scale=scale)
+    if name == "splash":
+        return splash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            kv_mask=kv_mask,
+            scale=scale,
+            block_q=settings.block_q,
+            block_kv=settings.block_kv,
+        )
+    raise ValueError(f"unknown attention kernel {name!r}")

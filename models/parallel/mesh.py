@@ -1,0 +1,167 @@
+"""The pool mesh: a device slice arranged as Mesh(devices, ("data", "cfg", "context", "tensor")).
+
+- data: independent requests of one batch (every pool is also a consumer of the model's stream, which is the
+  data parallelism across pools; this axis is the one inside a pool).
+- cfg: the conditional and unconditional halves of a classifier-free-guidance batch (size 1 or 2).
+- context: the token sequence, for context-parallel attention (models.attention.context).
+- tensor: attention heads and MLP hidden units.
+
+Everything here is checked before anything compiles, with messages that name the offending sizes, so a wrong
+pool config fails at start-up rather than as a shape error deep inside a trace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXES: tuple[str, ...] = ("data", "cfg", "context", "tensor")
+
+
+class LayoutError(ValueError):
+    """A mesh layout that cannot serve the model or request it was asked to."""
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    data: int = 1
+    cfg: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for axis, size in asdict(self).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise LayoutError(f"mesh size {axis}={size!r} must be a positive integer")
+
+    @classmethod
+    def from_dict(cls, sizes: dict | None) -> MeshSizes:
+        """From a pool config's `mesh: {cfg: 2, context: 2}`; missing axes are 1, unknown ones an error."""
+        sizes = dict(sizes or {})
+        unknown = sorted(set(sizes) - set(AXES))
+        if unknown:
+            raise LayoutError(f"unknown mesh axes {unknown}; the axes are {list(AXES)}")
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.data, self.cfg, self.context, self.tensor)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+
+def fold_cfg_into_data(sizes: MeshSizes, guidance: float | None) -> MeshSizes:
+    """With guidance <= 1 there is no unconditional half, so the cfg devices serve more requests instead.
+
+    The device count and order stay the same: the (data, cfg) block of the mesh becomes (data * cfg, 1), i.e.
+    `make_mesh(fold_cfg_into_data(sizes, g), devices)` lays the same devices out with cfg merged into data.
+    """
+    if guidance is None or guidance > 1 or sizes.cfg == 1:
+        return sizes
+    return replace(sizes, data=sizes.data * sizes.cfg, cfg=1)
+
+
+def validate_layout(
+    sizes: MeshSizes,
+    *,
+    num_devices: int,
+    heads: int | None = None,
+    batch: int | None = None,
+    guidance: float | None = None,
+    ulysses_degree: int | None = None,
+) -> None:
+    """Raise LayoutError, naming the sizes, when `sizes` can't run on `num_devices` devices.
+
+    heads: attention heads of the model (every attention layer's count, if they differ call once per count).
+    batch: requests per step (before CFG doubles it); it must split evenly over data (after folding cfg into
+        data when guidance <= 1, see fold_cfg_into_data). Callers pad a partial batch up to a multiple.
+    ulysses_degree: devices of the context axis that exchange heads by all_to_all (context size for "ulysses",
+        the sub-group for "hybrid").
+    """
+    if sizes.num_devices != num_devices:
+        raise LayoutError(
+            f"mesh data={sizes.data} x cfg={sizes.cfg} x context={sizes.context} x tensor={sizes.tensor} "
+            f"= {sizes.num_devices} devices, but the slice has {num_devices}"
+        )
+    if sizes.cfg not in (1, 2):
+        raise LayoutError(f"cfg must be 1 or 2 (the conditional and unconditional halves), got {sizes.cfg}")
+    if heads is not None and heads % sizes.tensor:
+        raise LayoutError(f"{heads} attention heads do not split over tensor={sizes.tensor}")
+    if ulysses_degree is not None:
+        if sizes.context % ulysses_degree:
+            raise LayoutError(f"Ulysses degree {ulysses_degree} does not divide context={sizes.context}")
+        if heads is not None and (heads // sizes.tensor) % ulysses_degree:
+            raise LayoutError(
+                f"Ulysses needs the heads per tensor shard ({heads} / tensor={sizes.tensor} = "
+                f"{heads // sizes.tensor}) divisible by its degree {ulysses_degree}; use ring or hybrid"
+            )
+    if batch is not None:
+        data = fold_cfg_into_data(sizes, guidance).data
+        if batch < 1 or batch % data:
+            raise LayoutError(
+                f"a batch of {batch} does not split over data={data}"
+                + (" (cfg folded into data because guidance <= 1)" if data != sizes.data else "")
+                + "; pad the batch to a multiple of data"
+            )
+
+
+def parse_device_slice(spec: str | int | list | tuple) -> list[int]:
+    """Device indices from a pool's `devices`: "0-3", "4,5,6,7", "0-1,4-5", 3, or a list of ints.
+
+    Indices are positions in jax.devices(). Empty, reversed ranges and repeats are errors: a typo must not
+    quietly hand two pools the same device.
+    """
+    if isinstance(spec, bool):
+        raise LayoutError(f"device slice {spec!r} is not a slice")
+    if isinstance(spec, int):
+        indices = [spec]
+    elif isinstance(spec, list | tuple):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
+            raise LayoutError(f"device slice {spec!r} must list integers")
+        indices = list(spec)
+    elif isinstance(spec, str):
+        indices = []
+        for part in spec.replace(" ", "").split(","):
+            lo, dash, hi = part.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                raise LayoutError(f"device slice {spec!r}: {part!r} is not N or N-M")
+            first, last = int(lo), int(hi) if dash else int(lo)
+            if last < first:
+                raise LayoutError(f"device slice {spec!r}: range {part!r} runs backwards")
+            indices.extend(range(first, last + 1))
+    else:
+        raise LayoutError(f"device slice {spec!r} must be a string like '0-3' or '4,5,6,7', or a list")
+    if not indices:
+        raise LayoutError(f"device slice {spec!r} is empty")
+    if any(i < 0 for i in indices):
+        raise LayoutError(f"device slice {spec!r} has a negative index")
+    if len(set(indices)) != len(indices):
+        raise LayoutError(f"device slice {spec!r} names a device twice")
+    return indices
+
+
+def select_devices(spec, devices=None) -> list:
+    """The devices a slice spec names, out of `devices` (default jax.devices())."""
+    devices = list(jax.devices() if devices is None else devices)
+    indices = parse_device_slice(spec)
+    missing = [i for i in indices if i >= len(devices)]
+    if missing:
+        raise LayoutError(f"device slice {spec!r} names {missing}, but only {len(devices)} devices exist")
+    return [devices[i] for i in indices]
+
+
+def make_mesh(sizes: MeshSizes, devices=None) -> Mesh:
+    """Mesh(devices, AXES) of shape sizes.shape; devices default to all of jax.devices().
+
+    Devices are laid out in the order given (tensor fastest, then context, cfg, data), so the axes that talk
+    most (tensor, context) connect neighbouring devices of the slice.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    validate_layout(sizes, num_devices=len(devices))
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes.shape), AXES)
