@@ -77,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from workers.serve import run_serve
 
-    run_serve(port=args.port, redis_url=args.redis_url, model=args.model)
+    run_serve(port=args.port, redis_url=args.redis_url, model=args.model, host=args.host)
     return 0
 
 
@@ -91,8 +91,13 @@ def _api(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     if not Path(args.config).is_file():
         raise UsageError(f"--config: {args.config} not found")
+    from workers.config import load_config
     from workers.main import run_worker
 
+    try:
+        load_config(args.config)  # a bad file is the user's to fix: one line, before anything starts
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     run_worker(args.config)
     return 0
 
@@ -117,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="API + one worker (+ a local redis-server when no URL is given)")
+    serve.add_argument("--host", default=None, help="bind address (default $MESHSERVE_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--redis-url", default=os.environ.get("MESHSERVE_REDIS_URL"))
     serve.add_argument(

@@ -1,0 +1,158 @@
+"""What the ready pools serve, and a request normalised against it.
+
+Workers publish each model's defaults and limits in the pool registry (`PoolInfo.models`); the API validates a
+request against them, so a new model or a new bucket needs no change here. The registry is read at most once per
+`pool_cache_s` (a submit must not cost an extra Redis round trip).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from service import metrics
+from service.api.errors import ApiError, FieldError
+from service.contract import JobParams, ModelInfo, PoolInfo
+from service.schemas import MAX_SEED, GenerateRequest
+from service.settings import Settings
+from service.store import Store
+
+
+@dataclass
+class ServedModel:
+    info: ModelInfo
+    pools: list[PoolInfo] = field(default_factory=list)
+
+
+class Catalog:
+    """The live pools and the models their ready members serve, cached for `pool_cache_s`."""
+
+    def __init__(self, store: Store, settings: Settings):
+        self.store, self.settings = store, settings
+        self._pools: list[PoolInfo] = []
+        self._read_at = float("-inf")
+
+    async def pools(self) -> list[PoolInfo]:
+        """Pools seen within `pool_stale_s` (ready or not)."""
+        if time.monotonic() - self._read_at >= self.settings.pool_cache_s:
+            self._pools = await self.store.list_pools()
+            self._read_at = time.monotonic()
+        return self._pools
+
+    async def served(self) -> dict[str, ServedModel]:
+        """Model id -> its info (from the first ready pool that lists it) and every ready pool serving it."""
+        out: dict[str, ServedModel] = {}
+        for pool in await self.pools():
+            if not pool.ready:
+                continue
+            for info in pool.models:
+                out.setdefault(info.id, ServedModel(info)).pools.append(pool)
+        return out
+
+    async def resolve(self, model: str | None) -> ServedModel:
+        """The served model a request names (or the only one, when it names none).
+
+        503 when no pool is ready at all; 404 listing the served ones when `model` is not among them."""
+        served = await self.served()
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if not served:
+            metrics.JOBS_REJECTED.labels("no_ready_pool").inc()
+            raise ApiError(
+                503, "no_ready_pool", "no worker pool is ready to serve requests yet", "model", retry
+            )
+        if model is None:
+            if len(served) == 1:
+                return next(iter(served.values()))
+            metrics.JOBS_REJECTED.labels("invalid").inc()
+            raise FieldError(
+                "model", "missing", f"model is required when several are served: {sorted(served)}"
+            )
+        if model not in served:
+            metrics.JOBS_REJECTED.labels("model_not_found").inc()
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"model {model!r} is not served; served models: {sorted(served)}",
+                "model",
+            )
+        return served[model]
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise FieldError(name, "out_of_range", f"{name} must be between {low} and {high}, got {value}")
+
+
+def _normalise(req: GenerateRequest, info: ModelInfo) -> JobParams:
+    d, lim = info.defaults, info.limits
+    width = req.width if req.width is not None else d.width
+    height = req.height if req.height is not None else d.height
+    if lim.buckets:
+        if (width, height) not in {tuple(b) for b in lim.buckets}:
+            sizes = ", ".join(f"{w}x{h}" for w, h in lim.buckets)
+            raise FieldError(
+                "width",
+                "size_not_supported",
+                f"{width}x{height} is not a size {info.id} serves; sizes: {sizes}",
+            )
+    else:
+        for name, value in (("width", width), ("height", height)):
+            if value % lim.size_multiple:
+                raise FieldError(
+                    name, "not_multiple", f"{name} must be a multiple of {lim.size_multiple}, got {value}"
+                )
+            _check_range(name, value, lim.min_size, lim.max_size)
+    steps = req.num_inference_steps if req.num_inference_steps is not None else d.num_inference_steps
+    _check_range("num_inference_steps", steps, lim.min_steps, lim.max_steps)
+    _check_range("n", req.n, 1, lim.max_n)
+    if req.scheduler is not None and lim.schedulers and req.scheduler not in lim.schedulers:
+        raise FieldError(
+            "scheduler", "not_supported", f"scheduler {req.scheduler!r} is not one of {lim.schedulers}"
+        )
+    fmt = req.output_format or lim.output_formats[0]
+    if fmt not in lim.output_formats:
+        raise FieldError(
+            "output_format",
+            "not_supported",
+            f"output_format {fmt!r} is not one of {lim.output_formats} for {info.id}",
+        )
+    frames = None
+    if lim.frames is None:
+        if req.num_frames is not None:
+            raise FieldError(
+                "num_frames", "not_supported", f"{info.id} makes images; num_frames must be left out"
+            )
+    else:
+        fr = lim.frames
+        frames = req.num_frames if req.num_frames is not None else fr.default
+        _check_range("num_frames", frames, fr.min_frames, fr.max_frames)
+        if (frames - fr.offset) % fr.step:
+            raise FieldError(
+                "num_frames", "not_multiple", f"num_frames must be {fr.step}k+{fr.offset}, got {frames}"
+            )
+    return JobParams(
+        model=info.id,
+        prompt=req.prompt,
+        negative_prompt=req.negative_prompt,
+        width=width,
+        height=height,
+        num_frames=frames,
+        num_inference_steps=steps,
+        guidance_scale=req.guidance_scale if req.guidance_scale is not None else d.guidance_scale,
+        scheduler=req.scheduler,
+        seed=req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1),
+        n=req.n,
+        output_format=fmt,
+        metadata=req.metadata,
+    )
+
+
+def normalise(req: GenerateRequest, info: ModelInfo) -> JobParams:
+    """The request with the model's defaults filled in and its limits checked (422 `FieldError` naming the field
+    and the rule: `not_multiple`, `out_of_range`, `size_not_supported`, `not_supported`)."""
+    try:
+        return _normalise(req, info)
+    except FieldError:
+        metrics.JOBS_REJECTED.labels("invalid").inc()
+        raise

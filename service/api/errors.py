@@ -1,0 +1,128 @@
+"""The one error shape, `{"error": {"code", "message", "field"}}`, for every failure the API can answer.
+
+Bad input is a 422 naming the field and the rule (`code` is the rule: pydantic's error type such as
+`greater_than_equal` or `missing`, `invalid_json` for malformed JSON, or a per-model rule such as `not_multiple`);
+unknown things are 404s; a full queue is a 429 and an unavailable Redis or no ready pool a 503, both with
+`Retry-After`. Nothing reaches the client as a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service import metrics
+from service.contract import IdempotencyConflict, QueueFull
+from service.schemas import ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+# OpenAPI entries for the answers every route may give (FastAPI's own 422 shape is not what clients get).
+COMMON_RESPONSES: dict[int | str, dict] = {
+    422: {
+        "model": ErrorResponse,
+        "description": "A parameter breaks a rule; `field` names it, `code` the rule.",
+    },
+    503: {"model": ErrorResponse, "description": "The job store (Redis) is unavailable; see `Retry-After`."},
+}
+
+
+class ApiError(Exception):
+    """An answer other than success, raised anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.code, self.message, self.field, self.headers = status, code, message, field, headers
+
+
+class FieldError(ApiError):
+    """A request field breaks a rule: 422."""
+
+    def __init__(self, field: str, code: str, message: str):
+        super().__init__(422, code, message, field)
+
+
+def error_response(
+    status: int, code: str, message: str, field: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message, "field": field}}, status, headers=headers
+    )
+
+
+def _field_name(loc: tuple[Any, ...]) -> str | None:
+    # ("body", "width") -> "width"; ("header", "idempotency-key") -> "idempotency-key"; ("body",) -> "body"
+    parts = [str(p) for p in loc]
+    if len(parts) > 1 and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
+    if first["type"] == "json_invalid":
+        ctx = first.get("ctx", {}).get("error", "")
+        return error_response(422, "invalid_json", f"the body is not valid JSON: {ctx}".rstrip(": "), "body")
+    field = _field_name(tuple(first.get("loc", ())))
+    parts = [
+        f"{_field_name(tuple(e.get('loc', ()))) or 'request'}: {e['msg']} ({e['type']})" for e in errors[:5]
+    ]
+    if request.url.path.startswith("/v1/generate") or request.url.path.startswith("/v1/images"):
+        metrics.JOBS_REJECTED.labels("invalid").inc()
+    return error_response(422, first["type"], "; ".join(parts), field)
+
+
+def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)
+
+
+def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+
+
+def _on_queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+    metrics.JOBS_REJECTED.labels("queue_full").inc()
+    retry = str(request.app.state.settings.retry_after_s)
+    return error_response(429, "queue_full", str(exc), "model", {"Retry-After": retry})
+
+
+def _on_idempotency(request: Request, exc: IdempotencyConflict) -> JSONResponse:
+    metrics.JOBS_REJECTED.labels("idempotency_conflict").inc()
+    return error_response(422, "idempotency_key_reused", str(exc), "Idempotency-Key")
+
+
+def _on_redis(request: Request, exc: RedisError) -> JSONResponse:
+    log.warning("redis unavailable: %s", exc)
+    if request.url.path.startswith("/v1/generate") or request.url.path.startswith("/v1/images"):
+        metrics.JOBS_REJECTED.labels("store_unavailable").inc()
+    retry = str(request.app.state.settings.retry_after_s)
+    return error_response(
+        503, "store_unavailable", f"the job store is unavailable: {exc}", None, {"Retry-After": retry}
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(QueueFull, _on_queue_full)
+    app.add_exception_handler(IdempotencyConflict, _on_idempotency)
+    app.add_exception_handler(RedisError, _on_redis)
+    # OSError covers a Redis that refuses connections before redis-py wraps it (e.g. during DNS/connect).
+    app.add_exception_handler(OSError, _on_redis)

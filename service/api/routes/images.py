@@ -1,0 +1,68 @@
+"""OpenAI-compatible `POST /v1/images/generations`: the same jobs, answered when they end."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from fastapi import APIRouter, Request
+
+from service import metrics
+from service.api.catalog import normalise
+from service.api.deps import CatalogDep, SettingsDep, StoreDep
+from service.api.errors import ApiError
+from service.api.routes.generate import ERRORS
+from service.contract import JobStatus
+from service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post(
+    "/v1/images/generations",
+    response_model=ImagesResponse,
+    responses={
+        **ERRORS,
+        409: {"model": ErrorResponse, "description": "The job was canceled."},
+        502: {"model": ErrorResponse, "description": "The job failed; `code` is the job's error code."},
+        504: {
+            "model": ErrorResponse,
+            "description": "Not done within the timeout; the job goes on (id in message).",
+        },
+    },
+    summary="Create images (OpenAI shape)",
+)
+async def create_image(
+    body: ImagesRequest, request: Request, store: StoreDep, catalog: CatalogDep, settings: SettingsDep
+) -> ImagesResponse:
+    served = await catalog.resolve(body.model)
+    width = height = None
+    if body.size:
+        width, height = (int(v) for v in body.size.split("x"))
+    req = GenerateRequest(model=served.info.id, prompt=body.prompt, n=body.n, width=width, height=height)
+    params = normalise(req, served.info)
+    job = await store.submit(params)
+    metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
+    job = await store.wait(job.id, settings.openai_timeout_s) or job
+    if job.status == JobStatus.FAILED:
+        err = job.error
+        raise ApiError(502, err.code if err else "job_failed", err.message if err else "the job failed")
+    if job.status == JobStatus.CANCELED:
+        raise ApiError(409, "job_canceled", f"job {job.id} was canceled")
+    if job.status != JobStatus.SUCCEEDED:
+        raise ApiError(
+            504,
+            "timeout",
+            f"job {job.id} did not finish within {settings.openai_timeout_s:g} s; "
+            f"follow it at /v1/jobs/{job.id}",
+        )
+    data = []
+    for out in job.outputs:
+        if body.response_format == "b64_json":
+            blob = await store.output(job.id, out.index)
+            if blob is None:
+                raise ApiError(410, "output_expired", f"output {out.index} of job {job.id} has expired")
+            data.append(ImageData(b64_json=base64.b64encode(blob).decode()))
+        else:
+            data.append(ImageData(url=str(request.base_url).rstrip("/") + out.url))
+    return ImagesResponse(created=int(job.created_at or time.time()), data=data)

@@ -1,0 +1,118 @@
+"""`/v1/jobs/{job_id}`: read, cancel, follow (SSE) and download."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Path, Response
+from fastapi.responses import StreamingResponse
+from redis.exceptions import RedisError
+
+from service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep
+from service.api.errors import COMMON_RESPONSES, ApiError
+from service.api.routes.generate import job_reply
+from service.contract import JobStatus
+from service.schemas import ErrorResponse, JobResponse
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
+NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job (or it expired)."}}
+_STREAM_ID = r"^\d{1,20}-\d{1,20}$"
+
+
+@router.get("/{job_id}", response_model=JobResponse, responses=NOT_FOUND, summary="Read a job")
+async def read_job(job: JobDep, store: StoreDep) -> Response:
+    job.queue_position = await store.queue_position(job)
+    return job_reply(JobResponse.from_job(job), 200)
+
+
+@router.post("/{job_id}/cancel", response_model=JobResponse, responses=NOT_FOUND, summary="Cancel a job")
+async def cancel_job(job: JobDep, store: StoreDep) -> Response:
+    """A queued job ends canceled at once; a running one stops at its next step (poll or follow the events);
+    an ended job is returned unchanged."""
+    updated = await store.cancel(job.id) or job
+    return job_reply(JobResponse.from_job(updated), 200)
+
+
+@router.get(
+    "/{job_id}/events",
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."},
+        **NOT_FOUND,
+    },
+    response_class=StreamingResponse,
+    summary="Follow a job's events (SSE)",
+)
+async def stream_job_events(
+    job: JobDep, store: StoreDep, settings: SettingsDep, last_event_id: LastEventId = None
+) -> StreamingResponse:
+    """Events `queued`, `started`, `progress`, then one of `succeeded`, `failed`, `canceled`, after which the
+    stream ends. Each has an `id:`; reconnecting with `Last-Event-ID` resumes after it. A comment line is sent
+    every `sse_keepalive_s` while nothing happens."""
+    start = last_event_id if last_event_id and _valid_stream_id(last_event_id) else "0-0"
+
+    async def body() -> AsyncIterator[str]:
+        last = start
+        keepalive_ms = int(settings.sse_keepalive_s * 1000)
+        try:
+            while True:
+                events = await store.events(job.id, last, block_ms=keepalive_ms)
+                if not events:
+                    if await store.get(job.id) is None:  # expired while we followed it
+                        return
+                    yield ": keep-alive\n\n"
+                    continue
+                for e in events:
+                    last = e.id
+                    yield f"id: {e.id}\nevent: {e.type.value}\ndata: {json.dumps(e.data)}\n\n"
+                    if e.type.terminal:
+                        return
+        except (
+            RedisError
+        ) as e:  # headers are sent: say why the stream ends; the client resumes with its last id
+            yield f"event: error\ndata: {json.dumps({'code': 'store_unavailable', 'message': str(e)})}\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+def _valid_stream_id(value: str) -> bool:
+    return re.match(_STREAM_ID, value) is not None
+
+
+@router.get(
+    "/{job_id}/outputs/{index}",
+    responses={
+        200: {
+            "content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}, "video/mp4": {}},
+            "description": "The output's bytes.",
+        },
+        **NOT_FOUND,
+        410: {"model": ErrorResponse, "description": "The output expired."},
+    },
+    response_class=Response,
+    summary="Download an output",
+)
+async def read_job_output(job: JobDep, store: StoreDep, index: int = Path(ge=0)) -> Response:
+    if job.status != JobStatus.SUCCEEDED:
+        raise ApiError(
+            404,
+            "output_not_found",
+            f"job {job.id} is {job.status.value}; outputs exist once it succeeded",
+            "index",
+        )
+    record = next((o for o in job.outputs if o.index == index), None)
+    if record is None:
+        raise ApiError(
+            404, "output_not_found", f"job {job.id} has outputs 0..{len(job.outputs) - 1}", "index"
+        )
+    data = await store.output(job.id, index)
+    if data is None:
+        raise ApiError(410, "output_expired", f"output {index} of job {job.id} has expired", "index")
+    ext = record.content_type.split("/")[-1]
+    headers = {
+        "Content-Disposition": f'inline; filename="{job.id}-{index}.{ext}"',
+        "Cache-Control": "private",
+    }
+    return Response(data, media_type=record.content_type, headers=headers)

@@ -1,0 +1,259 @@
+"""The job contract shared by the API (`service/`) and the worker pools (`workers/`).
+
+Imports no FastAPI and no JAX: only pydantic. The string values of the enums are part of the HTTP API and of the
+Redis data model, so renaming one is a breaking change on both.
+
+What crosses each boundary:
+- API -> store: `JobParams` (a request normalised against the model's defaults and limits) and a `Priority`.
+- store -> worker: `Delivery` (the `Job` plus where it came from and its attempt number, the write fence).
+- worker -> store: `OutputBlob` (encoded bytes) on success, a `JobError` code and message on failure, `PoolInfo`
+  (with one `ModelInfo` per model) in the pool registry.
+- store -> API: `Job` (with `Output` records pointing at `/v1/jobs/{id}/outputs/{i}`) and `Event`s for SSE.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JobStatus(StrEnum):
+    """A job's life: queued -> running -> succeeded | failed | canceled (queued may also go straight to an end)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+class Priority(StrEnum):
+    """Workers read the high stream first, then normal, then low."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+# The order in which workers read a model's streams (and in which queue positions are counted).
+PRIORITY_ORDER: tuple[Priority, ...] = (Priority.HIGH, Priority.NORMAL, Priority.LOW)
+
+
+class EventType(StrEnum):
+    """The `event:` of the job's SSE stream, in the order they happen."""
+
+    QUEUED = "queued"
+    STARTED = "started"
+    PROGRESS = "progress"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (EventType.SUCCEEDED, EventType.FAILED, EventType.CANCELED)
+
+
+IMAGE_CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+VIDEO_CONTENT_TYPES: dict[str, str] = {"mp4": "video/mp4", "webp": "image/webp"}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a worker publishes about a model (pool registry): the API validates requests against it.
+
+
+class ModelDefaults(_Frozen):
+    """Values a request's missing fields take (the pipeline's `defaults`)."""
+
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+
+
+class FrameLimits(_Frozen):
+    """Video models: `num_frames` in [min_frames, max_frames] with (num_frames - offset) % step == 0."""
+
+    min_frames: int
+    max_frames: int
+    step: int = 1
+    offset: int = 0
+    default: int
+
+
+class ModelLimits(_Frozen):
+    """What a request may ask of a model (the pipeline's `limits`). `buckets`, when given, are the only sizes."""
+
+    size_multiple: int = 8
+    min_size: int
+    max_size: int
+    min_steps: int = 1
+    max_steps: int
+    max_n: int
+    schedulers: list[str] = Field(default_factory=list)
+    buckets: list[tuple[int, int]] | None = None  # (width, height)
+    output_formats: list[str] = Field(default_factory=lambda: list(IMAGE_CONTENT_TYPES))
+    frames: FrameLimits | None = None  # None: an image model (num_frames must be absent)
+
+
+class ModelInfo(_Frozen):
+    """One model as a pool serves it. `id` is the name clients put in `model`."""
+
+    id: str
+    family: str
+    task: str = "text-to-image"
+    defaults: ModelDefaults
+    limits: ModelLimits
+
+
+class PoolInfo(_Frozen):
+    """A pool's entry in the registry (`{prefix}:pools`). `last_seen` is refreshed by `Store.heartbeat_pool`."""
+
+    name: str
+    models: list[ModelInfo]
+    buckets: list[tuple[int, int]] = Field(default_factory=list)  # compiled (width, height) shapes
+    mesh: dict[str, int] = Field(default_factory=dict)  # axis name -> size, e.g. {"data": 1, "cfg": 2, ...}
+    max_batch: int = 1
+    ready: bool = False
+    last_seen: float = 0.0  # unix seconds
+    host: str = ""
+    pid: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The job.
+
+
+class JobParams(_Frozen):
+    """A request after per-model normalisation: every field has its final value (the seed used, the real size)."""
+
+    model: str
+    prompt: str
+    negative_prompt: str | None = None
+    width: int
+    height: int
+    num_frames: int | None = None
+    num_inference_steps: int
+    guidance_scale: float
+    scheduler: str | None = None
+    seed: int
+    n: int = 1
+    output_format: str = "png"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Output(_Frozen):
+    """One stored output of a finished job; its bytes are at `url`."""
+
+    index: int
+    url: str
+    content_type: str
+    width: int
+    height: int
+    seed: int | None = None
+    num_frames: int | None = None
+
+
+class OutputBlob(BaseModel):
+    """What a worker hands to `Store.complete` for each output: encoded bytes and what they are."""
+
+    index: int
+    data: bytes
+    content_type: str
+    width: int
+    height: int
+    seed: int | None = None
+    num_frames: int | None = None
+
+
+class JobError(_Frozen):
+    """Why a job failed; `code` is machine-readable (e.g. "too_many_deliveries", "pipeline_error")."""
+
+    code: str
+    message: str
+
+
+class Progress(_Frozen):
+    step: int = 0
+    total_steps: int = 0
+
+
+class Timings(_Frozen):
+    """Seconds: queued -> started, started -> finished, created -> finished; `stages` as the worker measured them
+    (text_encode, denoise, vae_decode, encode)."""
+
+    queue_s: float | None = None
+    inference_s: float | None = None
+    total_s: float | None = None
+    stages: dict[str, float] = Field(default_factory=dict)
+
+
+class Job(BaseModel):
+    """A job as stored in `{prefix}:job:{id}`. `attempt` is the delivery fence; `worker` the consumer running it."""
+
+    id: str
+    model: str
+    priority: Priority = Priority.NORMAL
+    status: JobStatus
+    params: JobParams
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    progress: Progress = Field(default_factory=Progress)
+    outputs: list[Output] = Field(default_factory=list)
+    error: JobError | None = None
+    timings: Timings = Field(default_factory=Timings)
+    attempt: int = 0
+    worker: str | None = None
+    cancel_requested: bool = False
+    # Not stored: jobs ahead of this one while queued, filled by `Store.submit` / `Store.queue_position`.
+    queue_position: int | None = None
+
+
+class Delivery(BaseModel):
+    """One delivery of a job to a worker consumer, as `Store.claim` returns it.
+
+    `attempt` is the job's attempt number taken by this delivery: every later write by the worker (start,
+    heartbeat, progress, complete, fail, mark_canceled, release) is refused once another delivery has taken a
+    higher attempt. `delivery_count` is Redis's count for the stream entry (1 on first delivery)."""
+
+    job: Job
+    stream: str
+    message_id: str
+    delivery_count: int
+    attempt: int
+    consumer: str
+
+
+class Event(_Frozen):
+    """One entry of `{prefix}:events:{id}`; `id` is the Redis stream id, used as the SSE `id:`."""
+
+    id: str
+    type: EventType
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class QueueFull(Exception):
+    """Admission refused: the model's queue holds `depth` undelivered jobs, the limit is `limit`."""
+
+    def __init__(self, model: str, depth: int, limit: int):
+        super().__init__(f"queue for model {model!r} is full ({depth} queued, limit {limit})")
+        self.model, self.depth, self.limit = model, depth, limit
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before with a different request body."""
+
+    def __init__(self, key: str, job_id: str):
+        super().__init__(f"Idempotency-Key {key!r} was used for job {job_id} with a different request body")
+        self.key, self.job_id = key, job_id

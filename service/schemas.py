@@ -1,0 +1,185 @@
+"""HTTP request and response bodies, by role: what clients send, what they get back, the one error shape.
+
+The per-model rules (sizes, steps, n, schedulers, formats) depend on what the pools serve and are checked in
+`service/catalog.py`; here only the rules that hold for every model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.contract import (
+    Job,
+    JobError,
+    JobParams,
+    JobStatus,
+    ModelDefaults,
+    ModelInfo,
+    ModelLimits,
+    Output,
+    PoolInfo,
+    Priority,
+    Progress,
+)
+
+MAX_PROMPT_CHARS = 4000
+MAX_SEED = 2**32 - 1
+MetadataValue = str | int | float | bool | None
+
+
+# -- requests -----------------------------------------------------------------------------------------------
+
+
+class GenerateRequest(BaseModel):
+    """`POST /v1/generate`. Fields left out take the model's defaults; `seed` null picks a random seed, which the
+    job's `params.seed` then shows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        None, description="A served model id; may be left out when exactly one is served."
+    )
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    width: int | None = Field(None, gt=0)
+    height: int | None = Field(None, gt=0)
+    num_frames: int | None = Field(None, gt=0, description="Video models only.")
+    num_inference_steps: int | None = Field(None, gt=0)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+    scheduler: str | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")
+    output_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
+    priority: Priority = Priority.NORMAL
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
+
+
+class ImagesRequest(BaseModel):
+    """OpenAI-compatible `POST /v1/images/generations` (fields OpenAI clients send that do not apply here, such
+    as `quality`, `style` or `user`, are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    size: str | None = Field(
+        None, pattern=r"^\d{1,5}x\d{1,5}$", description='"WIDTHxHEIGHT", e.g. "1024x1024".'
+    )
+    response_format: Literal["url", "b64_json"] = "url"
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+
+
+class TimingsOut(BaseModel):
+    queue_s: float | None = None
+    inference_s: float | None = None
+    total_s: float | None = None
+
+
+class JobResponse(BaseModel):
+    """A job as clients see it. Times are unix seconds; `queue_position` (jobs ahead) only while queued."""
+
+    id: str
+    object: Literal["job"] = "job"
+    model: str
+    status: JobStatus
+    priority: Priority
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    queue_position: int | None = None
+    progress: Progress
+    params: JobParams
+    outputs: list[Output] = Field(default_factory=list)
+    error: JobError | None = None
+    timings: TimingsOut
+
+    @classmethod
+    def from_job(cls, job: Job) -> JobResponse:
+        return cls(
+            id=job.id,
+            model=job.model,
+            status=job.status,
+            priority=job.priority,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            queue_position=job.queue_position if job.status == JobStatus.QUEUED else None,
+            progress=job.progress,
+            params=job.params,
+            outputs=job.outputs,
+            error=job.error,
+            timings=TimingsOut(
+                queue_s=job.timings.queue_s, inference_s=job.timings.inference_s, total_s=job.timings.total_s
+            ),
+        )
+
+
+class PoolSummary(BaseModel):
+    name: str
+    ready: bool
+    max_batch: int
+    mesh: dict[str, int]
+    buckets: list[tuple[int, int]]
+
+    @classmethod
+    def from_pool(cls, pool: PoolInfo) -> PoolSummary:
+        return cls(
+            name=pool.name, ready=pool.ready, max_batch=pool.max_batch, mesh=pool.mesh, buckets=pool.buckets
+        )
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    family: str
+    task: str
+    defaults: ModelDefaults
+    limits: ModelLimits
+    pools: list[PoolSummary]
+
+    @classmethod
+    def build(cls, info: ModelInfo, pools: list[PoolInfo]) -> ModelCard:
+        return cls(
+            id=info.id,
+            family=info.family,
+            task=info.task,
+            defaults=info.defaults,
+            limits=info.limits,
+            pools=[PoolSummary.from_pool(p) for p in pools],
+        )
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ImageData(BaseModel):
+    url: str | None = None
+    b64_json: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class HealthResponse(BaseModel):
+    status: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="Machine-readable: the rule that failed (e.g. not_multiple, queue_full).")
+    message: str
+    field: str | None = Field(None, description="The request field at fault, when there is one.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,368 @@
+"""The Lua scripts behind `service.store.Store`: every state change of a job that must be atomic.
+
+Why Lua and not MULTI: each transition first reads the job (its status and attempt number) and then decides what
+to write; a script does the read and the writes as one step, so a stale worker can never slip a write in between
+(the "fence"). The scripts run with Redis 7's default effects replication, which allows `XADD *` and XINFO here.
+
+Conventions: ARGV[1] is always the key prefix, keys of one job are built from it in the scripts (single Redis
+node; the key layout is the one in `service/store.py`'s docstring). A job's status, attempt, cancel flag, stream and
+message id live in its hash; JSON blobs (outputs, error, timings) are built in Python.
+"""
+
+# Helpers shared by the scripts (prepended to each).
+_COMMON = r"""
+local P = ARGV[1]
+
+-- Undelivered entries of a stream for group `pools` (XINFO's lag; counted by XRANGE when Redis cannot know it).
+local function group_info(stream)
+  if redis.call('EXISTS', stream) == 0 then return nil end
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) ~= 'table' or groups.err then return nil end
+  for _, g in ipairs(groups) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == 'pools' then return f end
+  end
+  return nil
+end
+
+local function lag(stream)
+  local g = group_info(stream)
+  if not g then
+    if redis.call('EXISTS', stream) == 1 then return redis.call('XLEN', stream) end
+    return 0
+  end
+  if g['lag'] then return tonumber(g['lag']) end
+  return #redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+')
+end
+
+local function event(job_id, etype, data, maxlen)
+  return redis.call('XADD', P .. ':events:' .. job_id, 'MAXLEN', '~', maxlen, '*', 'type', etype, 'data', data)
+end
+
+local function bump(model, name)
+  redis.call('HINCRBY', P .. ':stats', model .. '|' .. name, 1)
+end
+
+-- End a job: status, finish time, terminal event, TTLs on its hash and events, ack its stream entry, drop lease.
+local function finish(job_id, model, status, now, ttl, maxlen, stream, msg_id, fields, data)
+  local jk = P .. ':job:' .. job_id
+  redis.call('HSET', jk, 'status', status, 'finished_at', now, unpack(fields))
+  event(job_id, status, data, maxlen)
+  redis.call('EXPIRE', jk, ttl)
+  redis.call('EXPIRE', P .. ':events:' .. job_id, ttl)
+  redis.call('DEL', P .. ':lease:' .. job_id)
+  if stream and stream ~= '' then redis.call('XACK', stream, 'pools', msg_id) end
+  bump(model, 'finished|' .. status)
+end
+
+-- Take one delivered stream entry for `consumer`: skip ended/canceled/missing jobs (acked), dead-letter a job
+-- delivered more than `max_deliv` times, else bump the attempt (the fence) and set the lease.
+-- Returns {'ok', attempt, hash...} or {'skip'|'missing'|'canceled'|'dlq'}.
+local function accept(stream, msg_id, job_id, count, consumer, lease_ms, max_deliv, now, ttl, maxlen)
+  local jk = P .. ':job:' .. job_id
+  local st = redis.call('HMGET', jk, 'status', 'cancel', 'model')
+  if not st[1] then
+    redis.call('XACK', stream, 'pools', msg_id)
+    return {'missing'}
+  end
+  if st[1] ~= 'queued' and st[1] ~= 'running' then
+    redis.call('XACK', stream, 'pools', msg_id)
+    return {'skip'}
+  end
+  if st[2] == '1' then
+    finish(job_id, st[3], 'canceled', now, ttl, maxlen, stream, msg_id, {}, '{"status":"canceled"}')
+    return {'canceled'}
+  end
+  if count > max_deliv then
+    local msg = 'job was delivered ' .. count .. ' times (limit ' .. max_deliv .. ') without finishing'
+    redis.call('XADD', P .. ':dlq:' .. st[3], 'MAXLEN', '~', 10000, '*', 'job', job_id, 'stream', stream,
+      'message_id', msg_id, 'deliveries', count, 'reason', 'too_many_deliveries', 'at', now)
+    local err = cjson.encode({code = 'too_many_deliveries', message = msg})
+    finish(job_id, st[3], 'failed', now, ttl, maxlen, stream, msg_id, {'error', err},
+      cjson.encode({status = 'failed', error = {code = 'too_many_deliveries', message = msg}}))
+    bump(st[3], 'dead_lettered')
+    return {'dlq'}
+  end
+  local attempt = redis.call('HINCRBY', jk, 'attempt', 1)
+  redis.call('HSET', jk, 'worker', consumer, 'stream', stream, 'msg_id', msg_id)
+  redis.call('SET', P .. ':lease:' .. job_id, attempt, 'PX', lease_ms)
+  local out = {'ok', attempt}
+  for _, v in ipairs(redis.call('HGETALL', jk)) do table.insert(out, v) end
+  return out
+end
+
+-- The fence: the job exists, is not ended, and its attempt is still ours.
+local function owned(jk, attempt)
+  local st = redis.call('HMGET', jk, 'status', 'attempt', 'model', 'cancel')
+  if not st[1] or tonumber(st[2]) ~= tonumber(attempt) then return nil end
+  if st[1] ~= 'queued' and st[1] ~= 'running' then return nil end
+  return st
+end
+"""
+
+# KEYS: job, idem (or ''), stream high, normal, low. ARGV: P, job id, target priority index (1-3), queue limit,
+# idem value, idem ttl, events maxlen, model, priority, params JSON, created_at. (Few arguments: redis-py packs
+# each one in Python, a measurable share of a submit.)
+SUBMIT = (
+    _COMMON
+    + r"""
+if KEYS[2] ~= '' then
+  local prev = redis.call('GET', KEYS[2])
+  if prev then return {'idem', prev} end
+end
+local pidx = tonumber(ARGV[3])
+local depth, ahead = 0, 0
+for i = 1, 3 do
+  local l = lag(KEYS[2 + i])
+  depth = depth + l
+  if i <= pidx then ahead = ahead + l end
+end
+if depth >= tonumber(ARGV[4]) then return {'full', tostring(depth)} end
+local stream = KEYS[2 + pidx]
+redis.pcall('XGROUP', 'CREATE', stream, 'pools', '0', 'MKSTREAM')
+local msg_id = redis.call('XADD', stream, '*', 'job', ARGV[2])
+redis.call('HSET', KEYS[1], 'id', ARGV[2], 'model', ARGV[8], 'priority', ARGV[9], 'status', 'queued',
+  'params', ARGV[10], 'created_at', ARGV[11], 'attempt', 0, 'stream', stream, 'msg_id', msg_id)
+event(ARGV[2], 'queued', '{"status":"queued"}', ARGV[7])
+if KEYS[2] ~= '' then redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[6]) end
+redis.call('SADD', P .. ':models', ARGV[8])
+return {'ok', msg_id, tostring(ahead)}
+"""
+)
+
+# ARGV: P, consumer, lease ms, max deliveries, now, ttl, events maxlen, then (stream, msg id, job id) triples.
+ACCEPT = (
+    _COMMON
+    + r"""
+local out = {}
+for i = 8, #ARGV, 3 do
+  table.insert(out, accept(ARGV[i], ARGV[i + 1], ARGV[i + 2], 1, ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5],
+    ARGV[6], ARGV[7]))
+end
+return out
+"""
+)
+
+# Take over entries of one stream idle longer than the lease whose lease key has expired (the holder is gone).
+# An entry still leased is re-claimed for its holder with JUSTID, which resets its idle time without counting a
+# delivery, so the next scan skips it. KEYS: stream. ARGV: P, consumer, lease ms, max deliveries, now, ttl,
+# events maxlen, max jobs. Returns a list of {msg id, job id, delivery count, accept result...}.
+RECLAIM = (
+    _COMMON
+    + r"""
+local stream = KEYS[1]
+local pend = redis.pcall('XPENDING', stream, 'pools', 'IDLE', ARGV[3], '-', '+', 64)
+if type(pend) ~= 'table' or pend.err then return {} end
+local out, taken = {}, 0
+for _, e in ipairs(pend) do
+  if taken >= tonumber(ARGV[8]) then break end
+  local msg_id, holder, count = e[1], e[2], tonumber(e[4])
+  local entry = redis.call('XRANGE', stream, msg_id, msg_id)
+  if #entry == 0 then
+    redis.call('XACK', stream, 'pools', msg_id)
+  else
+    local fields, job_id = entry[1][2], nil
+    for i = 1, #fields, 2 do if fields[i] == 'job' then job_id = fields[i + 1] end end
+    if job_id and redis.call('EXISTS', P .. ':lease:' .. job_id) == 1 then
+      redis.call('XCLAIM', stream, 'pools', holder, 0, msg_id, 'JUSTID')
+    elseif not job_id then
+      redis.call('XACK', stream, 'pools', msg_id)
+    else
+      local c = redis.call('XCLAIM', stream, 'pools', ARGV[2], ARGV[3], msg_id)
+      if #c > 0 then
+        local r = accept(stream, msg_id, job_id, count + 1, ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5],
+          ARGV[6], ARGV[7])
+        if r[1] == 'ok' then
+          local model = redis.call('HGET', P .. ':job:' .. job_id, 'model')
+          bump(model, 'reclaimed')
+          taken = taken + 1
+        end
+        table.insert(out, {msg_id, job_id, count + 1, r})
+      end
+    end
+  end
+end
+return out
+"""
+)
+
+# Entries delivered to this consumer that it will not run (it read more than it can take): make them idle for
+# ever and reset their delivery count, so the next reclaim by any consumer takes them as a first delivery.
+# KEYS: stream. ARGV: P, consumer, msg ids...
+GIVE_BACK = r"""
+for i = 3, #ARGV do
+  redis.call('XCLAIM', KEYS[1], 'pools', ARGV[2], 0, ARGV[i], 'IDLE', 1000000000000, 'RETRYCOUNT', 0, 'JUSTID')
+end
+return #ARGV - 2
+"""
+
+# ARGV: P, job id, attempt, consumer, now, lease ms, events maxlen, ttl, event data.
+START = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+local st = redis.call('HMGET', jk, 'status', 'attempt', 'model', 'cancel', 'stream', 'msg_id')
+if not st[1] or tonumber(st[2]) ~= tonumber(ARGV[3]) then return 0 end
+if st[1] ~= 'queued' and st[1] ~= 'running' then
+  redis.call('XACK', st[5], 'pools', st[6])
+  return 0
+end
+if st[4] == '1' then
+  finish(ARGV[2], st[3], 'canceled', ARGV[5], ARGV[8], ARGV[7], st[5], st[6], {}, '{"status":"canceled"}')
+  return 0
+end
+redis.call('HSET', jk, 'status', 'running', 'started_at', ARGV[5], 'worker', ARGV[4], 'step', 0)
+redis.call('SET', P .. ':lease:' .. ARGV[2], ARGV[3], 'PX', ARGV[6])
+event(ARGV[2], 'started', ARGV[9], ARGV[7])
+return 1
+"""
+)
+
+# ARGV: P, job id, attempt, consumer, lease ms.
+HEARTBEAT = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+if not owned(jk, ARGV[3]) then return 0 end
+redis.call('SET', P .. ':lease:' .. ARGV[2], ARGV[3], 'PX', ARGV[5])
+local s = redis.call('HMGET', jk, 'stream', 'msg_id')
+redis.pcall('XCLAIM', s[1], 'pools', ARGV[4], 0, s[2], 'JUSTID')
+return 1
+"""
+)
+
+# ARGV: P, job id, attempt, step, total, events maxlen, event data.
+PROGRESS = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+local st = owned(jk, ARGV[3])
+if not st or st[1] ~= 'running' then return 0 end
+redis.call('HSET', jk, 'step', ARGV[4], 'total_steps', ARGV[5])
+event(ARGV[2], 'progress', ARGV[7], ARGV[6])
+return 1
+"""
+)
+
+# End a running job (succeeded | failed | canceled) under the fence, writing outputs first when succeeded.
+# ARGV: P, job id, attempt, status, now, ttl, events maxlen, event data, output ttl, n hash pairs, hash field/value
+# pairs..., then (output key, bytes) pairs.
+END = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+local st = owned(jk, ARGV[3])
+if not st then return 0 end
+if ARGV[4] == 'succeeded' and st[1] ~= 'running' then return 0 end
+local npairs = tonumber(ARGV[10])
+local fields = {}
+for i = 11, 10 + 2 * npairs do table.insert(fields, ARGV[i]) end
+for i = 11 + 2 * npairs, #ARGV, 2 do redis.call('SET', ARGV[i], ARGV[i + 1], 'EX', ARGV[9]) end
+local s = redis.call('HMGET', jk, 'stream', 'msg_id')
+finish(ARGV[2], st[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], s[1], s[2], fields, ARGV[8])
+return 1
+"""
+)
+
+# Give a job back (SIGTERM): it stays in the stream's pending list at its place, made idle for ever with its
+# delivery count lowered by one, so the next claim by any pool reclaims it without spending a delivery. The attempt
+# is bumped: the releasing worker's later writes are refused. ARGV: P, job id, attempt, consumer, events maxlen,
+# event data.
+RELEASE = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+if not owned(jk, ARGV[3]) then return 0 end
+local s = redis.call('HMGET', jk, 'stream', 'msg_id')
+local pend = redis.call('XPENDING', s[1], 'pools', s[2], s[2], 1)
+local count = 1
+if #pend > 0 then count = tonumber(pend[1][4]) end
+redis.call('XCLAIM', s[1], 'pools', ARGV[4], 0, s[2], 'IDLE', 1000000000000, 'RETRYCOUNT', math.max(count - 1, 0),
+  'JUSTID')
+redis.call('HINCRBY', jk, 'attempt', 1)
+redis.call('HSET', jk, 'status', 'queued', 'worker', '', 'step', 0)
+redis.call('DEL', P .. ':lease:' .. ARGV[2])
+event(ARGV[2], 'queued', ARGV[6], ARGV[5])
+return 1
+"""
+)
+
+# API cancel. A queued job ends canceled at once (its stream entry is acked when a pool next meets it); a running
+# one gets the cancel flag, which its worker polls between steps. ARGV: P, job id, now, ttl, events maxlen.
+CANCEL = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+local st = redis.call('HMGET', jk, 'status', 'model')
+if not st[1] then return {'missing'} end
+if st[1] == 'queued' then
+  redis.call('HSET', jk, 'cancel', '1')
+  finish(ARGV[2], st[2], 'canceled', ARGV[3], ARGV[4], ARGV[5], nil, nil, {}, '{"status":"canceled"}')
+  return {'canceled'}
+end
+if st[1] == 'running' then
+  redis.call('HSET', jk, 'cancel', '1')
+  return {'requested'}
+end
+return {'ended', st[1]}
+"""
+)
+
+# Jobs ahead of one queued job: undelivered entries of higher-priority streams plus those before it in its own.
+# KEYS: stream high, normal, low. ARGV: P, priority index, msg id.
+POSITION = (
+    _COMMON
+    + r"""
+local pidx = tonumber(ARGV[2])
+local pos = 0
+for i = 1, pidx - 1 do pos = pos + lag(KEYS[i]) end
+local g = group_info(KEYS[pidx])
+local from = '-'
+if g then from = '(' .. g['last-delivered-id'] end
+pos = pos + #redis.call('XRANGE', KEYS[pidx], from, '(' .. ARGV[3])
+return pos
+"""
+)
+
+# Per stream: {undelivered, id of the oldest undelivered entry or '', delivered-but-unacked}. KEYS: streams.
+QUEUE_STATS = (
+    _COMMON
+    + r"""
+local out = {}
+for _, stream in ipairs(KEYS) do
+  local g = group_info(stream)
+  local depth, oldest, pending = 0, '', 0
+  if g then
+    depth = lag(stream)
+    pending = tonumber(g['pending'])
+    if depth > 0 then
+      local e = redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+', 'COUNT', 1)
+      if #e > 0 then oldest = e[1][1] end
+    end
+  end
+  table.insert(out, {depth, oldest, pending})
+end
+return out
+"""
+)
+
+# Drop entries every consumer is done with: those before the oldest pending one and at most the last delivered.
+# KEYS: stream. ARGV: P.
+TRIM = (
+    _COMMON
+    + r"""
+local g = group_info(KEYS[1])
+if not g then return 0 end
+local summary = redis.call('XPENDING', KEYS[1], 'pools')
+local minid
+if tonumber(summary[1]) > 0 then
+  minid = summary[2]
+else
+  local last = g['last-delivered-id']
+  local dash = string.find(last, '-')
+  minid = string.sub(last, 1, dash - 1) .. '-' .. (tonumber(string.sub(last, dash + 1)) + 1)
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+"""
+)

@@ -1,0 +1,401 @@
+"""The full client path over HTTP (ASGI) with a fake worker on the real Redis: submit, poll, SSE, download,
+cancel, idempotency, every 422 rule, 404s, 429, 503, `Prefer: wait`, the OpenAI route, probes and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import uvicorn
+from PIL import Image
+
+from service.api.routes.generate import prefer_wait
+from service.app import create_app
+from service.store import Store
+from tests.service.conftest import TOY_VIDEO, FakeWorker, api_client, drop_keys
+
+pytestmark = pytest.mark.anyio
+
+
+async def wait_status(client, job_id: str, statuses: set[str], timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = (await client.get(f"/v1/jobs/{job_id}")).json()
+        if body["status"] in statuses or time.monotonic() > deadline:
+            return body
+        await asyncio.sleep(0.01)
+
+
+def parse_sse(text: str) -> list[dict]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith(":"))
+        if fields:
+            events.append(
+                {"id": fields.get("id"), "event": fields["event"], "data": json.loads(fields["data"])}
+            )
+    return events
+
+
+async def test_submit_poll_download(api):
+    client, store, worker = api
+    worker.start()
+    r = await client.post("/v1/generate", json={"model": "toy", "prompt": "a red square", "n": 2})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["object"] == "job" and job["status"] in ("queued", "running", "succeeded")
+    p = job["params"]  # normalised: the model's defaults and the seed used
+    assert (p["width"], p["height"], p["num_inference_steps"], p["guidance_scale"]) == (64, 48, 4, 5.0)
+    assert isinstance(p["seed"], int) and p["output_format"] == "png"
+    done = await wait_status(client, job["id"], {"succeeded"})
+    assert done["status"] == "succeeded" and done["progress"] == {"step": 4, "total_steps": 4}
+    assert done["timings"]["total_s"] >= done["timings"]["inference_s"] > 0
+    assert [o["seed"] for o in done["outputs"]] == [p["seed"], p["seed"] + 1]
+    for out in done["outputs"]:
+        img = await client.get(out["url"])
+        assert img.status_code == 200 and img.headers["content-type"] == "image/png"
+        assert Image.open(io.BytesIO(img.content)).size == (64, 48) == (out["width"], out["height"])
+    r = await client.get(f"/v1/jobs/{job['id']}/outputs/2")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "output_not_found"
+
+
+async def test_seed_given_or_random(api):
+    client, _, _ = api
+    given = (await client.post("/v1/generate", json={"model": "toy", "prompt": "x", "seed": 123})).json()
+    assert given["params"]["seed"] == 123
+    seeds = {
+        (await client.post("/v1/generate", json={"model": "toy", "prompt": "x", "seed": None})).json()[
+            "params"
+        ]["seed"]
+        for _ in range(3)
+    }
+    assert len(seeds) == 3  # random per request (a 1 in ~10^9 chance of a false failure)
+
+
+async def test_sse_stream_and_resume(api):
+    client, _, worker = api
+    worker.start()
+    job = (
+        await client.post("/v1/generate", json={"model": "toy", "prompt": "x", "num_inference_steps": 3})
+    ).json()
+    r = await client.get(f"/v1/jobs/{job['id']}/events")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(r.text)
+    assert [e["event"] for e in events] == [
+        "queued",
+        "started",
+        "progress",
+        "progress",
+        "progress",
+        "succeeded",
+    ]
+    assert [e["data"].get("step") for e in events[2:5]] == [1, 2, 3]
+    assert events[-1]["data"]["outputs"][0]["url"].endswith("/outputs/0")
+    # Resume after the second event: only the rest comes.
+    r = await client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": events[1]["id"]})
+    assert [e["id"] for e in parse_sse(r.text)] == [e["id"] for e in events[2:]]
+
+
+async def test_cancel_queued_job(api):
+    client, store, worker = api
+    job = (await client.post("/v1/generate", json={"model": "toy", "prompt": "x"})).json()
+    r = await client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "canceled" and r.json()["finished_at"]
+    worker.start()  # the pool meets the canceled entry and skips it
+    later = (await client.post("/v1/generate", json={"model": "toy", "prompt": "y"})).json()
+    assert (await wait_status(client, later["id"], {"succeeded"}))["status"] == "succeeded"
+    await asyncio.sleep(0.05)  # complete() has returned to the worker
+    assert worker.finished == [later["id"]]
+    assert (await client.get(f"/v1/jobs/{job['id']}")).json()["status"] == "canceled"
+    events = parse_sse((await client.get(f"/v1/jobs/{job['id']}/events")).text)
+    assert [e["event"] for e in events] == ["queued", "canceled"]
+
+
+async def test_cancel_running_job(api):
+    client, _, worker = api
+    worker.step_s = 0.05
+    worker.start()
+    job = (
+        await client.post("/v1/generate", json={"model": "toy", "prompt": "x", "num_inference_steps": 40})
+    ).json()
+    running = await wait_status(client, job["id"], {"running"})
+    assert running["status"] == "running"
+    r = await client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] in ("running", "canceled")
+    ended = await wait_status(client, job["id"], {"canceled", "succeeded"})
+    assert ended["status"] == "canceled" and ended["progress"]["step"] < 40 and ended["outputs"] == []
+
+
+async def test_idempotency_key(api):
+    client, _, _ = api
+    body = {"model": "toy", "prompt": "x", "seed": 1}
+    a = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "abc"})
+    b = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "abc"})
+    assert a.status_code == b.status_code == 202 and a.json()["id"] == b.json()["id"]
+    c = await client.post("/v1/generate", json={**body, "seed": 2}, headers={"Idempotency-Key": "abc"})
+    assert c.status_code == 422
+    assert (
+        c.json()["error"]["code"] == "idempotency_key_reused"
+        and c.json()["error"]["field"] == "Idempotency-Key"
+    )
+    d = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "other"})
+    assert d.json()["id"] != a.json()["id"]
+
+
+BAD_BODIES = [
+    ({"width": 65}, "width", "not_multiple"),
+    ({"height": 1024}, "height", "out_of_range"),
+    ({"width": 16}, "width", "out_of_range"),
+    ({"width": 0}, "width", "greater_than"),
+    ({"width": "wide"}, "width", "int_parsing"),
+    ({"num_inference_steps": 0}, "num_inference_steps", "greater_than"),
+    ({"num_inference_steps": 51}, "num_inference_steps", "out_of_range"),
+    ({"n": 0}, "n", "greater_than_equal"),
+    ({"n": 5}, "n", "out_of_range"),
+    ({"guidance_scale": -1}, "guidance_scale", "greater_than_equal"),
+    ({"seed": -1}, "seed", "greater_than_equal"),
+    ({"seed": 2**40}, "seed", "less_than_equal"),
+    ({"scheduler": "nope"}, "scheduler", "not_supported"),
+    ({"output_format": "gif"}, "output_format", "literal_error"),
+    ({"output_format": "mp4"}, "output_format", "not_supported"),
+    ({"num_frames": 9}, "num_frames", "not_supported"),
+    ({"prompt": ""}, "prompt", "string_too_short"),
+    ({"prompt": "x" * 4001}, "prompt", "string_too_long"),
+    ({"prompt": None}, "prompt", "string_type"),
+    ({"priority": "urgent"}, "priority", "enum"),
+    ({"metadata": {"a": {"nested": 1}}}, "metadata.a.str", "string_type"),
+    ({"colour": "red"}, "colour", "extra_forbidden"),
+]
+
+
+@pytest.mark.parametrize(("patch", "field", "code"), BAD_BODIES, ids=[f"{f}-{c}" for _, f, c in BAD_BODIES])
+async def test_422_rules(api, patch, field, code):
+    client, store, _ = api
+    r = await client.post("/v1/generate", json={"model": "toy", "prompt": "x", **patch})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, code) and err["message"]
+    assert await store.redis.exists(store.stream_key("toy", "normal")) == 0  # nothing was queued
+
+
+async def test_422_request_shape(api):
+    client, _, _ = api
+    cases = [
+        (
+            dict(content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
+            "body",
+            "invalid_json",
+        ),
+        (dict(json={"model": "toy"}), "prompt", "missing"),
+        (dict(json=["not", "an", "object"]), "body", "model_attributes_type"),
+        (
+            dict(json={"model": "toy", "prompt": "x"}, headers={"Idempotency-Key": "k" * 256}),
+            "Idempotency-Key",
+            "string_too_long",
+        ),
+    ]
+    for kwargs, field, code in cases:
+        r = await client.post("/v1/generate", **kwargs)
+        assert r.status_code == 422, r.text
+        assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, code)
+
+
+async def test_video_model_rules(make_settings):
+    async with api_client(make_settings()) as (client, store):
+        await FakeWorker(store, name="v", models=(TOY_VIDEO,)).register()
+        post = lambda **kw: client.post("/v1/generate", json={"model": "toy-video", "prompt": "x", **kw})  # noqa: E731
+        ok = (await post(width=96, height=64)).json()
+        assert ok["params"]["num_frames"] == 9 and ok["params"]["output_format"] == "mp4"
+        for kw, field, code in [
+            (dict(width=128, height=128), "width", "size_not_supported"),
+            (dict(num_frames=10), "num_frames", "not_multiple"),
+            (dict(num_frames=37), "num_frames", "out_of_range"),
+            (dict(output_format="png"), "output_format", "not_supported"),
+        ]:
+            err = (await post(**kw)).json()["error"]
+            assert (err["field"], err["code"]) == (field, code)
+
+
+async def test_model_not_found_and_no_pool(make_settings):
+    async with api_client(make_settings()) as (client, store):
+        r = await client.post("/v1/generate", json={"model": "toy", "prompt": "x"})
+        assert (
+            r.status_code == 503 and r.json()["error"]["code"] == "no_ready_pool" and r.headers["retry-after"]
+        )
+        worker = FakeWorker(store)
+        await worker.register(ready=False)  # loading: still no ready pool
+        assert (await client.post("/v1/generate", json={"prompt": "x"})).status_code == 503
+        await worker.register(ready=True)
+        r = await client.post("/v1/generate", json={"model": "sdxl-huge", "prompt": "x"})
+        assert r.status_code == 404
+        assert r.json()["error"] == {
+            "code": "model_not_found",
+            "field": "model",
+            "message": "model 'sdxl-huge' is not served; served models: ['toy']",
+        }
+        # With one model served, `model` may be left out.
+        assert (await client.post("/v1/generate", json={"prompt": "x"})).json()["model"] == "toy"
+
+
+async def test_queue_full_429(make_settings):
+    async with api_client(make_settings(queue_max_length=2, retry_after_s=7)) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        for _ in range(2):
+            assert (await client.post("/v1/generate", json={"prompt": "x"})).status_code == 202
+        r = await client.post("/v1/generate", json={"prompt": "x"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "7"
+        assert r.json()["error"]["code"] == "queue_full"
+        worker.start()  # drained: accepted again
+        deadline = time.monotonic() + 10
+        while (await client.post("/v1/generate", json={"prompt": "x"})).status_code != 202:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await worker.stop()
+
+
+async def test_prefer_wait(api):
+    client, _, worker = api
+    r = await client.post("/v1/generate", json={"prompt": "x"}, headers={"Prefer": "wait=1"})
+    assert r.status_code == 202 and r.json()["status"] == "queued" and r.json()["queue_position"] == 0
+    assert r.headers["preference-applied"] == "wait=1"
+    worker.start()
+    t0 = time.monotonic()
+    r = await client.post("/v1/generate", json={"prompt": "x"}, headers={"Prefer": "respond-async, wait=10"})
+    assert r.status_code == 200 and r.json()["status"] == "succeeded" and r.json()["outputs"]
+    assert time.monotonic() - t0 < 5
+    assert (
+        prefer_wait("wait=600", 60) == 60 and prefer_wait("wait=abc", 60) == 0 and prefer_wait(None, 60) == 0
+    )
+
+
+async def test_not_found_shapes(api):
+    client, _, _ = api
+    for path in (
+        "/v1/jobs/0123456789abcdef0123456789abcdef",
+        "/v1/jobs/..%2Fetc",
+        "/v1/jobs/nope/outputs/0",
+        "/v1/jobs/nope/events",
+    ):
+        r = await client.get(path)
+        assert r.status_code == 404 and r.json()["error"]["code"] in ("job_not_found", "not_found"), path
+    r = await client.post("/v1/jobs/nope/cancel")
+    assert r.status_code == 404 and r.json()["error"]["field"] == "job_id"
+    r = await client.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = await client.delete("/v1/generate")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    job = (await client.post("/v1/generate", json={"prompt": "x"})).json()
+    r = await client.get(f"/v1/jobs/{job['id']}/outputs/0")
+    assert r.status_code == 404 and "queued" in r.json()["error"]["message"]
+    r = await client.get(f"/v1/jobs/{job['id']}/outputs/-1")
+    assert r.status_code == 422 and r.json()["error"]["field"] == "index"
+
+
+async def test_models_endpoint(api):
+    client, _, _ = api
+    body = (await client.get("/v1/models")).json()
+    (card,) = body["data"]
+    assert card["id"] == "toy" and card["family"] == "sdxl" and card["task"] == "text-to-image"
+    assert card["defaults"] == {"width": 64, "height": 48, "num_inference_steps": 4, "guidance_scale": 5.0}
+    assert card["limits"]["max_n"] == 4 and card["limits"]["size_multiple"] == 8
+    assert [p["name"] for p in card["pools"]] == ["pool-a"]
+
+
+async def test_openai_images(api):
+    client, _, worker = api
+    worker.start()
+    r = await client.post(
+        "/v1/images/generations",
+        json={"prompt": "x", "n": 2, "size": "96x64", "response_format": "b64_json", "user": "u"},
+    )
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert len(data) == 2
+    assert Image.open(io.BytesIO(base64.b64decode(data[0]["b64_json"]))).size == (96, 64)
+    r = await client.post("/v1/images/generations", json={"prompt": "x", "model": "toy"})
+    url = r.json()["data"][0]["url"]
+    assert url.startswith("http://testserver/v1/jobs/")
+    assert (await client.get(url)).headers["content-type"] == "image/png"
+    r = await client.post("/v1/images/generations", json={"prompt": "x", "size": "big"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "size"
+    r = await client.post("/v1/images/generations", json={"prompt": "x", "size": "100x100"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "not_multiple"
+
+
+async def test_probes(make_settings):
+    async with api_client(make_settings()) as (client, store):
+        assert (await client.get("/livez")).status_code == 200
+        r = await client.get("/readyz")
+        assert (
+            r.status_code == 503
+            and r.json()["error"]["code"] == "no_ready_pool"
+            and "retry-after" in r.headers
+        )
+        await FakeWorker(store).register()
+        r = await client.get("/readyz")
+        assert r.status_code == 200 and r.json()["detail"]["ready_pools"] == ["pool-a"]
+
+
+async def test_metrics(api):
+    client, _, worker = api
+    worker.start()
+    job = (
+        await client.post("/v1/generate", json={"prompt": "secret prompt"}, headers={"Prefer": "wait=5"})
+    ).json()
+    await client.post("/v1/generate", json={"prompt": "x", "width": 65})
+    await client.get(f"/v1/jobs/{job['id']}")
+    text = (await client.get("/metrics")).text
+    assert 'meshserve_http_requests_total{method="POST",route="/v1/generate",status="200"}' in text
+    assert 'meshserve_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="200"}' in text
+    assert 'meshserve_jobs_rejected_total{reason="invalid"}' in text
+    assert 'meshserve_queue_depth{model="toy",priority="normal"} 0.0' in text
+    assert 'meshserve_jobs_finished_total{model="toy",outcome="succeeded"} 1.0' in text
+    assert 'meshserve_pools{ready="true"} 1.0' in text
+    assert "meshserve_build_info{" in text
+    assert job["id"] not in text and "secret" not in text  # never a job id or a prompt in a label
+
+
+async def test_sse_streams_live_over_real_http(make_settings):
+    """Over a real uvicorn server (ASGI transports buffer whole responses): events arrive as they happen, with the
+    keep-alive comment while nothing does."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = make_settings(sse_keepalive_s=0.2)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        store = app.state.store
+        worker = FakeWorker(store, step_s=0.05)
+        await worker.register()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            job = (await client.post("/v1/generate", json={"prompt": "x", "num_inference_steps": 3})).json()
+            seen: list[str] = []
+            async with client.stream("GET", f"/v1/jobs/{job['id']}/events") as r:
+                async for line in r.aiter_lines():
+                    if line.startswith(": keep-alive") and worker.task is None:
+                        worker.start()  # the stream is open and idle: only now does the job run
+                    if line.startswith("event: "):
+                        seen.append(line[7:])
+            assert seen == ["queued", "started", "progress", "progress", "progress", "succeeded"]
+        await worker.stop()
+    finally:
+        server.should_exit = True
+        await serving
+
+        cleanup = Store(settings)
+        await drop_keys(cleanup)
+        await cleanup.close()

@@ -1,0 +1,27 @@
+"""The front end imports no JAX (nor torch, diffusers, models or workers): checked in a fresh interpreter where
+importing them fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROGRAM = """
+import sys
+for name in ("jax", "jaxlib", "flax", "torch", "diffusers", "models", "workers"):
+    sys.modules[name] = None  # any import of them raises ImportError
+import service.app, service.store, service.contract, service.settings, service.metrics, service.openapi_export
+service.app.create_app()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "torch", "diffusers", "models", "workers")
+                and sys.modules[m] is not None)
+assert not loaded, loaded
+print("ok")
+"""
+
+
+def test_service_imports_without_jax():
+    r = subprocess.run([sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -1,0 +1,36 @@
+"""`openapi.yaml` is the app's generated schema (regenerate with `python -m service.openapi_export`) and a valid
+OpenAPI 3 document."""
+
+from __future__ import annotations
+
+import yaml
+from openapi_spec_validator import validate
+
+from service.openapi_export import DEFAULT_PATH, openapi_schema
+
+
+def test_openapi_file_matches_app():
+    on_disk = yaml.safe_load(DEFAULT_PATH.read_text())
+    assert on_disk == openapi_schema(), "openapi.yaml is stale: run `python -m service.openapi_export`"
+
+
+def test_openapi_file_is_valid():
+    spec = yaml.safe_load(DEFAULT_PATH.read_text())
+    validate(spec)
+    paths = spec["paths"]
+    for path in (
+        "/v1/generate",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/events",
+        "/v1/jobs/{job_id}/outputs/{index}",
+        "/v1/models",
+        "/v1/images/generations",
+        "/livez",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in paths, path
+    errors = paths["/v1/generate"]["post"]["responses"]
+    assert {"202", "200", "404", "422", "429", "503"} <= set(errors)
+    assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")

@@ -1,0 +1,253 @@
+"""The store's queue semantics against the real Redis: priority order, the attempt fence, lease takeover,
+dead-lettering, release, cancel, the pool registry and exactly-once completion under concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from service.contract import JobParams, JobStatus, OutputBlob, Priority, QueueFull
+from service.store import Store
+from tests.service.conftest import TOY, FakeWorker, drop_keys
+
+pytestmark = pytest.mark.anyio
+
+
+def params(**kw) -> JobParams:
+    base = dict(
+        model="toy",
+        prompt="a red square",
+        width=64,
+        height=48,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        seed=7,
+    )
+    return JobParams(**{**base, **kw})
+
+
+def blob(i: int = 0) -> OutputBlob:
+    return OutputBlob(index=i, data=b"img%d" % i, content_type="image/png", width=64, height=48, seed=7)
+
+
+async def test_claim_reads_priorities_in_order(store: Store):
+    low = await store.submit(params(), Priority.LOW)
+    normal = await store.submit(params(), Priority.NORMAL)
+    high = await store.submit(params(), Priority.HIGH)
+    # Positions count the jobs ahead: high is next, low waits behind both.
+    assert [await store.queue_position(j) for j in (high, normal, low)] == [0, 1, 2]
+    got = await store.claim(["toy"], "c1", max_jobs=2)
+    assert [d.job.id for d in got] == [high.id, normal.id]
+    assert all(d.attempt == 1 and d.delivery_count == 1 for d in got)
+    assert [d.job.id for d in await store.claim(["toy"], "c1", max_jobs=5)] == [low.id]
+    assert await store.claim(["toy"], "c1", max_jobs=5, block_ms=20) == []
+
+
+async def test_blocking_claim_wakes_on_submit(store: Store):
+    claim = asyncio.create_task(store.claim(["toy"], "c1", max_jobs=1, block_ms=3000))
+    await asyncio.sleep(0.1)
+    job = await store.submit(params())
+    t0 = time.monotonic()
+    got = await claim
+    assert [d.job.id for d in got] == [job.id] and time.monotonic() - t0 < 1.0
+
+
+async def test_full_lifecycle_and_events(store: Store):
+    job = await store.submit(params(n=2))
+    (d,) = await store.claim(["toy"], "c1")
+    assert await store.start(d)
+    assert (await store.get(job.id)).status == JobStatus.RUNNING
+    assert await store.progress(d, 1, 2) and await store.progress(d, 2, 2)
+    assert await store.complete(d, [blob(0), blob(1)], stages={"denoise": 0.5})
+    done = await store.get(job.id)
+    assert done.status == JobStatus.SUCCEEDED and done.finished_at >= done.started_at >= done.created_at
+    assert [o.url for o in done.outputs] == [f"/v1/jobs/{job.id}/outputs/0", f"/v1/jobs/{job.id}/outputs/1"]
+    assert done.timings.total_s >= done.timings.inference_s > 0 and done.timings.stages == {"denoise": 0.5}
+    assert await store.output(job.id, 1) == b"img1"
+    types = [e.type.value for e in await store.events(job.id)]
+    assert types == ["queued", "started", "progress", "progress", "succeeded"]
+    # Ended: a job hash and its events expire; nothing is left pending in the stream.
+    assert 0 < await store.redis.ttl(store.job_key(job.id)) <= store.settings.job_ttl_s
+    assert (await store.redis.xpending(store.stream_key("toy", "normal"), "pools"))["pending"] == 0
+
+
+async def test_stale_attempt_write_is_refused(store: Store):
+    job = await store.submit(params())
+    (old,) = await store.claim(["toy"], "c1")
+    assert await store.start(old)
+    await asyncio.sleep(0.4)  # lease (0.3 s) expires without a heartbeat: c1 is presumed dead
+    (new,) = await store.claim(["toy"], "c2")
+    assert new.job.id == job.id and new.attempt == old.attempt + 1 and new.delivery_count == 2
+    assert await store.start(new)
+    # Every write of the old attempt is refused and changes nothing.
+    assert not await store.heartbeat(old)
+    assert not await store.progress(old, 1, 2)
+    assert not await store.complete(old, [blob()])
+    assert not await store.fail(old, "boom", "stale")
+    assert not await store.mark_canceled(old)
+    assert not await store.release(old)
+    assert await store.output(job.id, 0) is None
+    assert (await store.get(job.id)).status == JobStatus.RUNNING
+    assert await store.complete(new, [blob()])
+    assert not await store.complete(new, [blob()])  # and a job completes once
+    done = await store.get(job.id)
+    assert done.status == JobStatus.SUCCEEDED and done.worker == "c2" and done.attempt == 2
+
+
+async def test_takeover_after_lease_expiry_only(store: Store):
+    job = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    assert await store.start(d)
+    # While c1 heartbeats, the entry is idle longer than the lease but its lease lives: no takeover.
+    for _ in range(4):
+        await asyncio.sleep(0.15)
+        assert await store.heartbeat(d)
+        assert await store.claim(["toy"], "c2") == []
+    await asyncio.sleep(0.4)
+    (taken,) = await store.claim(["toy"], "c2")
+    assert taken.job.id == job.id and taken.consumer == "c2" and taken.delivery_count == 2
+    assert (await store.stats())[("toy", "reclaimed")] == 1
+
+
+async def test_dead_letter_after_max_deliveries(store: Store):
+    assert store.settings.max_deliveries == 3
+    job = await store.submit(params())
+    for n in range(1, 4):  # a poison job: each worker dies with it
+        (d,) = await store.claim(["toy"], f"c{n}")
+        assert d.delivery_count == n
+        assert await store.start(d)
+        await asyncio.sleep(0.35)
+    assert await store.claim(["toy"], "c4") == []
+    failed = await store.get(job.id)
+    assert failed.status == JobStatus.FAILED and failed.error.code == "too_many_deliveries"
+    assert "4 times (limit 3)" in failed.error.message
+    dlq = await store.redis.xrange(store.dlq_key("toy"))
+    assert len(dlq) == 1 and dlq[0][1]["job"] == job.id and dlq[0][1]["deliveries"] == "4"
+    assert (await store.redis.xpending(store.stream_key("toy", "normal"), "pools"))["pending"] == 0
+    assert (await store.events(job.id))[-1].type.value == "failed"
+    assert (await store.stats())[("toy", "dead_lettered")] == 1
+
+
+async def test_release_keeps_place_and_delivery_budget(store: Store):
+    first = await store.submit(params())
+    second = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    assert d.job.id == first.id and await store.start(d)
+    assert await store.release(d)
+    assert (await store.get(first.id)).status == JobStatus.QUEUED
+    got = await store.claim(["toy"], "c2", max_jobs=2)
+    # The released job comes back first, as a first delivery again, with a new attempt.
+    assert [x.job.id for x in got] == [first.id, second.id]
+    assert got[0].delivery_count == 1 and got[0].attempt == d.attempt + 2
+    assert not await store.complete(d, [blob()])
+
+
+async def test_cancel_queued_and_claimed(store: Store):
+    queued = await store.submit(params())
+    canceled = await store.cancel(queued.id)
+    assert canceled.status == JobStatus.CANCELED and canceled.finished_at
+    # A pool meeting the canceled entry acks and skips it.
+    assert await store.claim(["toy"], "c1") == []
+    assert (await store.redis.xpending(store.stream_key("toy", "normal"), "pools"))["pending"] == 0
+    # Canceled between claim and start: start refuses and acks.
+    job = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    await store.cancel(job.id)
+    assert not await store.start(d)
+    assert (await store.redis.xpending(store.stream_key("toy", "normal"), "pools"))["pending"] == 0
+
+
+async def test_cancel_running_is_a_request(store: Store):
+    job = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    await store.start(d)
+    assert not await store.cancel_requested(job.id)
+    after = await store.cancel(job.id)
+    assert after.status == JobStatus.RUNNING and after.cancel_requested
+    assert await store.cancel_requested(job.id)
+    assert await store.mark_canceled(d)
+    assert (await store.get(job.id)).status == JobStatus.CANCELED
+    assert (await store.cancel(job.id)).status == JobStatus.CANCELED  # ended: unchanged
+
+
+async def test_queue_limit_counts_undelivered_only(make_settings):
+    store = Store(make_settings(queue_max_length=2))
+    try:
+        await store.submit(params(), Priority.HIGH)
+        await store.submit(params(), Priority.LOW)
+        with pytest.raises(QueueFull):
+            await store.submit(params())
+        await store.claim(["toy"], "c1")  # one delivered: room for one more
+        await store.submit(params())
+        depths = await store.queue_depths()
+        assert depths[("toy", Priority.LOW)]["depth"] == 1 and depths[("toy", Priority.NORMAL)]["depth"] == 1
+        assert (
+            depths[("toy", Priority.HIGH)]["pending"] == 1
+            and depths[("toy", Priority.LOW)]["oldest_age_s"] >= 0
+        )
+    finally:
+        await drop_keys(store)
+        await store.close()
+
+
+async def test_idempotent_submit(store: Store):
+    from service.contract import IdempotencyConflict
+
+    a = await store.submit(params(), idempotency_key="k1", request_digest="h1")
+    b = await store.submit(params(), idempotency_key="k1", request_digest="h1")
+    assert a.id == b.id
+    with pytest.raises(IdempotencyConflict):
+        await store.submit(params(), idempotency_key="k1", request_digest="h2")
+    c = await store.submit(params(), idempotency_key="k2", request_digest="h1")
+    assert c.id != a.id
+
+
+async def test_pool_registry(store: Store):
+    worker = FakeWorker(store, name="p1")
+    await worker.register(ready=False)
+    (pool,) = await store.list_pools()
+    assert pool.name == "p1" and not pool.ready and pool.models[0] == TOY and pool.last_seen > 0
+    assert await store.heartbeat_pool("p1", ready=True)
+    assert (await store.list_pools())[0].ready
+    assert not await store.heartbeat_pool("nope")
+    # A pool not seen for pool_stale_s is left out.
+    raw = (await store.list_pools())[0].model_copy(update={"last_seen": time.time() - 1000})
+    await store.redis.hset(store.pools_key, "p1", raw.model_dump_json())
+    assert await store.list_pools() == [] and len(await store.list_pools(include_stale=True)) == 1
+    await store.unregister_pool("p1")
+    assert await store.list_pools(include_stale=True) == []
+
+
+async def test_two_consumers_finish_each_job_exactly_once(store: Store):
+    jobs = [await store.submit(params(num_inference_steps=1)) for _ in range(100)]
+    workers = [FakeWorker(store, name=f"w{i}", step_s=0, max_jobs=4) for i in range(2)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 30
+    while sum(len(w.finished) for w in workers) < len(jobs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for w in workers:
+        await w.stop()
+    finished = [j for w in workers for j in w.finished]
+    assert sorted(finished) == sorted(j.id for j in jobs)  # each once, none twice
+    assert all(len(w.finished) > 10 for w in workers)  # both pools got work
+    statuses = {(await store.get(j.id)).status for j in jobs}
+    assert statuses == {JobStatus.SUCCEEDED}
+
+
+async def test_trim_drops_only_finished_entries(store: Store):
+    stream = store.stream_key("toy", "normal")
+    done = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    await store.start(d)
+    await store.complete(d, [blob()])
+    waiting = await store.submit(params())
+    store._trimmed.clear()
+    await store.claim(["other"], "c1")  # trims only the streams it reads
+    assert await store.redis.xlen(stream) == 2
+    await store._run("TRIM", [stream], [])
+    entries = await store.redis.xrange(stream)
+    assert [f["job"] for _, f in entries] == [waiting.id] and done.id != waiting.id
+    assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 1

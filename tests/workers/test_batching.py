@@ -1,0 +1,95 @@
+"""Batch formation: only compatible jobs share a batch, at most max_batch images, priority first, and the
+wait for company is bounded by batch_wait_ms."""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from workers.batching import BatchKey, gather_batch, take_batch
+
+K64 = BatchKey("m", 64, 64, 4, "euler")
+
+
+@dataclass
+class W:
+    name: str
+    key: BatchKey = K64
+    images: int = 1
+    priority_rank: int = 1
+
+
+def names(items):
+    return [w.name for w in items]
+
+
+def test_only_compatible_jobs_share_a_batch():
+    pending = [
+        W("a"),
+        W("b", key=BatchKey("m", 64, 128, 4, "euler")),
+        W("c", key=BatchKey("m", 64, 64, 8, "euler")),
+        W("d", key=BatchKey("m", 64, 64, 4, "ddim")),
+        W("e", key=BatchKey("other", 64, 64, 4, "euler")),
+        W("f"),
+    ]
+    batch, rest = take_batch(pending, max_batch=8)
+    assert names(batch) == ["a", "f"]
+    assert names(rest) == ["b", "c", "d", "e"]
+
+
+def test_max_batch_counts_images_and_big_jobs_run_alone():
+    batch, rest = take_batch([W("a", images=3), W("b", images=2), W("c", images=1)], max_batch=4)
+    assert names(batch) == ["a", "c"] and names(rest) == ["b"]
+    batch, rest = take_batch([W("big", images=9), W("x")], max_batch=4)
+    assert names(batch) == ["big"] and names(rest) == ["x"]
+
+
+def test_highest_priority_anchors_the_batch():
+    pending = [
+        W("low", priority_rank=2),
+        W("normal"),
+        W("high", key=BatchKey("m", 8, 8, 1, None), priority_rank=0),
+    ]
+    batch, rest = take_batch(pending, max_batch=4)
+    assert names(batch) == ["high"] and names(rest) == ["normal", "low"]
+
+
+def test_gather_waits_for_company_then_stops_at_the_deadline():
+    arrivals = [[W("a")], [], [W("b")], [W("c", key=BatchKey("m", 8, 8, 4, None))]]
+    calls = []
+
+    async def claim(max_jobs, block_ms):
+        calls.append((max_jobs, block_ms))
+        assert block_ms >= 1  # XREADGROUP BLOCK 0 would wait forever
+        await asyncio.sleep(0.001)
+        return arrivals.pop(0) if arrivals else []
+
+    batch, rest = asyncio.run(gather_batch([], claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
+    # "a" then an empty read (block elapsed: stop waiting) - b never joins.
+    assert names(batch) == ["a"] and rest == []
+    assert calls[0] == (4, 50) and calls[1][0] == 3
+
+    arrivals[:] = [[W("a")], [W("b")], [W("c", key=BatchKey("m", 8, 8, 4, None))], [W("d")]]
+    batch, rest = asyncio.run(gather_batch([], claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
+    # c is incompatible: it stays claimed and ends the wait (leftovers go first, next round).
+    assert names(batch) == ["a", "b"] and names(rest) == ["c"]
+
+
+def test_gather_is_bounded_by_batch_wait():
+    async def claim(max_jobs, block_ms):
+        await asyncio.sleep(block_ms / 1000)
+        return [W("x")]
+
+    t0 = time.monotonic()
+    batch, _ = asyncio.run(gather_batch([], claim, max_batch=100, batch_wait_ms=50, idle_block_ms=10))
+    elapsed = time.monotonic() - t0
+    assert 2 <= len(batch) < 100
+    assert elapsed < 0.2
+
+
+def test_gather_uses_leftovers_before_claiming():
+    async def claim(max_jobs, block_ms):
+        raise AssertionError("must not claim while a full batch is pending")
+
+    pending = [W("a", images=2), W("b", images=2)]
+    batch, rest = asyncio.run(gather_batch(pending, claim, max_batch=4, batch_wait_ms=50, idle_block_ms=10))
+    assert names(batch) == ["a", "b"] and rest == []

@@ -1,0 +1,126 @@
+"""pools.yaml validation: device slices, mesh sizes, model references; every error names what is wrong."""
+
+import pytest
+from pydantic import ValidationError
+
+from workers.config import WorkerConfig, load_config, parse_devices, single_model_config
+
+
+def _cfg(**pool):
+    base = {"name": "p0", "models": ["m"], **pool}
+    return {"models": {"m": {"path": None}}, "pools": [base]}
+
+
+def test_parse_devices():
+    assert parse_devices("0-3") == [0, 1, 2, 3]
+    assert parse_devices("0,2,5-6") == [0, 2, 5, 6]
+    assert parse_devices(3) == [3]
+    assert parse_devices([4, 5]) == [4, 5]
+    for bad in ["", "a", "1-", "0,0", "-1"]:
+        with pytest.raises(ValueError):
+            parse_devices(bad)
+
+
+def test_example_config_from_the_architecture(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_text(
+        "models:\n  sdxl: {path: /models/sdxl-base-1.0, dtype: bfloat16}\n"
+        'pools:\n  - name: sdxl-0\n    devices: "0-3"\n    mesh: {cfg: 2, context: 2}\n    models: [sdxl]\n'
+        "    max_batch: 4\n    buckets: [[1024, 1024], [832, 1216]]\n"
+    )
+    cfg = load_config(path)
+    pool = cfg.pools[0]
+    assert pool.device_ids == [0, 1, 2, 3]
+    assert pool.mesh.as_dict() == {"data": 1, "cfg": 2, "context": 2, "tensor": 1}
+    assert pool.buckets == [(1024, 1024), (832, 1216)]
+    assert cfg.models["sdxl"].dtype == "bfloat16"
+
+
+def test_devices_default_to_the_mesh_size():
+    cfg = WorkerConfig.model_validate(_cfg(mesh={"tensor": 2, "data": 2}, max_batch=2))
+    assert cfg.pools[0].device_ids == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "pool, message",
+    [
+        ({"devices": "0-2", "mesh": {"cfg": 2}}, "needs 2 devices"),
+        ({"mesh": {"cfg": 3}}, "cfg"),
+        ({"devices": "0-1", "mesh": {"data": 2}, "max_batch": 3}, "multiple of mesh data=2"),
+        ({"models": ["other"]}, "unknown models ['other']"),
+        ({"max_bacth": 2}, "max_bacth"),
+        ({"devices": "x"}, "cannot read"),
+    ],
+)
+def test_bad_pool_is_a_clear_error(pool, message):
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        WorkerConfig.model_validate(_cfg(**pool))
+
+
+def test_overlapping_slices_and_duplicate_names():
+    base = {"models": {"m": {}}}
+    with pytest.raises(ValidationError, match="device 1 is in two pools"):
+        WorkerConfig.model_validate(
+            {
+                **base,
+                "pools": [
+                    {"name": "a", "models": ["m"], "devices": "0-1", "mesh": {"data": 2}, "max_batch": 2},
+                    {"name": "b", "models": ["m"], "devices": "1"},
+                ],
+            }
+        )
+    with pytest.raises(ValidationError, match="repeated"):
+        WorkerConfig.model_validate(
+            {
+                **base,
+                "pools": [
+                    {"name": "a", "models": ["m"], "devices": "0"},
+                    {"name": "a", "models": ["m"], "devices": "1"},
+                ],
+            }
+        )
+
+
+def test_deploy_pool_files_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "deploy" / "pools").glob("*.yaml")):
+        load_config(path)
+
+
+def test_single_model_config():
+    cfg = single_model_config(None)
+    assert list(cfg.models) == ["tiny-sdxl"] and cfg.models["tiny-sdxl"].path is None
+    assert cfg.pools[0].device_ids == [0]
+    assert list(single_model_config("/models/my-sdxl").models) == ["my-sdxl"]
+    assert single_model_config("/models/my sdxl (v2)/").pools[0].name == "my-sdxl--v2--0"
+
+
+def test_pool_attention_options_reach_the_pipeline():
+    from workers.pool import Pool
+
+    cfg = WorkerConfig.model_validate(
+        {
+            "models": {"m": {"path": None}},
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "mesh": {"context": 2},
+                    "attention": {"context_strategy": "ring", "block_kv": 256},
+                }
+            ],
+        }
+    )
+    pool_cfg = cfg.pools[0]
+    assert pool_cfg.attention.model_dump(exclude_none=True) == {"context_strategy": "ring", "block_kv": 256}
+    opts = Pool._options(type("P", (), {"cfg": pool_cfg})(), cfg.models["m"])
+    assert opts == {"attention": {"context_strategy": "ring", "block_kv": 256}}
+    with pytest.raises(ValidationError, match="context_strategy"):
+        WorkerConfig.model_validate(
+            {
+                "models": {"m": {"path": None}},
+                "pools": [{"name": "p", "models": ["m"], "attention": {"context_strategy": "spiral"}}],
+            }
+        )

@@ -1,0 +1,232 @@
+"""The real model path: the pipeline runner with the embedded tiny SDXL model inside a worker pool, and
+`run_serve` (API + worker + its own redis-server) driven over HTTP. Skipped until `models.load_pipeline` exists."""
+
+import asyncio
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from service.contract import JobStatus
+from service.store import Store
+from tests.workers.helpers import ROOT, cleanup, make_settings, params, submit_many, wait_ended
+from workers.config import single_model_config
+from workers.encoding import to_uint8
+from workers.main import Worker
+from workers.runner import Cancelled, RunRequest
+
+models = pytest.importorskip("models")
+if not hasattr(models, "load_pipeline"):
+    pytest.skip("models.load_pipeline is not there yet", allow_module_level=True)
+
+
+def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
+    async def main():
+        settings = make_settings(lease_s=30.0)
+        store = Store(settings)
+        worker = Worker(single_model_config(None), settings)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(worker.ready.wait(), 300)
+            (pool,) = await store.list_pools()
+            info = pool.models[0]
+            assert (info.id, info.family, info.task) == ("tiny-sdxl", "sdxl", "text-to-image")
+            d = info.defaults
+            jobs = [
+                params("a red square", model="tiny-sdxl", steps=d.num_inference_steps, seed=11, size=d.width),
+                params(
+                    "a blue circle", model="tiny-sdxl", steps=d.num_inference_steps, seed=5, size=d.width, n=2
+                ),
+            ]
+            ids = await submit_many(store, jobs)
+            done = await wait_ended(store, ids, timeout=300)
+            assert all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
+            pipe = worker.pools[0].runners["tiny-sdxl"].pipe
+            runner = worker.pools[0].runners["tiny-sdxl"]
+            for job_id, p in zip(ids, jobs, strict=True):
+                job = done[job_id]
+                assert [o.seed for o in job.outputs] == [p.seed + i for i in range(p.n)]
+                assert job.progress.step == job.progress.total_steps == p.num_inference_steps
+                assert {"text_encode", "denoise", "vae_decode", "encode"} <= set(job.timings.stages)
+                for i, out in enumerate(job.outputs):
+                    assert (out.width, out.height, out.content_type) == (p.width, p.height, "image/png")
+                    got = np.asarray(Image.open(io.BytesIO(await store.output(job_id, i))).convert("RGB"))
+                    ref = await asyncio.to_thread(
+                        pipe,
+                        [p.prompt],
+                        negative_prompt=[None],
+                        height=p.height,
+                        width=p.width,
+                        num_inference_steps=p.num_inference_steps,
+                        guidance_scale=[p.guidance_scale],
+                        seed=[p.seed + i],
+                        num_images_per_prompt=1,
+                        output_type="np",
+                    )
+                    # Same program, same inputs: identical up to a rounding level (batch of 1 vs n rows).
+                    diff = np.abs(got.astype(int) - to_uint8(ref.images[0]).astype(int)).max()
+                    assert diff <= 1, f"job {job_id} image {i}: max |diff| {diff}"
+                    assert got.std() > 1  # not a blank image
+            # GenerationCancelled from inside the compiled loop surfaces as the runner's Cancelled.
+            req = RunRequest(
+                "x", params("stop", model="tiny-sdxl", steps=d.num_inference_steps, size=d.width)
+            )
+            seen = []
+            with pytest.raises(Cancelled):
+                await asyncio.to_thread(runner.run, [req], lambda step, total: seen.append(step) or step < 2)
+            assert seen == [1, 2]
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 60)
+            await store.close()
+            cleanup(settings)
+
+    asyncio.run(main())
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+    }
+    env.pop("MESHSERVE_REDIS_URL", None)
+    code = f"from workers.serve import run_serve; run_serve(port={port}, redis_url=None, model=None)"
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=10) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "serve never became ready"
+                time.sleep(0.5)
+            models_ = client.get("/v1/models").json()
+            assert [m["id"] for m in models_["data"]] == ["tiny-sdxl"]
+            r = client.post("/v1/generate", json={"prompt": "a lighthouse", "seed": 3})
+            assert r.status_code == 202, r.text
+            job_id = r.json()["id"]
+            while True:
+                job = client.get(f"/v1/jobs/{job_id}").json()
+                if job["status"] in ("succeeded", "failed", "canceled"):
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert job["status"] == "succeeded", job
+            img = client.get(job["outputs"][0]["url"])
+            assert img.headers["content-type"] == "image/png"
+            assert Image.open(io.BytesIO(img.content)).size == (64, 64)
+            text = client.get("/metrics").text
+            assert 'meshserve_worker_jobs_total{model="tiny-sdxl",outcome="succeeded"} 1.0' in text
+            assert "meshserve_http_requests_total" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        out = (tmp_path / "serve.log").read_text()
+        assert "started a local redis-server" in out
+        redis_pid = int(out.split("(pid ")[1].split(")")[0])
+        with pytest.raises(ProcessLookupError):
+            os.kill(redis_pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _placement_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("models.parallel.placement") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _placement_available(), reason="models.parallel.placement (issue 4) is not there yet")
+def test_two_pools_on_disjoint_4_device_slices_match_one_device():
+    """Issue 4 §4: two pools x 4 CPU devices in one process, each on its own mesh, side by side; every image
+    equals the single-device pipeline's."""
+    import jax
+
+    from models import load_pipeline
+    from workers.config import WorkerConfig
+
+    assert len(jax.devices()) >= 8
+    mesh = {"cfg": 2, "context": 2}
+    pool = {"models": ["tiny-sdxl"], "mesh": mesh, "max_batch": 1, "batch_wait_ms": 0}
+    cfg = WorkerConfig.model_validate(
+        {
+            "models": {"tiny-sdxl": {"path": None}},
+            "pools": [
+                {"name": "left", "devices": "0-3", **pool},
+                {"name": "right", "devices": "4-7", **pool},
+            ],
+            "metrics_port": None,
+        }
+    )
+
+    async def main():
+        settings = make_settings(lease_s=60.0)
+        store = Store(settings)
+        worker = Worker(cfg, settings)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(worker.ready.wait(), 600)
+            pools = {p.name.rsplit("/", 1)[1]: p for p in await store.list_pools()}
+            assert pools["left"].mesh == {"data": 1, "cfg": 2, "context": 2, "tensor": 1}
+            d = pools["left"].models[0].defaults
+            jobs = [
+                params(f"prompt {i}", model="tiny-sdxl", steps=d.num_inference_steps, seed=i, size=d.width)
+                for i in range(4)
+            ]
+            ids = await submit_many(store, jobs)
+            done = await wait_ended(store, ids, timeout=600)
+            assert all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
+            assert {j.worker.rsplit("/", 1)[1] for j in done.values()} == {"left", "right"}
+            ref_pipe = await asyncio.to_thread(load_pipeline, None)
+            for job_id, p in zip(ids, jobs, strict=True):
+                got = np.asarray(Image.open(io.BytesIO(await store.output(job_id, 0))).convert("RGB"))
+                ref = await asyncio.to_thread(
+                    ref_pipe,
+                    [p.prompt],
+                    negative_prompt=[None],
+                    height=p.height,
+                    width=p.width,
+                    num_inference_steps=p.num_inference_steps,
+                    guidance_scale=[p.guidance_scale],
+                    seed=[p.seed],
+                    num_images_per_prompt=1,
+                    output_type="np",
+                )
+                diff = np.abs(got.astype(int) - to_uint8(ref.images[0]).astype(int)).max()
+                assert diff <= 1, f"{done[job_id].worker}: max |diff| {diff} against one device"
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 60)
+            await store.close()
+            cleanup(settings)
+
+    asyncio.run(main())

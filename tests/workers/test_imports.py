@@ -1,0 +1,24 @@
+"""Dependency direction: a worker with a model-free runner, and `meshserve serve`'s module, never import JAX
+(only a pool that runs a real model does); the runner side never imports torch or diffusers."""
+
+import subprocess
+import sys
+
+from tests.workers.helpers import ROOT
+
+CODE = """
+import sys
+import workers.main, workers.serve, workers.pool, workers.job_loop, workers.metrics
+from workers.fake_runner import FakeRunner
+from workers.runner import RunRequest
+from service.contract import JobParams
+p = JobParams(model="f", prompt="x", width=8, height=8, num_inference_steps=1, guidance_scale=1.0, seed=0)
+FakeRunner("f").run([RunRequest("j", p)])
+heavy = sorted(m for m in ("jax", "flax", "torch", "diffusers", "models") if m in sys.modules)
+assert not heavy, heavy
+"""
+
+
+def test_workers_import_no_jax_until_a_real_model_runs():
+    out = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

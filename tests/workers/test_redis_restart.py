@@ -1,0 +1,108 @@
+"""A worker rides out a Redis restart: while Redis is down its claims, heartbeats and writes fail and are retried;
+once Redis is back (same AOF), every accepted job ends succeeded exactly once and the pool is registered again.
+Uses a private redis-server on a spare port (the shared one on 6379 is never touched)."""
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from service.contract import JobStatus
+from service.settings import Settings
+from service.store import Store
+from tests.workers.helpers import all_events, params, submit_many, wait_ended, wait_status
+from workers.config import WorkerConfig
+from workers.main import Worker
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(port, workdir):
+    # appendfsync always: every acknowledged write survives the SIGKILL below.
+    args = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(workdir),
+        "--save",
+        "",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("private redis-server did not start")
+
+
+@pytest.mark.parametrize("outage_s", [1.5, 4.0], ids=["write-retried", "write-abandoned-then-reclaimed"])
+def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
+    """1.5 s: shorter than the lease (2 s), the finished job's write is retried until Redis is back. 4 s: the
+    worker gives the write up after a lease; the job, still `running` in Redis with its lease lapsed, is
+    reclaimed and run again - still one result."""
+    port = _port()
+    redis_proc = _start_redis(port, tmp_path)
+    settings = Settings(
+        redis_url=f"redis://127.0.0.1:{port}/0", key_prefix="ms", lease_s=2.0, pool_stale_s=5.0
+    )
+    cfg = WorkerConfig.model_validate(
+        {
+            "models": {"fake": {"runner": "fake", "options": {"step_seconds": 0.05}}},
+            "pools": [{"name": "r", "devices": "0", "models": ["fake"]}],
+            "metrics_port": None,
+        }
+    )
+
+    async def main():
+        nonlocal redis_proc
+        store = Store(settings)
+        worker = Worker(cfg, settings)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(worker.ready.wait(), 20)
+            ids = await submit_many(store, [params(f"job {i}", steps=10, seed=i) for i in range(5)])
+            await wait_status(store, ids[0], JobStatus.RUNNING, timeout=10, step=2)
+            redis_proc.kill()
+            redis_proc.wait(5)
+            await asyncio.sleep(outage_s)  # the running job finishes its steps with Redis away
+            assert not task.done()
+            redis_proc = _start_redis(port, tmp_path)
+            jobs = await wait_ended(store, ids, timeout=60)
+            assert all(j.status == JobStatus.SUCCEEDED for j in jobs.values()), jobs
+            for job_id in ids:
+                assert (await all_events(store, job_id)).count("succeeded") == 1
+            if outage_s > settings.lease_s:
+                assert jobs[ids[0]].attempt == 2 and (await store.stats())[("fake", "reclaimed")] == 1
+            assert [p.name.rsplit("/", 1)[1] for p in await store.list_pools()] == ["r"]
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+            await store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        redis_proc.kill()
+        redis_proc.wait(5)

@@ -1,0 +1,84 @@
+"""Batching of compatible jobs: one device batch runs one compiled program, so its jobs must share the model,
+the shape bucket (width, height, frames), the step count and the scheduler. Guidance, seeds, prompts and n may
+differ (they are per-row data). A batch holds at most `max_batch` images (the sum of the jobs' n); a single job
+with more images than that runs alone.
+
+`take_batch` is the pure choice; `gather_batch` waits up to `batch_wait_ms` for company after the first job,
+claiming more from the queue, and hands back whatever it claimed but could not fit (run next, before any new
+claim, so nothing claimed waits long).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    model: str
+    width: int
+    height: int
+    num_inference_steps: int
+    scheduler: str | None
+    num_frames: int | None = None
+
+
+class Batchable(Protocol):
+    key: BatchKey
+    images: int  # rows this job adds to the device batch
+    priority_rank: int  # 0 = high: earlier ranks go first
+
+
+T = TypeVar("T", bound=Batchable)
+
+
+def take_batch(pending: Sequence[T], max_batch: int) -> tuple[list[T], list[T]]:
+    """The first job of the highest priority present anchors the batch; later jobs with its key join while
+    they fit. Returns (batch, the rest in their order)."""
+    if not pending:
+        return [], []
+    ordered = sorted(pending, key=lambda w: w.priority_rank)  # stable: arrival order within a priority
+    anchor = ordered[0]
+    batch, rest, images = [anchor], [], anchor.images
+    for item in ordered[1:]:
+        if item.key == anchor.key and images + item.images <= max_batch:
+            batch.append(item)
+            images += item.images
+        else:
+            rest.append(item)
+    return batch, rest
+
+
+async def gather_batch(
+    pending: list[T],
+    claim: Callable[[int, int], Awaitable[Sequence[T]]],
+    *,
+    max_batch: int,
+    batch_wait_ms: float,
+    idle_block_ms: int,
+    stopping: Callable[[], bool] = lambda: False,
+) -> tuple[list[T], list[T]]:
+    """Form the next batch. `claim(max_jobs, block_ms)` reads new work (an empty result after block_ms when
+    there is none). With nothing pending it blocks up to idle_block_ms for a first job; then it keeps claiming
+    until the batch is full or batch_wait_ms has passed since the first job was in hand."""
+    if not pending:
+        pending = list(await claim(max_batch, idle_block_ms))
+        if not pending:
+            return [], []
+    batch, rest = take_batch(pending, max_batch)
+    deadline = time.monotonic() + batch_wait_ms / 1000.0
+    while not stopping():
+        room = max_batch - sum(w.images for w in batch)
+        left_ms = (deadline - time.monotonic()) * 1000.0
+        # Stop at a full batch, at the deadline, or when leftovers already wait (claiming more would only
+        # grow the backlog this process holds while other pools could be serving it).
+        if room <= 0 or left_ms < 1.0 or rest:
+            break
+        more = await claim(room, int(left_ms))
+        if not more:
+            break
+        batch, rest = take_batch([*batch, *more], max_batch)
+    return batch, rest

@@ -1,0 +1,184 @@
+"""The worker's pool configuration (`pools.yaml`), validated with pydantic before anything loads or compiles.
+
+    models:
+      sdxl: {path: /models/sdxl-base-1.0, dtype: bfloat16}
+    pools:
+      - name: sdxl-0
+        devices: "0-3"
+        mesh: {cfg: 2, context: 2}
+        models: [sdxl]
+        max_batch: 4
+        buckets: [[1024, 1024], [832, 1216]]
+
+A model's `runner` picks its implementation by name: "pipeline" (the default) wraps `models.load_pipeline`;
+"fake" is the model-free runner of `workers.fake_runner` (tests, load benchmarks); anything with a colon is an
+import path "module:Class". Redis, lease and TTL settings are not here: they are the service package's
+`Settings` (environment `MESHSERVE_*`), shared by API and workers so both sides agree on them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MESH_AXES = ("data", "cfg", "context", "tensor")
+
+
+class _Strict(BaseModel):
+    # A typo in pools.yaml ("max_bacth") must be an error, not a silently ignored key.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str | None = None  # None: the embedded tiny default model
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    runner: str = "pipeline"
+    options: dict[str, Any] = Field(default_factory=dict)  # passed to the runner as keyword arguments
+
+
+class MeshSizes(_Strict):
+    data: int = Field(1, ge=1)
+    cfg: int = Field(1, ge=1, le=2)  # cond and uncond halves: nothing else fits on this axis
+    context: int = Field(1, ge=1)
+    tensor: int = Field(1, ge=1)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.as_dict().values())
+
+    def as_dict(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+def parse_devices(spec: str | int | list[int]) -> list[int]:
+    """ "0-3" -> [0, 1, 2, 3]; "0,2,5-6" -> [0, 2, 5, 6]; 3 -> [3]; a list is taken as it is."""
+    if isinstance(spec, int):
+        return [spec]
+    if isinstance(spec, list):
+        ids = list(spec)
+    else:
+        ids = []
+        for part in str(spec).replace(" ", "").split(","):
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            if not lo.isdigit() or (sep and not hi.isdigit()):
+                raise ValueError(f'devices: cannot read {part!r} in {spec!r} (use e.g. "0-3" or "0,2,4-5")')
+            ids.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    if not ids:
+        raise ValueError(f"devices: {spec!r} names no device")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"devices: {spec!r} names a device twice")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"devices: {spec!r} has a negative index")
+    return ids
+
+
+class AttentionOptions(_Strict):
+    """How the pool's attention runs (models.attention.AttentionSettings); unset fields keep its defaults."""
+
+    kernel: Literal["auto", "reference", "xla_blockwise", "cudnn", "splash"] | None = None
+    context_strategy: Literal["auto", "ring", "ulysses", "allgather", "hybrid"] | None = None
+    block_q: int | None = Field(None, ge=1)
+    block_kv: int | None = Field(None, ge=1)
+    ulysses_degree: int | None = Field(None, ge=1)
+    allgather_max_kv: int | None = Field(None, ge=0)
+
+
+class PoolConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    # Device indices into jax.devices(); None: the first `mesh.size` devices.
+    devices: str | int | list[int] | None = None
+    mesh: MeshSizes = Field(default_factory=MeshSizes)
+    attention: AttentionOptions = Field(default_factory=AttentionOptions)
+    models: list[str] = Field(min_length=1)
+    max_batch: int = Field(1, ge=1)  # images per device batch, summed over the jobs in it
+    batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company
+    buckets: list[tuple[int, int]] = Field(default_factory=list)  # (width, height) compiled at start
+    warm_up_batch_sizes: list[int] = Field(default_factory=lambda: [1])
+    warm_up_steps: int | None = None  # None: the model's default step count
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_readable(cls, v):
+        if v is not None:
+            parse_devices(v)
+        return v
+
+    @property
+    def device_ids(self) -> list[int]:
+        return parse_devices(self.devices) if self.devices is not None else list(range(self.mesh.size))
+
+    @model_validator(mode="after")
+    def _mesh_fits_slice(self):
+        n = len(self.device_ids)
+        if self.mesh.size != n:
+            raise ValueError(
+                f"pool {self.name!r}: mesh {self.mesh.as_dict()} needs {self.mesh.size} devices but the slice "
+                f"{self.devices!r} has {n}"
+            )
+        if self.max_batch % self.mesh.data:
+            raise ValueError(
+                f"pool {self.name!r}: max_batch {self.max_batch} must be a multiple of mesh data={self.mesh.data}"
+            )
+        return self
+
+
+class WorkerConfig(_Strict):
+    models: dict[str, ModelSpec]
+    pools: list[PoolConfig] = Field(min_length=1)
+    name: str | None = None  # the consumer name prefix; default "<hostname>-<pid>"
+    metrics_port: int | None = Field(9400, ge=0, le=65535)  # None: no /metrics server (0: any free port)
+    redis_url: str | None = None  # overrides MESHSERVE_REDIS_URL when set
+    drain_seconds: float = Field(30.0, ge=0)  # SIGTERM: how long a running batch may take before release
+    compilation_cache_dir: str | None = None  # JAX's persistent compilation cache: restarts skip compiling
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        names = [p.name for p in self.pools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pool names must be unique; repeated: {dupes}")
+        for pool in self.pools:
+            unknown = [m for m in pool.models if m not in self.models]
+            if unknown:
+                raise ValueError(
+                    f"pool {pool.name!r} serves unknown models {unknown}; declared: {sorted(self.models)}"
+                )
+        owner: dict[int, str] = {}
+        for pool in self.pools:
+            for d in pool.device_ids:
+                if d in owner:
+                    raise ValueError(f"device {d} is in two pools: {owner[d]!r} and {pool.name!r}")
+                owner[d] = pool.name
+        return self
+
+
+def load_config(path: str | Path) -> WorkerConfig:
+    """Read and validate a pools.yaml; errors name the file and the offending field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read worker config {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping with `models` and `pools`")
+    return WorkerConfig.model_validate(raw)
+
+
+def single_model_config(
+    model: str | None = None, *, model_name: str | None = None, metrics_port: int | None = None
+) -> WorkerConfig:
+    """One pool on one device serving one model: `model` is a diffusers folder or None for the embedded
+    default. Used by `meshserve serve`."""
+    name = model_name or (Path(model).name if model else "tiny-sdxl")
+    return WorkerConfig(
+        models={name: ModelSpec(path=model)},
+        pools=[PoolConfig(name=re.sub(r"[^A-Za-z0-9_.-]", "-", name) + "-0", models=[name], devices="0")],
+        metrics_port=metrics_port,
+    )

@@ -1,0 +1,101 @@
+"""A model-free runner with the real runner's interface: no JAX, deterministic images, configurable step time
+and failure modes. The worker's queue semantics (batching, leases, cancel, dead letters, SIGTERM) are tested
+with it, and the load benchmarks use it to measure the serving path without a model.
+
+pools.yaml:   models: {fake: {runner: fake, options: {step_seconds: 0.01, crash_marker: "CRASH"}}}
+A prompt containing `raise_marker` makes `run` raise RuntimeError (a worker-side fault: retried, and dead-
+lettered after the delivery limit); `crash_marker` kills the process mid-run (os._exit, as an OOM kill would);
+`reject_marker` raises InvalidRequest (the job's own fault: failed at once).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from service.contract import ModelDefaults, ModelInfo, ModelLimits
+from workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult, split_and_encode
+
+
+class FakeRunner(Runner):
+    def __init__(
+        self,
+        name: str,
+        *,
+        step_seconds: float = 0.0,
+        default_steps: int = 4,
+        default_size: int = 64,
+        max_n: int = 4,
+        raise_marker: str | None = "FAKE_RAISE",
+        crash_marker: str | None = "FAKE_CRASH",
+        reject_marker: str | None = "FAKE_REJECT",
+        **_ignored,
+    ):
+        super().__init__(name)
+        self.step_seconds = step_seconds
+        self.default_steps, self.default_size, self.max_n = default_steps, default_size, max_n
+        self.raise_marker, self.crash_marker, self.reject_marker = raise_marker, crash_marker, reject_marker
+        self.calls: deque[list[str]] = deque(
+            maxlen=1000
+        )  # job ids of recent run() calls, for in-process tests
+
+    def load(self) -> None:
+        pass
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            id=self.name,
+            family="fake",
+            task="text-to-image",
+            defaults=ModelDefaults(
+                width=self.default_size,
+                height=self.default_size,
+                num_inference_steps=self.default_steps,
+                guidance_scale=5.0,
+            ),
+            limits=ModelLimits(
+                size_multiple=8,
+                min_size=8,
+                max_size=1024,
+                min_steps=1,
+                max_steps=100,
+                max_n=self.max_n,
+                schedulers=["euler", "ddim"],
+            ),
+        )
+
+    def run(self, batch: Sequence[RunRequest], callback=None) -> list[RunResult]:
+        self.calls.append([r.job_id for r in batch])
+        for req in batch:
+            if self.reject_marker and self.reject_marker in req.params.prompt:
+                raise InvalidRequest(f"fake runner rejects prompt with {self.reject_marker!r}")
+        first = batch[0].params
+        total = first.num_inference_steps
+        t0 = time.perf_counter()
+        for step in range(1, total + 1):
+            if self.step_seconds:
+                time.sleep(self.step_seconds)
+            for req in batch:
+                if self.crash_marker and self.crash_marker in req.params.prompt:
+                    os._exit(17)  # no cleanup, no ack: exactly what a killed worker leaves behind
+                if self.raise_marker and self.raise_marker in req.params.prompt:
+                    raise RuntimeError(f"fake runner fault on prompt with {self.raise_marker!r}")
+            if callback is not None and callback(step, total) is False:
+                raise Cancelled(f"stopped after step {step} of {total}")
+        denoise = time.perf_counter() - t0
+        # Each image is a flat colour from a hash of (prompt, seed): the same job gives the same bytes.
+        rows, seeds = [], []
+        for req in batch:
+            for seed in req.seeds():
+                h = zlib.crc32(f"{req.params.prompt}|{seed}".encode())
+                colour = np.array([h & 255, (h >> 8) & 255, (h >> 16) & 255], np.float32) / 255.0
+                rows.append(np.broadcast_to(colour, (first.height, first.width, 3)))
+                seeds.append(seed)
+        images = np.stack(rows)  # [B, H, W, 3]
+        timings = {"text_encode": 0.0, "denoise": denoise, "vae_decode": 0.0}
+        return split_and_encode(batch, images, seeds, timings, compiled=False)

@@ -1,0 +1,330 @@
+"""One pool's job loop: claim -> batch -> start -> run (progress, cancel, lease heartbeat) -> complete | fail.
+
+Delivery is at least once (service/store.py): a job is acknowledged only by `complete` / `fail` /
+`mark_canceled`, all fenced by the delivery's attempt number. What this loop decides:
+
+- Claimed jobs it holds (running or waiting as batch leftovers) keep their lease alive through a background
+  heartbeat every lease/3; a refused heartbeat means another delivery owns the job: it is dropped here.
+- After every denoise step (the runner's callback, from the pool thread) it checks each job's cancel flag, ends
+  the canceled ones at once and publishes progress for the rest; the batch stops when no job is left in it.
+- Faults: `InvalidRequest` (the job's own fault) fails the job with no retry. Any other exception in a batch of
+  several jobs re-runs them one by one, so one poison job cannot take its neighbours down with it; a single job
+  that raises is abandoned - no ack, no heartbeat - so its lease lapses and a later claim (here or in another
+  pool) takes it again, until the store dead-letters it after `max_deliveries`. A crash of the whole process
+  leaves the same state behind, so both faults end the same way.
+- Stop (SIGTERM): no new claims; the running batch may finish within `drain_seconds`, else it is stopped at the
+  next step and its jobs are released (requeued without spending a delivery), as are claimed leftovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from service.contract import PRIORITY_ORDER, Delivery, JobParams
+from service.settings import Settings
+from service.store import Store
+from workers import metrics
+from workers.batching import BatchKey, gather_batch
+from workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult
+from workers.threads import PoolThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Work:
+    """A claimed job, as the batcher sees it."""
+
+    delivery: Delivery
+    key: BatchKey
+    images: int
+    priority_rank: int
+
+    @classmethod
+    def of(cls, delivery: Delivery) -> Work:
+        p: JobParams = delivery.job.params
+        key = BatchKey(
+            delivery.job.model, p.width, p.height, p.num_inference_steps, p.scheduler, p.num_frames
+        )
+        return cls(delivery, key, p.n, PRIORITY_ORDER.index(delivery.job.priority))
+
+    @property
+    def job_id(self) -> str:
+        return self.delivery.job.id
+
+
+class _Abandoned(Exception):  # noqa: N818
+    """The runner thread did not return within the drain deadline; its jobs were released."""
+
+
+class JobLoop:
+    def __init__(
+        self,
+        *,
+        pool: str,
+        consumer: str,
+        runners: dict[str, Runner],
+        store: Store,
+        settings: Settings,
+        thread: PoolThread,
+        max_batch: int,
+        batch_wait_ms: float,
+        idle_block_ms: int = 1000,
+    ):
+        self.pool, self.consumer, self.runners = pool, consumer, runners
+        self.store, self.settings, self.thread = store, settings, thread
+        self.max_batch, self.batch_wait_ms, self.idle_block_ms = max_batch, batch_wait_ms, idle_block_ms
+        self.models = list(runners)
+        self._held: dict[str, Work] = {}  # every claimed, unfinished job: its lease is ours to renew
+        self._active: dict[str, Work] = {}  # the jobs of the running batch still being computed
+        self._stop_deadline: float | None = None  # monotonic; set by request_stop
+        self._last_step = 0.0
+
+    # -- control ---------------------------------------------------------------------------------------------
+
+    def request_stop(self, drain_seconds: float) -> None:
+        """Take no new job; a running batch may go on for `drain_seconds` more."""
+        if self._stop_deadline is None:
+            self._stop_deadline = time.monotonic() + drain_seconds
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
+
+    def _drain_expired(self) -> bool:
+        return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
+
+    # -- the loop --------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        heartbeats = asyncio.create_task(self._heartbeat_loop(), name=f"{self.pool}-leases")
+        pending: list[Work] = []
+        backoff = 0.1
+        try:
+            while not self.stopping:
+                try:
+                    batch, pending = await gather_batch(
+                        pending,
+                        self._claim,
+                        max_batch=self.max_batch,
+                        batch_wait_ms=self.batch_wait_ms,
+                        idle_block_ms=self.idle_block_ms,
+                        stopping=lambda: self.stopping,
+                    )
+                    backoff = 0.1
+                except RedisError as e:
+                    log.warning("pool %s: claim failed (%s); retrying in %.1f s", self.pool, e, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                # A leftover whose heartbeat was refused meanwhile belongs to another delivery now.
+                batch = [w for w in batch if w.job_id in self._held]
+                if batch:
+                    await self._run_batch(batch)
+        finally:
+            for w in [w for w in pending if w.job_id in self._held]:
+                await self._release(w)
+            heartbeats.cancel()
+
+    async def _claim(self, max_jobs: int, block_ms: int) -> list[Work]:
+        deliveries = await self.store.claim(self.models, self.consumer, max_jobs=max_jobs, block_ms=block_ms)
+        works = [Work.of(d) for d in deliveries]
+        for w in works:
+            self._held[w.job_id] = w
+            if w.delivery.delivery_count > 1:
+                metrics.RECLAIMED.labels(w.key.model).inc()
+        return works
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            for w in list(self._held.values()):
+                try:
+                    ok = await self.store.heartbeat(w.delivery)
+                except RedisError as e:
+                    log.warning("pool %s: lease heartbeat failed: %s", self.pool, e)
+                    break
+                if not ok:
+                    self._drop(w)
+
+    # -- one batch -------------------------------------------------------------------------------------------
+
+    async def _run_batch(self, batch: list[Work]) -> None:
+        model = batch[0].key.model
+        started = []
+        for w in batch:
+            if await self._call(lambda w=w: self.store.start(w.delivery, self.consumer)):
+                started.append(w)
+                metrics.QUEUE_WAIT_SECONDS.labels(model).observe(
+                    max(0.0, time.time() - w.delivery.job.created_at)
+                )
+            else:  # canceled while queued (the store acked it) or fenced
+                self._held.pop(w.job_id, None)
+        if not started:
+            return
+        metrics.POOL_BUSY.labels(self.pool).set(1)
+        try:
+            await self._execute(self.runners[model], started)
+        finally:
+            metrics.POOL_BUSY.labels(self.pool).set(0)
+
+    async def _execute(self, runner: Runner, batch: list[Work]) -> None:
+        model = batch[0].key.model
+        self._active = {w.job_id: w for w in batch}
+        images = sum(w.images for w in batch)
+        metrics.BATCH_IMAGES.labels(model).observe(images)
+        metrics.BATCH_JOBS.labels(model).observe(len(batch))
+        requests = [RunRequest(w.job_id, w.delivery.job.params) for w in batch]
+        t0 = self._last_step = time.perf_counter()
+        try:
+            results = await self._in_thread(runner.run, requests, self._step_callback(model))
+        except _Abandoned:
+            return
+        except Cancelled:
+            # Every job was canceled (already ended in _on_step), or the drain deadline passed: give back the rest.
+            for w in list(self._active.values()):
+                await self._release(w)
+            return
+        except InvalidRequest as e:
+            if len(batch) > 1:
+                await self._one_by_one(runner, batch)
+                return
+            message = str(e)
+            await self._end(
+                batch[0], "failed", lambda: self.store.fail(batch[0].delivery, "invalid_request", message)
+            )
+            return
+        except Exception as e:
+            if len(batch) > 1:
+                log.warning(
+                    "pool %s: batch of %d failed (%r); running its jobs one by one", self.pool, len(batch), e
+                )
+                await self._one_by_one(runner, batch)
+                return
+            log.exception("pool %s: job %s failed; leaving it for redelivery", self.pool, batch[0].job_id)
+            self._abandon(batch[0])
+            return
+        finally:
+            self._active = {}
+        metrics.INFERENCE_SECONDS.labels(model).observe(time.perf_counter() - t0)
+        self._observe(model, results)
+        by_id = {w.job_id: w for w in batch}
+        for result in results:
+            w = by_id[result.job_id]
+            if w.job_id not in self._held:  # canceled or fenced while running
+                continue
+            ok = await self._end(
+                w, "succeeded", lambda w=w, r=result: self.store.complete(w.delivery, r.outputs, r.timings)
+            )
+            if ok:
+                metrics.END_TO_END_SECONDS.labels(model).observe(
+                    max(0.0, time.time() - w.delivery.job.created_at)
+                )
+
+    async def _one_by_one(self, runner: Runner, batch: list[Work]) -> None:
+        for w in batch:
+            if w.job_id in self._held:
+                await self._execute(runner, [w])
+
+    def _observe(self, model: str, results: list[RunResult]) -> None:
+        stages = results[0].timings if results else {}
+        for stage, seconds in stages.items():
+            if stage != "encode":  # batch-wide stages once per batch; encoding is per job
+                metrics.STAGE_SECONDS.labels(model, stage).observe(seconds)
+        for r in results:
+            if "encode" in r.timings:
+                metrics.STAGE_SECONDS.labels(model, "encode").observe(r.timings["encode"])
+        if any(r.compiled for r in results):
+            metrics.COMPILATIONS.labels(model, "runtime").inc()
+
+    # -- per step (called from the pool thread) --------------------------------------------------------------
+
+    def _step_callback(self, model: str) -> Callable[[int, int], bool]:
+        loop = asyncio.get_running_loop()
+
+        def callback(step: int, total: int) -> bool:
+            now = time.perf_counter()
+            metrics.DENOISE_STEP_SECONDS.labels(model).observe(now - self._last_step)
+            self._last_step = now
+            return asyncio.run_coroutine_threadsafe(self._on_step(step, total), loop).result()
+
+        return callback
+
+    async def _on_step(self, step: int, total: int) -> bool:
+        """Cancel check and progress for each job of the running batch; False stops the batch."""
+        try:
+            active = list(self._active.values())
+            flags = await asyncio.gather(*(self.store.cancel_requested(w.job_id) for w in active))
+            for w, flag in zip(active, flags, strict=True):
+                if flag:
+                    self._active.pop(w.job_id, None)
+                    if await self._end(w, "canceled", lambda w=w: self.store.mark_canceled(w.delivery)):
+                        metrics.CANCELLED.labels(w.key.model).inc()
+            active = list(self._active.values())
+            oks = await asyncio.gather(*(self.store.progress(w.delivery, step, total) for w in active))
+            for w, ok in zip(active, oks, strict=True):
+                if not ok:
+                    self._drop(w)
+        except RedisError as e:
+            log.warning("pool %s: progress/cancel check failed at step %d: %s", self.pool, step, e)
+        return bool(self._active) and not self._drain_expired()
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    async def _in_thread(self, fn, *args):
+        """Run fn on the pool thread. Past the drain deadline (plus a grace for the next step callback) the jobs
+        still in the batch are released and the thread is left behind: it is a daemon and the process exits."""
+        fut = self.thread.submit(fn, *args)
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=0.5)
+            if done:
+                return fut.result()
+            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline + 5.0:
+                for w in list(self._active.values()):
+                    await self._release(w)
+                raise _Abandoned
+
+    async def _end(self, w: Work, outcome: str, write: Callable[[], Awaitable[bool]]) -> bool:
+        """Finish a job with one fenced store write; False (fenced) is counted, not raised."""
+        ok = await self._call(write)
+        self._held.pop(w.job_id, None)
+        metrics.JOBS.labels(w.key.model, outcome if ok else "fenced").inc()
+        return ok
+
+    async def _release(self, w: Work) -> None:
+        self._active.pop(w.job_id, None)
+        await self._end(w, "released", lambda: self.store.release(w.delivery))
+
+    def _drop(self, w: Work) -> None:
+        """A write was refused: another delivery owns the job (our lease lapsed), or it ended elsewhere."""
+        self._active.pop(w.job_id, None)
+        if self._held.pop(w.job_id, None) is not None:
+            metrics.JOBS.labels(w.key.model, "fenced").inc()
+            log.warning("pool %s: job %s is owned by another delivery; dropping it", self.pool, w.job_id)
+
+    def _abandon(self, w: Work) -> None:
+        self._held.pop(w.job_id, None)  # no more heartbeats: the lease lapses and a later claim retries it
+        metrics.JOBS.labels(w.key.model, "abandoned").inc()
+
+    async def _call(self, write: Callable[[], Awaitable[bool]]) -> bool:
+        """A fenced store write, retried while Redis is away for up to one lease (after that the job belongs to
+        another delivery anyway, and the fence refuses the write)."""
+        deadline = time.monotonic() + self.settings.lease_s
+        delay = 0.05
+        while True:
+            try:
+                return bool(await write())
+            except RedisError as e:
+                if time.monotonic() + delay > deadline:
+                    log.error("pool %s: store write failed for good: %s", self.pool, e)
+                    return False
+                log.warning("pool %s: store write failed (%s); retrying", self.pool, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)

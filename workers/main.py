@@ -1,0 +1,119 @@
+"""`meshserve worker --config pools.yaml`: one process, one asyncio loop, one Store, the pools of the config.
+
+    run_worker(config_path)   # blocks until SIGTERM / SIGINT, then drains and exits
+
+On SIGTERM every pool stops claiming, finishes or releases its batch (within the config's `drain_seconds`),
+gives back claimed leftovers and leaves the registry; a second signal only repeats the request (the process
+manager's SIGKILL is the hard stop, and the leases make that safe too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+from service.settings import Settings, get_settings
+from service.store import Store
+from workers import metrics
+from workers.config import WorkerConfig, load_config
+from workers.pool import Pool
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """The pools of one config, sharing one Store (one Redis connection pool) and one event loop."""
+
+    def __init__(self, config: WorkerConfig, settings: Settings | None = None):
+        settings = settings or get_settings()
+        if config.redis_url:
+            settings = settings.model_copy(update={"redis_url": config.redis_url})
+        self.config, self.settings = config, settings
+        self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
+        self._stop = asyncio.Event()
+        self.pools: list[Pool] = []
+        self.ready = asyncio.Event()  # set once every pool is registered as ready (tests, `serve`)
+
+    def stop(self) -> None:
+        """Begin a graceful stop (safe to call from a signal handler on the loop, more than once)."""
+        if not self._stop.is_set():
+            log.info("worker %s: stopping (drain up to %.0f s)", self.name, self.config.drain_seconds)
+        self._stop.set()
+        for pool in self.pools:
+            pool.request_stop(self.config.drain_seconds)
+
+    async def run(self) -> None:
+        _ensure_host_devices(max(d for p in self.config.pools for d in p.device_ids) + 1)
+        from models.compile_cache import enable_compilation_cache
+
+        # The config's folder, else meshserve's default cache: a restarted worker reads its programs back.
+        enable_compilation_cache(self.config.compilation_cache_dir)
+        store = Store(self.settings)
+        self.pools = [Pool(p, self.config.models, store, self.settings, self.name) for p in self.config.pools]
+        tasks: list[asyncio.Task] = []
+        try:
+            # Pools load and compile concurrently, each on its own thread.
+            starting = [asyncio.create_task(p.start(), name=f"{p.name}-start") for p in self.pools]
+            stop_wait = asyncio.create_task(self._stop.wait())
+            await asyncio.wait([*starting, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+            if self._stop.is_set():
+                for t in starting:
+                    t.cancel()
+                await asyncio.gather(*starting, return_exceptions=True)
+                return
+            await asyncio.gather(*starting)  # a load error ends the worker with that error
+            stop_wait.cancel()
+            self.ready.set()
+            if self._stop.is_set():
+                return
+            tasks = [asyncio.create_task(p.run(), name=f"{p.name}-loop") for p in self.pools]
+            stopper = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            self.stop()  # a pool loop that ended by itself (an error) stops the others too
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            stopper.cancel()
+            for pool, result in zip(self.pools, results, strict=True):
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                    log.error("pool %s ended with an error", pool.name, exc_info=result)
+                    raise result
+        finally:
+            for t in tasks:
+                t.cancel()
+            for pool in self.pools:
+                await pool.close()
+            await store.close()
+            log.info("worker %s: stopped", self.name)
+
+
+def _ensure_host_devices(count: int) -> None:
+    """Pools on CPU need as many host devices as the config names; XLA makes one unless told otherwise. Only
+    possible before JAX starts (a flag on other platforms' hosts, harmless there)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and "xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def install_signal_handlers(loop: asyncio.AbstractEventLoop, stop) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+
+
+def run_worker(config_path: str) -> None:
+    """Run the pools of `config_path` until SIGTERM/SIGINT (the `meshserve worker` command)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(config_path)
+    asyncio.run(_main(config))
+
+
+async def _main(config: WorkerConfig) -> None:
+    worker = Worker(config)
+    install_signal_handlers(asyncio.get_running_loop(), worker.stop)
+    metrics.set_build_info()
+    if config.metrics_port is not None:
+        port = metrics.serve_metrics(config.metrics_port)
+        log.info("worker %s: /metrics on port %d", worker.name, port)
+    await worker.run()

@@ -1,0 +1,107 @@
+"""Worker metrics (prometheus-client), all named `meshserve_worker_*` so they never collide with the API's own
+when `meshserve serve` runs both in one process (one registry, one /metrics). Labels are model, pool, stage,
+outcome: never a job id or a prompt (unbounded cardinality, and prompts are user data).
+
+Dead-lettering happens inside the store's claim script, whichever consumer meets the entry, so its count is the
+cluster-wide `meshserve_jobs_dead_lettered_total` the API reads from Redis, not a per-worker counter here."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, start_http_server
+
+# Seconds from a 64x64 CPU toy step (~1 ms) to a 1024^2 SDXL step on a slow device (~2 s) and whole stages.
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_COMPILE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+STAGE_SECONDS = Histogram(
+    "meshserve_worker_stage_seconds",
+    "Seconds per pipeline stage and batch (text_encode, denoise, vae_decode, encode).",
+    ["model", "stage"],
+    buckets=_STAGE_BUCKETS,
+)
+DENOISE_STEP_SECONDS = Histogram(
+    "meshserve_worker_denoise_step_seconds",
+    "Wall seconds between two denoise-step callbacks.",
+    ["model"],
+    buckets=_STEP_BUCKETS,
+)
+INFERENCE_SECONDS = Histogram(
+    "meshserve_worker_inference_seconds",
+    "Seconds from a batch's start to its results (all stages).",
+    ["model"],
+    buckets=_STAGE_BUCKETS,
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "meshserve_worker_queue_wait_seconds",
+    "Seconds a job waited between submission and its start.",
+    ["model"],
+    buckets=_STAGE_BUCKETS,
+)
+END_TO_END_SECONDS = Histogram(
+    "meshserve_worker_end_to_end_seconds",
+    "Seconds from submission to stored results, for succeeded jobs.",
+    ["model"],
+    buckets=_STAGE_BUCKETS,
+)
+BATCH_IMAGES = Histogram(
+    "meshserve_worker_batch_size",
+    "Images per device batch.",
+    ["model"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+BATCH_JOBS = Histogram(
+    "meshserve_worker_batch_jobs",
+    "Jobs per device batch.",
+    ["model"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+COMPILATIONS = Counter(
+    "meshserve_worker_compilations_total",
+    "Programs compiled: at warm-up, or at run time for a shape that was not warmed up.",
+    ["model", "phase"],
+)
+COMPILE_SECONDS = Histogram(
+    "meshserve_worker_compile_seconds",
+    "Warm-up seconds per model and pool (compiling the configured buckets).",
+    ["model", "pool"],
+    buckets=_COMPILE_BUCKETS,
+)
+POOL_BUSY = Gauge("meshserve_worker_pool_busy", "1 while the pool runs a batch.", ["pool"])
+POOL_READY = Gauge(
+    "meshserve_worker_pool_ready", "1 once the pool has loaded and warmed up its models.", ["pool"]
+)
+JOBS = Counter(
+    "meshserve_worker_jobs_total",
+    "Jobs this worker finished, by outcome (succeeded, failed, canceled, released, "
+    "fenced: another attempt owns it).",
+    ["model", "outcome"],
+)
+RECLAIMED = Counter(
+    "meshserve_worker_reclaimed_total",
+    "Jobs this worker took over from another consumer (delivery count > 1).",
+    ["model"],
+)
+CANCELLED = Counter(
+    "meshserve_worker_cancelled_total", "Running jobs stopped by a cancel request.", ["model"]
+)
+BUILD_INFO = Info("meshserve_worker_build", "Worker build information.")
+
+
+def set_build_info() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ms_version = version("meshserve")
+    except PackageNotFoundError:
+        ms_version = "dev"
+    BUILD_INFO.info({"version": ms_version, "python": platform.python_version(), "pid": str(os.getpid())})
+
+
+def serve_metrics(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve the default registry on `port` (0: any free port) in a daemon thread; returns the bound port."""
+    server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
+    return server.server_address[1]

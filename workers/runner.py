@@ -1,0 +1,248 @@
+"""The runner interface between a pool's job loop and a model: load, warm_up, run(batch), shutdown.
+
+What crosses the boundary is plain data: a batch of `RunRequest`s (one per job, already normalised by the
+service: every field set) goes in, one `RunResult` per job with encoded bytes comes out. The job loop knows
+nothing of JAX; the runner knows nothing of Redis. `run` is blocking and is called from the pool's own
+thread; its `callback(step, total)` fires after every denoise step and stops the batch by returning False.
+
+`PipelineRunner` wraps `models.load_pipeline` (the pipeline contract of the lead's `models` package) for
+every family the models package serves; other runners are picked by name (`runner:` in pools.yaml).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.contract import JobParams, ModelDefaults, ModelInfo, ModelLimits, OutputBlob
+from workers.encoding import encode_output
+
+StepCallback = Callable[[int, int], bool | None]
+
+
+class Cancelled(Exception):  # noqa: N818 - the name says what happened, as GenerationCancelled does
+    """The step callback returned False: the batch stopped between two steps."""
+
+
+class InvalidRequest(Exception):
+    """A request this runner can never serve (bad size, unknown scheduler): fail the job now, don't retry."""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One job as the runner sees it: its id and its normalised parameters (every field set by the service)."""
+
+    job_id: str
+    params: JobParams
+
+    def seeds(self) -> list[int]:
+        # Image i of a job uses seed + i: a client that re-submits with a returned seed and n=1 gets that image.
+        return [self.params.seed + i for i in range(self.params.n)]
+
+
+@dataclass
+class RunResult:
+    job_id: str
+    outputs: list[OutputBlob]  # encoded bytes, ready for Store.complete
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds: text_encode, denoise, ...
+    compiled: bool = False  # this call compiled a new program (a bucket/batch size not warmed up)
+
+
+class Runner(ABC):
+    """One model on one pool's devices."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @abstractmethod
+    def load(self) -> None:
+        """Read weights onto the pool's devices."""
+
+    @abstractmethod
+    def info(self) -> ModelInfo:
+        """What the pool registry publishes (family, task, defaults, limits); valid after load()."""
+
+    def warm_up(
+        self, buckets: Sequence[tuple[int, int]], batch_sizes: Sequence[int], num_inference_steps: int | None
+    ) -> float:
+        """Compile the programs for these (width, height) buckets and batch sizes; returns seconds spent."""
+        return 0.0
+
+    @abstractmethod
+    def run(self, batch: Sequence[RunRequest], callback: StepCallback | None = None) -> list[RunResult]:
+        """Generate every request of a compatible batch (same size, steps, scheduler) together.
+        Raises Cancelled when callback returns False, InvalidRequest for a request it can never serve."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook: most runners hold nothing to free
+        """Free device memory; the runner is not used again."""
+
+    @property
+    def compilations(self) -> int:
+        """Programs compiled so far (for the compilation metric); 0 for runners that compile nothing."""
+        return 0
+
+
+class PipelineRunner(Runner):
+    """Any family `models.load_pipeline` knows, on the pool's device slice and mesh."""
+
+    def __init__(
+        self,
+        name: str,
+        path: str | None,
+        dtype: str,
+        mesh: dict[str, int] | None,
+        devices: list | None,
+        **options,
+    ):
+        super().__init__(name)
+        self.path, self.dtype, self.mesh, self.devices, self.options = path, dtype, mesh, devices, options
+        self.pipe = None
+
+    def load(self) -> None:
+        from models import load_pipeline  # JAX is imported only by a worker that runs a real model
+
+        self.pipe = load_pipeline(
+            self.path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
+        )
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            id=self.name,
+            family=self.pipe.family,
+            task=self.pipe.task,
+            defaults=ModelDefaults(**self.pipe.defaults),
+            limits=ModelLimits(**self.pipe.limits),
+        )
+
+    def warm_up(self, buckets, batch_sizes, num_inference_steps) -> float:
+        buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
+        return float(
+            self.pipe.warm_up(
+                buckets=buckets,
+                batch_sizes=sorted({_batch_bucket(b, (self.mesh or {}).get("data", 1)) for b in batch_sizes}),
+                num_inference_steps=num_inference_steps,
+            )
+        )
+
+    def run(self, batch, callback=None) -> list[RunResult]:
+        from models import GenerationCancelled
+
+        first = batch[0].params
+        # One image per row: jobs with different n, guidance, seeds and negative prompts share one program.
+        prompts, negatives, guidance, seeds = [], [], [], []
+        for req in batch:
+            p = req.params
+            prompts += [p.prompt] * p.n
+            negatives += [p.negative_prompt] * p.n  # None: zero embeddings, as diffusers does for SDXL
+            guidance += [float(p.guidance_scale)] * p.n
+            seeds += req.seeds()
+        # Pad the batch to a power of two (and to a multiple of the mesh's data axis): a pool then compiles
+        # log2(max_batch) + 1 programs per bucket instead of one per batch size it happens to meet. The
+        # padding rows are the first row again and are dropped after decoding.
+        real = len(prompts)
+        target = _batch_bucket(real, (self.mesh or {}).get("data", 1))
+        pad = target - real
+        prompts, negatives = prompts + prompts[:1] * pad, negatives + negatives[:1] * pad
+        guidance, seeds = guidance + guidance[:1] * pad, seeds + seeds[:1] * pad
+        kwargs = {}
+        if first.num_frames is not None:
+            kwargs["num_frames"] = first.num_frames
+        try:
+            out = self.pipe(
+                prompts,
+                negative_prompt=negatives,
+                height=first.height,
+                width=first.width,
+                num_inference_steps=first.num_inference_steps,
+                guidance_scale=guidance,
+                seed=seeds,
+                num_images_per_prompt=1,
+                scheduler=first.scheduler,
+                output_type="np",
+                callback=callback,
+                **kwargs,
+            )
+        except GenerationCancelled as e:
+            raise Cancelled(str(e)) from e
+        except ValueError as e:  # the pipeline's own argument checks: the job, not the worker, is at fault
+            raise InvalidRequest(str(e)) from e
+        images = np.asarray(out.images)[:real]  # [B, H, W, 3] or [B, F, H, W, 3]
+        return split_and_encode(batch, images, list(out.seeds)[:real], dict(out.timings), bool(out.compiled))
+
+    def shutdown(self) -> None:
+        self.pipe = None
+
+    @property
+    def compilations(self) -> int:
+        return int(getattr(self.pipe, "compilations", 0) or 0)
+
+
+def _batch_bucket(rows: int, data: int = 1) -> int:
+    """The compiled batch size serving `rows` images: the next power of two, and a multiple of `data`."""
+    size = 1 << max(rows - 1, 0).bit_length()
+    return -(-size // data) * data
+
+
+def split_and_encode(
+    batch: Sequence[RunRequest],
+    images: np.ndarray,
+    seeds: list[int],
+    timings: dict[str, float],
+    compiled: bool,
+) -> list[RunResult]:
+    """Cut a batch's rows back into per-job results and encode each output. Batch-wide stage timings are
+    shared by every job of the batch; `encode` is each job's own."""
+    results, row = [], 0
+    for req in batch:
+        t0 = time.perf_counter()
+        outputs = []
+        for i in range(req.params.n):
+            data, content_type = encode_output(images[row + i], req.params.output_format)
+            frames = images.shape[1] if images.ndim == 5 else None  # [B, F, H, W, 3] for video
+            height, width = images.shape[-3], images.shape[-2]
+            outputs.append(
+                OutputBlob(
+                    index=i,
+                    data=data,
+                    content_type=content_type,
+                    width=width,
+                    height=height,
+                    seed=int(seeds[row + i]),
+                    num_frames=frames,
+                )
+            )
+        row += req.params.n
+        results.append(
+            RunResult(req.job_id, outputs, {**timings, "encode": time.perf_counter() - t0}, compiled)
+        )
+    return results
+
+
+def make_runner(
+    name: str,
+    runner: str,
+    *,
+    path: str | None,
+    dtype: str,
+    mesh: dict[str, int] | None,
+    devices: list | None,
+    options: dict[str, Any],
+) -> Runner:
+    """Pick a runner implementation by name: "pipeline", "fake", or "package.module:Class"."""
+    if runner == "pipeline":
+        return PipelineRunner(name, path, dtype, mesh, devices, **options)
+    if runner == "fake":
+        from workers.fake_runner import FakeRunner
+
+        return FakeRunner(name, **options)
+    module_name, sep, cls_name = runner.partition(":")
+    if not sep:
+        raise ValueError(f"model {name!r}: unknown runner {runner!r}; use pipeline, fake, or module:Class")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(name, path=path, dtype=dtype, mesh=mesh, devices=devices, **options)
