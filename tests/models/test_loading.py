@@ -1,0 +1,120 @@
+"""Checkpoint reading and the PyTorch -> NNX key and layout rules."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.loading import (
+    CheckpointError,
+    CheckpointMismatchError,
+    export_weights,
+    load_weights,
+    read_component_weights,
+    read_safetensors,
+    to_nnx_layout,
+    to_torch_layout,
+    write_safetensors,
+)
+
+
+class Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(3, 5, rngs=rngs)
+        self.conv = nnx.Conv(5, 2, (3, 3), rngs=rngs)
+        self.norm = nnx.LayerNorm(2, rngs=rngs)
+        self.blocks = nnx.List([nnx.Embed(7, 2, rngs=rngs)])
+
+
+def _torch_state(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    shapes = {
+        "proj.weight": (5, 3),
+        "proj.bias": (5,),
+        "conv.weight": (2, 5, 3, 3),
+        "conv.bias": (2,),
+        "norm.weight": (2,),
+        "norm.bias": (2,),
+        "blocks.0.weight": (7, 2),
+    }
+    return {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
+
+
+def test_rules_map_names_and_layouts():
+    state = _torch_state()
+    m = Tiny(nnx.Rngs(0))
+    load_weights(m, state)
+    np.testing.assert_array_equal(np.asarray(m.proj.kernel[...]), state["proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(m.conv.kernel[...]), state["conv.weight"].transpose(2, 3, 1, 0))
+    np.testing.assert_array_equal(np.asarray(m.norm.scale[...]), state["norm.weight"])
+    np.testing.assert_array_equal(np.asarray(m.blocks[0].embedding[...]), state["blocks.0.weight"])
+    back = export_weights(m)
+    assert back.keys() == state.keys() and all(np.array_equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("ndim", [2, 3, 4, 5])
+def test_layout_round_trip(ndim):
+    x = np.arange(2 * 3 * 4 * 5 * 6)[: int(np.prod((2, 3, 4, 5, 6)[:ndim]))].reshape((2, 3, 4, 5, 6)[:ndim])
+    np.testing.assert_array_equal(to_torch_layout("kernel", to_nnx_layout("kernel", x)), x)
+
+
+def test_mismatch_names_missing_unexpected_and_misshapen():
+    state = _torch_state()
+    del state["proj.bias"]
+    state["extra.weight"] = np.zeros(1, np.float32)
+    state["norm.weight"] = np.zeros(3, np.float32)
+    with pytest.raises(CheckpointMismatchError) as e:
+        load_weights(Tiny(nnx.Rngs(0)), state, where="tiny")
+    assert e.value.missing == ["proj.bias"] and e.value.unexpected == ["extra.weight"]
+    assert e.value.misshapen and "norm.weight" in e.value.misshapen[0]
+    assert "tiny" in str(e.value) and "proj.bias" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_half_precision_files_load_and_cast(tmp_path, dtype):
+    state = _torch_state(dtype)
+    write_safetensors(tmp_path / "model.safetensors", state)
+    read = read_safetensors(tmp_path / "model.safetensors")
+    assert all(read[k].dtype == np.dtype(dtype) and np.array_equal(read[k], state[k]) for k in state)
+    m = Tiny(nnx.Rngs(0))
+    load_weights(m, read, dtype=np.float32)
+    assert m.proj.kernel[...].dtype == np.float32
+
+
+def test_diffusers_reads_our_files(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    state = _torch_state(ml_dtypes.bfloat16)
+    write_safetensors(tmp_path / "x.safetensors", state)
+    theirs = load_file(str(tmp_path / "x.safetensors"))
+    assert theirs["proj.weight"].dtype == torch.bfloat16
+    np.testing.assert_array_equal(
+        theirs["conv.weight"].float().numpy(), state["conv.weight"].astype(np.float32)
+    )
+
+
+def test_sharded_index_and_fp16_variant(tmp_path):
+    state = _torch_state()
+    keys = sorted(state)
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {k: state[k] for k in keys[:3]})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {k: state[k] for k in keys[3:]})
+    index = {
+        "weight_map": {k: f"model-0000{1 if i < 3 else 2}-of-00002.safetensors" for i, k in enumerate(keys)}
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    read = read_component_weights(tmp_path)
+    assert read.keys() == state.keys()
+
+    variant = tmp_path / "v"
+    variant.mkdir()
+    write_safetensors(variant / "diffusion_pytorch_model.fp16.safetensors", _torch_state(np.float16))
+    assert read_component_weights(variant)["proj.weight"].dtype == np.float16
+
+
+def test_no_weights_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no safetensors weights .* found: config.json"):
+        read_component_weights(tmp_path)
