@@ -37,6 +37,14 @@ class Settings(BaseSettings):
     idempotency_ttl_s: int = Field(24 * 3600, ge=1)
     events_max_length: int = Field(1000, ge=10)
 
+    # Outputs live in Redis (`output_ttl_s`) unless `output_dir` is set: then they are files
+    # `<output_dir>/<job id>/<index>.<ext>` (a volume the API and the workers share, or a bucket mounted
+    # there), and their lifetime is the folder's (e.g. a bucket lifecycle rule), not Redis'. With
+    # `output_url_base` too, jobs list `<output_url_base>/<job id>/<index>.<ext>` as the output URL (an object
+    # store or CDN serving that folder) instead of the API's own `/v1/jobs/{id}/outputs/{i}`.
+    output_dir: str | None = None
+    output_url_base: str | None = None
+
     # Delivery: a running job's lease must be renewed within `lease_s`, else another pool takes it over;
     # a job delivered more than `max_deliveries` times goes to the dead-letter stream and ends failed.
     lease_s: float = Field(30.0, gt=0)

@@ -7,7 +7,7 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | `P:stream:{model}:{priority}` | stream, group `pools` | one entry `job=<id>` per job to run |
 | `P:job:{id}`                 | hash   | status, params (JSON), times, attempt, worker, progress, outputs/error/timings (JSON), cancel flag, stream + message id; TTL once ended |
 | `P:events:{id}`              | stream | `type` + `data` (JSON) per event, capped; TTL once ended. SSE ids are its entry ids |
-| `P:out:{id}:{i}`             | string | encoded output bytes, TTL |
+| `P:out:{id}:{i}`             | string | encoded output bytes, TTL (or a file under `output_dir` when set) |
 | `P:idem:{owner}:{key}`       | string | `<job id> <request hash>`, TTL |
 | `P:lease:{id}`               | string | the attempt holding the job, expires unless renewed (`heartbeat`) |
 | `P:dlq:{model}`              | stream | dead-lettered jobs with the reason |
@@ -22,12 +22,14 @@ return False and change nothing. The transitions are Lua scripts (`service/store
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -57,6 +59,8 @@ from service.contract import (
     Timings,
 )
 from service.settings import Settings
+
+_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "video/mp4": ".mp4"}
 
 GROUP = "pools"
 # Blocking reads (XREAD/XREADGROUP BLOCK) last at most this long per call; callers loop. A configured socket read
@@ -289,7 +293,33 @@ class Store:
         """The stored bytes of output `index` (None: unknown or expired)."""
         if not valid_job_id(job_id):
             return None
+        if self.settings.output_dir:
+            return await asyncio.to_thread(self._read_output_file, job_id, index)
         return await self._raw.get(self.output_key(job_id, index))
+
+    # Outputs as files (Settings.output_dir). Job ids are validated (`valid_job_id`) before they name a path.
+
+    def _output_url(self, job_id: str, out: OutputBlob) -> str:
+        base = self.settings.output_url_base
+        if base and self.settings.output_dir:
+            return f"{base.rstrip('/')}/{job_id}/{out.index}{_EXTENSIONS.get(out.content_type, '')}"
+        return f"/v1/jobs/{job_id}/outputs/{out.index}"
+
+    def _write_output_files(self, job_id: str, outputs: list[OutputBlob]) -> None:
+        folder = Path(self.settings.output_dir) / job_id
+        folder.mkdir(parents=True, exist_ok=True)
+        for out in outputs:
+            # Written beside and renamed: a reader never sees half a file. A stale attempt that gets here
+            # too writes the same job's image for the same seed; only the fenced job record decides.
+            target = folder / f"{out.index}{_EXTENSIONS.get(out.content_type, '')}"
+            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+            tmp.write_bytes(out.data)
+            tmp.replace(target)
+
+    def _read_output_file(self, job_id: str, index: int) -> bytes | None:
+        for path in (Path(self.settings.output_dir) / job_id).glob(f"{index}.*"):
+            return path.read_bytes()
+        return None
 
     async def queue_depths(self) -> dict[tuple[str, Priority], dict[str, float]]:
         """Per (model, priority): `depth` (undelivered), `oldest_age_s` (of the oldest undelivered entry, 0 when
@@ -518,10 +548,12 @@ class Store:
             total_s=now - job.created_at,
             stages=stages or {},
         )
+        if self.settings.output_dir:
+            await asyncio.to_thread(self._write_output_files, job.id, outputs)
         records = [
             Output(
                 index=o.index,
-                url=f"/v1/jobs/{job.id}/outputs/{o.index}",
+                url=self._output_url(job.id, o),
                 content_type=o.content_type,
                 width=o.width,
                 height=o.height,
@@ -537,7 +569,9 @@ class Store:
             "step": str(total),
             "total_steps": str(total),
         }
-        blobs = [(self.output_key(job.id, o.index), o.data) for o in outputs]
+        blobs = (
+            [] if self.settings.output_dir else [(self.output_key(job.id, o.index), o.data) for o in outputs]
+        )
         data = {"status": "succeeded", "outputs": records, "timings": timings.model_dump(mode="json")}
         return await self._end(delivery, JobStatus.SUCCEEDED, fields, data, blobs)
 

@@ -251,3 +251,21 @@ async def test_trim_drops_only_finished_entries(store: Store):
     entries = await store.redis.xrange(stream)
     assert [f["job"] for _, f in entries] == [waiting.id] and done.id != waiting.id
     assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 1
+
+
+@pytest.mark.parametrize("url_base", [None, "https://cdn.example/outputs"])
+async def test_outputs_in_a_directory(make_settings, tmp_path, url_base):
+    store = Store(make_settings(output_dir=str(tmp_path), output_url_base=url_base))
+    try:
+        job = await store.submit(params(n=2))
+        (d,) = await store.claim(["toy"], "c1")
+        assert await store.start(d) and await store.complete(d, [blob(0), blob(1)])
+        done = await store.get(job.id)
+        assert (tmp_path / job.id / "1.png").read_bytes() == b"img1"
+        assert await store.output(job.id, 1) == b"img1" and await store.output(job.id, 2) is None
+        assert not await store.redis.exists(store.output_key(job.id, 1))  # not in Redis as well
+        expected = f"{url_base}/{job.id}/0.png" if url_base else f"/v1/jobs/{job.id}/outputs/0"
+        assert done.outputs[0].url == expected
+    finally:
+        await drop_keys(store)
+        await store.close()
