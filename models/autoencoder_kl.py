@@ -183,6 +183,27 @@ class UNetMidBlock2D(nnx.Module):
         return x
 
 
+def _resnet_stack(
+    in_channels: int, out_channels: int, num_layers: int, groups: int, act_fn: str, dtype, rngs
+):
+    """The `resnets` of an encoder/decoder block: the first maps in -> out channels, the rest out -> out."""
+    return nnx.List(
+        [
+            ResnetBlock2D(
+                in_channels if i == 0 else out_channels,
+                out_channels,
+                None,
+                eps=_VAE_EPS,
+                groups=groups,
+                act_fn=act_fn,
+                dtype=dtype,
+                rngs=rngs,
+            )
+            for i in range(num_layers)
+        ]
+    )
+
+
 class DownEncoderBlock2D(nnx.Module):
     def __init__(
         self,
@@ -196,21 +217,7 @@ class DownEncoderBlock2D(nnx.Module):
         dtype,
         rngs: nnx.Rngs,
     ):
-        self.resnets = nnx.List(
-            [
-                ResnetBlock2D(
-                    in_channels if i == 0 else out_channels,
-                    out_channels,
-                    None,
-                    eps=_VAE_EPS,
-                    groups=groups,
-                    act_fn=act_fn,
-                    dtype=dtype,
-                    rngs=rngs,
-                )
-                for i in range(num_layers)
-            ]
-        )
+        self.resnets = _resnet_stack(in_channels, out_channels, num_layers, groups, act_fn, dtype, rngs)
         # The encoder's downsamplers pad asymmetrically (downsample_padding=0 in diffusers' Encoder).
         self.downsamplers = (
             nnx.List([Downsample2D(out_channels, padding=0, dtype=dtype, rngs=rngs)])
@@ -239,21 +246,7 @@ class UpDecoderBlock2D(nnx.Module):
         dtype,
         rngs: nnx.Rngs,
     ):
-        self.resnets = nnx.List(
-            [
-                ResnetBlock2D(
-                    in_channels if i == 0 else out_channels,
-                    out_channels,
-                    None,
-                    eps=_VAE_EPS,
-                    groups=groups,
-                    act_fn=act_fn,
-                    dtype=dtype,
-                    rngs=rngs,
-                )
-                for i in range(num_layers)
-            ]
-        )
+        self.resnets = _resnet_stack(in_channels, out_channels, num_layers, groups, act_fn, dtype, rngs)
         self.upsamplers = (
             nnx.List([Upsample2D(out_channels, dtype=dtype, rngs=rngs)]) if add_upsample else None
         )
