@@ -11,9 +11,9 @@ Lengths that are not multiples of the block are padded; padded keys are masked o
 sliced off. Masking and causal positions follow models.attention.reference exactly (fully masked rows give 0).
 With causal masking, key blocks entirely in a query block's future are skipped with `lax.cond`.
 
-Ring attention continues one online softmax across the K/V chunks it receives: `init_state`, then
-`accumulate` once per chunk, then `finish`. That keeps one fp32 accumulator for the local queries instead of
-a partial output per chunk plus a log-sum-exp merge (measured in docs/attention.md).
+Ring attention continues one online softmax across the K/V chunks (or pieces of chunks) it receives:
+`init_state`, then `accumulate` once per piece, then `finish`. That keeps one fp32 accumulator for the local
+queries instead of a partial output per chunk plus a log-sum-exp merge (measured in docs/attention.md).
 """
 
 from __future__ import annotations
@@ -167,14 +167,20 @@ def xla_blockwise(
 
 
 def init_state(q, block_q: int = 512):
-    """Empty softmax state for all of q [B, Sq, H, D]: m, l [B, H, Sq_pad], acc [B, H, Sq_pad, D] fp32."""
+    """Empty softmax state for all of q [B, Sq, H, D]: m, l [B, H, Sq_pad] and acc [B, Sq_pad, H, D], fp32.
+
+    acc has the output's layout, not the [B, H, S, D] of the per-block state: `finish` is then elementwise,
+    so with an fp32 output XLA can write the result into acc's own buffer instead of holding a second
+    full-size array for a transpose (measured, ring at 64k tokens: 93 -> 37 MiB of temporaries per device
+    at N=2, 52 -> 28 at N=4).
+    """
     b, sq, h, d = q.shape
     bq = min(block_q, sq)
     sq_pad = -(-sq // bq) * bq
     return (
         jnp.full((b, h, sq_pad), -jnp.inf, jnp.float32),
         jnp.zeros((b, h, sq_pad), jnp.float32),
-        jnp.zeros((b, h, sq_pad, d), jnp.float32),
+        jnp.zeros((b, sq_pad, h, d), jnp.float32),
     )
 
 
@@ -200,9 +206,14 @@ def accumulate(
     q = _pad_axis(q, 1, state[0].shape[-1])
 
     def q_step(state, iq):
+        m, denom, acc = state
         q_blk = lax.dynamic_slice_in_dim(q, iq * bq, bq, axis=1)
-        block = tuple(lax.dynamic_slice_in_dim(x, iq * bq, bq, axis=2) for x in state)
-        block = _attend_block(
+        block = (
+            lax.dynamic_slice_in_dim(m, iq * bq, bq, axis=2),
+            lax.dynamic_slice_in_dim(denom, iq * bq, bq, axis=2),
+            jnp.transpose(lax.dynamic_slice_in_dim(acc, iq * bq, bq, axis=1), (0, 2, 1, 3)),  # [B, H, bq, D]
+        )
+        m_blk, denom_blk, acc_blk = _attend_block(
             q_blk,
             k,
             v,
@@ -215,8 +226,10 @@ def accumulate(
             bk=bk,
             nk=nk,
         )
-        return tuple(
-            lax.dynamic_update_slice_in_dim(x, y, iq * bq, axis=2) for x, y in zip(state, block, strict=True)
+        return (
+            lax.dynamic_update_slice_in_dim(m, m_blk, iq * bq, axis=2),
+            lax.dynamic_update_slice_in_dim(denom, denom_blk, iq * bq, axis=2),
+            lax.dynamic_update_slice_in_dim(acc, jnp.transpose(acc_blk, (0, 2, 1, 3)), iq * bq, axis=1),
         ), None
 
     state, _ = lax.scan(q_step, state, jnp.arange(q.shape[1] // bq))
@@ -224,6 +237,10 @@ def accumulate(
 
 
 def finish(state, sq: int, out_dtype):
-    """-> out [B, Sq, H, D] in out_dtype, lse [B, Sq, H] fp32."""
-    out, lse = _normalise(*state)
-    return jnp.transpose(out, (0, 2, 1, 3))[:, :sq].astype(out_dtype), jnp.transpose(lse, (0, 2, 1))[:, :sq]
+    """-> out [B, Sq, H, D] in out_dtype, lse [B, Sq, H] fp32 (rows that saw no key: out 0, lse -inf)."""
+    m, denom, acc = state
+    seen = denom > 0
+    safe = jnp.where(seen, denom, 1.0)
+    out = (acc / jnp.transpose(safe, (0, 2, 1))[..., None])[:, :sq].astype(out_dtype)
+    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    return out, jnp.transpose(lse, (0, 2, 1))[:, :sq]
