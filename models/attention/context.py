@@ -15,7 +15,9 @@ Cross-attention K/V that differ in length from q and have at most settings.allga
 text tokens) are replicated: every strategy then reduces to local queries x the whole K/V, with no collective.
 
 Strategy ("auto"): allgather for replicated or short K/V (Sk <= allgather_max_kv), ulysses when the heads per
-device divide by the context size, else ring. "hybrid" splits the context axis (models.attention.hybrid).
+device divide by the context size, else ring. "hybrid" runs Ulysses inside groups of consecutive context devices
+and a ring across the groups, with collectives over subsets of the same axis (models.attention.hybrid): every
+strategy runs on the pool mesh itself, as a pipeline's program must (one mesh per program).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from models.attention.allgather import allgather_attention
-from models.attention.hybrid import RING_AXIS, ULYSSES_AXIS, hybrid_attention, hybrid_degrees, hybrid_mesh
+from models.attention.hybrid import hybrid_attention, hybrid_degrees
 from models.attention.kernels import run_kernel
 from models.attention.ring import ring_attention
 from models.attention.settings import AttentionSettings
@@ -102,7 +104,6 @@ def context_attention(q, k, v, *, causal: bool, kv_mask, scale, settings: Attent
         kv_mask = _pad_seq(jnp.ones((b, sk), bool) if kv_mask is None else kv_mask, sk_pad, value=False)
 
     local = partial(run_kernel, kernel, causal=causal, scale=scale, settings=settings)
-    seq_axis: str | tuple[str, ...] = CONTEXT_AXIS
     # Ring needs positions and the log-sum-exp: reference does both; any other kernel runs as xla_blockwise
     # (kernels.run_kernel), which the ring drives through its carried online-softmax state.
     blockwise = None
@@ -131,10 +132,9 @@ def context_attention(q, k, v, *, causal: bool, kv_mask, scale, settings: Attent
         )
     elif strategy == "hybrid":
         ulysses, ring = hybrid_degrees(n, local_heads, settings.ulysses_degree)
-        mesh = hybrid_mesh(mesh, ulysses)
-        seq_axis = (RING_AXIS, ULYSSES_AXIS)
         body = partial(
             hybrid_attention,
+            axis_name=CONTEXT_AXIS,
             ring_size=ring,
             ulysses_size=ulysses,
             q_shift=q_shift,
@@ -144,9 +144,9 @@ def context_attention(q, k, v, *, causal: bool, kv_mask, scale, settings: Attent
     else:
         raise ValueError(f"unknown context strategy {strategy!r}")
 
-    q_spec = P(batch_axes, seq_axis, head_axis, None)
-    kv_spec = P(batch_axes, None if replicate_kv else seq_axis, head_axis, None)
-    mask_spec = P(batch_axes, None if replicate_kv else seq_axis)
+    q_spec = P(batch_axes, CONTEXT_AXIS, head_axis, None)
+    kv_spec = P(batch_axes, None if replicate_kv else CONTEXT_AXIS, head_axis, None)
+    mask_spec = P(batch_axes, None if replicate_kv else CONTEXT_AXIS)
     # check_vma off: the kernels' scan carries start replicated (zeros) and become device-varying, and the
     # online softmax's lax.cond branches mix both; the out spec below is exact, nothing is claimed replicated.
     if kv_mask is None:

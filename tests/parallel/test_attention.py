@@ -23,7 +23,9 @@ from models.attention.context import select_strategy
 from models.attention.cudnn import cudnn_attention
 from models.attention.hybrid import hybrid_degrees
 from models.attention.reference import reference_attention
+from models.attention.ring import ring_pieces
 from models.attention.splash import splash_attention
+from models.attention.ulysses import head_groups
 from models.parallel.mesh import LayoutError, MeshSizes, make_mesh
 
 TOL = 1e-5
@@ -158,13 +160,13 @@ LAYOUT_CASES = CASES[:3]  # every layout; the other three in test_context_parall
 ALLGATHER_MAX_KV = 100  # below 128/130/150 so those K/V get sharded; 77 text tokens stay replicated
 
 
-def _run_cases(settings, kernel_cases=LAYOUT_CASES):
+def _run_cases(settings, kernel_cases=LAYOUT_CASES, h=H):
     """All cases in one jitted program (one compile per layout), each against the reference."""
     inputs = []
     for i, (_, sq, sk, _, masked) in enumerate(kernel_cases):
         # Key 0 of batch row 0 off: with causal masking, query 0 of that row then sees no key at all.
         mask = _mask(10 * i + 5, B, sk).at[0, 0].set(False) if masked else None
-        inputs.append((*_qkv(10 * i, sq, sk), mask))
+        inputs.append((*_qkv(10 * i, sq, sk, h=h), mask))
 
     @jax.jit
     def run(inputs):
@@ -226,6 +228,52 @@ def test_context_parallel_more_cases(strategy, degree, ulysses_degree):
         allgather_max_kv=ALLGATHER_MAX_KV,
     )
     _run_cases(settings, CASES[3:])
+
+
+# (strategy, degree, ulysses_degree, tokens): with 16-wide K/V blocks every ring K/V block travels in several
+# pieces (asserted), under causal masking, kv_mask and padding: 8 pieces (ring 2), 3 (ring 4, 250 -> 252
+# tokens), 2 (ring 8, 250 -> 256), 7 (hybrid 2 x ring 2: the ring block is a whole group's 126 tokens), 4.
+PIECES = [("ring", 2, None, 256), ("ring", 4, None, 250), ("ring", 8, None, 250), ("hybrid", 4, 2, 250)]
+PIECES += [("hybrid", 8, 2, 256)]
+
+
+@pytest.mark.parametrize(
+    "strategy,degree,ulysses_degree,s", PIECES, ids=[f"{p[0]}-{p[1]}-{p[3]}" for p in PIECES]
+)
+def test_ring_pieces_under_causal_masking(strategy, degree, ulysses_degree, s):
+    block = 16
+    ring_block = -(-s // degree) * (ulysses_degree or 1)  # the K/V each ring step moves, per device
+    assert ring_pieces(ring_block, block) > 1
+    settings = AttentionSettings(
+        kernel="xla_blockwise",
+        context_strategy=strategy,
+        mesh=make_mesh(MESHES[degree]),
+        ulysses_degree=ulysses_degree,
+        block_q=block,
+        block_kv=block,
+        allgather_max_kv=ALLGATHER_MAX_KV,
+    )
+    cases = [("self-causal+kv_mask", s, s, True, True), ("cross-sharded-causal", s - 30, s, True, False)]
+    _run_cases(settings, cases)
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_ulysses_with_several_head_groups(degree):
+    """16 heads: the per-group exchange loop runs 4 times at context 2 (8 heads per tensor shard) and 4, twice
+    at 8."""
+    mesh = make_mesh(MESHES[degree])
+    heads = 16
+    local_heads = heads // dict(mesh.shape)["tensor"]
+    assert head_groups(local_heads, degree) > 1
+    settings = AttentionSettings(
+        kernel="xla_blockwise",
+        context_strategy="ulysses",
+        mesh=mesh,
+        block_q=32,
+        block_kv=32,
+        allgather_max_kv=ALLGATHER_MAX_KV,
+    )
+    _run_cases(settings, CASES[1:4], h=heads)
 
 
 def test_batch_that_does_not_divide_data_is_replicated_not_wrong():

@@ -8,14 +8,18 @@ from models.attention import AttentionSettings
 from models.parallel import LayoutError
 
 H, W = 64, 48
+# name -> (mesh sizes, attention settings, batch). The tiny UNet attends with 4 heads at its one attention
+# level (16 x 12 = 192 latent tokens at 64 x 48); "context4-hybrid" splits context 4 into 2 Ulysses groups of
+# 2 devices with a ring of 2 across them.
 LAYOUTS = {
-    "cfg2": ({"cfg": 2}, "auto", 1),
-    "context2": ({"context": 2}, "auto", 1),
-    "context4-ring": ({"context": 4}, "ring", 1),
-    "context4-ulysses": ({"context": 4}, "ulysses", 1),
-    "tensor2": ({"tensor": 2}, "auto", 1),
-    "cfg2-context2-tensor2": ({"cfg": 2, "context": 2, "tensor": 2}, "auto", 1),
-    "data2-batch2": ({"data": 2}, "auto", 2),
+    "cfg2": ({"cfg": 2}, AttentionSettings(), 1),
+    "context2": ({"context": 2}, AttentionSettings(), 1),
+    "context4-ring": ({"context": 4}, AttentionSettings(context_strategy="ring"), 1),
+    "context4-ulysses": ({"context": 4}, AttentionSettings(context_strategy="ulysses"), 1),
+    "context4-hybrid": ({"context": 4}, AttentionSettings(context_strategy="hybrid", ulysses_degree=2), 1),
+    "tensor2": ({"tensor": 2}, AttentionSettings(), 1),
+    "cfg2-context2-tensor2": ({"cfg": 2, "context": 2, "tensor": 2}, AttentionSettings(), 1),
+    "data2-batch2": ({"data": 2}, AttentionSettings(), 2),
 }
 
 
@@ -33,14 +37,9 @@ def _inputs(batch):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_device(tiny_sdxl_path, single, name, record_property):
-    sizes, strategy, batch = LAYOUTS[name]
+    sizes, settings, batch = LAYOUTS[name]
     n = int(np.prod(list(sizes.values())))
-    pipe = load_pipeline(
-        tiny_sdxl_path,
-        mesh=sizes,
-        devices=list(range(n)),
-        attention=AttentionSettings(context_strategy=strategy),
-    )
+    pipe = load_pipeline(tiny_sdxl_path, mesh=sizes, devices=list(range(n)), attention=settings)
     prompts, latents = _inputs(batch)
     kw = dict(height=H, width=W, guidance_scale=5.0, negative_prompt="blurry", latents=latents)
 
