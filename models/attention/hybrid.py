@@ -24,11 +24,9 @@ whole axis cannot express.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax import lax
 
-from models.attention.blockwise import accumulate, finish, init_state
-from models.attention.ring import merge_partials, ring_pieces
+from models.attention.ring import ring_attention
 from models.attention.ulysses import validate_ulysses
 from models.parallel.mesh import LayoutError
 
@@ -47,69 +45,6 @@ def hybrid_degrees(context: int, local_heads: int, requested: int | None) -> tup
 def ulysses_groups(ring_size: int, ulysses_size: int) -> list[list[int]]:
     """The context indices of each Ulysses group: U consecutive devices per group, R groups."""
     return [[r * ulysses_size + u for u in range(ulysses_size)] for r in range(ring_size)]
-
-
-def ring_pairs(shift: int, ring_size: int, ulysses_size: int) -> list[tuple[int, int]]:
-    """ppermute pairs of ring step `shift`: (r, u) sends to (r + shift mod R, u), on the flat context axis."""
-    return [
-        (r * ulysses_size + u, ((r + shift) % ring_size) * ulysses_size + u)
-        for r in range(ring_size)
-        for u in range(ulysses_size)
-    ]
-
-
-def _ring_over_groups(q, k, v, kv_mask, *, axis_name, ring_size, ulysses_size, q_shift, kernel, blockwise):
-    """Ring attention among the devices with the same head block u (ring.ring_attention, strided).
-
-    q: [B, cq, h, D] this group's query block (group r holds positions r * cq ..), k/v: [B, ck, h, D],
-    kv_mask: [B, ck] or None -> [B, cq, h, D].
-    """
-    index = lax.axis_index(axis_name) // ulysses_size  # r
-    cq, ck = q.shape[1], k.shape[1]
-    q_offset = index * cq + q_shift
-    pieces = ring_pieces(ck, blockwise["block_kv"]) if blockwise is not None else 1
-    piece = ck // pieces
-
-    def fold(state, k, v, kv_mask, kv_offset):
-        if blockwise is not None:
-            state = init_state(q, blockwise["block_q"]) if state is None else state
-            return accumulate(
-                q, k, v, state, kv_mask=kv_mask, q_offset=q_offset, kv_offset=kv_offset, **blockwise
-            )
-        out, lse = kernel(
-            q,
-            k,
-            v,
-            kv_mask=kv_mask,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            return_lse=True,
-            out_dtype=jnp.float32,
-        )
-        return (out, lse) if state is None else merge_partials(*state, out, lse)
-
-    local = (k, v) if kv_mask is None else (k, v, kv_mask)
-
-    def send(shift):
-        pairs = ring_pairs(shift, ring_size, ulysses_size)
-        return lambda parts: [lax.ppermute(x, axis_name, pairs) for x in parts]
-
-    sends = [send(shift) for shift in range(1, ring_size)]
-
-    # Step (shift, j): piece j of the block of group r - shift, sent directly by its device with head block u.
-    def step(i, state):
-        shift, j = 1 + i // pieces, i % pieces
-        parts = [lax.dynamic_slice_in_dim(x, j * piece, piece, axis=1) for x in local]
-        got = lax.switch(shift - 1, sends, parts) if len(sends) > 1 else sends[0](parts)
-        mask = got[2] if len(got) == 3 else None
-        return fold(state, got[0], got[1], mask, ((index - shift) % ring_size) * ck + j * piece)
-
-    state = fold(None, k, v, kv_mask, index * ck)
-    if ring_size > 1:
-        state = lax.fori_loop(0, (ring_size - 1) * pieces, step, state)
-    if blockwise is not None:
-        return finish(state, cq, q.dtype)[0]
-    return state[0].astype(q.dtype)
 
 
 def hybrid_attention(
@@ -133,14 +68,15 @@ def hybrid_attention(
         q, k, v = (seq_to_heads(x) for x in (q, k, v))
         if kv_mask is not None:
             kv_mask = lax.all_gather(kv_mask, axis_name, axis=1, tiled=True, axis_index_groups=groups)
-    out = _ring_over_groups(
+    # One ring per head block u: the devices r * U + u, r = 0..R-1 (ring.ring_attention with stride U).
+    out = ring_attention(
         q,
         k,
         v,
         kv_mask,
         axis_name=axis_name,
-        ring_size=ring_size,
-        ulysses_size=ulysses_size,
+        axis_size=ring_size * ulysses_size,
+        stride=ulysses_size,
         q_shift=q_shift,
         kernel=kernel,
         blockwise=blockwise,

@@ -66,8 +66,12 @@ def ring_attention(
     kernel,
     blockwise=None,
     return_lse: bool = False,
+    stride: int = 1,
 ):
     """Local chunks q: [B, cq, H, D], k/v: [B, ck, H, D], kv_mask: [B, ck] bool or None -> [B, cq, H, D].
+
+    stride: the ring joins every stride-th device of the axis (device c is ring member c // stride, in the
+        ring of the devices with the same c % stride): hybrid attention runs one ring per Ulysses head block.
 
     q_shift: global causal shift (Sk - Sq of the unpadded sequences); chunk i holds positions i*cq.., i*ck...
     kernel: the local kernel (q, k, v, *, kv_mask, q_offset, kv_offset, return_lse, out_dtype).
@@ -75,7 +79,8 @@ def ring_attention(
         block_kv): the ring then carries one online-softmax state across chunks instead of merging partials,
         and sends each chunk in ring_pieces(ck, block_kv) pieces.
     """
-    index = lax.axis_index(axis_name)
+    ring_size = axis_size // stride
+    index = lax.axis_index(axis_name) // stride
     cq, ck = q.shape[1], k.shape[1]
     q_offset = index * cq + q_shift
     pieces = ring_pieces(ck, blockwise["block_kv"]) if blockwise is not None else 1
@@ -108,7 +113,7 @@ def ring_attention(
     local = (k, v) if kv_mask is None else (k, v, kv_mask)
 
     def send(shift):
-        pairs = [(i, (i + shift) % axis_size) for i in range(axis_size)]
+        pairs = [(i, ((i // stride + shift) % ring_size) * stride + i % stride) for i in range(axis_size)]
         return lambda parts: [lax.ppermute(x, axis_name, pairs) for x in parts]
 
     # Step t = 1..N-1 attends to the chunk of device (i - t) mod N, which that device sends us directly:
@@ -118,17 +123,18 @@ def ring_attention(
     # same, (N - 1) x the local K/V. One loop over (step, piece), the step's permutation picked by
     # lax.switch: the program holds one copy of the local kernel whatever N, and the loop keeps XLA from
     # starting every transfer at once (unrolled, it did: 136 MiB of temporaries at 4k tokens, N=8; 18 so).
-    sends = [send(shift) for shift in range(1, axis_size)]
+    sends = [send(shift) for shift in range(1, ring_size)]
 
     def step(i, state):
         shift, j = 1 + i // pieces, i % pieces
         parts = [lax.dynamic_slice_in_dim(x, j * piece, piece, axis=1) for x in local]
         got = lax.switch(shift - 1, sends, parts) if len(sends) > 1 else sends[0](parts)
         mask = got[2] if len(got) == 3 else None
-        return fold(state, got[0], got[1], mask, ((index - shift) % axis_size) * ck + j * piece)
+        return fold(state, got[0], got[1], mask, ((index - shift) % ring_size) * ck + j * piece)
 
     state = fold(None, k, v, kv_mask, index * ck)
-    state = lax.fori_loop(0, (axis_size - 1) * pieces, step, state)
+    if ring_size > 1:
+        state = lax.fori_loop(0, (ring_size - 1) * pieces, step, state)
 
     if blockwise is not None:
         out, lse = finish(state, cq, q.dtype)
