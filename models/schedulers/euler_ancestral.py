@@ -13,7 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.schedulers.common import NoiseScheduler, SigmaSchedule, at, f32, spaced_timesteps, step_noise
-from models.schedulers.euler import init_noise_sigma, predicted_original, training_sigmas
+from models.schedulers.euler import (
+    EulerDiscreteScheduler,
+    init_noise_sigma,
+    predicted_original,
+    training_sigmas,
+)
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,8 @@ class EulerAncestralDiscreteScheduler(NoiseScheduler):
             init_noise_sigma=init_noise_sigma(sigmas, self.timestep_spacing),
         )
 
-    def scale_model_input(self, schedule: SigmaSchedule, sample, i):
-        sigma = at(schedule.sigmas, i)
-        return (sample / (sigma**2 + 1) ** 0.5).astype(sample.dtype)
+    # The same input scaling as plain Euler: sample / sqrt(sigma_i^2 + 1).
+    scale_model_input = EulerDiscreteScheduler.scale_model_input
 
     def step(self, schedule: SigmaSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """One ancestral step; returns (prev_sample in sample's dtype, state).

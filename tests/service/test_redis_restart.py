@@ -5,61 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-import redis
 
+from tests.private_redis import free_port, start_redis
 from tests.service.conftest import FakeWorker, api_client
 
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(port: int, folder: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(folder),
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--protected-mode",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if client.ping():
-                return proc
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)
 
 
 async def test_redis_restart(make_settings, tmp_path):

@@ -4,15 +4,13 @@ Uses a private redis-server on a spare port (the shared one on 6379 is never tou
 
 import asyncio
 import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 
 from service.contract import JobStatus
 from service.settings import Settings
 from service.store import Store
+from tests.private_redis import free_port, start_redis
 from tests.workers.helpers import all_events, params, submit_many, wait_ended, wait_status
 from workers.config import WorkerConfig
 from workers.main import Worker
@@ -20,50 +18,13 @@ from workers.main import Worker
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis(port, workdir):
-    # appendfsync always: every acknowledged write survives the SIGKILL below.
-    args = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(workdir),
-        "--save",
-        "",
-        "--appendonly",
-        "yes",
-        "--appendfsync",
-        "always",
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("private redis-server did not start")
-
-
 @pytest.mark.parametrize("outage_s", [1.5, 4.0], ids=["write-retried", "write-abandoned-then-reclaimed"])
 def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
     """1.5 s: shorter than the lease (2 s), the finished job's write is retried until Redis is back. 4 s: the
     worker gives the write up after a lease; the job, still `running` in Redis with its lease lapsed, is
     reclaimed and run again - still one result."""
-    port = _port()
-    redis_proc = _start_redis(port, tmp_path)
+    port = free_port()
+    redis_proc = start_redis(port, tmp_path)
     settings = Settings(
         redis_url=f"redis://127.0.0.1:{port}/0", key_prefix="ms", lease_s=2.0, pool_stale_s=5.0
     )
@@ -88,7 +49,7 @@ def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
             redis_proc.wait(5)
             await asyncio.sleep(outage_s)  # the running job finishes its steps with Redis away
             assert not task.done()
-            redis_proc = _start_redis(port, tmp_path)
+            redis_proc = start_redis(port, tmp_path)
             jobs = await wait_ended(store, ids, timeout=60)
             assert all(j.status == JobStatus.SUCCEEDED for j in jobs.values()), jobs
             for job_id in ids:
