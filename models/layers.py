@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 # --------------------------------------------------------------------------------------------------
 # Activations and norms
@@ -45,22 +46,38 @@ def get_activation(name: str) -> Callable:
         ) from None
 
 
-class GroupNorm(nnx.GroupNorm):
-    """torch.nn.GroupNorm over the channel (last) axis: fp32 statistics, output in the input's dtype."""
+class GroupNorm(nnx.Module):
+    """torch.nn.GroupNorm over the channel (last) axis: fp32 statistics, output in the input's dtype.
+
+    Statistics are summed per channel over the pixels first and only then per group: reducing [B, HW, C]
+    over HW runs along memory, where reducing [B, HW, G, C/G] over (HW, C/G) at once (flax's GroupNorm) was
+    3x slower on XLA:CPU (GroupNorm + SiLU on [1, 256, 256, 32]: 2.4 -> 0.8 ms; 30 of them are ~50 ms of a
+    256x256 VAE decode). The variance is two-pass, as torch's is exact; the normalisation is one
+    multiply-add per element with per-channel coefficients.
+    """
 
     def __init__(self, num_channels: int, num_groups: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        super().__init__(
-            num_channels,
-            num_groups=num_groups,
-            epsilon=eps,
-            dtype=jnp.float32,
-            param_dtype=dtype,
-            use_fast_variance=False,
-            rngs=rngs,
-        )
+        if num_channels % num_groups:
+            raise ValueError(f"{num_channels} channels do not split into {num_groups} groups")
+        self.num_groups, self.eps = num_groups, eps
+        self.scale = nnx.Param(jnp.ones((num_channels,), dtype))
+        self.bias = nnx.Param(jnp.zeros((num_channels,), dtype))
 
     def __call__(self, x):
-        return super().__call__(x).astype(x.dtype)
+        b, c = x.shape[0], x.shape[-1]
+        groups = self.num_groups
+        xf = x.astype(jnp.float32).reshape(b, -1, c)
+        count = xf.shape[1] * (c // groups)
+
+        def group_mean(per_channel_sum):  # [B, C] -> [B, 1, C]: each channel's group mean
+            means = per_channel_sum.reshape(b, groups, c // groups).sum(-1, keepdims=True) / count
+            return jnp.broadcast_to(means, (b, groups, c // groups)).reshape(b, 1, c)
+
+        mean = group_mean(jnp.sum(xf, axis=1))
+        var = group_mean(jnp.sum(jnp.square(xf - mean), axis=1))
+        scale = self.scale[...].astype(jnp.float32) * lax.rsqrt(var + self.eps)
+        shift = self.bias[...].astype(jnp.float32) - mean * scale
+        return (xf * scale + shift).reshape(x.shape).astype(x.dtype)
 
 
 class LayerNorm(nnx.LayerNorm):
