@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention.blockwise import accumulate, finish, init_state
+from models.attention.blockwise import accumulate, finish, fit_blocks, init_state
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -83,6 +83,9 @@ def ring_attention(
     index = lax.axis_index(axis_name) // stride
     cq, ck = q.shape[1], k.shape[1]
     q_offset = index * cq + q_shift
+    if blockwise is not None:  # the tile fitted to the local chunk, then pieces of at least one K/V block
+        fitted = fit_blocks(cq, ck, q.shape[-1], blockwise["block_q"], blockwise["block_kv"])
+        blockwise = dict(blockwise, block_q=fitted[0], block_kv=fitted[1])
     pieces = ring_pieces(ck, blockwise["block_kv"]) if blockwise is not None else 1
     piece = ck // pieces
 
