@@ -1,13 +1,16 @@
 """Our SDXL pipeline against diffusers' (PyTorch, CPU) on the same weights, config and thread count.
 
-    python bench/sdxl_vs_diffusers.py [--size 256] [--steps 10] [--repeats 3] [--threads 2]
+    python bench/sdxl_vs_diffusers.py [--width 64] [--size 256] [--steps 10] [--repeats 3] [--rounds 3] [--threads 2]
 
-Builds one small SDXL-shaped checkpoint with diffusers (three UNet levels like SDXL, channels / 5, head dim 64,
-the same block types and transformer depths pattern), then measures each side in its own process, one after
-the other (XLA's CPU thread pool and torch's intra-op threads otherwise compete: measured in one process,
-diffusers' generation took 34 s instead of 2 s): the median time of one CFG denoise step (UNet on the
-doubled batch + guidance + scheduler step), the median time of a whole generation, and our compile time.
-Prints a markdown table (bench/README.md keeps the latest one).
+Builds one small SDXL-shaped checkpoint with diffusers (SDXL's three UNet levels, block types, transformer
+depths and heads of dim 64, at base width `--width` instead of 320; two CLIP encoders; a four-level VAE),
+then measures each side in its own process (XLA's CPU thread pool and torch's intra-op threads otherwise
+compete: measured in one process, diffusers' generation took 34 s instead of 2 s). The sides alternate for
+`--rounds` rounds and every figure is the median over rounds: this VM's speed drifts by 10-30 % within
+minutes. Measured: one CFG denoise step called alone (UNet on the doubled batch + guidance + scheduler
+step, one call from Python), one step inside a generation ((whole generation - 1-step generation) /
+(steps - 1): a trip of our compiled loop, a pass of diffusers' Python loop), whole generations of `--steps`
+and of 1 step, the VAE decode, and our compile time. Prints a markdown table (bench/README.md keeps them).
 """
 
 from __future__ import annotations
@@ -21,6 +24,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def unet_config(width: int = 64) -> dict:
+    """SDXL's UNet at channels / (320 / width): width 64 is channels / 5, head dim 64 (SDXL's)."""
+    return dict(UNET, block_out_channels=(width, 2 * width, 4 * width))
+
+
+def vae_config(width: int = 64) -> dict:
+    return dict(VAE, block_out_channels=[32, width, 2 * width, 2 * width])  # GroupNorm(32) needs >= 32
+
 
 UNET = dict(
     block_out_channels=(64, 128, 256),
@@ -58,7 +71,7 @@ TEXT = dict(
 )
 
 
-def build_checkpoint(out: Path) -> Path:
+def build_checkpoint(out: Path, width: int = 64) -> Path:
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -74,8 +87,8 @@ def build_checkpoint(out: Path) -> Path:
     special = dict(bos_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
     torch.manual_seed(0)
     pipe = StableDiffusionXLPipeline(
-        unet=UNet2DConditionModel(**UNET),
-        vae=AutoencoderKL(**VAE),
+        unet=UNet2DConditionModel(**unet_config(width)),
+        vae=AutoencoderKL(**vae_config(width)),
         text_encoder=CLIPTextModel(
             CLIPTextConfig(vocab_size=vocab, hidden_act="quick_gelu", **special, **TEXT)
         ),
@@ -127,6 +140,10 @@ def run_ours(ckpt: Path, args) -> dict:
     first = run()
     first_s = time.perf_counter() - t0
     gen = median_time(run, args.repeats)
+    ours(PROMPT, latents=latents, **dict(kw, num_inference_steps=1))  # compiles the 1-step program
+    gen_1 = median_time(
+        lambda: ours(PROMPT, latents=latents, **dict(kw, num_inference_steps=1)), args.repeats
+    )
 
     # One CFG denoise step: the UNet program the loop runs, on the doubled batch, + guidance + scheduler step.
     graph, state = nnx.split(nnx.merge(ours._graphs["unet"], ours._states["unet"]))
@@ -148,9 +165,23 @@ def run_ours(ckpt: Path, args) -> dict:
 
     cfg_step(state, schedule, x, 0).block_until_ready()
     step = median_time(lambda: cfg_step(state, schedule, x, 1).block_until_ready(), max(5, args.repeats))
+
+    vae_graph, vae_state = nnx.split(nnx.merge(ours._graphs["vae"], ours._states["vae"]))
+    decode = jax.jit(lambda state, z: nnx.merge(vae_graph, state).decode(z))
+    decode(vae_state, x).block_until_ready()
+    vae = median_time(lambda: decode(vae_state, x).block_until_ready(), max(5, args.repeats))
     np.save(args.images, first.images)
     params = sum(v.size for v in jax.tree.leaves(ours._states["unet"]))
-    return {"step": step, "gen": gen, "compile": first_s - gen, "load": load_s, "unet_params": int(params)}
+    return {
+        "step": step,
+        "vae": vae,
+        "gen": gen,
+        "gen_1": gen_1,
+        "compile": first_s - gen,
+        "load": load_s,
+        "unet_params": int(params),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
 
 
 def run_diffusers(ckpt: Path, args) -> dict:
@@ -171,6 +202,9 @@ def run_diffusers(ckpt: Path, args) -> dict:
     with torch.inference_mode():
         images = run().images
         gen = median_time(run, args.repeats)
+        gen_1 = median_time(
+            lambda: ref(PROMPT, latents=latents, **dict(kw, num_inference_steps=1)), args.repeats
+        )
         ref.scheduler.set_timesteps(steps)
         emb = torch.zeros(2, 77, UNET["cross_attention_dim"])
         added = {
@@ -189,8 +223,10 @@ def run_diffusers(ckpt: Path, args) -> dict:
 
         cfg_step()
         step = median_time(cfg_step, max(5, args.repeats))
+        ref.vae.decode(latents)
+        vae = median_time(lambda: ref.vae.decode(latents), max(5, args.repeats))
     np.save(args.images, images)
-    return {"step": step, "gen": gen}
+    return {"step": step, "vae": vae, "gen": gen, "gen_1": gen_1}
 
 
 PROMPT = "a photo of an astronaut riding a horse"
@@ -213,6 +249,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians over them")
+    ap.add_argument("--width", type=int, default=64, help="UNet base channels (SDXL: 320); VAE scaled alike")
     ap.add_argument("--side", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--images", help=argparse.SUPPRESS)
@@ -224,40 +262,55 @@ def main() -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))
-    ckpt = build_checkpoint(tmp)
-    results = {}
-    for side in ("ours", "diffusers"):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--side",
-            side,
-            "--ckpt",
-            str(ckpt),
-            "--images",
-            str(tmp / f"{side}.npy"),
-        ]
-        cmd += ["--size", str(args.size), "--steps", str(args.steps), "--repeats", str(args.repeats)]
-        cmd += ["--threads", str(args.threads)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[side] = json.loads(out.strip().splitlines()[-1])
+    ckpt = build_checkpoint(tmp, args.width)
+    # Rounds alternate which side goes first and each figure is the median over rounds: this machine's speed
+    # drifts by 10-30% over minutes (a shared VM), which one run per side would book to one side.
+    runs = {"ours": [], "diffusers": []}
+    for r in range(args.rounds):
+        for side in ("ours", "diffusers") if r % 2 == 0 else ("diffusers", "ours"):
+            cmd = [sys.executable, __file__, "--side", side, "--ckpt", str(ckpt)]
+            cmd += [
+                "--images",
+                str(tmp / f"{side}.npy"),
+                "--size",
+                str(args.size),
+                "--steps",
+                str(args.steps),
+            ]
+            cmd += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            runs[side].append(json.loads(out.strip().splitlines()[-1]))
+    results = {
+        side: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "xla_flags"}
+        for side, rs in runs.items()
+    }
     ours, ref = results["ours"], results["diffusers"]
     err = float(np.abs(np.load(tmp / "ours.npy") - np.load(tmp / "diffusers.npy")).max())
     print(
         f"\nSDXL-shaped model ({ours['unet_params'] / 1e6:.1f}M UNet params), {args.size}x{args.size}, "
-        f"{args.steps} steps, CFG, fp32, {args.threads} threads, CPU, each side in its own process; "
+        f"{args.steps} steps, CFG, fp32, {args.threads} threads, CPU, each side in its own process, "
+        f"median of {args.rounds} alternating rounds; our XLA_FLAGS={runs['ours'][0]['xla_flags']!r}; "
         f"max |ours - diffusers| pixel = {err:.1e}; our load {ours['load']:.1f}s\n"
     )
     print("| measure | meshserve (JAX) | diffusers (PyTorch) | speed-up |")
     print("|---|---|---|---|")
-    print(
-        f"| one CFG denoise step (median) | {ours['step'] * 1e3:.1f} ms | {ref['step'] * 1e3:.1f} ms "
-        f"| {ref['step'] / ours['step']:.2f}x |"
-    )
-    print(
-        f"| whole generation (median of {args.repeats}) | {ours['gen']:.2f} s | {ref['gen']:.2f} s "
-        f"| {ref['gen'] / ours['gen']:.2f}x |"
-    )
+    # A step as the generation runs it: what one more step adds to a whole generation, loop overhead included.
+    in_gen = {k: (v["gen"] - v["gen_1"]) / (args.steps - 1) for k, v in results.items()}
+    rows = [
+        ("one CFG denoise step, called alone (median)", ours["step"] * 1e3, ref["step"] * 1e3, "ms"),
+        (
+            "one step inside a generation, (whole - 1-step whole) / (steps - 1)",
+            in_gen["ours"] * 1e3,
+            in_gen["diffusers"] * 1e3,
+            "ms",
+        ),
+        (f"whole generation, {args.steps} steps (median of {args.repeats})", ours["gen"], ref["gen"], "s"),
+        ("whole generation, 1 step", ours["gen_1"], ref["gen_1"], "s"),
+        ("VAE decode (median)", ours["vae"] * 1e3, ref["vae"] * 1e3, "ms"),
+    ]
+    for name, a, b, unit in rows:
+        fmt = ".2f" if unit == "s" else ".1f"
+        print(f"| {name} | {a:{fmt}} {unit} | {b:{fmt}} {unit} | {b / a:.2f}x |")
     print(f"| compile (first call - steady call) | {ours['compile']:.1f} s | n/a | |")
 
 
