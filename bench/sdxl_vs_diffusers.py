@@ -26,15 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def unet_config(width: int = 64) -> dict:
-    """SDXL's UNet at channels / (320 / width): width 64 is channels / 5, head dim 64 (SDXL's)."""
-    return dict(UNET, block_out_channels=(width, 2 * width, 4 * width))
-
-
-def vae_config(width: int = 64) -> dict:
-    return dict(VAE, block_out_channels=[32, width, 2 * width, 2 * width])  # GroupNorm(32) needs >= 32
-
-
 UNET = dict(
     block_out_channels=(64, 128, 256),
     layers_per_block=2,
@@ -69,6 +60,15 @@ TEXT = dict(
     max_position_embeddings=77,
     layer_norm_eps=1e-5,
 )
+
+
+def unet_config(width: int = 64) -> dict:
+    """SDXL's UNet at channels x width / 320, SDXL's head counts / 5: heads of 64 at width 64 (SDXL's), 32 at 32."""
+    return dict(UNET, block_out_channels=(width, 2 * width, 4 * width))
+
+
+def vae_config(width: int = 64) -> dict:
+    return dict(VAE, block_out_channels=[32, width, 2 * width, 2 * width])  # GroupNorm(32) needs >= 32
 
 
 def build_checkpoint(out: Path, width: int = 64) -> Path:
