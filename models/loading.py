@@ -12,6 +12,8 @@ path by a handful of rules, applied by the leaf name and the array's rank:
     <path>.weight  (Conv, [O,I,*K])  <path>.kernel  [*K, I, O]    (HWIO; conv1d/conv3d alike)
     <path>.weight  (norms)           <path>.scale
     <path>.weight  (Embedding)       <path>.embedding
+    <path>.weight  (Linear, halves)  <path>.halves_kernel [I, 2, O]  (GEGLU's [value | gate] projection)
+    <path>.bias    (Linear, halves)  <path>.halves_bias   [2, O]
     <path>.bias                      <path>.bias
     anything else                    the same name
 
@@ -147,11 +149,21 @@ def read_component_weights(folder: Path, variant: str | None = None) -> dict[str
 
 
 def nnx_leaf_to_torch(leaf: str) -> str:
-    return {"kernel": "weight", "scale": "weight", "embedding": "weight"}.get(leaf, leaf)
+    return {
+        "kernel": "weight",
+        "scale": "weight",
+        "embedding": "weight",
+        "halves_kernel": "weight",
+        "halves_bias": "bias",
+    }.get(leaf, leaf)
 
 
 def to_nnx_layout(leaf: str, array: np.ndarray) -> np.ndarray:
     """A PyTorch tensor in the layout of the NNX parameter `leaf`."""
+    if leaf == "halves_kernel":  # Linear [2 O, I] whose output is two halves -> [I, 2, O]
+        return array.T.reshape(array.shape[1], 2, array.shape[0] // 2)
+    if leaf == "halves_bias":  # [2 O] -> [2, O]
+        return array.reshape(2, -1)
     if leaf == "kernel":
         if array.ndim == 2:  # Linear [O, I] -> [I, O]
             return array.T
@@ -162,6 +174,10 @@ def to_nnx_layout(leaf: str, array: np.ndarray) -> np.ndarray:
 
 def to_torch_layout(leaf: str, array: np.ndarray) -> np.ndarray:
     """The inverse of `to_nnx_layout`."""
+    if leaf == "halves_kernel":
+        return array.reshape(array.shape[0], -1).T
+    if leaf == "halves_bias":
+        return array.reshape(-1)
     if leaf == "kernel":
         if array.ndim == 2:
             return array.T

@@ -225,12 +225,17 @@ def test_sdxl_base_config_builds_diffusers_parameter_tree():
     ours = abstract_module(lambda rngs: Ours(cfg, dtype=jnp.bfloat16, rngs=rngs))
     with torch.device("meta"):
         ref = UNet2DConditionModel(**{k: v for k, v in SDXL_BASE.items() if not k.startswith("_")})
-    # Rank >= 2 weights are Linear/Conv kernels (the loader's rule); zero-strided views: no memory.
+    torch_shapes = {key: tuple(value.shape) for key, value in ref.state_dict().items()}
+    flat = nnx.to_flat_state(nnx.state(ours))
+    got = {torch_key(path): tuple(var.get_value().shape) for path, var in flat}
+    assert sorted(got) == sorted(torch_shapes)
+    # Each checkpoint tensor in our layout, as the loader converts it by our leaf's name (zero-strided views:
+    # no memory).
     expected = {
-        key: to_nnx_layout("kernel" if value.ndim > 1 else "", np.broadcast_to(np.int8(0), value.shape)).shape
-        for key, value in ref.state_dict().items()
+        torch_key(path): to_nnx_layout(
+            str(path[-1]), np.broadcast_to(np.int8(0), torch_shapes[torch_key(path)])
+        ).shape
+        for path, _ in flat
     }
-    got = {torch_key(path): tuple(var.get_value().shape) for path, var in nnx.to_flat_state(nnx.state(ours))}
-    assert sorted(got) == sorted(expected)
     assert {k: v for k, v in got.items() if v != expected[k]} == {}
     assert sum(int(np.prod(s)) for s in got.values()) == 2_567_463_684  # SDXL base's parameter count
