@@ -60,6 +60,18 @@ def test_layout_round_trip(ndim):
     np.testing.assert_array_equal(to_torch_layout("kernel", to_nnx_layout("kernel", x)), x)
 
 
+def test_halves_layout_puts_value_and_gate_on_their_own_axis_and_round_trips():
+    """A [value | gate] Linear, torch [2 O, I] -> [I, 2, O]: [:, 0] are the first O output rows, [:, 1] the rest."""
+    weight, bias = np.arange(6 * 4).reshape(6, 4), np.arange(6)
+    kernel = to_nnx_layout("halves_kernel", weight)
+    assert kernel.shape == (4, 2, 3)
+    np.testing.assert_array_equal(kernel[:, 0], weight[:3].T)
+    np.testing.assert_array_equal(kernel[:, 1], weight[3:].T)
+    np.testing.assert_array_equal(to_nnx_layout("halves_bias", bias), [[0, 1, 2], [3, 4, 5]])
+    np.testing.assert_array_equal(to_torch_layout("halves_kernel", kernel), weight)
+    np.testing.assert_array_equal(to_torch_layout("halves_bias", to_nnx_layout("halves_bias", bias)), bias)
+
+
 def test_mismatch_names_missing_unexpected_and_misshapen():
     state = _torch_state()
     del state["proj.bias"]
