@@ -39,8 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from models.attention import AttentionSettings, attention  # noqa: E402
-from models.parallel.mesh import MeshSizes, make_mesh  # noqa: E402
+from meshserve.models.attention import AttentionSettings, attention  # noqa: E402
+from meshserve.models.parallel.mesh import MeshSizes, make_mesh  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "attention.md"
 START, END = "<!-- bench/attention_memory.py: start -->", "<!-- bench/attention_memory.py: end -->"

@@ -43,9 +43,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.attention_memory import COLLECTIVES, MIB, collectives, memory_bytes  # noqa: E402
-from models import load_pipeline  # noqa: E402
-from models.attention import AttentionSettings  # noqa: E402
-from models.parallel import LayoutError  # noqa: E402
+from meshserve.models import load_pipeline  # noqa: E402
+from meshserve.models.attention import AttentionSettings  # noqa: E402
+from meshserve.models.parallel import LayoutError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "attention.md"

@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.contract import ModelDefaults, ModelInfo, ModelLimits, PoolInfo  # noqa: E402
-from service.settings import Settings  # noqa: E402
-from service.store import Store  # noqa: E402
+from meshserve.service.contract import ModelDefaults, ModelInfo, ModelLimits, PoolInfo  # noqa: E402
+from meshserve.service.settings import Settings  # noqa: E402
+from meshserve.service.store import Store  # noqa: E402
 
 BENCH_MODEL = ModelInfo(
     id="bench",
@@ -154,7 +154,7 @@ def main() -> int:
         sys.executable,
         "-m",
         "uvicorn",
-        "service.app:create_app",
+        "meshserve.service.app:create_app",
         "--factory",
         "--host",
         "127.0.0.1",

@@ -105,7 +105,7 @@ async def _level(client, jobs: int, concurrency: int) -> dict:
 async def bench(args) -> None:
     import httpx
 
-    from workers.serve import local_redis
+    from meshserve.workers.serve import local_redis
 
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))
     with local_redis() as url:

@@ -81,7 +81,7 @@ def build_checkpoint(out: Path, width: int = 64) -> Path:
     )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from models.clip_tokenizer import build_tiny_clip_tokenizer
+    from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
 
     vocab = build_tiny_clip_tokenizer(out / "_tok")
     special = dict(bos_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
@@ -124,7 +124,7 @@ def run_ours(ckpt: Path, args) -> dict:
     import numpy as np
     from flax import nnx
 
-    from models import load_pipeline
+    from meshserve.models import load_pipeline
 
     size, steps = args.size, args.steps
     latents = _latents(size)

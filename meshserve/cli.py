@@ -29,8 +29,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from models import PipelineError, load_pipeline
-    from models.compile_cache import enable_compilation_cache
+    from meshserve.models import PipelineError, load_pipeline
+    from meshserve.models.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
 
@@ -75,14 +75,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from workers.serve import run_serve
+    from meshserve.workers.serve import run_serve
 
     run_serve(port=args.port, redis_url=args.redis_url, model=args.model, host=args.host)
     return 0
 
 
 def _api(args: argparse.Namespace) -> int:
-    from service.app import run_api
+    from meshserve.service.app import run_api
 
     run_api(host=args.host, port=args.port)
     return 0
@@ -91,8 +91,8 @@ def _api(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     if not Path(args.config).is_file():
         raise UsageError(f"--config: {args.config} not found")
-    from workers.config import load_config
-    from workers.main import run_worker
+    from meshserve.workers.config import load_config
+    from meshserve.workers.main import run_worker
 
     try:
         load_config(args.config)  # a bad file is the user's to fix: one line, before anything starts

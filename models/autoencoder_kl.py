@@ -23,12 +23,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import AttentionSettings, attention
-from models.layers import Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv2d, get_activation, linear
-from models.loading import abstract_module, load_weights, read_component_weights, read_json
+from meshserve.models.attention import AttentionSettings, attention
+from meshserve.models.layers import (
+    Downsample2D,
+    GroupNorm,
+    ResnetBlock2D,
+    Upsample2D,
+    conv2d,
+    get_activation,
+    linear,
+)
+from meshserve.models.loading import abstract_module, load_weights, read_component_weights, read_json
 
 # diffusers builds every VAE block with this eps (vae.py), whatever the config says.
 _VAE_EPS = 1e-6
+
+# Parameter path regex -> logical axes (models.parallel.placement maps them to mesh axes). Empty: replicated.
+SHARDING_RULES: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionSettings, attention
-from models.loading import CheckpointError, load_weights, read_component_weights, read_json
+from meshserve.models.attention import AttentionSettings, attention
+from meshserve.models.loading import CheckpointError, load_weights, read_component_weights, read_json
 
 _DEFAULT_SETTINGS = AttentionSettings()
+
+# Parameter path regex -> logical axes (models.parallel.placement maps them to mesh axes). Empty: replicated.
+SHARDING_RULES: tuple = ()
 
 # Activations by transformers' `hidden_act` name (transformers/activations.py ACT2FN).
 _ACTIVATIONS = {

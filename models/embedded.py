@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-from models.clip_tokenizer import build_tiny_clip_tokenizer
-from models.loading import abstract_module, to_torch_layout, torch_key, write_safetensors
-from models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
+from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+from meshserve.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
+from meshserve.models.loading import abstract_module, to_torch_layout, torch_key, write_safetensors
+from meshserve.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
 
 VERSION = "tiny-sdxl-v1"  # bump when anything below changes: the cache folder is keyed by it
 

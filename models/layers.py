@@ -1,7 +1,7 @@
 """Layers shared by the UNet and the VAE: norms, activations, resnet blocks, resampling, timestep embeddings.
 
 Every class mirrors the diffusers module of the same name (attribute names included, so checkpoint keys map
-by the generic rules of `models.loading`), with activations in NHWC: `[B, H, W, C]`.
+by the generic rules of `meshserve.models.loading`), with activations in NHWC: `[B, H, W, C]`.
 
 Precision: group and layer norms compute their statistics in fp32 whatever the parameter dtype (two-pass
 variance, as torch does) and hand back the input's dtype; a bf16 mean/variance over a 128x128x320 map loses

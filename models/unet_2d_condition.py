@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import AttentionSettings, attention
-from models.layers import (
+from meshserve.models.attention import AttentionSettings, attention
+from meshserve.models.layers import (
     Downsample2D,
     GroupNorm,
     LayerNorm,
@@ -41,7 +41,7 @@ from models.layers import (
     linear,
     timestep_embedding,
 )
-from models.loading import abstract_module, load_weights, read_component_weights, read_json
+from meshserve.models.loading import abstract_module, load_weights, read_component_weights, read_json
 
 # Config values we do not implement -> the value that means "not used" (diffusers' default).
 _UNSUPPORTED = {

@@ -7,12 +7,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service import metrics
-from service.api.catalog import Catalog
-from service.api.errors import install_error_handlers
-from service.api.routes import generate, health, images, jobs, models
-from service.settings import Settings, get_settings
-from service.store import Store
+from meshserve.service import metrics
+from meshserve.service.api.catalog import Catalog
+from meshserve.service.api.errors import install_error_handlers
+from meshserve.service.api.routes import generate, health, images, jobs, models
+from meshserve.service.settings import Settings, get_settings
+from meshserve.service.store import Store
 
 DESCRIPTION = (
     "Diffusion-model generation over a durable Redis queue. Submit with `POST /v1/generate`, then poll "
@@ -54,7 +54,7 @@ def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if workers > 1:
         uvicorn.run(
-            "service.app:create_app",
+            "meshserve.service.app:create_app",
             factory=True,
             host=host,
             port=port,

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.contract import (
+from meshserve.service.contract import (
     Job,
     JobError,
     JobParams,

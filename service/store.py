@@ -39,8 +39,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service import store_lua
-from service.contract import (
+from meshserve.service import store_lua
+from meshserve.service.contract import (
     PRIORITY_ORDER,
     Delivery,
     Event,
@@ -58,7 +58,7 @@ from service.contract import (
     QueueFull,
     Timings,
 )
-from service.settings import Settings
+from meshserve.service.settings import Settings
 
 _EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "video/mp4": ".mp4"}
 

@@ -1,4 +1,4 @@
-"""The Lua scripts behind `service.store.Store`: every state change of a job that must be atomic.
+"""The Lua scripts behind `meshserve.service.store.Store`: every state change of a job that must be atomic.
 
 Why Lua and not MULTI: each transition first reads the job (its status and attempt number) and then decides what
 to write; a script does the read and the writes as one step, so a stale worker can never slip a write in between

@@ -97,7 +97,7 @@ def test_dockerfile_copies_what_exists():
 
 
 def test_worker_configs_mounted_by_compose_validate_and_expose_the_scraped_port(compose):
-    from workers.config import load_config
+    from meshserve.workers.config import load_config
 
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
@@ -158,8 +158,8 @@ def _queried_metrics() -> set[str]:
 def _registered_metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
-    import service.metrics  # noqa: F401 - registers the API's metrics (and its scrape-time collector)
-    import workers.metrics  # noqa: F401 - registers the worker's metrics
+    import meshserve.service.metrics  # noqa: F401 - registers the API's metrics (and its scrape-time collector)
+    import meshserve.workers.metrics  # noqa: F401 - registers the worker's metrics
 
     # A labelled metric has no samples before its first use: derive the series names from the family's type.
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "info": ["_info"]}
@@ -204,7 +204,7 @@ def test_kustomizations_list_only_files_that_exist():
 
 @pytest.mark.parametrize("overlay", ["base", "overlays/gpu"])
 def test_kustomize_renders_a_consistent_deployment(overlay):
-    from workers.config import WorkerConfig
+    from meshserve.workers.config import WorkerConfig
 
     docs = _render(K8S / overlay)
     by_kind = {}

@@ -20,17 +20,17 @@ EXTRA
     "package,blocked,extra",
     [
         (
-            "models",
-            ["service", "workers", "redis", "fastapi", "torch", "diffusers"],
-            "import models.pipelines.sdxl, models.schedulers, models.attention\n"
-            "from models.clip_tokenizer import load_clip_tokenizer\n"
-            "from models.embedded import embedded_model_path\n"
+            "meshserve.models",
+            ["meshserve.service", "meshserve.workers", "redis", "fastapi", "torch", "diffusers"],
+            "import meshserve.models.pipelines.sdxl, meshserve.models.schedulers, meshserve.models.attention\n"
+            "from meshserve.models.clip_tokenizer import load_clip_tokenizer\n"
+            "from meshserve.models.embedded import embedded_model_path\n"
             "load_clip_tokenizer(embedded_model_path() / 'tokenizer')",
         ),
         (
-            "service",
-            ["jax", "flax", "models", "workers", "torch", "diffusers"],
-            "import service.app, service.store, service.contract",
+            "meshserve.service",
+            ["jax", "flax", "meshserve.models", "meshserve.workers", "torch", "diffusers"],
+            "import meshserve.service.app, meshserve.service.store, meshserve.service.contract",
         ),
     ],
 )

@@ -12,6 +12,6 @@
     main.py       `run_worker`: the pools of one config in one process
     serve.py      `run_serve`: API + one worker (+ a private redis-server) in one command
 
-Redis is reached only through `service.store.Store` and the job types of `service.contract`; models only through
+Redis is reached only through `meshserve.service.store.Store` and the job types of `meshserve.service.contract`; models only through
 the runner interface. JAX is imported only when a pool runs a real model.
 """

@@ -10,8 +10,8 @@
         max_batch: 4
         buckets: [[1024, 1024], [832, 1216]]
 
-A model's `runner` picks its implementation by name: "pipeline" (the default) wraps `models.load_pipeline`;
-"fake" is the model-free runner of `workers.fake_runner` (tests, load benchmarks); anything with a colon is an
+A model's `runner` picks its implementation by name: "pipeline" (the default) wraps `meshserve.models.load_pipeline`;
+"fake" is the model-free runner of `meshserve.workers.fake_runner` (tests, load benchmarks); anything with a colon is an
 import path "module:Class". Redis, lease and TTL settings are not here: they are the service package's
 `Settings` (environment `MESHSERVE_*`), shared by API and workers so both sides agree on them.
 """

@@ -18,8 +18,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.contract import ModelDefaults, ModelInfo, ModelLimits
-from workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult, split_and_encode
+from meshserve.service.contract import ModelDefaults, ModelInfo, ModelLimits
+from meshserve.workers.runner import (
+    Cancelled,
+    InvalidRequest,
+    Runner,
+    RunRequest,
+    RunResult,
+    split_and_encode,
+)
 
 
 class FakeRunner(Runner):

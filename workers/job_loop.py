@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from service.contract import PRIORITY_ORDER, Delivery, JobParams
-from service.settings import Settings
-from service.store import Store
-from workers import metrics
-from workers.batching import BatchKey, gather_batch
-from workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult
-from workers.threads import PoolThread
+from meshserve.service.contract import PRIORITY_ORDER, Delivery, JobParams
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
+from meshserve.workers import metrics
+from meshserve.workers.batching import BatchKey, gather_batch
+from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult
+from meshserve.workers.threads import PoolThread
 
 log = logging.getLogger(__name__)
 

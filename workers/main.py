@@ -16,11 +16,11 @@ import signal
 import socket
 import sys
 
-from service.settings import Settings, get_settings
-from service.store import Store
-from workers import metrics
-from workers.config import WorkerConfig, load_config
-from workers.pool import Pool
+from meshserve.service.settings import Settings, get_settings
+from meshserve.service.store import Store
+from meshserve.workers import metrics
+from meshserve.workers.config import WorkerConfig, load_config
+from meshserve.workers.pool import Pool
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Worker:
 
     async def run(self) -> None:
         _ensure_host_devices(max(d for p in self.config.pools for d in p.device_ids) + 1)
-        from models.compile_cache import enable_compilation_cache
+        from meshserve.models.compile_cache import enable_compilation_cache
 
         # The config's folder, else meshserve's default cache: a restarted worker reads its programs back.
         enable_compilation_cache(self.config.compilation_cache_dir)

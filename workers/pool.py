@@ -16,14 +16,14 @@ import socket
 
 from redis.exceptions import RedisError
 
-from service.contract import PoolInfo
-from service.settings import Settings
-from service.store import Store
-from workers import metrics
-from workers.config import ModelSpec, PoolConfig
-from workers.job_loop import JobLoop
-from workers.runner import Runner, make_runner
-from workers.threads import PoolThread
+from meshserve.service.contract import PoolInfo
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
+from meshserve.workers import metrics
+from meshserve.workers.config import ModelSpec, PoolConfig
+from meshserve.workers.job_loop import JobLoop
+from meshserve.workers.runner import Runner, make_runner
+from meshserve.workers.threads import PoolThread
 
 log = logging.getLogger(__name__)
 

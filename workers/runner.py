@@ -5,7 +5,7 @@ service: every field set) goes in, one `RunResult` per job with encoded bytes co
 nothing of JAX; the runner knows nothing of Redis. `run` is blocking and is called from the pool's own
 thread; its `callback(step, total)` fires after every denoise step and stops the batch by returning False.
 
-`PipelineRunner` wraps `models.load_pipeline` (the pipeline contract of the lead's `models` package) for
+`PipelineRunner` wraps `meshserve.models.load_pipeline` (the pipeline contract of the lead's `models` package) for
 every family the models package serves; other runners are picked by name (`runner:` in pools.yaml).
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from service.contract import JobParams, ModelDefaults, ModelInfo, ModelLimits, OutputBlob
-from workers.encoding import encode_output
+from meshserve.service.contract import JobParams, ModelDefaults, ModelInfo, ModelLimits, OutputBlob
+from meshserve.workers.encoding import encode_output
 
 StepCallback = Callable[[int, int], bool | None]
 
@@ -89,7 +89,7 @@ class Runner(ABC):
 
 
 class PipelineRunner(Runner):
-    """Any family `models.load_pipeline` knows, on the pool's device slice and mesh."""
+    """Any family `meshserve.models.load_pipeline` knows, on the pool's device slice and mesh."""
 
     def __init__(
         self,
@@ -105,7 +105,7 @@ class PipelineRunner(Runner):
         self.pipe = None
 
     def load(self) -> None:
-        from models import load_pipeline  # JAX is imported only by a worker that runs a real model
+        from meshserve.models import load_pipeline  # JAX is imported only by a worker that runs a real model
 
         self.pipe = load_pipeline(
             self.path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
@@ -131,7 +131,7 @@ class PipelineRunner(Runner):
         )
 
     def run(self, batch, callback=None) -> list[RunResult]:
-        from models import GenerationCancelled
+        from meshserve.models import GenerationCancelled
 
         first = batch[0].params
         # One image per row: jobs with different n, guidance, seeds and negative prompts share one program.
@@ -238,7 +238,7 @@ def make_runner(
     if runner == "pipeline":
         return PipelineRunner(name, path, dtype, mesh, devices, **options)
     if runner == "fake":
-        from workers.fake_runner import FakeRunner
+        from meshserve.workers.fake_runner import FakeRunner
 
         return FakeRunner(name, **options)
     module_name, sep, cls_name = runner.partition(":")

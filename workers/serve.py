@@ -23,10 +23,10 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from service.app import create_app
-from service.settings import get_settings
-from workers.config import single_model_config
-from workers.main import Worker, install_signal_handlers
+from meshserve.service.app import create_app
+from meshserve.service.settings import get_settings
+from meshserve.workers.config import single_model_config
+from meshserve.workers.main import Worker, install_signal_handlers
 
 log = logging.getLogger(__name__)
 

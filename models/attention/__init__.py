@@ -8,7 +8,7 @@ xla_blockwise, cudnn, splash) and, when its mesh has a `context` axis larger tha
 strategy (context.py: ring, ulysses, allgather, hybrid). Model files never branch on either.
 """
 
-from models.attention.dispatch import attention
-from models.attention.settings import AttentionSettings
+from meshserve.models.attention.dispatch import attention
+from meshserve.models.attention.settings import AttentionSettings
 
 __all__ = ["AttentionSettings", "attention"]

@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from models.attention.allgather import allgather_attention
-from models.attention.hybrid import hybrid_attention, hybrid_degrees
-from models.attention.kernels import run_kernel
-from models.attention.ring import ring_attention
-from models.attention.settings import AttentionSettings
-from models.attention.ulysses import ulysses_attention, validate_ulysses
+from meshserve.models.attention.allgather import allgather_attention
+from meshserve.models.attention.hybrid import hybrid_attention, hybrid_degrees
+from meshserve.models.attention.kernels import run_kernel
+from meshserve.models.attention.ring import ring_attention
+from meshserve.models.attention.settings import AttentionSettings
+from meshserve.models.attention.ulysses import ulysses_attention, validate_ulysses
 
 CONTEXT_AXIS = "context"
 BATCH_AXES = ("data", "cfg")

@@ -11,9 +11,9 @@ Kernel choice: models.attention.kernels.
 
 from __future__ import annotations
 
-from models.attention.context import context_attention
-from models.attention.kernels import platform_of, run_kernel, select_kernel
-from models.attention.settings import AttentionSettings
+from meshserve.models.attention.context import context_attention
+from meshserve.models.attention.kernels import platform_of, run_kernel, select_kernel
+from meshserve.models.attention.settings import AttentionSettings
 
 _DEFAULT = AttentionSettings()
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from jax import lax
 
-from models.attention.ring import ring_attention
-from models.attention.ulysses import validate_ulysses
-from models.parallel.mesh import LayoutError
+from meshserve.models.attention.ring import ring_attention
+from meshserve.models.attention.ulysses import validate_ulysses
+from meshserve.models.parallel.mesh import LayoutError
 
 
 def hybrid_degrees(context: int, local_heads: int, requested: int | None) -> tuple[int, int]:

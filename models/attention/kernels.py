@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import jax
 
-from models.attention.blockwise import xla_blockwise
-from models.attention.cudnn import cudnn_attention, cudnn_unsupported_reason
-from models.attention.reference import reference_attention
-from models.attention.settings import AttentionSettings
-from models.attention.splash import splash_attention
+from meshserve.models.attention.blockwise import xla_blockwise
+from meshserve.models.attention.cudnn import cudnn_attention, cudnn_unsupported_reason
+from meshserve.models.attention.reference import reference_attention
+from meshserve.models.attention.settings import AttentionSettings
+from meshserve.models.attention.splash import splash_attention
 
 
 def platform_of(settings: AttentionSettings) -> str:

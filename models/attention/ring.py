@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention.blockwise import accumulate, finish, fit_blocks, init_state
+from meshserve.models.attention.blockwise import accumulate, finish, fit_blocks, init_state
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):

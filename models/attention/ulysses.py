@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from models.parallel.mesh import LayoutError
+from meshserve.models.parallel.mesh import LayoutError
 
 
 def validate_ulysses(local_heads: int, degree: int) -> None:

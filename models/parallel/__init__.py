@@ -1,6 +1,6 @@
 """Pool meshes and layout validation (models.parallel.mesh); context-parallel attention: models.attention."""
 
-from models.parallel.mesh import (
+from meshserve.models.parallel.mesh import (
     AXES,
     LayoutError,
     MeshSizes,

@@ -21,10 +21,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.attention import AttentionSettings
-from models.attention.context import batch_axes_for
-from models.loading import torch_key
-from models.parallel.mesh import LayoutError, MeshSizes, make_mesh, select_devices, validate_layout
+from meshserve.models.attention import AttentionSettings
+from meshserve.models.attention.context import batch_axes_for
+from meshserve.models.loading import torch_key
+from meshserve.models.parallel.mesh import LayoutError, MeshSizes, make_mesh, select_devices, validate_layout
 
 # Logical parameter axes -> mesh axes. Heads and MLP hidden units are tensor parallel; everything else is
 # replicated (weights of a diffusion model are small next to its activations at serving resolutions).
@@ -90,7 +90,11 @@ class Placement:
 
 
 def pipeline_placement(
-    mesh: dict | MeshSizes, devices=None, *, attention: AttentionSettings | None = None
+    mesh: dict | MeshSizes,
+    devices=None,
+    *,
+    attention: AttentionSettings | None = None,
+    weights: dict | None = None,
 ) -> dict:
     """Keyword arguments for a pipeline constructor: its Placement and mesh-aware AttentionSettings.
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from models.loading import CheckpointError, read_json
-from models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput
+from meshserve.models.loading import CheckpointError, read_json
+from meshserve.models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput
 
 # diffusers pipeline class -> (family, module, class)
 _FAMILIES = {
-    "StableDiffusionXLPipeline": ("sdxl", "models.pipelines.sdxl", "StableDiffusionXLPipeline"),
+    "StableDiffusionXLPipeline": ("sdxl", "meshserve.models.pipelines.sdxl", "StableDiffusionXLPipeline"),
 }
 _DTYPES = {
     "float32": jnp.float32,
@@ -47,22 +47,29 @@ def detect_family(path: Path) -> str:
 
 
 def load_pipeline(
-    path: str | Path | None = None, *, dtype="float32", mesh: dict | None = None, devices=None, attention=None
+    path: str | Path | None = None,
+    *,
+    dtype="float32",
+    mesh: dict | None = None,
+    devices=None,
+    attention=None,
+    weights: dict | None = None,
 ):
     """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model.
 
     `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice;
-    `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy.
+    `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;
+    `weights` (e.g. {"shard_over": ["data", "context"]}) says which mesh axes shard the weights besides tensor.
     """
     import importlib
 
     if isinstance(attention, dict):  # from a pool config: kernel, context_strategy, block sizes...
-        from models.attention import AttentionSettings
+        from meshserve.models.attention import AttentionSettings
 
         attention = AttentionSettings(**attention)
     model_id = None
     if path is None or str(path) == EMBEDDED:
-        from models.embedded import embedded_model_path
+        from meshserve.models.embedded import embedded_model_path
 
         path, model_id = embedded_model_path(), "tiny-sdxl"
     path = Path(path).expanduser()
@@ -75,10 +82,10 @@ def load_pipeline(
         dtype = _DTYPES[dtype]
     cls = getattr(importlib.import_module(module_name), cls_name)
     kwargs = {}
-    if mesh is not None or devices is not None:
-        from models.parallel.placement import pipeline_placement
+    if mesh is not None or devices is not None or weights is not None:
+        from meshserve.models.parallel.placement import pipeline_placement
 
-        kwargs.update(pipeline_placement(mesh or {}, devices, attention=attention))
+        kwargs.update(pipeline_placement(mesh or {}, devices, attention=attention, weights=weights))
     elif attention is not None:
         kwargs["attention"] = attention
     try:

@@ -26,17 +26,19 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from models.attention import AttentionSettings
-from models.autoencoder_kl import load_autoencoder_kl
-from models.clip import load_clip_text_model
-from models.clip_tokenizer import load_clip_tokenizer, tokenize
-from models.loading import read_json
-from models.parallel.placement import Placement
-from models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput, to_list
-from models.schedulers import SCHEDULER_NAMES, make_scheduler
-from models.unet_2d_condition import SHARDING_RULES as UNET_SHARDING_RULES
-from models.unet_2d_condition import Attention as UNetAttention
-from models.unet_2d_condition import load_unet
+from meshserve.models.attention import AttentionSettings
+from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_SHARDING_RULES
+from meshserve.models.autoencoder_kl import load_autoencoder_kl
+from meshserve.models.clip import SHARDING_RULES as CLIP_SHARDING_RULES
+from meshserve.models.clip import load_clip_text_model
+from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
+from meshserve.models.loading import read_json
+from meshserve.models.parallel.placement import Placement
+from meshserve.models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput, to_list
+from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler
+from meshserve.models.unet_2d_condition import SHARDING_RULES as UNET_SHARDING_RULES
+from meshserve.models.unet_2d_condition import Attention as UNetAttention
+from meshserve.models.unet_2d_condition import load_unet
 
 MAX_STEPS = 200
 MAX_IMAGES = 8
@@ -73,10 +75,11 @@ class StableDiffusionXLPipeline:
         self.dtype = jnp.dtype(dtype)
         settings = attention or AttentionSettings()
         # Only the UNet (nearly all the FLOPs) runs attention on the mesh; the text encoders (77 tokens) and
-        # the VAE run plain kernels on replicated weights, their batch split by whatever sharding it carries.
+        # the VAE run plain kernels, their batch split by whatever sharding it carries, their weights placed
+        # by their own rules tables.
         plain = dataclasses.replace(settings, mesh=None)
         self.placement = placement
-        replicate = placement.placer(()) if placement else None
+        text_place = placement.placer(CLIP_SHARDING_RULES) if placement else None
         index = read_json(folder / "model_index.json")
         self.force_zeros_for_empty_prompt = bool(index.get("force_zeros_for_empty_prompt", True))
 
@@ -85,9 +88,9 @@ class StableDiffusionXLPipeline:
             load_clip_tokenizer(folder / "tokenizer_2"),
         ]
         text_encoders = [
-            load_clip_text_model(folder / "text_encoder", dtype=self.dtype, settings=plain, place=replicate),
+            load_clip_text_model(folder / "text_encoder", dtype=self.dtype, settings=plain, place=text_place),
             load_clip_text_model(
-                folder / "text_encoder_2", dtype=self.dtype, settings=plain, place=replicate
+                folder / "text_encoder_2", dtype=self.dtype, settings=plain, place=text_place
             ),
         ]
         unet = load_unet(
@@ -101,7 +104,12 @@ class StableDiffusionXLPipeline:
             placement.validate_heads(heads, settings.context_strategy)
         # The VAE decodes in fp32 whatever the pipeline dtype: SDXL's VAE overflows in fp16 (diffusers'
         # force_upcast), and decoding is a small share of the time.
-        vae = load_autoencoder_kl(folder / "vae", dtype=jnp.float32, settings=plain, place=replicate)
+        vae = load_autoencoder_kl(
+            folder / "vae",
+            dtype=jnp.float32,
+            settings=plain,
+            place=placement.placer(VAE_SHARDING_RULES) if placement else None,
+        )
         self.unet_config = unet.config
         self.vae_config = vae.config
         self.projection_dim = text_encoders[1].config.projection_dim

@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from models.schedulers.common import NoiseScheduler, SigmaSchedule
-from models.schedulers.ddim import DDIMSchedule, DDIMScheduler
-from models.schedulers.dpm_solver import DPMSolverMultistepScheduler
-from models.schedulers.euler import EulerDiscreteScheduler
-from models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
+from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule
+from meshserve.models.schedulers.ddim import DDIMSchedule, DDIMScheduler
+from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
+from meshserve.models.schedulers.euler import EulerDiscreteScheduler
+from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 
 # The names the API offers, each with its class and the settings the name implies (over the model's config).
 _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.schedulers.common import (
+from meshserve.models.schedulers.common import (
     NoiseScheduler,
     SigmaSchedule,
     beta_sigmas,
@@ -30,7 +30,7 @@ from models.schedulers.common import (
     threshold_sample,
     trailing_timesteps,
 )
-from models.schedulers.euler import capped_alphas_cumprod, training_sigmas
+from meshserve.models.schedulers.euler import capped_alphas_cumprod, training_sigmas
 
 
 @dataclass(frozen=True)

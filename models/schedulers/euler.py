@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from models.schedulers.common import (
+from meshserve.models.schedulers.common import (
     NoiseScheduler,
     SigmaSchedule,
     at,

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from models.schedulers.common import NoiseScheduler, SigmaSchedule, at, f32, spaced_timesteps, step_noise
-from models.schedulers.euler import (
+from meshserve.models.schedulers.common import (
+    NoiseScheduler,
+    SigmaSchedule,
+    at,
+    f32,
+    spaced_timesteps,
+    step_noise,
+)
+from meshserve.models.schedulers.euler import (
     EulerDiscreteScheduler,
     init_noise_sigma,
     predicted_original,

@@ -11,12 +11,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from service import metrics
-from service.api.errors import ApiError, FieldError
-from service.contract import JobParams, ModelInfo, PoolInfo
-from service.schemas import MAX_SEED, GenerateRequest
-from service.settings import Settings
-from service.store import Store
+from meshserve.service import metrics
+from meshserve.service.api.errors import ApiError, FieldError
+from meshserve.service.contract import JobParams, ModelInfo, PoolInfo
+from meshserve.service.schemas import MAX_SEED, GenerateRequest
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
 
 
 @dataclass

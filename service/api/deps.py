@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from service.api.catalog import Catalog
-from service.api.errors import ApiError
-from service.contract import Job
-from service.settings import Settings
-from service.store import Store
+from meshserve.service.api.catalog import Catalog
+from meshserve.service.api.errors import ApiError
+from meshserve.service.contract import Job
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
 
 
 async def get_store(request: Request) -> Store:

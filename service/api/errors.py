@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import metrics
-from service.contract import IdempotencyConflict, QueueFull
-from service.schemas import ErrorResponse
+from meshserve.service import metrics
+from meshserve.service.contract import IdempotencyConflict, QueueFull
+from meshserve.service.schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
 

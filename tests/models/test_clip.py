@@ -16,14 +16,14 @@ import pytest
 import torch
 from flax import nnx
 
-from models.clip import (
+from meshserve.models.clip import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     load_clip_text_model,
 )
-from models.clip_tokenizer import load_clip_tokenizer, tokenize
-from models.loading import (
+from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
+from meshserve.models.loading import (
     CheckpointError,
     CheckpointMismatchError,
     read_component_weights,

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from models import load_pipeline
-from models.embedded import write_embedded_model
-from models.loading import read_component_weights
+from meshserve.models import load_pipeline
+from meshserve.models.embedded import write_embedded_model
+from meshserve.models.loading import read_component_weights
 
 
 def test_embedded_model_is_deterministic(tmp_path):

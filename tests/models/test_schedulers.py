@@ -1,4 +1,4 @@
-"""models.schedulers against diffusers' schedulers: schedules, single steps, and whole jitted loops.
+"""meshserve.models.schedulers against diffusers' schedulers: schedules, single steps, and whole jitted loops.
 
 Every case starts from the tiny SDXL scheduler_config.json (written by diffusers' save_config from
 tests/fixtures/tiny_sdxl.SCHEDULER) with a few keys changed, and builds diffusers' class from the same dict
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.schedulers import SCHEDULER_NAMES, make_scheduler
+from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler
 from tests.fixtures.tiny_sdxl import SCHEDULER
 
 TOL = 1e-4  # fp32 relative error budget of the house rules
@@ -376,7 +376,7 @@ def test_make_scheduler_names_and_errors(sdxl_config):
 
 
 def test_runtime_imports_no_torch():
-    """models.schedulers is runtime code: importable with torch and diffusers unavailable."""
+    """meshserve.models.schedulers is runtime code: importable with torch and diffusers unavailable."""
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['diffusers'] = None; "
         "import models.schedulers as s; s.make_scheduler('euler', {}).schedule(4)"

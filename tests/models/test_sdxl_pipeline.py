@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from models import GenerationCancelled, PipelineError, load_pipeline
+from meshserve.models import GenerationCancelled, PipelineError, load_pipeline
 
 H, W = 64, 48  # non-square on purpose
 

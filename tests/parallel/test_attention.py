@@ -17,18 +17,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models.attention.dispatch as dispatch
-import models.attention.kernels as kernels
-from models.attention import AttentionSettings, attention
-from models.attention.blockwise import MIN_BLOCK, fit_blocks, xla_blockwise
-from models.attention.context import select_strategy
-from models.attention.cudnn import cudnn_attention
-from models.attention.hybrid import hybrid_degrees
-from models.attention.reference import reference_attention
-from models.attention.ring import ring_pieces
-from models.attention.splash import splash_attention
-from models.attention.ulysses import head_groups
-from models.parallel.mesh import LayoutError, MeshSizes, make_mesh
+import meshserve.models.attention.dispatch as dispatch
+import meshserve.models.attention.kernels as kernels
+from meshserve.models.attention import AttentionSettings, attention
+from meshserve.models.attention.blockwise import MIN_BLOCK, fit_blocks, xla_blockwise
+from meshserve.models.attention.context import select_strategy
+from meshserve.models.attention.cudnn import cudnn_attention
+from meshserve.models.attention.hybrid import hybrid_degrees
+from meshserve.models.attention.reference import reference_attention
+from meshserve.models.attention.ring import ring_pieces
+from meshserve.models.attention.splash import splash_attention
+from meshserve.models.attention.ulysses import head_groups
+from meshserve.models.parallel.mesh import LayoutError, MeshSizes, make_mesh
 
 TOL = 1e-5
 B, H, D = 2, 4, 16

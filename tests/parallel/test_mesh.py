@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from models.parallel.mesh import (
+from meshserve.models.parallel.mesh import (
     AXES,
     LayoutError,
     MeshSizes,

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from models import load_pipeline
-from models.attention import AttentionSettings
-from models.parallel import LayoutError
+from meshserve.models import load_pipeline
+from meshserve.models.attention import AttentionSettings
+from meshserve.models.parallel import LayoutError
 
 H, W = 64, 48
 # name -> (mesh sizes, attention settings, batch). The tiny UNet attends with 4 heads at its one attention

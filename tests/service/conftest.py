@@ -15,10 +15,17 @@ import httpx
 import pytest
 from PIL import Image
 
-from service.app import create_app
-from service.contract import FrameLimits, ModelDefaults, ModelInfo, ModelLimits, OutputBlob, PoolInfo
-from service.settings import Settings
-from service.store import Store
+from meshserve.service.app import create_app
+from meshserve.service.contract import (
+    FrameLimits,
+    ModelDefaults,
+    ModelInfo,
+    ModelLimits,
+    OutputBlob,
+    PoolInfo,
+)
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
 
 REDIS_URL = os.environ.get("MESHSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

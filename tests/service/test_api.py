@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from PIL import Image
 
-from service.api.routes.generate import prefer_wait
-from service.app import create_app
-from service.store import Store
+from meshserve.service.api.routes.generate import prefer_wait
+from meshserve.service.app import create_app
+from meshserve.service.store import Store
 from tests.service.conftest import TOY_VIDEO, FakeWorker, api_client, drop_keys
 
 pytestmark = pytest.mark.anyio

@@ -11,11 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROGRAM = """
 import sys
-for name in ("jax", "jaxlib", "flax", "torch", "diffusers", "models", "workers"):
+for name in ("jax", "jaxlib", "flax", "torch", "diffusers", "meshserve.models", "meshserve.workers"):
     sys.modules[name] = None  # any import of them raises ImportError
-import service.app, service.store, service.contract, service.settings, service.metrics, service.openapi_export
-service.app.create_app()
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "torch", "diffusers", "models", "workers")
+import meshserve.service.app, meshserve.service.store, meshserve.service.contract, meshserve.service.settings
+import meshserve.service.metrics, meshserve.service.openapi_export
+meshserve.service.app.create_app()
+heavy = ("jax", "flax", "torch", "diffusers", "meshserve.models", "meshserve.workers")
+loaded = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy)
                 and sys.modules[m] is not None)
 assert not loaded, loaded
 print("ok")

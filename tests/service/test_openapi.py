@@ -1,4 +1,4 @@
-"""`openapi.yaml` is the app's generated schema (regenerate with `python -m service.openapi_export`) and a valid
+"""`openapi.yaml` is the app's generated schema (regenerate with `python -m meshserve.service.openapi_export`) and a valid
 OpenAPI 3 document."""
 
 from __future__ import annotations
@@ -6,12 +6,14 @@ from __future__ import annotations
 import yaml
 from openapi_spec_validator import validate
 
-from service.openapi_export import DEFAULT_PATH, openapi_schema
+from meshserve.service.openapi_export import DEFAULT_PATH, openapi_schema
 
 
 def test_openapi_file_matches_app():
     on_disk = yaml.safe_load(DEFAULT_PATH.read_text())
-    assert on_disk == openapi_schema(), "openapi.yaml is stale: run `python -m service.openapi_export`"
+    assert on_disk == openapi_schema(), (
+        "openapi.yaml is stale: run `python -m meshserve.service.openapi_export`"
+    )
 
 
 def test_openapi_file_is_valid():

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from service.contract import JobParams, JobStatus, OutputBlob, Priority, QueueFull
-from service.store import Store
+from meshserve.service.contract import JobParams, JobStatus, OutputBlob, Priority, QueueFull
+from meshserve.service.store import Store
 from tests.service.conftest import TOY, FakeWorker, drop_keys
 
 pytestmark = pytest.mark.anyio
@@ -193,7 +193,7 @@ async def test_queue_limit_counts_undelivered_only(make_settings):
 
 
 async def test_idempotent_submit(store: Store):
-    from service.contract import IdempotencyConflict
+    from meshserve.service.contract import IdempotencyConflict
 
     a = await store.submit(params(), idempotency_key="k1", request_digest="h1")
     b = await store.submit(params(), idempotency_key="k1", request_digest="h1")

@@ -15,9 +15,9 @@ from pathlib import Path
 import redis
 import yaml
 
-from service.contract import Job, JobParams, JobStatus, Priority
-from service.settings import Settings
-from service.store import Store
+from meshserve.service.contract import Job, JobParams, JobStatus, Priority
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("MESHSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -5,7 +5,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from workers.batching import BatchKey, gather_batch, take_batch
+from meshserve.workers.batching import BatchKey, gather_batch, take_batch
 
 K64 = BatchKey("m", 64, 64, 4, "euler")
 

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from workers.config import WorkerConfig, load_config, parse_devices, single_model_config
+from meshserve.workers.config import WorkerConfig, load_config, parse_devices, single_model_config
 
 
 def _cfg(**pool):
@@ -98,7 +98,7 @@ def test_single_model_config():
 
 
 def test_pool_attention_options_reach_the_pipeline():
-    from workers.pool import Pool
+    from meshserve.workers.pool import Pool
 
     cfg = WorkerConfig.model_validate(
         {

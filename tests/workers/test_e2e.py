@@ -1,5 +1,5 @@
 """The real model path: the pipeline runner with the embedded tiny SDXL model inside a worker pool, and
-`run_serve` (API + worker + its own redis-server) driven over HTTP. Skipped until `models.load_pipeline` exists."""
+`run_serve` (API + worker + its own redis-server) driven over HTTP."""
 
 import asyncio
 import io
@@ -14,17 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.contract import JobStatus
-from service.store import Store
+from meshserve.service.contract import JobStatus
+from meshserve.service.store import Store
+from meshserve.workers.config import single_model_config
+from meshserve.workers.encoding import to_uint8
+from meshserve.workers.main import Worker
+from meshserve.workers.runner import Cancelled, RunRequest
 from tests.workers.helpers import ROOT, cleanup, make_settings, params, submit_many, wait_ended
-from workers.config import single_model_config
-from workers.encoding import to_uint8
-from workers.main import Worker
-from workers.runner import Cancelled, RunRequest
-
-models = pytest.importorskip("models")
-if not hasattr(models, "load_pipeline"):
-    pytest.skip("models.load_pipeline is not there yet", allow_module_level=True)
 
 
 def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
@@ -158,21 +154,14 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
             proc.wait(10)
 
 
-def _placement_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("models.parallel.placement") is not None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _placement_available(), reason="models.parallel.placement (issue 4) is not there yet")
 def test_two_pools_on_disjoint_4_device_slices_match_one_device():
     """Issue 4 §4: two pools x 4 CPU devices in one process, each on its own mesh, side by side; every image
     equals the single-device pipeline's."""
     import jax
 
-    from models import load_pipeline
-    from workers.config import WorkerConfig
+    from meshserve.models import load_pipeline
+    from meshserve.workers.config import WorkerConfig
 
     assert len(jax.devices()) >= 8
     mesh = {"cfg": 2, "context": 2}

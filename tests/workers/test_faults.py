@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from service.contract import JobStatus
-from service.store import Store
+from meshserve.service.contract import JobStatus
+from meshserve.service.store import Store
 from tests.workers.helpers import (
     all_events,
     cleanup,

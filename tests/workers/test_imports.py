@@ -8,13 +8,14 @@ from tests.workers.helpers import ROOT
 
 CODE = """
 import sys
-import workers.main, workers.serve, workers.pool, workers.job_loop, workers.metrics
-from workers.fake_runner import FakeRunner
-from workers.runner import RunRequest
-from service.contract import JobParams
+import meshserve.workers.main, meshserve.workers.serve, meshserve.workers.pool, meshserve.workers.job_loop
+import meshserve.workers.metrics
+from meshserve.workers.fake_runner import FakeRunner
+from meshserve.workers.runner import RunRequest
+from meshserve.service.contract import JobParams
 p = JobParams(model="f", prompt="x", width=8, height=8, num_inference_steps=1, guidance_scale=1.0, seed=0)
 FakeRunner("f").run([RunRequest("j", p)])
-heavy = sorted(m for m in ("jax", "flax", "torch", "diffusers", "models") if m in sys.modules)
+heavy = sorted(m for m in ("jax", "flax", "torch", "diffusers", "meshserve.models") if m in sys.modules)
 assert not heavy, heavy
 """
 

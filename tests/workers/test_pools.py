@@ -3,8 +3,10 @@ batches form from compatible jobs, cancel stops a running job between steps, fau
 
 import asyncio
 
-from service.contract import JobStatus
-from service.store import Store
+from meshserve.service.contract import JobStatus
+from meshserve.service.store import Store
+from meshserve.workers.config import WorkerConfig
+from meshserve.workers.main import Worker
 from tests.workers.helpers import (
     all_events,
     cleanup,
@@ -14,8 +16,6 @@ from tests.workers.helpers import (
     wait_ended,
     wait_status,
 )
-from workers.config import WorkerConfig
-from workers.main import Worker
 
 
 def _config(pools, drain_seconds=30.0, **options):
@@ -228,7 +228,7 @@ def test_worker_metrics_move_and_are_served():
     import httpx
     from prometheus_client import REGISTRY
 
-    from workers.metrics import serve_metrics
+    from meshserve.workers.metrics import serve_metrics
 
     def value(name, **labels):
         return REGISTRY.get_sample_value(name, labels) or 0.0

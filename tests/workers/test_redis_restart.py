@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 
-from service.contract import JobStatus
-from service.settings import Settings
-from service.store import Store
+from meshserve.service.contract import JobStatus
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
+from meshserve.workers.config import WorkerConfig
+from meshserve.workers.main import Worker
 from tests.private_redis import free_port, start_redis
 from tests.workers.helpers import all_events, params, submit_many, wait_ended, wait_status
-from workers.config import WorkerConfig
-from workers.main import Worker
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.contract import JobParams
-from workers.encoding import encode_image, encode_output, encode_video, to_uint8
-from workers.fake_runner import FakeRunner
-from workers.runner import Cancelled, InvalidRequest, RunRequest, make_runner
+from meshserve.service.contract import JobParams
+from meshserve.workers.encoding import encode_image, encode_output, encode_video, to_uint8
+from meshserve.workers.fake_runner import FakeRunner
+from meshserve.workers.runner import Cancelled, InvalidRequest, RunRequest, make_runner
 
 
 def _image(h=16, w=24):
@@ -97,7 +97,7 @@ def test_fake_runner_stop_and_faults():
 
 
 def test_batches_pad_to_power_of_two_buckets():
-    from workers.runner import _batch_bucket
+    from meshserve.workers.runner import _batch_bucket
 
     assert [_batch_bucket(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert [_batch_bucket(n, data=2) for n in (1, 2, 3)] == [2, 2, 4]

@@ -7,12 +7,12 @@ import re
 
 from fastapi import APIRouter, Request, Response
 
-from service import metrics
-from service.api.catalog import normalise
-from service.api.errors import FieldError
-from service.contract import JobStatus
-from service.schemas import ErrorResponse, GenerateRequest, JobResponse
-from service.store import request_hash
+from meshserve.service import metrics
+from meshserve.service.api.catalog import normalise
+from meshserve.service.api.errors import FieldError
+from meshserve.service.contract import JobStatus
+from meshserve.service.schemas import ErrorResponse, GenerateRequest, JobResponse
+from meshserve.service.store import request_hash
 
 router = APIRouter(tags=["generate"])
 

@@ -7,9 +7,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from redis.exceptions import RedisError
 
-from service import metrics
-from service.api.deps import CatalogDep, SettingsDep, StoreDep
-from service.schemas import ErrorResponse, HealthResponse
+from meshserve.service import metrics
+from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep
+from meshserve.service.schemas import ErrorResponse, HealthResponse
 
 router = APIRouter(tags=["health"])
 

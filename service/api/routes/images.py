@@ -7,13 +7,13 @@ import time
 
 from fastapi import APIRouter, Request
 
-from service import metrics
-from service.api.catalog import normalise
-from service.api.deps import CatalogDep, SettingsDep, StoreDep
-from service.api.errors import ApiError
-from service.api.routes.generate import ERRORS
-from service.contract import JobStatus
-from service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
+from meshserve.service import metrics
+from meshserve.service.api.catalog import normalise
+from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep
+from meshserve.service.api.errors import ApiError
+from meshserve.service.api.routes.generate import ERRORS
+from meshserve.service.contract import JobStatus
+from meshserve.service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
 
 router = APIRouter(tags=["openai"])
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Path, Response
 from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
-from service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep
-from service.api.errors import COMMON_RESPONSES, ApiError
-from service.api.routes.generate import job_reply
-from service.contract import JobStatus
-from service.schemas import ErrorResponse, JobResponse
+from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep
+from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
+from meshserve.service.api.routes.generate import job_reply
+from meshserve.service.contract import JobStatus
+from meshserve.service.schemas import ErrorResponse, JobResponse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
 NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job (or it expired)."}}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.deps import CatalogDep
-from service.api.errors import COMMON_RESPONSES
-from service.schemas import ModelCard, ModelList
+from meshserve.service.api.deps import CatalogDep
+from meshserve.service.api.errors import COMMON_RESPONSES
+from meshserve.service.schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["models"], responses=COMMON_RESPONSES)
 
