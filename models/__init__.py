@@ -1,11 +1,37 @@
-"""meshserve's models: pure JAX/Flax NNX diffusion pipelines, checked against diffusers."""
+"""meshserve's models: pure JAX/Flax NNX diffusion pipelines, checked against diffusers.
 
-from meshserve.models.pipelines import (
-    EMBEDDED,
-    GenerationCancelled,
-    ModelFolderError,
-    PipelineError,
-    load_pipeline,
-)
+The names below load on first use (PEP 562): importing a JAX-free submodule such as
+`meshserve.models.parallel.layout_spec` (the worker reads its pools.yaml with it before JAX starts) must not
+import the pipelines and JAX with it.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "EMBEDDED": "meshserve.models.pipelines",
+    "GenerationCancelled": "meshserve.models.pipelines",
+    "ModelFolderError": "meshserve.models.pipelines",
+    "PipelineError": "meshserve.models.pipelines",
+    "load_pipeline": "meshserve.models.pipelines",
+}
 __all__ = ["load_pipeline", "GenerationCancelled", "PipelineError", "ModelFolderError", "EMBEDDED"]
+
+if TYPE_CHECKING:
+    from meshserve.models.pipelines import (
+        EMBEDDED,
+        GenerationCancelled,
+        ModelFolderError,
+        PipelineError,
+        load_pipeline,
+    )
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,8 +60,16 @@ class EventType(StrEnum):
         return self in (EventType.SUCCEEDED, EventType.FAILED, EventType.CANCELED)
 
 
-IMAGE_CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-VIDEO_CONTENT_TYPES: dict[str, str] = {"mp4": "video/mp4", "webp": "image/webp"}
+# Output format -> content type, for images and video alike (an animated WebP is image/webp): the one map the
+# API's schema, the store's file names and the workers' encoders use.
+CONTENT_TYPES: dict[str, str] = {
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "webp": "image/webp",
+    "mp4": "video/mp4",
+}
+IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")  # an image model's formats, its default first
+VIDEO_FORMATS: tuple[str, ...] = ("mp4", "webp")
 
 
 class _Frozen(BaseModel):
@@ -102,7 +110,7 @@ class ModelLimits(_Frozen):
     max_n: int
     schedulers: list[str] = Field(default_factory=list)
     buckets: list[tuple[int, int]] | None = None  # (width, height)
-    output_formats: list[str] = Field(default_factory=lambda: list(IMAGE_CONTENT_TYPES))
+    output_formats: list[str] = Field(default_factory=lambda: list(IMAGE_FORMATS))
     frames: FrameLimits | None = None  # None: an image model (num_frames must be absent)
 
 

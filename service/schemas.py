@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.service.contract import (
+    CONTENT_TYPES,
     Job,
     JobError,
     JobParams,
@@ -24,8 +25,9 @@ from meshserve.service.contract import (
     Progress,
 )
 
-MAX_PROMPT_CHARS = 4000
 MAX_SEED = 2**32 - 1
+# Every format some model may produce (which ones a model takes is its `limits.output_formats`).
+OutputFormat = Literal[tuple(CONTENT_TYPES)]
 MetadataValue = str | int | float | bool | None
 
 
@@ -41,8 +43,9 @@ class GenerateRequest(BaseModel):
     model: str | None = Field(
         None, description="A served model id; may be left out when exactly one is served."
     )
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    # Lengths are bounded at admission by the `max_prompt_chars` setting (422 string_too_long).
+    prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
+    negative_prompt: str | None = None
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
     num_frames: int | None = Field(None, gt=0, description="Video models only.")
@@ -51,7 +54,7 @@ class GenerateRequest(BaseModel):
     scheduler: str | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")
-    output_format: Literal["png", "jpeg", "webp", "mp4"] | None = None
+    output_format: OutputFormat | None = None
     priority: Priority = Priority.NORMAL
     metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
 
@@ -62,7 +65,7 @@ class ImagesRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
     model: str | None = None
     n: int = Field(1, ge=1)
     size: str | None = Field(

@@ -8,6 +8,7 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | `P:job:{id}`                 | hash   | status, params (JSON), times, attempt, worker, progress, outputs/error/timings (JSON), cancel flag, stream + message id; TTL once ended |
 | `P:events:{id}`              | stream | `type` + `data` (JSON) per event, capped; TTL once ended. SSE ids are its entry ids |
 | `P:out:{id}:{i}`             | string | encoded output bytes, TTL (or a file under `output_dir` when set) |
+| `P:staged:{id}:{attempt}:{i}` | string | output bytes written by one attempt, renamed to `P:out:{id}:{i}` by its fenced commit (else they expire) |
 | `P:idem:{owner}:{key}`       | string | `<job id> <request hash>`, TTL |
 | `P:lease:{id}`               | string | the attempt holding the job, expires unless renewed (`heartbeat`) |
 | `P:dlq:{model}`              | stream | dead-lettered jobs with the reason |
@@ -15,7 +16,8 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | `P:models`, `P:stats`        | set, hash | models ever submitted (for queue metrics); cluster-wide counters `{model}\\|{name}` |
 
 Delivery is at least once: a worker `claim`s entries (XREADGROUP, or takes over entries whose lease expired),
-`start`s them, and its `complete`/`fail`/`mark_canceled` write the result and XACK in one script. Every worker
+`start`s them, and its `complete`/`fail`/`mark_canceled` write the result and XACK in one script (output bytes
+are SET beforehand with plain commands, under keys of the attempt, and only renamed into place by the script). Every worker
 write is fenced by the attempt number `claim` took: once another delivery took the job, the old worker's writes
 return False and change nothing. The transitions are Lua scripts (`service/store_lua.py`).
 """
@@ -41,6 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshserve.service import store_lua
 from meshserve.service.contract import (
+    CONTENT_TYPES,
     PRIORITY_ORDER,
     Delivery,
     Event,
@@ -60,7 +63,8 @@ from meshserve.service.contract import (
 )
 from meshserve.service.settings import Settings
 
-_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "video/mp4": ".mp4"}
+# File extension of an output file (Settings.output_dir) by content type: the format's name.
+_EXTENSIONS = {content_type: f".{fmt}" for fmt, content_type in CONTENT_TYPES.items()}
 
 GROUP = "pools"
 # Blocking reads (XREAD/XREADGROUP BLOCK) last at most this long per call; callers loop. A configured socket read
@@ -156,8 +160,8 @@ class Store:
     def output_key(self, job_id: str, index: int) -> str:
         return f"{self.prefix}:out:{job_id}:{index}"
 
-    def lease_key(self, job_id: str) -> str:
-        return f"{self.prefix}:lease:{job_id}"
+    def staged_output_key(self, job_id: str, attempt: int, index: int) -> str:
+        return f"{self.prefix}:staged:{job_id}:{attempt}:{index}"
 
     def dlq_key(self, model: str) -> str:
         return f"{self.prefix}:dlq:{model}"
@@ -516,7 +520,7 @@ class Store:
         status: JobStatus,
         fields: dict[str, str],
         data: dict,
-        blobs: list[tuple[str, bytes]] = (),
+        renames: list[tuple[str, str]] = (),
     ) -> bool:
         s = self.settings
         args = [
@@ -527,19 +531,34 @@ class Store:
             s.job_ttl_s,
             s.events_max_length,
             json.dumps(data),
-            s.output_ttl_s,
             len(fields),
         ]
         args += [x for kv in fields.items() for x in kv]
-        args += [x for kv in blobs for x in kv]
-        return bool(await self._run("END", [], args))
+        args += [x for kv in renames for x in kv]
+        return int(await self._run("END", [], args)) == 1
+
+    async def _stage_outputs(self, delivery: Delivery, outputs: list[OutputBlob]) -> list[tuple[str, str]]:
+        """SET each output's bytes (with `output_ttl_s`) under this attempt's staged key, with plain commands in
+        one pipeline: a script would block Redis for the whole copy. Returns (staged, final) key pairs."""
+        job_id, ttl = delivery.job.id, self.settings.output_ttl_s
+        pairs = [
+            (self.staged_output_key(job_id, delivery.attempt, o.index), self.output_key(job_id, o.index))
+            for o in outputs
+        ]
+        async with self._raw.pipeline(transaction=False) as pipe:
+            for (staged, _), out in zip(pairs, outputs, strict=True):
+                pipe.set(staged, out.data, ex=ttl)
+            await pipe.execute()
+        return pairs
 
     async def complete(
         self, delivery: Delivery, outputs: list[OutputBlob], stages: dict[str, float] | None = None
     ) -> bool:
         """Store the outputs (bytes with `output_ttl_s`), mark the job succeeded with its outputs and timings,
-        emit `succeeded`, XACK and drop the lease - one script, fenced: a stale attempt's call returns False and
-        writes nothing. `stages`: seconds per stage as measured by the worker (text_encode, denoise, ...)."""
+        emit `succeeded`, XACK and drop the lease. The bytes are written first under this attempt's own keys;
+        one small fenced script then renames them into place and commits the job: a stale attempt's call
+        returns False and nothing it wrote becomes visible (its staged bytes are deleted). `stages`: seconds per
+        stage as measured by the worker (text_encode, denoise, ...)."""
         job, now = delivery.job, time.time()
         started = job.started_at or now
         timings = Timings(
@@ -569,11 +588,12 @@ class Store:
             "step": str(total),
             "total_steps": str(total),
         }
-        blobs = (
-            [] if self.settings.output_dir else [(self.output_key(job.id, o.index), o.data) for o in outputs]
-        )
+        renames = [] if self.settings.output_dir else await self._stage_outputs(delivery, outputs)
         data = {"status": "succeeded", "outputs": records, "timings": timings.model_dump(mode="json")}
-        return await self._end(delivery, JobStatus.SUCCEEDED, fields, data, blobs)
+        done = await self._end(delivery, JobStatus.SUCCEEDED, fields, data, renames)
+        if not done and renames:
+            await self._raw.delete(*(staged for staged, _ in renames))
+        return done
 
     async def fail(self, delivery: Delivery, code: str, message: str) -> bool:
         """End the job failed with `{code, message}` (no redelivery), emit `failed`, XACK. Fenced like `complete`."""

@@ -245,9 +245,13 @@ return 1
 """
 )
 
-# End a running job (succeeded | failed | canceled) under the fence, writing outputs first when succeeded.
-# ARGV: P, job id, attempt, status, now, ttl, events maxlen, event data, output ttl, n hash pairs, hash field/value
-# pairs..., then (output key, bytes) pairs.
+# End a running job (succeeded | failed | canceled) under the fence. Output bytes never pass through here (a script
+# blocks Redis for as long as it runs, and copying multi-MB outputs would): the worker SETs them first under keys of
+# its own attempt (`P:staged:{id}:{attempt}:{i}`, which no reader looks at), and this script only RENAMEs them to
+# `P:out:{id}:{i}` once the fence holds - O(1) per output, and a stale attempt's bytes never become visible.
+# ARGV: P, job id, attempt, status, now, ttl, events maxlen, event data, n hash pairs, hash field/value pairs...,
+# then (staged key, output key) pairs. Returns 1 done, 0 fenced, -1 a staged output is missing (Redis lost it:
+# nothing is written, the job stays leased and is redelivered).
 END = (
     _COMMON
     + r"""
@@ -255,10 +259,14 @@ local jk = P .. ':job:' .. ARGV[2]
 local st = owned(jk, ARGV[3])
 if not st then return 0 end
 if ARGV[4] == 'succeeded' and st[1] ~= 'running' then return 0 end
-local npairs = tonumber(ARGV[10])
+local npairs = tonumber(ARGV[9])
 local fields = {}
-for i = 11, 10 + 2 * npairs do table.insert(fields, ARGV[i]) end
-for i = 11 + 2 * npairs, #ARGV, 2 do redis.call('SET', ARGV[i], ARGV[i + 1], 'EX', ARGV[9]) end
+for i = 10, 9 + 2 * npairs do table.insert(fields, ARGV[i]) end
+local first_output = 10 + 2 * npairs
+for i = first_output, #ARGV, 2 do
+  if redis.call('EXISTS', ARGV[i]) == 0 then return -1 end
+end
+for i = first_output, #ARGV, 2 do redis.call('RENAME', ARGV[i], ARGV[i + 1]) end
 local s = redis.call('HMGET', jk, 'stream', 'msg_id')
 finish(ARGV[2], st[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], s[1], s[2], fields, ARGV[8])
 return 1

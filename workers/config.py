@@ -8,7 +8,12 @@
         mesh: {cfg: 2, context: 2}
         models: [sdxl]
         max_batch: 4
-        buckets: [[1024, 1024], [832, 1216]]
+        buckets: [[1024, 1024], [832, 1216]]   # the sizes it serves: compiled at start, nothing else admitted
+
+A pool's `buckets` are the only (width, height) sizes it serves: compiled at start-up and published in
+`/v1/models`, so the API refuses any other size and nothing compiles on the request path. No buckets: the
+model's default size alone. `any_size: true` (with `max_programs`, the bound on compiled programs kept) serves
+every size the model allows, compiling new ones on the request path.
 
 A model's `runner` picks its implementation by name: "pipeline" (the default) wraps `meshserve.models.load_pipeline`;
 "fake" is the model-free runner of `meshserve.workers.fake_runner` (tests, load benchmarks); anything with a colon is an
@@ -20,13 +25,23 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MESH_AXES = ("data", "cfg", "context", "tensor")
+# JAX-free: the same slice parser, mesh-size rules and attention option names the pool's mesh and attention are
+# built with (one parser, one error, one set of names).
+from meshserve.models.attention.options import ContextStrategy, Kernel
+from meshserve.models.parallel.layout_spec import (
+    AXES,
+    LayoutError,
+    check_mesh_sizes,
+    parse_device_slice,
+    validate_weight_sharding,
+)
 
 
 class _Strict(BaseModel):
@@ -42,52 +57,46 @@ class ModelSpec(_Strict):
 
 
 class MeshSizes(_Strict):
-    data: int = Field(1, ge=1)
-    cfg: int = Field(1, ge=1, le=2)  # cond and uncond halves: nothing else fits on this axis
-    context: int = Field(1, ge=1)
-    tensor: int = Field(1, ge=1)
+    """The pool's `mesh:` sizes. A pydantic model (not models.parallel.mesh.MeshSizes) so a typo is a config
+    error naming the field; the axes and the size rules are `layout_spec`'s, which the real mesh uses too."""
+
+    data: int = 1
+    cfg: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sizes_are_valid(cls, raw):
+        if isinstance(raw, Mapping):
+            check_mesh_sizes(raw)
+        return raw
 
     @property
     def size(self) -> int:
         return math.prod(self.as_dict().values())
 
     def as_dict(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
-
-
-def parse_devices(spec: str | int | list[int]) -> list[int]:
-    """ "0-3" -> [0, 1, 2, 3]; "0,2,5-6" -> [0, 2, 5, 6]; 3 -> [3]; a list is taken as it is."""
-    if isinstance(spec, int):
-        return [spec]
-    if isinstance(spec, list):
-        ids = list(spec)
-    else:
-        ids = []
-        for part in str(spec).replace(" ", "").split(","):
-            if not part:
-                continue
-            lo, sep, hi = part.partition("-")
-            if not lo.isdigit() or (sep and not hi.isdigit()):
-                raise ValueError(f'devices: cannot read {part!r} in {spec!r} (use e.g. "0-3" or "0,2,4-5")')
-            ids.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
-    if not ids:
-        raise ValueError(f"devices: {spec!r} names no device")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"devices: {spec!r} names a device twice")
-    if any(i < 0 for i in ids):
-        raise ValueError(f"devices: {spec!r} has a negative index")
-    return ids
+        return {axis: getattr(self, axis) for axis in AXES}
 
 
 class AttentionOptions(_Strict):
     """How the pool's attention runs (models.attention.AttentionSettings); unset fields keep its defaults."""
 
-    kernel: Literal["auto", "reference", "xla_blockwise", "cudnn", "splash"] | None = None
-    context_strategy: Literal["auto", "ring", "ulysses", "allgather", "hybrid"] | None = None
+    kernel: Kernel | None = None
+    context_strategy: ContextStrategy | None = None
     block_q: int | None = Field(None, ge=1)
     block_kv: int | None = Field(None, ge=1)
     ulysses_degree: int | None = Field(None, ge=1)
     allgather_max_kv: int | None = Field(None, ge=0)
+
+
+class WeightOptions(_Strict):
+    """How the pool stores its models' weights: `shard_over` names mesh axes (data, cfg, context) over which
+    every large weight is split besides tensor parallelism (FSDP / ZeRO-3: a 12 B denoiser that does not fit one
+    device replicated). Checked against the pool's mesh by the same rule the placement applies."""
+
+    shard_over: list[str] = Field(default_factory=list)
 
 
 class PoolConfig(_Strict):
@@ -96,10 +105,17 @@ class PoolConfig(_Strict):
     devices: str | int | list[int] | None = None
     mesh: MeshSizes = Field(default_factory=MeshSizes)
     attention: AttentionOptions = Field(default_factory=AttentionOptions)
+    weights: WeightOptions = Field(default_factory=WeightOptions)
     models: list[str] = Field(min_length=1)
     max_batch: int = Field(1, ge=1)  # images per device batch, summed over the jobs in it
     batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company
-    buckets: list[tuple[int, int]] = Field(default_factory=list)  # (width, height) compiled at start
+    # The (width, height) sizes the pool serves, compiled at start; empty: the model's default size alone.
+    buckets: list[tuple[int, int]] = Field(default_factory=list)
+    # Serve any size the model allows (buckets are then only warmed up), keeping at most `max_programs`
+    # compiled programs (the runner's bound): an explicit choice, since each new size compiles on the request
+    # path (seconds to minutes on a real model).
+    any_size: bool = False
+    max_programs: int | None = Field(None, ge=1)
     warm_up_batch_sizes: list[int] = Field(default_factory=lambda: [1])
     warm_up_steps: int | None = None  # None: the model's default step count
 
@@ -107,12 +123,12 @@ class PoolConfig(_Strict):
     @classmethod
     def _devices_readable(cls, v):
         if v is not None:
-            parse_devices(v)
+            parse_device_slice(v)
         return v
 
     @property
     def device_ids(self) -> list[int]:
-        return parse_devices(self.devices) if self.devices is not None else list(range(self.mesh.size))
+        return parse_device_slice(self.devices) if self.devices is not None else list(range(self.mesh.size))
 
     @model_validator(mode="after")
     def _mesh_fits_slice(self):
@@ -126,6 +142,17 @@ class PoolConfig(_Strict):
             raise ValueError(
                 f"pool {self.name!r}: max_batch {self.max_batch} must be a multiple of mesh data={self.mesh.data}"
             )
+        if self.any_size != (self.max_programs is not None):
+            raise ValueError(
+                f"pool {self.name!r}: any_size and max_programs go together (any_size: true serves every size "
+                "and needs max_programs, the bound on compiled programs; without it only buckets are served)"
+            )
+        try:
+            validate_weight_sharding(self.weights.model_dump(), self.mesh)
+        except LayoutError as e:
+            raise ValueError(f"pool {self.name!r}: {e}") from None
+        if len(set(self.buckets)) != len(self.buckets):
+            raise ValueError(f"pool {self.name!r}: buckets {self.buckets} repeat a size")
         return self
 
 

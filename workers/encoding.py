@@ -8,8 +8,7 @@ import io
 import numpy as np
 from PIL import Image
 
-IMAGE_CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg", "webp": "image/webp"}
-VIDEO_CONTENT_TYPES = {"mp4": "video/mp4", "webp": "image/webp"}
+from meshserve.service.contract import CONTENT_TYPES, IMAGE_FORMATS, VIDEO_FORMATS
 
 # Lossy quality: Pillow's defaults are 75 (JPEG) and 80 (WebP); 90 keeps fine detail at ~1.5x the bytes.
 _QUALITY = 90
@@ -25,18 +24,18 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 def encode_image(image: np.ndarray, fmt: str) -> tuple[bytes, str]:
     """image [H, W, 3] -> (bytes, content type)."""
     fmt = fmt.lower()
-    if fmt not in IMAGE_CONTENT_TYPES:
-        raise ValueError(f"unsupported image format {fmt!r}; use one of {sorted(IMAGE_CONTENT_TYPES)}")
+    if fmt not in IMAGE_FORMATS:
+        raise ValueError(f"unsupported image format {fmt!r}; use one of {list(IMAGE_FORMATS)}")
     pil = Image.fromarray(to_uint8(image), mode="RGB")
     buf = io.BytesIO()
     if fmt == "png":
         # compress_level 1: ~5x faster than the default 6 for ~10% more bytes; encoding sits on the job's path.
         pil.save(buf, format="PNG", compress_level=1)
-    elif fmt in ("jpeg", "jpg"):
+    elif fmt == "jpeg":
         pil.save(buf, format="JPEG", quality=_QUALITY)
     else:
         pil.save(buf, format="WEBP", quality=_QUALITY)
-    return buf.getvalue(), IMAGE_CONTENT_TYPES[fmt]
+    return buf.getvalue(), CONTENT_TYPES[fmt]
 
 
 def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[bytes, str]:
@@ -58,9 +57,9 @@ def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[b
             loop=0,
             quality=_QUALITY,
         )
-        return buf.getvalue(), VIDEO_CONTENT_TYPES["webp"]
-    if fmt != "mp4":
-        raise ValueError(f"unsupported video format {fmt!r}; use one of {sorted(VIDEO_CONTENT_TYPES)}")
+        return buf.getvalue(), CONTENT_TYPES["webp"]
+    if fmt not in VIDEO_FORMATS:
+        raise ValueError(f"unsupported video format {fmt!r}; use one of {list(VIDEO_FORMATS)}")
     try:
         import av
     except ImportError as e:  # pragma: no cover - depends on the install
@@ -77,7 +76,7 @@ def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[b
                 container.mux(packet)
         for packet in stream.encode():  # flush the encoder's delayed frames
             container.mux(packet)
-    return buf.getvalue(), VIDEO_CONTENT_TYPES["mp4"]
+    return buf.getvalue(), CONTENT_TYPES["mp4"]
 
 
 def encode_output(array: np.ndarray, fmt: str, fps: int = 16) -> tuple[bytes, str]:

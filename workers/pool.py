@@ -3,7 +3,8 @@ job loop. Several pools in one process each have their own thread (model calls) 
 (the Redis side), so two pools on disjoint device slices compute side by side.
 
 Life: `start` loads and warms up every model on the pool thread, then registers the pool as ready in the
-registry (`/v1/models` and `/readyz` read it); `run` is the job loop plus a registry heartbeat; `request_stop`
+registry (`/v1/models` and `/readyz` read it), each model's limits listing the pool's buckets as the only sizes
+it serves (`served_info`), so the API admits no size that would compile on the request path; `run` is the job loop plus a registry heartbeat; `request_stop`
 starts draining; `close` unregisters and frees the devices.
 """
 
@@ -13,10 +14,11 @@ import asyncio
 import logging
 import os
 import socket
+import time
 
 from redis.exceptions import RedisError
 
-from meshserve.service.contract import PoolInfo
+from meshserve.service.contract import ModelInfo, PoolInfo
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
 from meshserve.workers import metrics
@@ -26,6 +28,29 @@ from meshserve.workers.runner import Runner, make_runner
 from meshserve.workers.threads import PoolThread
 
 log = logging.getLogger(__name__)
+
+
+def served_info(info: ModelInfo, cfg: PoolConfig) -> ModelInfo:
+    """The model as this pool serves it: its limits list the pool's buckets as the only sizes (no buckets: the
+    model's default size), or None with `any_size`. A default size the pool does not serve becomes its first
+    bucket, so a request that names no size is admitted. Raises ValueError for a bucket the model cannot run."""
+    lim, d = info.limits, info.defaults
+    for width, height in cfg.buckets:
+        fits = all(v % lim.size_multiple == 0 and lim.min_size <= v <= lim.max_size for v in (width, height))
+        if not fits or (lim.buckets and (width, height) not in lim.buckets):
+            raise ValueError(
+                f"pool {cfg.name!r}: bucket {width}x{height} is not a size {info.id} can run (multiples of "
+                f"{lim.size_multiple} in [{lim.min_size}, {lim.max_size}]"
+                + (f", one of {lim.buckets})" if lim.buckets else ")")
+            )
+    if cfg.any_size:
+        return info
+    buckets = list(cfg.buckets) or [(d.width, d.height)]
+    defaults = d
+    if (d.width, d.height) not in buckets:
+        defaults = d.model_copy(update={"width": buckets[0][0], "height": buckets[0][1]})
+    limits = lim.model_copy(update={"buckets": buckets})
+    return info.model_copy(update={"defaults": defaults, "limits": limits})
 
 
 def pool_devices(cfg: PoolConfig) -> list:
@@ -63,6 +88,7 @@ class Pool:
         self.consumer = f"{worker_name}/{cfg.name}"
         self.thread = PoolThread(cfg.name)
         self.runners: dict[str, Runner] = {}
+        self.models: dict[str, ModelInfo] = {}  # as served here (served_info), filled by _load_all
         self.info: PoolInfo | None = None
         self.loop: JobLoop | None = None
 
@@ -73,8 +99,8 @@ class Pool:
         await self.thread.submit(self._load_all)
         self.info = PoolInfo(
             name=self.consumer,
-            models=[r.info() for r in self.runners.values()],
-            buckets=list(self.cfg.buckets),
+            models=list(self.models.values()),
+            buckets=sorted({b for m in self.models.values() for b in m.limits.buckets or self.cfg.buckets}),
             mesh=self.cfg.mesh.as_dict(),
             max_batch=self.cfg.max_batch,
             ready=True,
@@ -103,11 +129,18 @@ class Pool:
         )
 
     def _options(self, spec) -> dict:
-        """The model's runner options, plus the pool's attention settings for pipeline runners."""
+        """The model's runner options, plus the pool's attention settings for pipeline runners and, for an
+        any_size pool, `max_programs` (load_pipeline's bound on the compiled programs it keeps); `weights`
+        (shard_over) when the pool stores its weights split."""
+        options = dict(spec.options)
         attention = self.cfg.attention.model_dump(exclude_none=True)
         if spec.runner == "pipeline" and attention:
-            return {**spec.options, "attention": attention}
-        return dict(spec.options)
+            options["attention"] = attention
+        if spec.runner == "pipeline" and self.cfg.weights.shard_over:
+            options["weights"] = self.cfg.weights.model_dump()
+        if self.cfg.any_size:
+            options["max_programs"] = self.cfg.max_programs
+        return options
 
     def _load_all(self) -> None:
         # A single-device pool on device 0 with no mesh runs unplaced: the pipeline's plain single-device path.
@@ -126,14 +159,26 @@ class Pool:
                 options=self._options(spec),
             )
             runner.load()
-            before = runner.compilations
-            seconds = runner.warm_up(self.cfg.buckets, self.cfg.warm_up_batch_sizes, self.cfg.warm_up_steps)
+            info = served_info(runner.info(), self.cfg)
+            # Warm up exactly the sizes published as served (any_size: the configured buckets, if any).
+            buckets = info.limits.buckets or list(self.cfg.buckets)
+            before, t0 = runner.compilations, time.perf_counter()
+            seconds = runner.warm_up(buckets, self.cfg.warm_up_batch_sizes, self.cfg.warm_up_steps)
             compiled = runner.compilations - before
             if compiled:
-                metrics.COMPILATIONS.labels(name, "warmup").inc(compiled)
+                metrics.COMPILATIONS.labels(self.name, "warmup").inc(compiled)
                 metrics.COMPILE_SECONDS.labels(name, self.name).observe(seconds)
-            log.info("pool %s: %s loaded, warm-up %.1f s (%d programs)", self.name, name, seconds, compiled)
+            log.info(
+                "pool %s: %s loaded; warm-up compiled %d programs for sizes %s, batch sizes %s in %.1f s",
+                self.name,
+                name,
+                compiled,
+                ", ".join(f"{w}x{h}" for w, h in buckets) or "(the runner's default)",
+                list(self.cfg.warm_up_batch_sizes),
+                time.perf_counter() - t0,
+            )
             self.runners[name] = runner
+            self.models[name] = info
 
     # -- run -------------------------------------------------------------------------------------------------
 

@@ -14,79 +14,16 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-from collections.abc import Iterator
 
 import uvicorn
 
 from meshserve.service.app import create_app
 from meshserve.service.settings import get_settings
 from meshserve.workers.config import single_model_config
+from meshserve.workers.local_redis import local_redis
 from meshserve.workers.main import Worker, install_signal_handlers
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def local_redis(timeout_s: float = 10.0) -> Iterator[str]:
-    """A throwaway redis-server (no persistence, loopback only) for the life of the block; yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError(
-            "no Redis URL given and no redis-server on PATH: install Redis (apt install redis-server) or pass "
-            "--redis-url redis://host:6379/0"
-        )
-    port = _free_port()
-    workdir = tempfile.mkdtemp(prefix="meshserve-redis-")
-    args = [
-        exe,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        workdir,
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {proc.returncode} on port {port}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer on port {port} within {timeout_s} s")
-            time.sleep(0.05)
-        log.info("started a local redis-server on 127.0.0.1:%d (pid %d)", port, proc.pid)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run_serve(

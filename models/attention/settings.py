@@ -8,15 +8,13 @@ never read its fields themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from jax.sharding import Mesh
 
-Kernel = Literal["auto", "reference", "xla_blockwise", "cudnn", "splash"]
-ContextStrategy = Literal["auto", "ring", "ulysses", "allgather", "hybrid"]
+# The option names live in a JAX-free module (pool configs are validated with them before JAX loads).
+from meshserve.models.attention.options import CONTEXT_STRATEGIES, KERNELS, ContextStrategy, Kernel
 
-KERNELS: tuple[str, ...] = ("auto", "reference", "xla_blockwise", "cudnn", "splash")
-CONTEXT_STRATEGIES: tuple[str, ...] = ("auto", "ring", "ulysses", "allgather", "hybrid")
+__all__ = ["CONTEXT_STRATEGIES", "KERNELS", "AttentionSettings", "ContextStrategy", "Kernel"]
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-AXES: tuple[str, ...] = ("data", "cfg", "context", "tensor")
-
-
-class LayoutError(ValueError):
-    """A mesh layout that cannot serve the model or request it was asked to."""
+# The axis list, the error type and the slice parser live in a JAX-free module: pools.yaml is checked with them
+# before JAX loads. Re-exported here, where the mesh is built.
+from meshserve.models.parallel.layout_spec import (
+    AXES,
+    LayoutError,
+    parse_device_slice,
+    validate_weight_sharding,  # noqa: F401 - re-exported
+)
 
 
 @dataclass(frozen=True)
@@ -109,41 +112,6 @@ def validate_layout(
                 + (" (cfg folded into data because guidance <= 1)" if data != sizes.data else "")
                 + "; pad the batch to a multiple of data"
             )
-
-
-def parse_device_slice(spec: str | int | list | tuple) -> list[int]:
-    """Device indices from a pool's `devices`: "0-3", "4,5,6,7", "0-1,4-5", 3, or a list of ints.
-
-    Indices are positions in jax.devices(). Empty, reversed ranges and repeats are errors: a typo must not
-    quietly hand two pools the same device.
-    """
-    if isinstance(spec, bool):
-        raise LayoutError(f"device slice {spec!r} is not a slice")
-    if isinstance(spec, int):
-        indices = [spec]
-    elif isinstance(spec, list | tuple):
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
-            raise LayoutError(f"device slice {spec!r} must list integers")
-        indices = list(spec)
-    elif isinstance(spec, str):
-        indices = []
-        for part in spec.replace(" ", "").split(","):
-            lo, dash, hi = part.partition("-")
-            if not lo.isdigit() or (dash and not hi.isdigit()):
-                raise LayoutError(f"device slice {spec!r}: {part!r} is not N or N-M")
-            first, last = int(lo), int(hi) if dash else int(lo)
-            if last < first:
-                raise LayoutError(f"device slice {spec!r}: range {part!r} runs backwards")
-            indices.extend(range(first, last + 1))
-    else:
-        raise LayoutError(f"device slice {spec!r} must be a string like '0-3' or '4,5,6,7', or a list")
-    if not indices:
-        raise LayoutError(f"device slice {spec!r} is empty")
-    if any(i < 0 for i in indices):
-        raise LayoutError(f"device slice {spec!r} has a negative index")
-    if len(set(indices)) != len(indices):
-        raise LayoutError(f"device slice {spec!r} names a device twice")
-    return indices
 
 
 def select_devices(spec, devices=None) -> list:

@@ -3,6 +3,12 @@
 Workers publish each model's defaults and limits in the pool registry (`PoolInfo.models`); the API validates a
 request against them, so a new model or a new bucket needs no change here. The registry is read at most once per
 `pool_cache_s` (a submit must not cost an extra Redis round trip).
+
+Sizes: a pool lists the (width, height) buckets it compiled as the only sizes it serves (`limits.buckets`; None
+for an `any_size` pool). All pools of a model read one stream, so any of them may run any job: the API admits a
+size only when EVERY ready pool of the model serves it (the intersection of their buckets), and nothing compiles
+on the request path. Pools of one model should therefore share their buckets; a pool with other buckets narrows
+what the model serves to the common ones (an empty intersection admits no size, and says so).
 """
 
 from __future__ import annotations
@@ -41,14 +47,17 @@ class Catalog:
         return self._pools
 
     async def served(self) -> dict[str, ServedModel]:
-        """Model id -> its info (from the first ready pool that lists it) and every ready pool serving it."""
-        out: dict[str, ServedModel] = {}
+        """Model id -> its info (from the first ready pool that lists it, with the sizes every ready pool of it
+        serves) and every ready pool serving it."""
+        infos: dict[str, list[ModelInfo]] = {}
+        pools: dict[str, list[PoolInfo]] = {}
         for pool in await self.pools():
             if not pool.ready:
                 continue
             for info in pool.models:
-                out.setdefault(info.id, ServedModel(info)).pools.append(pool)
-        return out
+                infos.setdefault(info.id, []).append(info)
+                pools.setdefault(info.id, []).append(pool)
+        return {m: ServedModel(common_sizes(infos[m]), pools[m]) for m in infos}
 
     async def resolve(self, model: str | None) -> ServedModel:
         """The served model a request names (or the only one, when it names none).
@@ -79,23 +88,56 @@ class Catalog:
         return served[model]
 
 
+def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
+    """The first info, with `limits.buckets` the sizes every one of `infos` serves (None only when all serve any
+    size) and the default size moved to the first common bucket when the first pool's default is not one."""
+    first = infos[0]
+    listed = [[tuple(b) for b in info.limits.buckets] for info in infos if info.limits.buckets is not None]
+    if len(infos) == 1 or not listed:
+        return first
+    common = [b for b in dict.fromkeys(listed[0]) if all(b in other for other in listed[1:])]
+    defaults = first.defaults
+    if common and (defaults.width, defaults.height) not in common:
+        defaults = defaults.model_copy(update={"width": common[0][0], "height": common[0][1]})
+    limits = first.limits.model_copy(update={"buckets": common})
+    return first.model_copy(update={"defaults": defaults, "limits": limits})
+
+
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise FieldError(name, "out_of_range", f"{name} must be between {low} and {high}, got {value}")
 
 
-def _normalise(req: GenerateRequest, info: ModelInfo) -> JobParams:
+def _check_prompts(req: GenerateRequest, max_chars: int) -> None:
+    for name in ("prompt", "negative_prompt"):
+        text = getattr(req, name)
+        if text is not None and len(text) > max_chars:
+            raise FieldError(
+                name, "string_too_long", f"{name} must be at most {max_chars} characters, got {len(text)}"
+            )
+
+
+def _check_served_size(width: int, height: int, info: ModelInfo) -> None:
+    buckets = [tuple(b) for b in info.limits.buckets or ()]
+    if (width, height) in buckets:
+        return
+    # Name the field at fault: the width when no served size has it, else the height.
+    field_name = "height" if any(w == width for w, _ in buckets) else "width"
+    sizes = ", ".join(f"{w}x{h}" for w, h in buckets) or "none (its pools share no size)"
+    raise FieldError(
+        field_name,
+        "size_not_supported",
+        f"{width}x{height} (width x height) is not a size {info.id} serves; served sizes: {sizes}",
+    )
+
+
+def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> JobParams:
     d, lim = info.defaults, info.limits
+    _check_prompts(req, max_prompt_chars)
     width = req.width if req.width is not None else d.width
     height = req.height if req.height is not None else d.height
-    if lim.buckets:
-        if (width, height) not in {tuple(b) for b in lim.buckets}:
-            sizes = ", ".join(f"{w}x{h}" for w, h in lim.buckets)
-            raise FieldError(
-                "width",
-                "size_not_supported",
-                f"{width}x{height} is not a size {info.id} serves; sizes: {sizes}",
-            )
+    if lim.buckets is not None:  # the only sizes (an empty list: none is served by every pool)
+        _check_served_size(width, height, info)
     else:
         for name, value in (("width", width), ("height", height)):
             if value % lim.size_multiple:
@@ -148,11 +190,12 @@ def _normalise(req: GenerateRequest, info: ModelInfo) -> JobParams:
     )
 
 
-def normalise(req: GenerateRequest, info: ModelInfo) -> JobParams:
+def normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> JobParams:
     """The request with the model's defaults filled in and its limits checked (422 `FieldError` naming the field
-    and the rule: `not_multiple`, `out_of_range`, `size_not_supported`, `not_supported`)."""
+    and the rule: `not_multiple`, `out_of_range`, `size_not_supported`, `not_supported`, `string_too_long` past
+    the `max_prompt_chars` setting)."""
     try:
-        return _normalise(req, info)
+        return _normalise(req, info, max_prompt_chars)
     except FieldError:
         metrics.JOBS_REJECTED.labels("invalid").inc()
         raise

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import json
-import socket
 import time
 
 import httpx
@@ -18,7 +17,8 @@ from PIL import Image
 from meshserve.service.api.routes.generate import prefer_wait
 from meshserve.service.app import create_app
 from meshserve.service.store import Store
-from tests.service.conftest import TOY_VIDEO, FakeWorker, api_client, drop_keys
+from tests.private_redis import free_port
+from tests.service.conftest import TOY, TOY_VIDEO, FakeWorker, api_client, drop_keys
 
 pytestmark = pytest.mark.anyio
 
@@ -366,9 +366,7 @@ async def test_metrics(api):
 async def test_sse_streams_live_over_real_http(make_settings):
     """Over a real uvicorn server (ASGI transports buffer whole responses): events arrive as they happen, with the
     keep-alive comment while nothing does."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     settings = make_settings(sse_keepalive_s=0.2)
     app = create_app(settings)
     server = uvicorn.Server(
@@ -399,3 +397,83 @@ async def test_sse_streams_live_over_real_http(make_settings):
         cleanup = Store(settings)
         await drop_keys(cleanup)
         await cleanup.close()
+
+
+def _serving(info, buckets):
+    """`info` as a pool publishes it that serves only `buckets` (None: any size)."""
+    return info.model_copy(update={"limits": info.limits.model_copy(update={"buckets": buckets})})
+
+
+async def test_only_sizes_every_ready_pool_serves_are_admitted(make_settings):
+    """Pools of one model read one stream, so a size is admitted only when every ready pool serves it (before:
+    the first pool's buckets decided, and 64x48 went to a pool that would compile it on the request path)."""
+    async with api_client(make_settings()) as (client, store):
+        await FakeWorker(store, name="a", models=(_serving(TOY, [(64, 48), (96, 64)]),)).register()
+        await FakeWorker(store, name="b", models=(_serving(TOY, [(96, 64), (128, 128)]),)).register()
+        await FakeWorker(store, name="c", models=(TOY,)).register()  # any size: narrows nothing
+        await FakeWorker(store, name="d", models=(_serving(TOY, [(32, 32)]),)).register(
+            ready=False
+        )  # loading
+        (card,) = (await client.get("/v1/models")).json()["data"]
+        assert card["limits"]["buckets"] == [[96, 64]]
+        assert (card["defaults"]["width"], card["defaults"]["height"]) == (96, 64)  # 64x48 is not common
+
+        async def post(**kw):
+            return await client.post("/v1/generate", json={"model": "toy", "prompt": "x", **kw})
+
+        assert (await post(width=96, height=64)).status_code == 202
+        assert (await post()).json()["params"]["width"] == 96  # no size: the served default
+        for kw, field in [(dict(width=64, height=48), "width"), (dict(width=96, height=48), "height")]:
+            r = await post(**kw)
+            assert r.status_code == 422, r.text
+            err = r.json()["error"]
+            assert (err["field"], err["code"]) == (field, "size_not_supported")
+            assert "served sizes: 96x64" in err["message"]
+        r = await client.post("/v1/images/generations", json={"prompt": "x", "size": "64x48"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "size"
+        assert r.json()["error"]["code"] == "size_not_supported"
+        assert await store.redis.xlen(store.stream_key("toy", "normal")) == 2  # only the admitted ones
+
+
+async def test_pools_without_a_common_size_admit_none_and_say_so(make_settings):
+    async with api_client(make_settings()) as (client, store):
+        await FakeWorker(store, name="a", models=(_serving(TOY, [(64, 48)]),)).register()
+        await FakeWorker(store, name="b", models=(_serving(TOY, [(96, 64)]),)).register()
+        r = await client.post("/v1/generate", json={"prompt": "x", "width": 64, "height": 48})
+        assert r.status_code == 422 and "its pools share no size" in r.json()["error"]["message"]
+
+
+async def test_max_prompt_chars_setting_is_enforced(make_settings):
+    """Before: the setting existed but nothing read it (the schema's fixed 4000 applied), so 11 characters
+    passed with max_prompt_chars=10."""
+    async with api_client(make_settings(max_prompt_chars=10)) as (client, store):
+        await FakeWorker(store).register()
+        assert (await client.post("/v1/generate", json={"prompt": "x" * 10})).status_code == 202
+        for body, field in [
+            ({"prompt": "x" * 11}, "prompt"),
+            ({"prompt": "x", "negative_prompt": "y" * 11}, "negative_prompt"),
+        ]:
+            r = await client.post("/v1/generate", json=body)
+            assert r.status_code == 422, r.text
+            assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, "string_too_long")
+        r = await client.post("/v1/images/generations", json={"prompt": "x" * 11})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "prompt"
+
+
+async def test_openai_images_keep_absolute_output_urls(make_settings, tmp_path):
+    """With outputs served by an object store (`output_url_base`), the URL is returned as it is. Before:
+    `http://testserverhttps://cdn.example/outputs/<id>/0.png`."""
+    settings = make_settings(output_dir=str(tmp_path), output_url_base="https://cdn.example/outputs")
+    async with api_client(settings) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        worker.start()
+        try:
+            r = await client.post("/v1/images/generations", json={"prompt": "x"})
+            assert r.status_code == 200, r.text
+            (image,) = r.json()["data"]
+            job_id = image["url"].split("/")[-2]
+            assert image["url"] == f"https://cdn.example/outputs/{job_id}/0.png"
+            assert (tmp_path / job_id / "0.png").is_file()
+        finally:
+            await worker.stop()

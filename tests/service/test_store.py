@@ -269,3 +269,60 @@ async def test_outputs_in_a_directory(make_settings, tmp_path, url_base):
     finally:
         await drop_keys(store)
         await store.close()
+
+
+async def test_output_bytes_are_written_with_plain_commands_not_in_the_commit_script(store: Store):
+    """A script blocks Redis for as long as it runs: the fenced commit must carry keys, never the bytes. Before:
+    the END script got every output's bytes as arguments (here 2 MiB) and SET them itself."""
+    big = OutputBlob(index=0, data=b"x" * (2 << 20), content_type="image/png", width=64, height=48, seed=7)
+    job = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    assert await store.start(d)
+    script = store._scripts["END"]
+    sent: list[int] = []
+
+    async def recording(keys, args):
+        sent.append(sum(len(a) if isinstance(a, bytes | str) else 8 for a in args))
+        return await script(keys=keys, args=args)
+
+    store._scripts["END"] = recording
+    try:
+        assert await store.complete(d, [big])
+    finally:
+        store._scripts["END"] = script
+    assert len(sent) == 1 and sent[0] < 16 << 10, sent
+    assert await store.output(job.id, 0) == big.data
+    ttl = await store.redis.ttl(store.output_key(job.id, 0))
+    assert 0 < ttl <= store.settings.output_ttl_s  # the staged key's TTL moved with the rename
+    assert not [k async for k in store.redis.scan_iter(f"{store.prefix}:staged:*")]
+
+
+async def test_a_stale_attempts_bytes_never_become_visible(store: Store):
+    job = await store.submit(params())
+    (old,) = await store.claim(["toy"], "c1")
+    assert await store.start(old)
+    await asyncio.sleep(0.4)  # the lease lapses: c2 takes the job over
+    (new,) = await store.claim(["toy"], "c2")
+    assert await store.start(new) and await store.complete(new, [blob(0)])
+    stale = OutputBlob(index=0, data=b"stale", content_type="image/png", width=64, height=48, seed=7)
+    assert not await store.complete(old, [stale])  # fenced: its staged bytes are not renamed into place...
+    assert await store.output(job.id, 0) == b"img0"
+    assert not [k async for k in store.redis.scan_iter(f"{store.prefix}:staged:*")]  # ...and are deleted
+
+
+async def test_a_lost_staged_output_does_not_commit_the_job(store: Store):
+    """If Redis loses a staged output between the SET and the commit (a restart without persistence), the job
+    must not succeed pointing at missing bytes: it stays running under its lease and is redelivered."""
+    job = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    assert await store.start(d)
+    stage = store._stage_outputs
+
+    async def stage_then_lose(delivery, outputs):
+        pairs = await stage(delivery, outputs)
+        await store.redis.delete(*(staged for staged, _ in pairs))
+        return pairs
+
+    store._stage_outputs = stage_then_lose
+    assert not await store.complete(d, [blob(0)])
+    assert (await store.get(job.id)).status == JobStatus.RUNNING

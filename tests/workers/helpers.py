@@ -18,6 +18,7 @@ import yaml
 from meshserve.service.contract import Job, JobParams, JobStatus, Priority
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
+from meshserve.workers.fake_runner import FakeRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("MESHSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -108,9 +109,8 @@ def spawn_worker(config: Path, settings: Settings, log_path: Path) -> subprocess
         "MESHSERVE_LEASE_S": str(settings.lease_s),
         "MESHSERVE_POOL_STALE_S": str(settings.pool_stale_s),
         "MESHSERVE_MAX_DELIVERIES": str(settings.max_deliveries),
-        "PYTHONPATH": str(ROOT),
     }
-    code = f"from workers.main import run_worker; run_worker({str(config)!r})"
+    code = f"from meshserve.workers.main import run_worker; run_worker({str(config)!r})"
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -140,3 +140,26 @@ async def all_events(store: Store, job_id: str) -> list[str]:
             return out
         out += [e.type.value for e in batch]
         last = batch[-1].id
+
+
+class CompilingRunner(FakeRunner):
+    """The fake runner, counting a "compilation" per new (width, height, rows) shape as a JAX pipeline does
+    (`runner: "tests.workers.helpers:CompilingRunner"`): the pool's compilation accounting is tested with it."""
+
+    def __init__(self, name: str, **options):
+        super().__init__(name, **options)
+        self.options = options
+        self.shapes: set[tuple[int, int, int]] = set()
+
+    def warm_up(self, buckets, batch_sizes, num_inference_steps) -> float:
+        self.shapes |= {(w, h, b) for w, h in buckets for b in batch_sizes}
+        return 0.0
+
+    def run(self, batch, callback=None):
+        first = batch[0].params
+        self.shapes.add((first.width, first.height, sum(r.params.n for r in batch)))
+        return super().run(batch, callback)
+
+    @property
+    def compilations(self) -> int:
+        return len(self.shapes)

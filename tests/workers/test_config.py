@@ -3,7 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from meshserve.workers.config import WorkerConfig, load_config, parse_devices, single_model_config
+from meshserve.models.parallel.layout_spec import AXES
+from meshserve.workers.config import MeshSizes, WorkerConfig, load_config, single_model_config
 
 
 def _cfg(**pool):
@@ -11,14 +12,34 @@ def _cfg(**pool):
     return {"models": {"m": {"path": None}}, "pools": [base]}
 
 
-def test_parse_devices():
-    assert parse_devices("0-3") == [0, 1, 2, 3]
-    assert parse_devices("0,2,5-6") == [0, 2, 5, 6]
-    assert parse_devices(3) == [3]
-    assert parse_devices([4, 5]) == [4, 5]
-    for bad in ["", "a", "1-", "0,0", "-1"]:
-        with pytest.raises(ValueError):
-            parse_devices(bad)
+def _device_ids(devices, **pool) -> list[int]:
+    return WorkerConfig.model_validate(_cfg(devices=devices, **pool)).pools[0].device_ids
+
+
+def test_device_slices_are_read_by_the_mesh_parser():
+    assert _device_ids("0") == [0] and _device_ids(3) == [3]
+    assert _device_ids("0,2,5-6", mesh={"data": 4}, max_batch=4) == [0, 2, 5, 6]
+    # Before: the config's own parser read "0,3-1" as [0] (an empty range) and let the pool start on one device
+    # while models.parallel.mesh rejected the same slice.
+    for bad, message in [
+        ("0,3-1", "runs backwards"),
+        ("", "not N or N-M"),
+        ("1-", "not N or N-M"),
+        ("0,0", "twice"),
+    ]:
+        with pytest.raises(ValidationError, match=message):
+            WorkerConfig.model_validate(_cfg(devices=bad))
+
+
+def test_mesh_sizes_use_the_mesh_axes_and_rules():
+    assert tuple(MeshSizes.model_fields) == AXES
+    for mesh, message in [
+        ({"cfg": 3}, "cfg must be 1 or 2"),
+        ({"tensor": 0}, "positive integer"),
+        ({"seq": 2}, "seq"),
+    ]:
+        with pytest.raises(ValidationError, match=message):
+            WorkerConfig.model_validate(_cfg(mesh=mesh))
 
 
 def test_example_config_from_the_architecture(tmp_path):
@@ -49,7 +70,20 @@ def test_devices_default_to_the_mesh_size():
         ({"devices": "0-1", "mesh": {"data": 2}, "max_batch": 3}, "multiple of mesh data=2"),
         ({"models": ["other"]}, "unknown models ['other']"),
         ({"max_bacth": 2}, "max_bacth"),
-        ({"devices": "x"}, "cannot read"),
+        ({"devices": "x"}, "not N or N-M"),
+        ({"any_size": True}, "any_size and max_programs go together"),
+        ({"max_programs": 4}, "any_size and max_programs go together"),
+        ({"buckets": [[64, 64], [64, 64]]}, "repeat a size"),
+        ({"weights": {"shard_over": ["data"]}}, "mesh has data=1"),
+        (
+            {"devices": "0-1", "mesh": {"tensor": 2}, "weights": {"shard_over": ["tensor"]}},
+            "cannot name 'tensor'",
+        ),
+        (
+            {"devices": "0-1", "mesh": {"context": 2}, "weights": {"shard_over": ["contxt"]}},
+            "unknown mesh axis",
+        ),
+        ({"weights": {"shard": ["data"]}}, "shard"),
     ],
 )
 def test_bad_pool_is_a_clear_error(pool, message):
@@ -124,3 +158,28 @@ def test_pool_attention_options_reach_the_pipeline():
                 "pools": [{"name": "p", "models": ["m"], "attention": {"context_strategy": "spiral"}}],
             }
         )
+
+
+def test_pool_weight_sharding_reaches_the_pipeline():
+    """`weights: {shard_over: [...]}` is checked against the pool's mesh before JAX loads and handed to
+    load_pipeline as its `weights` argument (the placement's FSDP axes)."""
+    from meshserve.workers.pool import Pool
+
+    cfg = WorkerConfig.model_validate(
+        {
+            "models": {"m": {"path": None}},
+            "pools": [
+                {
+                    "name": "p",
+                    "models": ["m"],
+                    "mesh": {"data": 2, "context": 2},
+                    "max_batch": 2,
+                    "weights": {"shard_over": ["context", "data"]},
+                },
+                {"name": "q", "models": ["m"], "devices": "4"},
+            ],
+        }
+    )
+    opts = Pool._options(type("P", (), {"cfg": cfg.pools[0]})(), cfg.models["m"])
+    assert opts == {"weights": {"shard_over": ["context", "data"]}}
+    assert Pool._options(type("P", (), {"cfg": cfg.pools[1]})(), cfg.models["m"]) == {}

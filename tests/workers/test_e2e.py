@@ -20,6 +20,7 @@ from meshserve.workers.config import single_model_config
 from meshserve.workers.encoding import to_uint8
 from meshserve.workers.main import Worker
 from meshserve.workers.runner import Cancelled, RunRequest
+from tests.private_redis import free_port
 from tests.workers.helpers import ROOT, cleanup, make_settings, params, submit_many, wait_ended
 
 
@@ -87,25 +88,18 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
     asyncio.run(main())
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
         "JAX_PLATFORMS": "cpu",
         "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
     }
     env.pop("MESHSERVE_REDIS_URL", None)
-    code = f"from workers.serve import run_serve; run_serve(port={port}, redis_url=None, model=None)"
+    code = (
+        f"from meshserve.workers.serve import run_serve; run_serve(port={port}, redis_url=None, model=None)"
+    )
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -125,6 +119,10 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
                 time.sleep(0.5)
             models_ = client.get("/v1/models").json()
             assert [m["id"] for m in models_["data"]] == ["tiny-sdxl"]
+            # No buckets configured: the pool serves the model's default size alone, warmed up at start.
+            assert models_["data"][0]["limits"]["buckets"] == [[64, 64]]
+            r = client.post("/v1/generate", json={"prompt": "x", "width": 128, "height": 128})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "size_not_supported", r.text
             r = client.post("/v1/generate", json={"prompt": "a lighthouse", "seed": 3})
             assert r.status_code == 202, r.text
             job_id = r.json()["id"]
@@ -141,6 +139,13 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
             text = client.get("/metrics").text
             assert 'meshserve_worker_jobs_total{model="tiny-sdxl",outcome="succeeded"} 1.0' in text
             assert "meshserve_http_requests_total" in text
+            compiled = {
+                reason: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                for reason in ("warmup", "request")
+                if line.startswith(f'meshserve_compilations_total{{pool="tiny-sdxl-0",reason="{reason}"}}')
+            }
+            assert compiled.get("warmup", 0) > 0 and compiled.get("request", 0) == 0, compiled
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         out = (tmp_path / "serve.log").read_text()

@@ -1,5 +1,6 @@
 """Dependency direction: a worker with a model-free runner, and `meshserve serve`'s module, never import JAX
-(only a pool that runs a real model does); the runner side never imports torch or diffusers."""
+(only a pool that runs a real model does) nor any model code beyond the JAX-free layout rules; the runner side
+never imports torch or diffusers."""
 
 import subprocess
 import sys
@@ -15,8 +16,13 @@ from meshserve.workers.runner import RunRequest
 from meshserve.service.contract import JobParams
 p = JobParams(model="f", prompt="x", width=8, height=8, num_inference_steps=1, guidance_scale=1.0, seed=0)
 FakeRunner("f").run([RunRequest("j", p)])
-heavy = sorted(m for m in ("jax", "flax", "torch", "diffusers", "meshserve.models") if m in sys.modules)
+heavy = sorted(m for m in ("jax", "flax", "torch", "diffusers") if m in sys.modules)
 assert not heavy, heavy
+# The config reads device slices, mesh sizes and attention options with the models' own JAX-free rules only.
+models = sorted(m for m in sys.modules if m.startswith("meshserve.models"))
+allowed = ["meshserve.models", "meshserve.models.attention", "meshserve.models.attention.options"]
+allowed += ["meshserve.models.parallel", "meshserve.models.parallel.layout_spec"]
+assert models == allowed, models
 """
 
 

@@ -3,6 +3,8 @@ batches form from compatible jobs, cancel stops a running job between steps, fau
 
 import asyncio
 
+import pytest
+
 from meshserve.service.contract import JobStatus
 from meshserve.service.store import Store
 from meshserve.workers.config import WorkerConfig
@@ -265,5 +267,71 @@ def test_worker_metrics_move_and_are_served():
             == 2
         )
         assert value("meshserve_worker_pool_ready", pool="m") == 0.0
+
+    asyncio.run(main())
+
+
+def _served(pools):
+    """Registry entries by config name -> the fake model's info as published."""
+    return {p.name.rsplit("/", 1)[1]: p.models[0] for p in pools}
+
+
+def test_a_pool_publishes_its_buckets_as_the_only_sizes_it_serves():
+    """Before: limits carried no buckets (`/v1/models` showed no size limit) and every multiple of 8 up to the
+    model's max was admitted, to be compiled on the request path."""
+
+    async def main():
+        cfg = _config(
+            [
+                _pool("buckets", "0", buckets=[[32, 48], [64, 64]]),
+                _pool("default", "1"),
+                _pool("any", "2", buckets=[[32, 32]], any_size=True, max_programs=4),
+            ]
+        )
+        async with Harness(cfg) as h:
+            served = _served(await h.store.list_pools())
+            assert served["buckets"].limits.buckets == [(32, 48), (64, 64)]
+            assert (served["buckets"].defaults.width, served["buckets"].defaults.height) == (64, 64)
+            assert served["default"].limits.buckets == [(64, 64)]  # the fake model's default size alone
+            assert served["any"].limits.buckets is None and served["any"].limits.max_size == 1024
+            pools = {p.name.rsplit("/", 1)[1]: p for p in await h.store.list_pools()}
+            assert pools["buckets"].buckets == [(32, 48), (64, 64)] and pools["any"].buckets == [(32, 32)]
+
+    asyncio.run(main())
+
+
+def test_a_bucket_the_model_cannot_run_stops_the_pool():
+    async def main():
+        cfg = _config([_pool("bad", "0", buckets=[[60, 64]])])
+        with pytest.raises(ValueError, match="bucket 60x64 is not a size fake can run"):
+            async with Harness(cfg):
+                pass
+
+    asyncio.run(main())
+
+
+def test_compilations_are_counted_by_pool_and_reason():
+    from prometheus_client import REGISTRY
+
+    def value(pool, reason):
+        labels = {"pool": pool, "reason": reason}
+        return REGISTRY.get_sample_value("meshserve_compilations_total", labels) or 0.0
+
+    async def main():
+        runner = "tests.workers.helpers:CompilingRunner"
+        cfg = WorkerConfig.model_validate(
+            {
+                "models": {"fake": {"runner": runner}},
+                "pools": [_pool("cc", "0", buckets=[[16, 16], [32, 32]], any_size=True, max_programs=8)],
+                "metrics_port": None,
+            }
+        )
+        before = value("cc", "warmup"), value("cc", "request")
+        async with Harness(cfg) as h:
+            assert value("cc", "warmup") - before[0] == 2  # two buckets x batch size 1
+            ids = await submit_many(h.store, [params(size=16), params(size=48)])  # 48: not warmed up
+            await wait_ended(h.store, ids, timeout=10)
+            assert value("cc", "request") - before[1] == 1
+            assert h.worker.pools[0].runners["fake"].options["max_programs"] == 8
 
     asyncio.run(main())

@@ -89,7 +89,7 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     store, settings = state.store, state.settings
     key = idempotency_key(request)
     served = await state.catalog.resolve(body.model)
-    params = normalise(body, served.info)
+    params = normalise(body, served.info, settings.max_prompt_chars)
     digest = request_hash(body.model_dump(mode="json", exclude_unset=True)) if key else ""
     job = await store.submit(params, body.priority, key, request_digest=digest)
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()

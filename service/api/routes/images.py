@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import base64
 import time
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
 
 from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep
-from meshserve.service.api.errors import ApiError
+from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.routes.generate import ERRORS
 from meshserve.service.contract import JobStatus
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
@@ -40,7 +41,12 @@ async def create_image(
     if body.size:
         width, height = (int(v) for v in body.size.split("x"))
     req = GenerateRequest(model=served.info.id, prompt=body.prompt, n=body.n, width=width, height=height)
-    params = normalise(req, served.info)
+    try:
+        params = normalise(req, served.info, settings.max_prompt_chars)
+    except FieldError as e:
+        if e.field in ("width", "height"):  # this route's clients sent `size`, not width and height
+            e.field = "size"
+        raise
     job = await store.submit(params)
     metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
     job = await store.wait(job.id, settings.openai_timeout_s) or job
@@ -64,5 +70,13 @@ async def create_image(
                 raise ApiError(410, "output_expired", f"output {out.index} of job {job.id} has expired")
             data.append(ImageData(b64_json=base64.b64encode(blob).decode()))
         else:
-            data.append(ImageData(url=str(request.base_url).rstrip("/") + out.url))
+            data.append(ImageData(url=_absolute(out.url, request)))
     return ImagesResponse(created=int(job.created_at or time.time()), data=data)
+
+
+def _absolute(url: str, request: Request) -> str:
+    """An output URL clients can fetch: the API's own `/v1/jobs/...` path under this request's base, or as it is
+    when already absolute (outputs served by an object store or CDN, `output_url_base`)."""
+    if urlsplit(url).scheme:
+        return url
+    return str(request.base_url).rstrip("/") + url

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep
 from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
 from meshserve.service.api.routes.generate import job_reply
-from meshserve.service.contract import JobStatus
+from meshserve.service.contract import CONTENT_TYPES, JobStatus
 from meshserve.service.schemas import ErrorResponse, JobResponse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
@@ -85,7 +85,7 @@ def _valid_stream_id(value: str) -> bool:
     "/{job_id}/outputs/{index}",
     responses={
         200: {
-            "content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}, "video/mp4": {}},
+            "content": {content_type: {} for content_type in CONTENT_TYPES.values()},
             "description": "The output's bytes.",
         },
         **NOT_FOUND,
