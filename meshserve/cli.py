@@ -17,15 +17,12 @@ class UsageError(Exception):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    if args.height is not None and args.height % 8:
-        raise UsageError(f"--height must be a multiple of 8, got {args.height}")
-    if args.width is not None and args.width % 8:
-        raise UsageError(f"--width must be a multiple of 8, got {args.width}")
+    # Sizes are checked by the pipeline (its limits: a family's size multiple, frame rules), after loading.
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     out = Path(args.output)
-    if out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
-        raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg or .webp, got {out.name}")
+    if out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp", ".mp4"):
+        raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg, .webp or .mp4, got {out.name}")
 
     from tqdm import tqdm
 
@@ -36,12 +33,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         pipe = load_pipeline(args.model, dtype=args.dtype)
+        video = "frames" in pipe.limits
         bar = tqdm(total=args.steps or pipe.defaults["num_inference_steps"], desc="denoise", unit="step")
 
         def on_step(step: int, total: int) -> None:
             bar.total = total
             bar.update(step - bar.n)
 
+        settings = {"num_frames": args.frames} if video and args.frames is not None else {}
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -52,25 +51,31 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_images_per_prompt=args.n,
             scheduler=args.scheduler,
-            output_type="pil",
+            output_type="np",
             callback=on_step,
+            **settings,
         )
         bar.close()
     except PipelineError as e:
         raise UsageError(str(e)) from None
+    from meshserve.workers.encoding import encode_output  # numpy + PIL (+ PyAV for mp4): no JAX, no Redis
+
     out.parent.mkdir(parents=True, exist_ok=True)
+    outputs = list(result.images)  # each [H, W, 3] (image) or [F, H, W, 3] (video) in [0, 1]
     paths = (
         [out]
-        if len(result.images) == 1
-        else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(result.images))]
+        if len(outputs) == 1
+        else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(outputs))]
     )
-    for image, path in zip(result.images, paths, strict=True):
-        image.save(path)
-    t = result.timings
-    print(
-        f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; text "
-        f"{t['text_encode']:.2f}s, denoise {t['denoise']:.2f}s, decode {t['vae_decode']:.2f}s)"
-    )
+    fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
+    for output, path in zip(outputs, paths, strict=True):
+        try:
+            data, _ = encode_output(output, fmt)
+        except ValueError as e:  # e.g. a video to .png
+            raise UsageError(str(e)) from None
+        path.write_bytes(data)
+    stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
+    print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages})")
     return 0
 
 
@@ -116,8 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--steps", type=int, default=None)
     gen.add_argument("--guidance-scale", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--scheduler", default=None, help="euler | euler_ancestral | ddim | dpmpp_2m")
-    gen.add_argument("-n", type=int, default=1, help="images for the prompt")
+    gen.add_argument(
+        "--scheduler", default=None, help="euler | euler_ancestral | ddim | dpmpp_2m | dpmpp_2m_sde"
+    )
+    gen.add_argument("-n", type=int, default=1, help="images (or videos) for the prompt")
+    gen.add_argument("--frames", type=int, default=None, help="video models: frames per video")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.set_defaults(func=_generate)
 

@@ -1,6 +1,6 @@
-"""Batching of compatible jobs: one device batch runs one compiled program, so its jobs must share the model,
-the shape bucket (width, height, frames), the step count and the scheduler. Guidance, seeds, prompts and n may
-differ (they are per-row data). A batch holds at most `max_batch` images (the sum of the jobs' n); a single job
+"""Batching of compatible jobs: one device batch runs one compiled program, so its jobs must share the model
+and the settings its runner's `batch_key` names (the pipeline's: shape bucket, frames, step count, scheduler,
+and any family-specific static setting). Guidance, seeds, prompts and n may differ (they are per-row data). A batch holds at most `max_batch` images (the sum of the jobs' n); a single job
 with more images than that runs alone.
 
 `take_batch` is the pure choice; `gather_batch` waits up to `batch_wait_ms` for company after the first job,
@@ -19,11 +19,7 @@ from typing import Protocol, TypeVar
 @dataclass(frozen=True)
 class BatchKey:
     model: str
-    width: int
-    height: int
-    num_inference_steps: int
-    scheduler: str | None
-    num_frames: int | None = None
+    settings: tuple  # Runner.batch_key(params): what must match within the model
 
 
 class Batchable(Protocol):

@@ -47,11 +47,10 @@ class Work:
     priority_rank: int
 
     @classmethod
-    def of(cls, delivery: Delivery) -> Work:
+    def of(cls, delivery: Delivery, batch_key: Callable[[JobParams], tuple]) -> Work:
+        """batch_key: the model's runner's `batch_key` (the fields its pipeline needs equal within a batch)."""
         p: JobParams = delivery.job.params
-        key = BatchKey(
-            delivery.job.model, p.width, p.height, p.num_inference_steps, p.scheduler, p.num_frames
-        )
+        key = BatchKey(delivery.job.model, batch_key(p))
         return cls(delivery, key, p.n, PRIORITY_ORDER.index(delivery.job.priority))
 
     @property
@@ -134,7 +133,7 @@ class JobLoop:
 
     async def _claim(self, max_jobs: int, block_ms: int) -> list[Work]:
         deliveries = await self.store.claim(self.models, self.consumer, max_jobs=max_jobs, block_ms=block_ms)
-        works = [Work.of(d) for d in deliveries]
+        works = [Work.of(d, self.runners[d.job.model].batch_key) for d in deliveries]
         for w in works:
             self._held[w.job_id] = w
             if w.delivery.delivery_count > 1:
@@ -182,6 +181,7 @@ class JobLoop:
         metrics.BATCH_IMAGES.labels(model).observe(images)
         metrics.BATCH_JOBS.labels(model).observe(len(batch))
         requests = [RunRequest(w.job_id, w.delivery.job.params) for w in batch]
+        compiled_before = runner.compilations
         t0 = self._last_step = time.perf_counter()
         try:
             results = await self._in_thread(runner.run, requests, self._step_callback(model))
@@ -213,6 +213,7 @@ class JobLoop:
             return
         finally:
             self._active = {}
+            self._count_compilations(runner, compiled_before, batch, time.perf_counter() - t0)
         metrics.INFERENCE_SECONDS.labels(model).observe(time.perf_counter() - t0)
         self._observe(model, results)
         by_id = {w.job_id: w for w in batch}
@@ -241,8 +242,28 @@ class JobLoop:
         for r in results:
             if "encode" in r.timings:
                 metrics.STAGE_SECONDS.labels(model, "encode").observe(r.timings["encode"])
-        if any(r.compiled for r in results):
-            metrics.COMPILATIONS.labels(model, "runtime").inc()
+
+    def _count_compilations(self, runner: Runner, before: int, batch: list[Work], seconds: float) -> None:
+        """Programs the batch compiled on the request path (a shape the pool did not warm up), counted and logged
+        with the shape: only any_size pools should ever do this (the API admits only warmed-up sizes)."""
+        compiled = runner.compilations - before
+        if compiled <= 0:
+            return
+        metrics.COMPILATIONS.labels(self.pool, "request").inc(compiled)
+        p = batch[0].delivery.job.params
+        log.warning(
+            "pool %s: compiled %d programs on the request path for %s %dx%d%s, %d images, %d steps; the batch "
+            "took %.2f s with them",
+            self.pool,
+            compiled,
+            batch[0].key.model,
+            p.width,
+            p.height,
+            f"x{p.num_frames} frames" if p.num_frames else "",
+            sum(w.images for w in batch),
+            p.num_inference_steps,
+            seconds,
+        )
 
     # -- per step (called from the pool thread) --------------------------------------------------------------
 

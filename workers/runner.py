@@ -5,8 +5,9 @@ service: every field set) goes in, one `RunResult` per job with encoded bytes co
 nothing of JAX; the runner knows nothing of Redis. `run` is blocking and is called from the pool's own
 thread; its `callback(step, total)` fires after every denoise step and stops the batch by returning False.
 
-`PipelineRunner` wraps `meshserve.models.load_pipeline` (the pipeline contract of the lead's `models` package) for
-every family the models package serves; other runners are picked by name (`runner:` in pools.yaml).
+`PipelineRunner` wraps `meshserve.models.load_pipeline` for every family the models package serves, through
+the pipeline contract alone (models/pipelines/base.py: defaults, limits, batch_fields, batch_key,
+compiled_batch_size, warm_up, __call__); other runners are picked by name (`runner:` in pools.yaml).
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ class Runner(ABC):
         """Compile the programs for these (width, height) buckets and batch sizes; returns seconds spent."""
         return 0.0
 
+    def batch_key(self, params: JobParams) -> tuple:
+        """The job fields that must match for two jobs to share a batch (one compiled program)."""
+        return (params.width, params.height, params.num_frames, params.num_inference_steps, params.scheduler)
+
     @abstractmethod
     def run(self, batch: Sequence[RunRequest], callback: StepCallback | None = None) -> list[RunResult]:
-        """Generate every request of a compatible batch (same size, steps, scheduler) together.
+        """Generate every request of a compatible batch (equal `batch_key`s) together.
         Raises Cancelled when callback returns False, InvalidRequest for a request it can never serve."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook: most runners hold nothing to free
@@ -125,52 +130,55 @@ class PipelineRunner(Runner):
         return float(
             self.pipe.warm_up(
                 buckets=buckets,
-                batch_sizes=sorted({_batch_bucket(b, (self.mesh or {}).get("data", 1)) for b in batch_sizes}),
+                batch_sizes=sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes}),
                 num_inference_steps=num_inference_steps,
             )
         )
 
-    def run(self, batch, callback=None) -> list[RunResult]:
-        from meshserve.models import GenerationCancelled
+    def batch_key(self, params: JobParams) -> tuple:
+        return self.pipe.batch_key(params.model_dump())
 
-        first = batch[0].params
-        # One image per row: jobs with different n, guidance, seeds and negative prompts share one program.
+    @property
+    def _data(self) -> int:
+        return (self.mesh or {}).get("data", 1)
+
+    def run(self, batch, callback=None) -> list[RunResult]:
+        from meshserve.models import GenerationCancelled, PipelineError
+
+        first = batch[0].params.model_dump()
+        # One output per row: jobs with different n, guidance, seeds and negative prompts share one program.
         prompts, negatives, guidance, seeds = [], [], [], []
         for req in batch:
             p = req.params
             prompts += [p.prompt] * p.n
-            negatives += [p.negative_prompt] * p.n  # None: zero embeddings, as diffusers does for SDXL
+            negatives += [p.negative_prompt] * p.n  # None: the family's empty negative (SDXL: zeros)
             guidance += [float(p.guidance_scale)] * p.n
             seeds += req.seeds()
-        # Pad the batch to a power of two (and to a multiple of the mesh's data axis): a pool then compiles
-        # log2(max_batch) + 1 programs per bucket instead of one per batch size it happens to meet. The
-        # padding rows are the first row again and are dropped after decoding.
+        # The pipeline says what batch the rows run as (images: padded to a power of two and a multiple of
+        # the data axis; video: the exact size). Padding rows repeat the first row and are dropped after
+        # decoding; every row has its own seed's noise, so they change nothing in the real rows.
         real = len(prompts)
-        target = _batch_bucket(real, (self.mesh or {}).get("data", 1))
-        pad = target - real
+        pad = self.pipe.compiled_batch_size(real, self._data) - real
         prompts, negatives = prompts + prompts[:1] * pad, negatives + negatives[:1] * pad
         guidance, seeds = guidance + guidance[:1] * pad, seeds + seeds[:1] * pad
-        kwargs = {}
-        if first.num_frames is not None:
-            kwargs["num_frames"] = first.num_frames
+        # The per-batch arguments are the ones the pipeline names (size, steps, scheduler, frames...).
+        settings = {name: first[name] for name in self.pipe.batch_fields if first.get(name) is not None}
         try:
             out = self.pipe(
                 prompts,
                 negative_prompt=negatives,
-                height=first.height,
-                width=first.width,
-                num_inference_steps=first.num_inference_steps,
                 guidance_scale=guidance,
                 seed=seeds,
                 num_images_per_prompt=1,
-                scheduler=first.scheduler,
                 output_type="np",
                 callback=callback,
-                **kwargs,
+                **settings,
             )
         except GenerationCancelled as e:
             raise Cancelled(str(e)) from e
-        except ValueError as e:  # the pipeline's own argument checks: the job, not the worker, is at fault
+        except PipelineError as e:
+            # Only the pipeline's own request checks are the job's fault. Any other error (a ValueError
+            # from a layout, a trace or a shape included) is the engine's: retried, then dead-lettered.
             raise InvalidRequest(str(e)) from e
         images = np.asarray(out.images)[:real]  # [B, H, W, 3] or [B, F, H, W, 3]
         return split_and_encode(batch, images, list(out.seeds)[:real], dict(out.timings), bool(out.compiled))
@@ -181,12 +189,6 @@ class PipelineRunner(Runner):
     @property
     def compilations(self) -> int:
         return int(getattr(self.pipe, "compilations", 0) or 0)
-
-
-def _batch_bucket(rows: int, data: int = 1) -> int:
-    """The compiled batch size serving `rows` images: the next power of two, and a multiple of `data`."""
-    size = 1 << max(rows - 1, 0).bit_length()
-    return -(-size // data) * data
 
 
 def split_and_encode(

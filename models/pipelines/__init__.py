@@ -11,6 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from meshserve.models.loading import CheckpointError, read_json
+from meshserve.models.pipelines.base import DiffusionPipeline
 from meshserve.models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput
 
 # diffusers pipeline class -> (family, module, class)
@@ -54,12 +55,14 @@ def load_pipeline(
     devices=None,
     attention=None,
     weights: dict | None = None,
+    max_programs: int | None = None,
 ):
     """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model.
 
     `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice;
     `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;
-    `weights` (e.g. {"shard_over": ["data", "context"]}) says which mesh axes shard the weights besides tensor.
+    `weights` (e.g. {"shard_over": ["data", "context"]}) says which mesh axes shard the weights besides tensor;
+    `max_programs` bounds the compiled programs kept (least recently used dropped; None: keep all).
     """
     import importlib
 
@@ -81,7 +84,7 @@ def load_pipeline(
             raise PipelineError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
     cls = getattr(importlib.import_module(module_name), cls_name)
-    kwargs = {}
+    kwargs = {"max_programs": max_programs}
     if mesh is not None or devices is not None or weights is not None:
         from meshserve.models.parallel.placement import pipeline_placement
 
@@ -101,5 +104,6 @@ __all__ = [
     "ModelFolderError",
     "GenerationCancelled",
     "PipelineOutput",
+    "DiffusionPipeline",
     "EMBEDDED",
 ]

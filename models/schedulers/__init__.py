@@ -13,6 +13,8 @@ A scheduler is a frozen, hashable dataclass (a static argument of jit); a schedu
 so a new step index or new schedule values of the same length reuse the compiled program. Stochastic
 schedulers (`sched.stochastic`) take a fresh PRNG key per step, or explicit standard-normal `noise=`.
 Loop over `schedule.num_steps`, not the requested count: DPM-Solver's clipped schedules can be shorter.
+`pad_schedule(schedule, max_steps)` pads the arrays to a fixed length and makes `num_steps` a traced count, so
+one compiled loop serves every step count.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule
+from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, pad_schedule
 from meshserve.models.schedulers.ddim import DDIMSchedule, DDIMScheduler
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
@@ -70,6 +72,7 @@ def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> 
 __all__ = [
     "SCHEDULER_NAMES",
     "make_scheduler",
+    "pad_schedule",
     "NoiseScheduler",
     "SigmaSchedule",
     "DDIMSchedule",

@@ -47,15 +47,44 @@ class SigmaSchedule:
     sigmas: [N + 1] float32 (N + 2 for Euler's "log_linear" interpolation, as diffusers), sigmas[i] is the noise
         level of the sample entering step i, sigmas[i + 1] the level it leaves with.
     init_noise_sigma: [] float32, the scale of the initial Gaussian latents.
+    steps: None, or [] int32 when the arrays are padded past the schedule's end (`pad_schedule`).
     """
 
     timesteps: Any
     sigmas: Any
     init_noise_sigma: Any
+    steps: Any = None
 
     @property
-    def num_steps(self) -> int:
-        return self.timesteps.shape[0]
+    def num_steps(self):
+        return schedule_length(self)
+
+
+def schedule_length(schedule):
+    """The steps a schedule runs: a Python int for an exact schedule, a traced [] int32 for a padded one."""
+    return schedule.timesteps.shape[0] if schedule.steps is None else schedule.steps
+
+
+def pad_schedule(schedule, max_steps: int):
+    """The schedule with every per-step array padded to `max_steps` steps and its true length in `steps`.
+
+    A compiled loop then takes any step count up to max_steps with one program: its trip count is the traced
+    `steps`, and the arrays it indexes keep one shape. Arrays with extra entries (sigmas [N + 1]) keep them
+    (padded to max_steps + 1). Padding repeats the last entry, so nothing read past the end is 0 or NaN; the
+    loop never runs those steps.
+    """
+    n = int(schedule.timesteps.shape[0])
+    if n > max_steps:
+        raise ValueError(f"a schedule of {n} steps does not fit {max_steps}")
+    padded = {}
+    for f in dataclasses.fields(schedule):
+        value = getattr(schedule, f.name)
+        if f.name == "steps" or value is None or np.ndim(value) == 0:
+            continue
+        value = np.asarray(value)
+        if value.shape[0] >= n:  # a per-step array ([N], or [N + k] with k trailing entries)
+            padded[f.name] = np.pad(value, [(0, max_steps - n)] + [(0, 0)] * (value.ndim - 1), mode="edge")
+    return dataclasses.replace(schedule, **padded, steps=np.int32(n))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -269,11 +298,19 @@ def at(table, i):
 
 def step_noise(key, noise, like):
     """The standard normal noise of a stochastic step: `noise` when given (tests feed diffusers' draws),
-    else drawn from `key`. float32 like diffusers' draws."""
+    else drawn from `key`. float32 like diffusers' draws.
+
+    `key` is one PRNG key for the whole sample, or a [B] array of keys, one per row of `like` [B, ...]: row b's
+    noise then depends on key[b] alone, so a sample's result does not depend on what it is batched with.
+    """
     if noise is not None:
         return jnp.asarray(noise, jnp.float32)
     if key is None:
         raise ValueError("this scheduler adds noise at every step: pass a PRNG `key` (or explicit `noise`)")
+    if key.ndim == 1:
+        if key.shape[0] != like.shape[0]:
+            raise ValueError(f"{key.shape[0]} row keys for a batch of {like.shape[0]}")
+        return jax.vmap(lambda k: jax.random.normal(k, like.shape[1:], jnp.float32))(key)
     return jax.random.normal(key, like.shape, jnp.float32)
 
 

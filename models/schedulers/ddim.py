@@ -17,6 +17,7 @@ from meshserve.models.schedulers.common import (
     at,
     f32,
     pytree_dataclass,
+    schedule_length,
     spaced_timesteps,
     step_noise,
     threshold_sample,
@@ -27,16 +28,18 @@ from meshserve.models.schedulers.common import (
 class DDIMSchedule:
     """timesteps: [N] float32 (integers, as float for a uniform UNet input);
     alpha_prod_t, alpha_prod_t_prev: [N] float32 alpha_bar at step i's timestep and at the one it steps to;
-    init_noise_sigma: [] float32 (1: DDIM's latents are unit Gaussian)."""
+    init_noise_sigma: [] float32 (1: DDIM's latents are unit Gaussian);
+    steps: None, or [] int32 when the arrays are padded past the schedule's end (`pad_schedule`)."""
 
     timesteps: object
     alpha_prod_t: object
     alpha_prod_t_prev: object
     init_noise_sigma: object
+    steps: object = None
 
     @property
-    def num_steps(self) -> int:
-        return self.timesteps.shape[0]
+    def num_steps(self):
+        return schedule_length(self)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from meshserve.models.schedulers.common import (
     exponential_sigmas,
     f32,
     karras_sigmas,
+    schedule_length,
     sigma_to_t,
     step_noise,
     threshold_sample,
@@ -148,7 +149,8 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     def step(self, schedule: SigmaSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """One multistep update from sigmas[i] to sigmas[i + 1]; returns (prev_sample in sample's dtype, state).
         For sde-dpmsolver++ the noise is `noise` when given, else jax.random.normal(key, sample.shape)."""
-        num_steps = schedule.timesteps.shape[0]  # static: a new step count is a new program anyway
+        # Traced for a padded schedule (one program for every step count), a Python int otherwise.
+        num_steps = schedule_length(schedule)
         sigmas = jnp.asarray(schedule.sigmas)
         x = sample.astype(jnp.float32)
         x0 = self._data_prediction(sigmas[i], model_output.astype(jnp.float32), x)
@@ -158,12 +160,14 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         # The order of this step, as diffusers decides it: i (the position in the schedule) lowers the last
         # steps, lower_order_nums (steps this loop has taken) the first ones, also when a loop starts
         # mid-schedule (img2img).
-        small = num_steps < 15
+        # jnp logic throughout: num_steps may be traced, so no Python `and`/`or` on it.
+        small = jnp.asarray(num_steps) < 15
         is_last, is_second_last = i == num_steps - 1, i == num_steps - 2
+        lower_final_if_small = jnp.logical_and(self.lower_order_final, small)
         lower_order_final = is_last & (
-            self.euler_at_final or (self.lower_order_final and small) or self.final_sigmas_type == "zero"
+            jnp.logical_or(self.euler_at_final or self.final_sigmas_type == "zero", lower_final_if_small)
         )
-        lower_order_second = is_second_last & (self.lower_order_final and small)
+        lower_order_second = is_second_last & lower_final_if_small
         first = (self.solver_order == 1) | (lower_order_nums < 1) | lower_order_final
         second = (self.solver_order == 2) | (lower_order_nums < 2) | lower_order_second
         order = jnp.where(first, 1, jnp.where(second, 2, 3))

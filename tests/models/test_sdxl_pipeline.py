@@ -107,7 +107,12 @@ def test_bf16_runs_close_to_fp32(tiny_sdxl_path, ours, record_property):
     a, b = ours("a cat", **kw).images, bf16("a cat", **kw).images
     err = float(np.abs(a - b).max())
     record_property("bf16_max_abs_pixel_error", err)
-    assert np.isfinite(b).all() and err < 0.1
+    # Not the fp32 standard (1e-3 against diffusers, the tests above): bf16 keeps 8 significant bits, so every
+    # weight and activation is rounded by up to 2^-9 relative, and the rounding of ~60 UNet layers x 3 steps
+    # and the text encoders reaches the pixels. Measured 0.0129 (= 3.3 of 255 levels); 0.03 (7.7 levels)
+    # leaves room for other XLA fusions, and still fails a real bf16 bug (a wrong cast, an fp16 overflow
+    # or a dropped upcast in the VAE moves pixels by tenths).
+    assert np.isfinite(b).all() and err < 0.03
 
 
 def test_prompt_seed_guidance_never_recompile(ours):

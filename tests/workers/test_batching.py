@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from meshserve.workers.batching import BatchKey, gather_batch, take_batch
 
-K64 = BatchKey("m", 64, 64, 4, "euler")
+K64 = BatchKey("m", (64, 64, None, 4, "euler"))
 
 
 @dataclass
@@ -25,10 +25,10 @@ def names(items):
 def test_only_compatible_jobs_share_a_batch():
     pending = [
         W("a"),
-        W("b", key=BatchKey("m", 64, 128, 4, "euler")),
-        W("c", key=BatchKey("m", 64, 64, 8, "euler")),
-        W("d", key=BatchKey("m", 64, 64, 4, "ddim")),
-        W("e", key=BatchKey("other", 64, 64, 4, "euler")),
+        W("b", key=BatchKey("m", (64, 128, None, 4, "euler"))),
+        W("c", key=BatchKey("m", (64, 64, None, 8, "euler"))),
+        W("d", key=BatchKey("m", (64, 64, None, 4, "ddim"))),
+        W("e", key=BatchKey("other", (64, 64, None, 4, "euler"))),
         W("f"),
     ]
     batch, rest = take_batch(pending, max_batch=8)
@@ -47,14 +47,14 @@ def test_highest_priority_anchors_the_batch():
     pending = [
         W("low", priority_rank=2),
         W("normal"),
-        W("high", key=BatchKey("m", 8, 8, 1, None), priority_rank=0),
+        W("high", key=BatchKey("m", (8, 8, None, 1, None)), priority_rank=0),
     ]
     batch, rest = take_batch(pending, max_batch=4)
     assert names(batch) == ["high"] and names(rest) == ["normal", "low"]
 
 
 def test_gather_waits_for_company_then_stops_at_the_deadline():
-    arrivals = [[W("a")], [], [W("b")], [W("c", key=BatchKey("m", 8, 8, 4, None))]]
+    arrivals = [[W("a")], [], [W("b")], [W("c", key=BatchKey("m", (8, 8, None, 4, None)))]]
     calls = []
 
     async def claim(max_jobs, block_ms):
@@ -68,7 +68,7 @@ def test_gather_waits_for_company_then_stops_at_the_deadline():
     assert names(batch) == ["a"] and rest == []
     assert calls[0] == (4, 50) and calls[1][0] == 3
 
-    arrivals[:] = [[W("a")], [W("b")], [W("c", key=BatchKey("m", 8, 8, 4, None))], [W("d")]]
+    arrivals[:] = [[W("a")], [W("b")], [W("c", key=BatchKey("m", (8, 8, None, 4, None)))], [W("d")]]
     batch, rest = asyncio.run(gather_batch([], claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
     # c is incompatible: it stays claimed and ends the wait (leftovers go first, next round).
     assert names(batch) == ["a", "b"] and names(rest) == ["c"]
@@ -93,3 +93,45 @@ def test_gather_uses_leftovers_before_claiming():
     pending = [W("a", images=2), W("b", images=2)]
     batch, rest = asyncio.run(gather_batch(pending, claim, max_batch=4, batch_wait_ms=50, idle_block_ms=10))
     assert names(batch) == ["a", "b"] and rest == []
+
+
+def _delivery(job_id, **params):
+    from meshserve.service.contract import Delivery, Job, JobParams, JobStatus
+
+    fields = dict(
+        model="m", prompt="p", width=64, height=64, num_inference_steps=4, guidance_scale=5.0, seed=1
+    )
+    job = Job(
+        id=job_id,
+        model="m",
+        status=JobStatus.QUEUED,
+        params=JobParams(**{**fields, **params}),
+        created_at=0.0,
+    )
+    return Delivery(job=job, stream="s", message_id="0-1", delivery_count=1, attempt=1, consumer="c")
+
+
+def test_work_takes_its_batch_key_from_the_runner():
+    """The batcher knows no field names: a family's static setting (here a text length carried in metadata)
+    separates jobs whose size, steps and scheduler all agree; the default key covers frames too."""
+    from meshserve.workers.fake_runner import FakeRunner
+    from meshserve.workers.job_loop import Work
+
+    def text_length_key(p):
+        return (p.width, p.height, p.num_inference_steps, p.metadata.get("max_sequence_length", 512))
+
+    a = Work.of(_delivery("a"), text_length_key)
+    b = Work.of(_delivery("b", metadata={"max_sequence_length": 256}), text_length_key)
+    c = Work.of(_delivery("c", n=2), text_length_key)
+    assert a.key == BatchKey("m", (64, 64, 4, 512)) and c.images == 2
+    batch, rest = take_batch([a, b, c], max_batch=8)
+    assert names_of(batch) == ["a", "c"] and names_of(rest) == ["b"]
+
+    default = FakeRunner("m").batch_key
+    video = Work.of(_delivery("v", num_frames=17), default)
+    image = Work.of(_delivery("i"), default)
+    assert video.key != image.key
+
+
+def names_of(works):
+    return [w.job_id for w in works]

@@ -97,8 +97,93 @@ def test_fake_runner_stop_and_faults():
 
 
 def test_batches_pad_to_power_of_two_buckets():
-    from meshserve.workers.runner import _batch_bucket
+    from meshserve.models.pipelines.base import batch_bucket
 
-    assert [_batch_bucket(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
-    assert [_batch_bucket(n, data=2) for n in (1, 2, 3)] == [2, 2, 4]
-    assert _batch_bucket(3, data=3) == 6
+    assert [batch_bucket(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [batch_bucket(n, data=2) for n in (1, 2, 3)] == [2, 2, 4]
+    assert batch_bucket(3, data=3) == 6
+
+
+# -------------------------------------------------------------------------------------------------
+# PipelineRunner through the pipeline contract alone, on stand-in pipelines (no weights, no compiling)
+
+
+def _contract_pipeline(video: bool = False, fail: Exception | None = None):
+    from meshserve.models.pipelines import DiffusionPipeline, PipelineOutput
+
+    class StandIn(DiffusionPipeline):
+        family = "standin-video" if video else "standin"
+        task = "text-to-video" if video else "text-to-image"
+        batch_fields = DiffusionPipeline.batch_fields + (("num_frames",) if video else ())
+        pads_batches = not video
+        scheduler_config = {}
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        @property
+        def defaults(self):
+            return {"width": 16, "height": 8, "num_inference_steps": 2, "guidance_scale": 5.0}
+
+        @property
+        def limits(self):
+            return {}
+
+        def __call__(self, prompt, **kw):
+            self.calls.append({"prompt": prompt, **kw})
+            if fail is not None:
+                raise fail
+            frames = (kw["num_frames"],) if video else ()
+            rows = np.stack(
+                [np.full((*frames, kw["height"], kw["width"], 3), s % 7 / 7, np.float32) for s in kw["seed"]]
+            )
+            return PipelineOutput(images=rows, seeds=list(kw["seed"]), timings={"denoise": 0.0})
+
+    return StandIn()
+
+
+def _pipeline_runner(pipe, mesh=None):
+    from meshserve.workers.runner import PipelineRunner
+
+    runner = PipelineRunner("m", None, "float32", mesh, None)
+    runner.pipe = pipe
+    return runner
+
+
+def test_pipeline_runner_passes_only_contract_arguments():
+    """Per-row lists, the batch fields the pipeline names, nothing SDXL-specific; images pad to a power of
+    two (the padding rows are dropped), video runs the exact batch with its frames."""
+    image = _contract_pipeline()
+    results = _pipeline_runner(image).run([_req("a", n=2, seed=10), _req("b", seed=3)])
+    (call,) = image.calls
+    assert set(call) == {
+        "prompt", "negative_prompt", "guidance_scale", "seed", "num_images_per_prompt", "output_type",
+        "callback", "width", "height", "num_inference_steps",
+    }  # fmt: skip
+    assert call["seed"] == [10, 11, 3, 10] and len(call["prompt"]) == 4  # 3 rows padded to 4
+    assert [[o.seed for o in r.outputs] for r in results] == [[10, 11], [3]]
+
+    video = _contract_pipeline(video=True)
+    params = _req("v", n=3).params.model_copy(update={"num_frames": 5, "output_format": "webp"})
+    (result,) = _pipeline_runner(video, mesh={"data": 2}).run([RunRequest("v", params)])
+    (call,) = video.calls
+    assert call["num_frames"] == 5 and call["seed"] == [7, 8, 9]  # exact: no padded fourth video
+    assert [o.num_frames for o in result.outputs] == [5, 5, 5]
+    runner = _pipeline_runner(video)
+    assert runner.batch_key(params) != runner.batch_key(params.model_copy(update={"num_frames": 9}))
+
+
+def test_only_pipeline_errors_are_the_jobs_fault():
+    """An engine bug that raises ValueError (a layout, a trace, a shape) must stay a worker fault (retried,
+    then dead-lettered), not become InvalidRequest. Before the fix the runner caught every ValueError."""
+    from meshserve.models import PipelineError
+
+    with pytest.raises(InvalidRequest, match="multiple of 8"):
+        _pipeline_runner(_contract_pipeline(fail=PipelineError("height must be a multiple of 8"))).run(
+            [_req("a")]
+        )
+    engine_bug = ValueError("Incompatible shapes for broadcasting: (2, 4) and (3, 4)")
+    with pytest.raises(ValueError, match="Incompatible shapes") as caught:
+        _pipeline_runner(_contract_pipeline(fail=engine_bug)).run([_req("a")])
+    assert not isinstance(caught.value, InvalidRequest)

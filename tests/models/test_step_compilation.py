@@ -1,0 +1,119 @@
+"""The step count is a traced value: schedules padded to MAX_STEPS, the loop's trip count traced, so a new step
+count compiles nothing; and a padded schedule runs exactly as the unpadded one (every scheduler case of
+test_schedulers.py, DPM-Solver's final-step orders and clipped schedules included)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshserve.models import load_pipeline
+from meshserve.models.schedulers import pad_schedule
+from tests.models.test_schedulers import CASES, SHAPE, build, case_id, fake_model, rel_err, sdxl_config  # noqa: F401
+
+H, W = 64, 48
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
+
+
+class CompileCounter:
+    """Counts XLA compilations, whether compiled by the backend or read from the persistent cache (the tests
+    run with it on, so counting backend compiles alone would miss programs compiled in an earlier session)."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, event, duration, **_):
+        if event == COMPILE_EVENTS[0]:
+            self.count += 1
+
+    def _on_event(self, event, **_):
+        if event == COMPILE_EVENTS[1]:
+            self.count += 1
+
+
+@pytest.fixture(scope="module")
+def counter():
+    return CompileCounter()
+
+
+@pytest.mark.parametrize("scheduler", ["euler", "dpmpp_2m_sde"])
+def test_new_step_count_compiles_nothing(tiny_sdxl_path, counter, scheduler, record_property):
+    pipe = load_pipeline(tiny_sdxl_path)
+    kw = dict(height=H, width=W, guidance_scale=5.0, seed=3, scheduler=scheduler, output_type="np")
+    before = counter.count
+    pipe("a cat", num_inference_steps=2, **kw)
+    first = counter.count - before
+    programs = pipe.compilations
+    seen = []
+    for steps in (3, 5, 7):
+        out = pipe("a cat", num_inference_steps=steps, callback=lambda s, t: seen.append((s, t)), **kw)
+        assert not out.compiled
+    record_property("compilations_first_call", first)
+    record_property("compilations_steps_3_5_7", counter.count - before - first)
+    assert first >= 3  # the counter is live: text_encode, denoise, vae_decode at least
+    assert counter.count - before - first == 0, f"steps 3, 5, 7 compiled {counter.count - before - first}"
+    assert pipe.compilations == programs == 3
+    assert [t for _, t in seen] == [3] * 3 + [5] * 5 + [7] * 7  # the callback hears the real count
+
+
+@partial(jax.jit, static_argnums=0)
+def run_padded_loop(scheduler, schedule, latents, noises):
+    """test_schedulers' run_loop on a padded schedule: a while_loop whose trip count is the traced
+    schedule.num_steps (one program for every step count)."""
+    sample = latents * scheduler.init_noise_sigma(schedule)
+
+    def body(carry):
+        i, sample, state = carry
+        x_in = scheduler.scale_model_input(schedule, sample, i)
+        model_output = fake_model(x_in, schedule.timesteps[i], jnp)
+        noise = noises[i] if scheduler.stochastic else None
+        sample, state = scheduler.step(schedule, state, model_output, sample, i, noise=noise)
+        return i + 1, sample, state
+
+    carry = (jnp.int32(0), sample, scheduler.init_state(sample))
+    _, sample, _ = jax.lax.while_loop(lambda c: c[0] < schedule.num_steps, body, carry)
+    return sample
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_padded_schedule_runs_as_the_exact_one(sdxl_config, case):  # noqa: F811
+    from tests.models.test_schedulers import run_loop
+
+    ours, _ = build(sdxl_config, case)
+    rng = np.random.default_rng(0)
+    latents = jnp.asarray(rng.standard_normal(SHAPE).astype(np.float32))
+    for steps in (1, 5, 16):
+        noises = jnp.asarray(rng.standard_normal((40, *SHAPE)).astype(np.float32))
+        schedule = ours.schedule(steps)
+        exact = run_loop(ours, schedule, latents, noises[: schedule.num_steps])
+        padded = run_padded_loop(ours, pad_schedule(schedule, 40), latents, noises)
+        assert rel_err(padded, exact) <= 1e-6, steps
+
+
+def test_compiled_programs_are_counted_logged_and_bounded(caplog):
+    """Every compilation counts once and logs its stage, shapes and seconds; with max_programs the least
+    recently used program is dropped and compiles again when next needed."""
+    import logging
+
+    from meshserve.models.pipelines.programs import CompiledPrograms
+
+    def scale(weights, x, *, power):
+        return weights * x**power
+
+    programs = CompiledPrograms("test", max_programs=2)
+    w = jnp.float32(2.0)
+    with caplog.at_level(logging.INFO, logger="meshserve.models.pipelines.programs"):
+        for shape in [(2,), (3,), (2,), (4,), (3,)]:
+            out = programs.run("scale", scale, {"power": 2}, w, jnp.ones(shape))
+            assert out.shape == shape
+    # (2,) and (3,) compile; (2,) hits; (4,) compiles and drops (3,); (3,) compiles again and drops (2,).
+    assert programs.count == 4 and len(programs) == 2
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test: compiled")]
+    assert len(compiled) == 4 and "[(3,)]" in compiled[1] and compiled[1].endswith(" s")
+    assert any("dropped" in r.getMessage() for r in caplog.records)
