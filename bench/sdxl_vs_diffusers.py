@@ -6,17 +6,23 @@ Builds one small SDXL-shaped checkpoint with diffusers (SDXL's three UNet levels
 depths and heads of dim 64, at base width `--width` instead of 320; two CLIP encoders; a four-level VAE),
 then measures each side in its own process (XLA's CPU thread pool and torch's intra-op threads otherwise
 compete: measured in one process, diffusers' generation took 34 s instead of 2 s). The sides alternate for
-`--rounds` rounds and every figure is the median over rounds: this VM's speed drifts by 10-30 % within
-minutes. Measured: one CFG denoise step called alone (UNet on the doubled batch + guidance + scheduler
-step, one call from Python), one step inside a generation ((whole generation - 1-step generation) /
-(steps - 1): a trip of our compiled loop, a pass of diffusers' Python loop), whole generations of `--steps`
-and of 1 step, the VAE decode, and our compile time. Prints a markdown table (bench/README.md keeps them).
+`--rounds` rounds; every figure is the median over rounds with its min-max beside it, and each speed-up
+is the median of the per-round ratios (the two sides of one round ran minutes apart, so their ratio is
+less exposed to this VM's drift, 10-30 % within minutes, than a ratio of medians). Measured: one CFG
+denoise step called alone (UNet on the doubled batch + guidance + scheduler step, one call from Python),
+one step inside a generation ((whole generation - 1-step generation) / (steps - 1): a trip of our
+compiled loop, a pass of diffusers' Python loop), whole generations of `--steps` and of 1 step, the VAE
+decode, and our compile time. Prints the date, the machine and its load average before and after (a load
+above the core count means other work shared the cores), a markdown table per measure, and the row for
+bench/README.md's table.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -147,7 +153,7 @@ def run_ours(ckpt: Path, args) -> dict:
 
     # One CFG denoise step: the UNet program the loop runs, on the doubled batch, + guidance + scheduler step.
     graph, state = nnx.split(nnx.merge(ours._graphs["unet"], ours._states["unet"]))
-    sched = ours._scheduler(None)
+    sched = ours.scheduler(None)  # the folder's own (Euler), as the generations above used
     schedule = sched.schedule(steps)
     x = jnp.asarray(np.transpose(latents, (0, 2, 3, 1)))
     emb = jnp.zeros((2, 77, UNET["cross_attention_dim"]))
@@ -249,7 +255,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians over them")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; median and min-max")
     ap.add_argument("--width", type=int, default=64, help="UNet base channels (SDXL: 320); VAE scaled alike")
     ap.add_argument("--side", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -263,8 +269,9 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-bench-"))
     ckpt = build_checkpoint(tmp, args.width)
-    # Rounds alternate which side goes first and each figure is the median over rounds: this machine's speed
-    # drifts by 10-30% over minutes (a shared VM), which one run per side would book to one side.
+    started, load_before = datetime.datetime.now(datetime.UTC), os.getloadavg()
+    # Rounds alternate which side goes first: this machine's speed drifts by 10-30% over minutes (a shared
+    # VM), which one run per side would book to one side.
     runs = {"ours": [], "diffusers": []}
     for r in range(args.rounds):
         for side in ("ours", "diffusers") if r % 2 == 0 else ("diffusers", "ours"):
@@ -278,40 +285,72 @@ def main() -> None:
                 str(args.steps),
             ]
             cmd += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[side].append(json.loads(out.strip().splitlines()[-1]))
-    results = {
-        side: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "xla_flags"}
-        for side, rs in runs.items()
-    }
-    ours, ref = results["ours"], results["diffusers"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"{side} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    load_after = os.getloadavg()
+    for (
+        rs
+    ) in runs.values():  # a step as the generation runs it: what one more step adds, loop overhead included
+        for r in rs:
+            r["in_gen"] = (r["gen"] - r["gen_1"]) / (args.steps - 1)
+    ours, ref = runs["ours"], runs["diffusers"]
     err = float(np.abs(np.load(tmp / "ours.npy") - np.load(tmp / "diffusers.npy")).max())
+    params = ours[0]["unet_params"]
     print(
-        f"\nSDXL-shaped model ({ours['unet_params'] / 1e6:.1f}M UNet params), {args.size}x{args.size}, "
+        f"\n{started:%Y-%m-%d %H:%M} UTC, {_cpu_name()}, {os.cpu_count()} cores, load average "
+        f"{load_before[0]:.2f} before / {load_after[0]:.2f} after (1 min)\n"
+        f"SDXL-shaped model ({params / 1e6:.1f}M UNet params), {args.size}x{args.size}, "
         f"{args.steps} steps, CFG, fp32, {args.threads} threads, CPU, each side in its own process, "
-        f"median of {args.rounds} alternating rounds; our XLA_FLAGS={runs['ours'][0]['xla_flags']!r}; "
-        f"max |ours - diffusers| pixel = {err:.1e}; our load {ours['load']:.1f}s\n"
+        f"{args.rounds} alternating rounds (median, min-max over rounds); "
+        f"our XLA_FLAGS={ours[0]['xla_flags']!r}; max |ours - diffusers| pixel = {err:.1e}; "
+        f"our load {statistics.median(r['load'] for r in ours):.1f}s\n"
     )
-    print("| measure | meshserve (JAX) | diffusers (PyTorch) | speed-up |")
+    print("| measure | meshserve (JAX) | diffusers (PyTorch) | speed-up, per-round ratios |")
     print("|---|---|---|---|")
-    # A step as the generation runs it: what one more step adds to a whole generation, loop overhead included.
-    in_gen = {k: (v["gen"] - v["gen_1"]) / (args.steps - 1) for k, v in results.items()}
     rows = [
-        ("one CFG denoise step, called alone (median)", ours["step"] * 1e3, ref["step"] * 1e3, "ms"),
-        (
-            "one step inside a generation, (whole - 1-step whole) / (steps - 1)",
-            in_gen["ours"] * 1e3,
-            in_gen["diffusers"] * 1e3,
-            "ms",
-        ),
-        (f"whole generation, {args.steps} steps (median of {args.repeats})", ours["gen"], ref["gen"], "s"),
-        ("whole generation, 1 step", ours["gen_1"], ref["gen_1"], "s"),
-        ("VAE decode (median)", ours["vae"] * 1e3, ref["vae"] * 1e3, "ms"),
+        ("one CFG denoise step, called alone", "step", 1e3, "ms"),
+        ("one step inside a generation, (whole - 1-step whole) / (steps - 1)", "in_gen", 1e3, "ms"),
+        (f"whole generation, {args.steps} steps (median of {args.repeats} per round)", "gen", 1, "s"),
+        ("whole generation, 1 step", "gen_1", 1, "s"),
+        ("VAE decode", "vae", 1e3, "ms"),
     ]
-    for name, a, b, unit in rows:
+    cells = []
+    for name, key, scale, unit in rows:
+        a = [r[key] * scale for r in ours]
+        b = [r[key] * scale for r in ref]
+        ratio = [y / x for x, y in zip(a, b, strict=True)]
         fmt = ".2f" if unit == "s" else ".1f"
-        print(f"| {name} | {a:{fmt}} {unit} | {b:{fmt}} {unit} | {b / a:.2f}x |")
-    print(f"| compile (first call - steady call) | {ours['compile']:.1f} s | n/a | |")
+        print(f"| {name} | {_spread(a, fmt)} {unit} | {_spread(b, fmt)} {unit} | {_spread(ratio, '.2f')}x |")
+        cells.append(
+            f"{statistics.median(a):{fmt}} / {statistics.median(b):{fmt}} {unit} "
+            f"(**{statistics.median(ratio):.2f}x**, {min(ratio):.2f}-{max(ratio):.2f})"
+        )
+    compile_s = [r["compile"] for r in ours]
+    print(f"| compile (first call - steady call) | {_spread(compile_s, '.1f')} s | n/a | |")
+    print("\nbench/README.md row (ours / diffusers, median speed-up, its min-max over rounds):\n")
+    print(
+        f"| width {args.width}, {args.size}x{args.size} ({params / 1e6:.1f} M) | "
+        + " | ".join(cells)
+        + f" | {statistics.median(compile_s):.1f} s | {started:%Y-%m-%d}, "
+        f"load {load_before[0]:.1f}/{load_after[0]:.1f} |"
+    )
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """'median (min-max)' over rounds."""
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -105,15 +105,33 @@ def test_sdxl_unet_matches_diffusers(unet_folder, torch_unet):
     assert len(unet.traces) == 1  # the timestep is traced: a new value never recompiles
 
 
-def test_sdxl_unet_bf16_runs(unet_folder, torch_unet):
+def test_sdxl_unet_bf16_is_as_accurate_as_diffusers_bf16(unet_folder, torch_unet):
+    """bf16 cannot meet fp32's 1e-4 (8-bit mantissa), so the yardstick is diffusers' own bf16 run on the same
+    weights and inputs: ours may not stray from the fp32 result more than 1.25x as far as it does.
+
+    Measured on this tiny UNet: ours 1.41e-2, diffusers bf16 1.43e-2 (the fp32 test above: 1.1e-6). The
+    timestep sinusoids computed in bf16 (diffusers keeps them fp32) gave 3.18e-2: rejected here, accepted
+    by the former fixed bound of 5e-2. Finer choices (GroupNorm or LayerNorm statistics in bf16, weights
+    truncated instead of rounded: 1.55e-2, 1.31e-2, 1.52e-2) drown in bf16's own rounding at these map sizes;
+    the fp32 parity tests and the norms' fp32-statistics code, not this test, stand for them."""
+    from diffusers import UNet2DConditionModel
+
     unet = jitted(load_unet(unet_folder, dtype=jnp.bfloat16))
     sample, context, text_embeds, time_ids = sdxl_inputs()
     expected = torch_forward(torch_unet, sample, 500.0, context, text_embeds, time_ids)
     out = unet(sample, 500.0, context, text_embeds, time_ids)
     assert out.dtype == jnp.float32  # fp32 latents in, fp32 noise prediction out
     err = rel_err(nchw(out), expected)
-    log.info("SDXL UNet bf16 vs diffusers fp32: rel err %.2e", err)
-    assert err <= 5e-2  # bf16 has an 8-bit mantissa; this catches a broken cast, not rounding
+
+    torch_bf16 = UNet2DConditionModel.from_pretrained(str(unet_folder), torch_dtype=torch.bfloat16).eval()
+    bf16 = [torch.from_numpy(a).bfloat16() for a in (sample, context, text_embeds, time_ids)]
+    with torch.no_grad():
+        ref_bf16 = torch_bf16(
+            bf16[0], 500.0, bf16[1], added_cond_kwargs=dict(text_embeds=bf16[2], time_ids=bf16[3])
+        ).sample.float()
+    ref_err = rel_err(ref_bf16.numpy(), expected)
+    log.info("SDXL UNet bf16 vs diffusers fp32: rel err %.2e (diffusers bf16: %.2e)", err, ref_err)
+    assert err <= 1.25 * ref_err
 
 
 def test_conv_projection_unet_matches_diffusers(tmp_path):
