@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from meshserve.service.contract import ModelDefaults, ModelInfo, ModelLimits, PoolInfo  # noqa: E402
 from meshserve.service.settings import Settings  # noqa: E402
 from meshserve.service.store import Store  # noqa: E402
+from meshserve.workers.local_redis import free_port  # noqa: E402
 
 BENCH_MODEL = ModelInfo(
     id="bench",
@@ -40,12 +41,6 @@ BENCH_MODEL = ModelInfo(
 BODY = json.dumps(
     {"model": "bench", "prompt": "a lighthouse at dusk, oil painting", "num_inference_steps": 20}
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request_bytes(port: int) -> bytes:

@@ -27,15 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from meshserve.workers.local_redis import free_port  # noqa: E402
+
 MODEL_STAGES = ("text_encode", "denoise", "vae_decode")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(code: str, env: dict, log: Path) -> subprocess.Popen:
@@ -115,7 +109,7 @@ async def bench(args) -> None:
             "PYTHONPATH": str(ROOT),
             "MESHSERVE_QUEUE_MAX_LENGTH": "100000",
         }
-        port = _free_port()
+        port = free_port()
         procs = [
             _spawn(f"from service.app import run_api; run_api('127.0.0.1', {port})", env, tmp / "api.log")
         ]
