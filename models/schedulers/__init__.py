@@ -27,6 +27,7 @@ from meshserve.models.schedulers.ddim import DDIMSchedule, DDIMScheduler
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
+from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
 
 # The names the API offers, each with its class and the settings the name implies (over the model's config).
 _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
@@ -35,8 +36,12 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "ddim": (DDIMScheduler, {}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
+    "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
 }
-SCHEDULER_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+# Flow-matching models (Flux, Wan) predict a velocity, the others noise: the two are never interchangeable, so
+# SCHEDULER_NAMES (what SDXL-type families offer) leaves the flow schedulers out; flow families offer these.
+FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler",)
+SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n in _BY_NAME if n not in FLOW_SCHEDULER_NAMES)
 # diffusers class names are accepted too; they take every setting from the config.
 _BY_CLASS: dict[str, type[NoiseScheduler]] = {
     cls.__name__: cls
@@ -45,6 +50,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         EulerAncestralDiscreteScheduler,
         DDIMScheduler,
         DPMSolverMultistepScheduler,
+        FlowMatchEulerDiscreteScheduler,
     )
 }
 
@@ -63,14 +69,13 @@ def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> 
         cls, implied = _BY_CLASS[key], {}
     else:
         what = "the config's _class_name" if name is None else "scheduler"
-        raise ValueError(
-            f"unknown {what} {key!r}; expected one of {list(SCHEDULER_NAMES)} or {sorted(_BY_CLASS)}"
-        )
+        raise ValueError(f"unknown {what} {key!r}; expected one of {list(_BY_NAME)} or {sorted(_BY_CLASS)}")
     return cls.from_config(config, **{**implied, **overrides})
 
 
 __all__ = [
     "SCHEDULER_NAMES",
+    "FLOW_SCHEDULER_NAMES",
     "make_scheduler",
     "pad_schedule",
     "NoiseScheduler",
@@ -80,4 +85,6 @@ __all__ = [
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
     "DPMSolverMultistepScheduler",
+    "FlowMatchEulerDiscreteScheduler",
+    "flux_mu",
 ]
