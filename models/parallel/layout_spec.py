@@ -68,9 +68,7 @@ def check_mesh_sizes(sizes: Mapping[str, object]) -> None:
         raise LayoutError(f"cfg must be 1 or 2 (the conditional and unconditional halves), got {cfg}")
 
 
-def validate_weight_sharding(
-    weights: Mapping | None, sizes: Mapping[str, int] | object
-) -> tuple[str, ...]:
+def validate_weight_sharding(weights: Mapping | None, sizes: Mapping[str, int] | object) -> tuple[str, ...]:
     """The mesh axes a pool's `weights: {shard_over: [...]}` stores the weights split over (FSDP / ZeRO-3).
 
     Allowed: data, cfg, context, each of size > 1 in this mesh (`sizes`: a mapping axis -> size, missing axes
