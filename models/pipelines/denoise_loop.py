@@ -1,0 +1,96 @@
+"""The denoising loop every family runs: one `lax.while_loop` over the steps, traced inside a pipeline's
+denoise program, with classifier-free guidance, per-row step noise and a host callback after every step.
+
+    latents = denoise_loop(model, scheduler, schedule, latents, keys, guidance, do_cfg=..., ...)
+
+- `model(x, t)`: the family's denoiser on the model batch x (latents [B, ...], or [2B, ...] with CFG) at the
+  schedule's timestep t (a [] scalar); it closes over its own conditioning (text embeddings, pooled vectors,
+  Flux's guidance embedding...) and returns the prediction the scheduler expects, shaped like x.
+- CFG: the model batch is interleaved per sample, [u0, c0, u1, c1, ...], so with the batch split over
+  (data, cfg) each sample's unconditional and conditional halves sit on the two sides of the `cfg` axis and
+  the combine is one exchange. Conditioning passed to `model` must be interleaved the same way (`interleave`).
+- The trip count is `schedule.num_steps`: traced for a padded schedule (`pad_schedule`), so one program
+  serves every step count.
+- `keys` [B]: one PRNG key per row; a stochastic scheduler's noise for row b at step i comes from keys[b] and
+  i alone (`seeds.step_keys`), never from the batch around it.
+- `on_step(step, _) -> bool` runs on the host after every step (an io_callback): progress, and False
+  stops the loop (cancel). Always compiled in, so a call with and one without a callback share one program;
+  it costs one host round trip per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from meshserve.models.pipelines.seeds import step_keys
+
+
+def interleave(a, b):
+    """[B, ...] x 2 -> [2B, ...] as a0, b0, a1, b1, ... (CFG: a = unconditional, b = conditional)."""
+    return jnp.stack([a, b], axis=1).reshape(-1, *a.shape[1:])
+
+
+def guide(out, guidance):
+    """Classifier-free guidance on an interleaved model output [2B, ...] -> [B, ...]; guidance [B]."""
+    out = out.reshape(-1, 2, *out.shape[1:])
+    uncond, cond = out[:, 0], out[:, 1]
+    g = guidance.astype(out.dtype).reshape(-1, *([1] * (uncond.ndim - 1)))
+    return uncond + g * (cond - uncond)
+
+
+def denoise_loop(
+    model: Callable,
+    scheduler,
+    schedule,
+    latents,
+    keys,
+    guidance,
+    *,
+    do_cfg: bool,
+    on_step: Callable[[int, jax.Array], np.bool_],
+    constrain: Callable = lambda x: x,
+):
+    """latents [B, ...] (already scaled by the scheduler's init_noise_sigma); keys [B]; guidance [B].
+    Returns (latents, steps_done): steps_done < schedule.num_steps when on_step stopped the loop."""
+    num_steps = schedule.num_steps
+
+    def body(carry):
+        i, _, latents, sched_state = carry
+        x = interleave(latents, latents) if do_cfg else latents
+        x = constrain(scheduler.scale_model_input(schedule, x, i))
+        out = model(x, jnp.asarray(schedule.timesteps)[i])
+        if do_cfg:
+            out = guide(out, guidance)
+        key = step_keys(keys, i) if scheduler.stochastic else None
+        latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key)
+        latents = constrain(latents)
+        # The callback takes one element of the new latents so it runs after the step, not beside it; the
+        # loop condition waits for its answer, so steps report in order without an ordered effect (whose
+        # runtime token is one more host-to-device transfer per call, staged on the default device).
+        go = io_callback(
+            on_step, jax.ShapeDtypeStruct((), jnp.bool_), i + 1, latents.ravel()[0], ordered=False
+        )
+        return i + 1, go, latents, sched_state
+
+    carry = (jnp.int32(0), jnp.bool_(True), latents, scheduler.init_state(latents))
+    i, _, latents, _ = jax.lax.while_loop(lambda c: (c[0] < num_steps) & c[1], body, carry)
+    return latents, i
+
+
+class StepReporter:
+    """The host end of the loop's io_callback: forwards (step, total) to the current call's listener."""
+
+    def __init__(self):
+        self.listener: Callable[[int, int], bool | None] | None = None
+        self.total = 0
+
+    def __call__(self, step, _after=None) -> np.bool_:
+        listener = self.listener
+        if listener is None:
+            return np.bool_(True)
+        return np.bool_(listener(int(step), self.total) is not False)
