@@ -13,8 +13,9 @@ with tensor=2 (the rows say LayoutError; SDXL's 10 heads cannot either). Hybrid 
 compile inside the pipeline (docs/attention.md).
 
 For each mesh and strategy the pipeline is loaded with `load_pipeline(path, mesh=..., attention=
-AttentionSettings(context_strategy=...))` and its own denoise program (`_jit_denoise`, the lax.while_loop
-over steps, with CFG) is lowered and compiled for a 1-step schedule; nothing runs. The loop's trip count is
+AttentionSettings(context_strategy=...))` and its own denoise program (`pipe._denoise` with the static settings
+and input shardings `pipe.programs` compiles it with: the lax.while_loop over steps, with CFG) is lowered and
+compiled from abstract inputs; nothing runs. The loop's trip count is
 not known to XLA (a host callback may stop it), so the collectives inside its body are exactly one denoise
 step: the UNet on the CFG batch, the guidance combine and the scheduler step. Each collective (all-gather,
 all-to-all, collective-permute, all-reduce, reduce-scatter) is counted with bench/attention_memory.py's HLO
@@ -34,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -70,25 +72,31 @@ def checkpoint() -> Path:
     return ckpt
 
 
-def compile_denoise_step(ckpt: Path, sizes: dict, strategy: str, size: int):
-    """The pipeline's compiled denoise program for one 1-step CFG generation of a size x size image."""
+def compile_denoise_step(ckpt: Path, sizes: dict, strategy: str, size: int, weights: dict | None = None):
+    """The pipeline's compiled denoise program for one CFG generation of a size x size image: the same
+    function, static settings and input shardings as `pipe.programs.run("denoise", ...)`, lowered from
+    abstract inputs (the schedule is the pool's padded one: the trip count stays a traced value)."""
     devices = list(range(math.prod(sizes.values())))
     settings = AttentionSettings(context_strategy="auto" if strategy == "-" else strategy)
-    pipe = load_pipeline(ckpt, mesh=sizes, devices=devices, attention=settings)
-    sched = pipe._scheduler(None)
+    pipe = load_pipeline(ckpt, mesh=sizes, devices=devices, attention=settings, weights=weights)
+    sched, schedule, _ = pipe.schedule(None, 1)
     latent = size // pipe.vae_scale_factor
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((1, latent, latent, pipe.unet_config.in_channels), jnp.float32),  # latents
-        spec((2, 77, pipe.unet_config.cross_attention_dim), jnp.float32),  # embeds, CFG-interleaved
-        spec((2, pipe.projection_dim), jnp.float32),  # pooled
-        spec((2, 6), jnp.float32),  # time ids
-        spec((1,), jnp.float32),  # guidance
+    latent_shape = (latent, latent, pipe.unet_config.in_channels)
+
+    def batch(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=pipe.placement.batch_spec(shape[0], len(shape)))
+
+    cross = pipe.unet_config.cross_attention_dim
+    inputs = (
+        schedule,
+        None,  # latents: drawn from the row's key inside the program, as a seeded request does
+        batch((1, 2), jnp.uint32),  # key data
+        batch((2, 77, cross), jnp.float32),  # embeds, CFG-interleaved
+        batch((2, pipe.projection_dim), jnp.float32),  # pooled
+        batch((1,), jnp.float32),  # guidance
     )
-    lowered = pipe._jit_denoise.lower(
-        pipe._states["unet"], sched.schedule(1), *args, jax.random.key(0), scheduler=sched, do_cfg=True
-    )
-    return lowered.compile()
+    static = {"scheduler": sched, "do_cfg": True, "latent_shape": latent_shape}
+    return jax.jit(functools.partial(pipe._denoise, **static)).lower(pipe._states["unet"], *inputs).compile()
 
 
 def per_step(hlo: str) -> dict:
@@ -115,14 +123,14 @@ def _mesh_name(sizes: dict) -> str:
     return " x ".join(f"{axis}{n}" for axis, n in sizes.items())
 
 
-def table(ckpt: Path, size: int, explain: int = 0) -> list[str]:
+def table(ckpt: Path, size: int, explain: int = 0, layouts=LAYOUTS) -> list[str]:
     rows = [
         "| mesh | strategy | "
         + " | ".join(COLLECTIVES)
         + " | total | in attention | elsewhere | collectives | memory MiB |",
         "|---|---|" + "---|" * (len(COLLECTIVES) + 5),
     ]
-    for sizes, strategies in LAYOUTS:
+    for sizes, strategies in layouts:
         for strategy in strategies:
             t0 = time.perf_counter()
             try:
@@ -151,8 +159,21 @@ def main():
     )
     parser.add_argument("--sizes", default="512,1024", help="image sizes (square), comma separated")
     parser.add_argument("--explain", type=int, default=0, help="print each program's top N senders by jax op")
+    parser.add_argument(
+        "--mesh", default=None, help='only this mesh, named as in the table ("context2", "cfg2 x tensor2")'
+    )
+    parser.add_argument("--strategy", default=None, help="only this context strategy (ring, ulysses, ...)")
     parser.add_argument("--write-docs", action="store_true", help=f"replace the generated section of {DOCS}")
     args = parser.parse_args()
+    layouts = [
+        (sizes, tuple(s for s in strategies if args.strategy in (None, s)))
+        for sizes, strategies in LAYOUTS
+        if args.mesh in (None, _mesh_name(sizes))
+    ]
+    if not any(strategies for _, strategies in layouts):
+        parser.error(f"no layout matches --mesh {args.mesh} --strategy {args.strategy}")
+    if args.write_docs and layouts != LAYOUTS:
+        parser.error("--write-docs writes the whole table: leave out --mesh and --strategy")
     jax.config.update("jax_compilation_cache_dir", str(ROOT / ".cache" / "jax"))
     ckpt = checkpoint()
 
@@ -171,7 +192,7 @@ def main():
             f"{(latent // 4) ** 2} tokens, cross-attention to 77 text tokens).",
             "",
         ]
-        out += table(ckpt, size, args.explain)
+        out += table(ckpt, size, args.explain, layouts)
     text = "\n".join(out)
     print(text)
     if args.write_docs:

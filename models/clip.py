@@ -26,8 +26,19 @@ from meshserve.models.loading import CheckpointError, load_weights, read_compone
 
 _DEFAULT_SETTINGS = AttentionSettings()
 
-# Parameter path regex -> logical axes (models.parallel.placement maps them to mesh axes). Empty: replicated.
-SHARDING_RULES: tuple = ()
+# Parameter path regex -> logical axes (models.parallel.placement maps them to mesh axes per pool). Only FSDP:
+# "embed", the hidden size, is split over the pool's weights.shard_over axes (replicated without); heads and
+# MLP units are never tensor-split here (77 tokens: the encoders are a small share of a generation's time).
+# Norm scales and biases stay replicated: 0.1 % of CLIP-L's parameters and 0.08 % of OpenCLIP-bigG's
+# (hidden 768 / 1280: 9 vectors of the hidden size and one of the MLP's per layer).
+SHARDING_RULES: tuple = (
+    (r"self_attn\.(q_proj|k_proj|v_proj|out_proj)\.weight$", ("embed", None)),
+    (r"mlp\.fc1\.weight$", ("embed", None)),  # [hidden, mlp]
+    (r"mlp\.fc2\.weight$", (None, "embed")),  # [mlp, hidden]
+    # [vocab, hidden]: bigG's is 49408 x 1280 = 63 M parameters, 9 % of the encoder.
+    (r"(token_embedding|position_embedding)\.weight$", (None, "embed")),
+    (r"text_projection\.weight$", ("embed", None)),
+)
 
 # Activations by transformers' `hidden_act` name (transformers/activations.py ACT2FN).
 _ACTIVATIONS = {

@@ -48,6 +48,8 @@ class Worker:
 
     async def run(self) -> None:
         _ensure_host_devices(max(d for p in self.config.pools for d in p.device_ids) + 1)
+        if any(p.weights.shard_over for p in self.config.pools):
+            _prefer_memory_minimizing_cpu_scheduler()
         from meshserve.models.compile_cache import enable_compilation_cache
 
         # The config's folder, else meshserve's default cache: a restarted worker reads its programs back.
@@ -95,6 +97,20 @@ def _ensure_host_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if count > 1 and "xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+# XLA:CPU's default scheduler puts all of a step's FSDP weight gathers together, so a pool that stores its
+# weights split still holds them all gathered at once: SDXL-base at 1024 px, 2-way, peaked at 14,423 MiB per
+# device (replicated: 13,756); with this scheduler 3,766 MiB (docs/weights.md, bench/weight_memory.py). Only the
+# process-wide flag takes effect (a per-compilation compiler option was accepted and ignored). CPU only: GPU and
+# TPU have schedulers of their own.
+_CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _prefer_memory_minimizing_cpu_scheduler() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} {_CPU_MEMORY_SCHEDULER}".strip()
 
 
 def install_signal_handlers(loop: asyncio.AbstractEventLoop, stop) -> None:

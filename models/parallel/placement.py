@@ -1,9 +1,11 @@
 """Where a pipeline's weights and activations live on its pool mesh.
 
 Parameters carry logical axis names through one rules table per model (a few regexes over parameter paths,
-e.g. `attn1.to_q.kernel -> (None, "heads")`, kept beside the model); `LOGICAL_TO_MESH` maps those names to
-mesh axes. Weights are device_put straight into their NamedSharding from the host copy, so a tensor-split
-weight never exists whole on any device. Activations: the batch is split over ("data", "cfg"), which, with
+e.g. `attn1.to_q.weight -> ("embed", "heads")`, kept beside the model); each Placement maps those names to
+mesh axes (`Placement.logical_to_mesh`): "heads" and "mlp" to `tensor`, "embed" to the pool's
+`weights: {shard_over: [...]}` axes (FSDP / ZeRO-3: the weight is stored split over batch-like axes and XLA
+gathers it where it is used; replicated when shard_over is empty). Weights are device_put straight into
+their NamedSharding from the host copy, so a split weight never exists whole on any device. Activations: the batch is split over ("data", "cfg"), which, with
 the CFG batch interleaved per sample ([u0, c0, u1, c1, ...]), puts every sample's unconditional and
 conditional halves on the two sides of the `cfg` axis. Tokens are split on `context` inside attention
 (models.attention.context); XLA's partitioner carries the rest.
@@ -12,61 +14,139 @@ conditional halves on the two sides of the `cfg` axis. Tokens are split on `cont
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshserve.models.attention import AttentionSettings
 from meshserve.models.attention.context import batch_axes_for
 from meshserve.models.loading import torch_key
-from meshserve.models.parallel.mesh import LayoutError, MeshSizes, make_mesh, select_devices, validate_layout
+from meshserve.models.parallel.mesh import (
+    LayoutError,
+    MeshSizes,
+    make_mesh,
+    select_devices,
+    validate_layout,
+    validate_weight_sharding,
+)
 
-# Logical parameter axes -> mesh axes. Heads and MLP hidden units are tensor parallel; everything else is
-# replicated (weights of a diffusion model are small next to its activations at serving resolutions).
-LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {"heads": "tensor", "mlp": "tensor"}
+# Logical parameter axes that are tensor parallel: attention heads and MLP hidden units. A weight split on
+# them must split exactly (LayoutError otherwise): the attention and MLP code relies on whole heads per device.
+TENSOR_PARALLEL = ("heads", "mlp")
+# The logical axis of a weight's FSDP-sharded dimension (the model width: channels, hidden size). Mapped to the
+# pool's shard_over axes; a dimension that does not divide their product falls back to the largest subset of
+# them that divides it, else to replication: storage only, never a correctness or shape question.
+FSDP = "embed"
 
 Rules = Sequence[tuple[str, tuple[str | None, ...]]]
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A pool mesh and the rules that place one pipeline's arrays on it (hashable: a static jit argument)."""
+    """A pool mesh and the rules that place one pipeline's arrays on it (hashable: a static jit argument).
+
+    shard_over: mesh axes (of data, cfg, context; validated by mesh.validate_weight_sharding) over which the
+    weights' "embed" dimension is stored split. Empty: only tensor parallelism splits weights.
+    """
 
     mesh: Mesh
     sizes: MeshSizes
+    shard_over: tuple[str, ...] = ()
 
     # --- parameters
 
-    def param_spec(self, rules: Rules, key: str, ndim: int) -> P:
-        for pattern, logical in rules:
-            if re.search(pattern, key):
-                if len(logical) != ndim:
-                    raise ValueError(f"sharding rule {pattern!r} has {len(logical)} axes, {key} has {ndim}")
-                return P(*(LOGICAL_TO_MESH.get(name) if name else None for name in logical))
+    @property
+    def logical_to_mesh(self) -> dict[str, tuple[str, ...]]:
+        """Logical parameter axis -> the mesh axes it is split over (an empty tuple: not split)."""
+        return {**{name: ("tensor",) for name in TENSOR_PARALLEL}, FSDP: self.shard_over}
+
+    def param_spec(self, rules: Rules, key: str, shape: tuple[int, ...]) -> P:
+        """The PartitionSpec of parameter `key` (a checkpoint name) of this shape: by the first rule whose
+        pattern matches and whose rank is the parameter's (a layer may be a Linear or a 1x1 conv by config);
+        replicated when no pattern matches. A pattern that matches only with other ranks is a rules bug."""
+        matched = [logical for pattern, logical in rules if re.search(pattern, key)]
+        for logical in matched:
+            if len(logical) == len(shape):
+                return P(
+                    *(self._mesh_axes(key, name, size) for name, size in zip(logical, shape, strict=True))
+                )
+        if matched:
+            raise ValueError(
+                f"sharding rules for {key} have {[len(m) for m in matched]} axes, it has {len(shape)}"
+            )
         return P()
+
+    def _mesh_axes(self, key: str, logical: str | None, size: int) -> str | tuple[str, ...] | None:
+        axes = (
+            tuple(a for a in self.logical_to_mesh.get(logical, ()) if self.mesh.shape[a] > 1)
+            if logical
+            else ()
+        )
+        if logical in TENSOR_PARALLEL:
+            for axis in axes:
+                if size % self.mesh.shape[axis]:
+                    raise LayoutError(
+                        f"{key}: a dimension of size {size} (attention heads or MLP units) does not split over "
+                        f"{axis}={self.mesh.shape[axis]}"
+                    )
+        else:
+            axes = _largest_dividing_subset(axes, dict(self.mesh.shape), size)
+        if not axes:
+            return None
+        return axes[0] if len(axes) == 1 else axes
 
     def placer(self, rules: Rules):
         """A `place(path, array)` for models.loading.load_weights: host array -> its sharded device array."""
 
-        sizes = dict(self.mesh.shape)
-
         def place(path: tuple, array: np.ndarray) -> jax.Array:
-            key = torch_key(path)
-            spec = self.param_spec(rules, key, array.ndim)
-            for dim, axis in enumerate(spec):
-                if axis is not None and array.shape[dim] % sizes[axis]:
-                    raise LayoutError(
-                        f"{key}: axis {dim} (size {array.shape[dim]}, attention heads or MLP units) does not "
-                        f"split over {axis}={sizes[axis]}"
-                    )
+            spec = self.param_spec(rules, torch_key(path), array.shape)
             return jax.device_put(array, NamedSharding(self.mesh, spec))
 
         return place
+
+    def gather_weights(self, state, rules: Rules):
+        """Inside a jitted program: `state` (an nnx.State placed by `placer(rules)`) constrained to its
+        tensor-only sharding, so XLA all-gathers each FSDP-split weight (over shard_over) instead of
+        partitioning the layer along the weight's split dimension (the convs' output channels: it then has
+        to re-shard every such activation, which at serving sizes is larger than the weight). Also for
+        correctness: XLA's partitioner computes a 3x3 conv wrongly on a 2-D mesh when its input is split on
+        H (the UNet's, after context-parallel attention) and its kernel is split (docs/weights.md, Found;
+        tests/parallel/test_weight_sharding.py keeps a repro). Identity without shard_over."""
+        if not self.shard_over:
+            return state
+        whole = dataclasses.replace(self, shard_over=())
+
+        def gather(path: tuple, value: jax.Array) -> jax.Array:
+            spec = whole.param_spec(rules, torch_key(path), value.shape)
+            return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
+
+        flat = [
+            (path, var.replace(gather(path, var.get_value())) if isinstance(var, nnx.Variable) else var)
+            for path, var in state.flat_state()
+        ]
+        return nnx.State.from_flat_path(flat)
+
+    def gather_weights_per_step(self, state, x, rules: Rules):
+        """`gather_weights` inside a loop body, tied to the loop-variant activation x: returns (gathered state,
+        x). Without the tie the gathered weights are loop-invariant and XLA hoists every gather out of the
+        denoise while loop, so the whole model is live on each device for the whole generation (measured on
+        SDXL-base at 2 ways: 794 all-gathers, all before the loop; docs/weights.md). The optimization barrier
+        makes the weights depend on this step's x, so they are gathered each step and freed after their last
+        use in it; where in the step each gather runs is the XLA scheduler's choice (docs/weights.md: on
+        XLA:CPU only its memory-minimizing scheduler puts them at their layers). The barrier is an identity:
+        the values are unchanged. Identity without shard_over."""
+        if not self.shard_over:
+            return state, x
+        state, x = jax.lax.optimization_barrier((state, x))
+        return self.gather_weights(state, rules), x
 
     # --- activations
 
@@ -99,7 +179,9 @@ def pipeline_placement(
     """Keyword arguments for a pipeline constructor: its Placement and mesh-aware AttentionSettings.
 
     `mesh`: sizes for data/cfg/context/tensor (missing axes are 1); `devices`: a slice spec ("0-3"), a list
-    of jax devices, or None for all of jax.devices() (then the sizes must use them all).
+    of jax devices, or None for all of jax.devices() (then the sizes must use them all); `weights`:
+    {"shard_over": ["data", "context"]} stores every large weight split over those axes as well as tensor
+    (mesh.validate_weight_sharding says what is allowed).
     """
     sizes = mesh if isinstance(mesh, MeshSizes) else MeshSizes.from_dict(mesh)
     if devices is None:
@@ -111,7 +193,33 @@ def pipeline_placement(
     else:
         device_list = list(devices)
     validate_layout(sizes, num_devices=len(device_list))
+    shard_over = validate_weight_sharding(weights, sizes)
     grid = make_mesh(sizes, device_list)
     base = attention or AttentionSettings()
     settings = dataclasses.replace(base, mesh=grid)
-    return {"placement": Placement(grid, sizes), "attention": settings}
+    return {"placement": Placement(grid, sizes, shard_over), "attention": settings}
+
+
+def gathered(placement: Placement | None, state, rules: Rules):
+    """`placement.gather_weights(state, rules)`, or `state` itself without a placement (one device)."""
+    return placement.gather_weights(state, rules) if placement is not None else state
+
+
+def gathered_per_step(placement: Placement | None, state, x, rules: Rules):
+    """`placement.gather_weights_per_step(state, x, rules)`, or (state, x) without a placement."""
+    return placement.gather_weights_per_step(state, x, rules) if placement is not None else (state, x)
+
+
+def _largest_dividing_subset(axes: tuple[str, ...], sizes: dict[str, int], dim: int) -> tuple[str, ...]:
+    """The sub-tuple of `axes` (order kept) with the largest device product that divides `dim`; () if none.
+
+    E.g. a 4-channel conv output over (data=2, context=4): (data,) -> 2-way, rather than failing or
+    replicating. Ties keep the earlier axes (itertools.combinations order).
+    """
+    best: tuple[str, ...] = ()
+    for r in range(len(axes), 0, -1):
+        for subset in itertools.combinations(axes, r):
+            n = math.prod(sizes[a] for a in subset)
+            if dim % n == 0 and n > math.prod(sizes[a] for a in best):
+                best = subset
+    return best
