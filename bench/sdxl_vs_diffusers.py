@@ -125,6 +125,9 @@ def median_time(fn, repeats: int) -> float:
 
 
 def run_ours(ckpt: Path, args) -> dict:
+    from meshserve.models.xla_cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults()  # as `meshserve` runs: before JAX starts its CPU backend
     import jax
     import jax.numpy as jnp
     import numpy as np

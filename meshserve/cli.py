@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Before any command starts JAX's CPU backend (it reads XLA_FLAGS once): models/xla_cpu_flags.py says why.
+    from meshserve.models.xla_cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults()
     try:
         return args.func(args)
     except UsageError as e:

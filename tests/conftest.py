@@ -8,6 +8,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The XLA:CPU flags meshserve serves with (the CLI sets them too), so the tests check what runs.
+from meshserve.models.xla_cpu_flags import apply_cpu_defaults  # noqa: E402
+
+apply_cpu_defaults()
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
