@@ -1,11 +1,13 @@
 """XLA:CPU settings meshserve runs with: set in XLA_FLAGS before the CPU backend starts (the CLI, the tests
 and the SDXL bench call `apply_cpu_defaults()` first; a library user keeps XLA's defaults unless they call it).
 
-- `--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`: convolutions go to XLA's Eigen kernels,
-  which use every intra-op thread, instead of YNNPACK, which here ran a convolution on one thread of two.
-  Measured with bench/sdxl_vs_diffusers.py (2026-11-22, 2-core Xeon, 3 alternating rounds, medians):
-  width 64 at 128x128, VAE decode 63.2 -> 49.0 ms, CFG step 51.7 -> 46.4 ms; at 256x256 decode 202.2 ->
-  188.0 ms, step 117.7 -> 118.8 ms (within the spread). Dots, element-wise ops and reductions keep YNNPACK.
+- `--xla_cpu_experimental_ynn_fusion_type=-individual_convolution,-individual_dot`: convolutions and single
+  dots go to XLA's Eigen kernels, which use every intra-op thread, instead of YNNPACK, which here ran a
+  convolution on one thread of two (element-wise and reduction fusions keep YNNPACK). Measured with
+  bench/sdxl_vs_diffusers.py (2026-11-22, 2-core Xeon, alternating rounds, medians, speed-up over diffusers),
+  width 64: at 128x128 the VAE decode went 0.82x -> 1.07x with convolutions alone moved and the CFG step
+  1.01x -> 1.14x; at 256x256, convolutions alone gave step 0.91x and 1-step generation 0.91x, with dots moved
+  too 0.93x and 0.97x (128x128 unchanged within the spread).
 
 The flag is experimental in XLA, and an XLA_FLAGS entry that a jaxlib does not know aborts the process, so it
 is added only for the jaxlib minor versions it was checked with. A flag the user already set wins.
@@ -19,7 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # jaxlib "major.minor" -> the flags known good there.
 _CHECKED = {
-    "0.10": ("--xla_cpu_experimental_ynn_fusion_type=-individual_convolution",),
+    "0.10": ("--xla_cpu_experimental_ynn_fusion_type=-individual_convolution,-individual_dot",),
 }
 
 

@@ -13,7 +13,7 @@ def test_defaults_are_added_beside_the_users_flags():
     flags = apply_cpu_defaults(env, jaxlib_version="0.10.2")
     assert (
         flags.startswith("--xla_force_host_platform_device_count=8 ")
-        and f"{YNN}=-individual_convolution" in flags
+        and f"{YNN}=-individual_convolution,-individual_dot" in flags
     )
     assert env["XLA_FLAGS"] == flags
     assert apply_cpu_defaults(env, jaxlib_version="0.10.2") == flags  # idempotent
