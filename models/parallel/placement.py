@@ -158,10 +158,6 @@ class Placement:
     def constrain_batch(self, x: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, self.batch_spec(x.shape[0], x.ndim))
 
-    def put_batch(self, x) -> jax.Array:
-        x = jax.numpy.asarray(x)
-        return jax.device_put(x, self.batch_spec(x.shape[0], x.ndim))
-
     def validate_heads(self, heads: set[int], strategy: str) -> None:
         """Every attention layer's head count against tensor (and the Ulysses degree), before compiling."""
         ulysses = self.sizes.context if strategy == "ulysses" and self.sizes.context > 1 else None
