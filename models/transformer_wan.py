@@ -1,0 +1,478 @@
+"""WanTransformer3DModel (the Wan 2.1 text-to-video denoiser) in Flax NNX, equal to diffusers' on the same weights.
+
+    rope = model.rope(latent_frames, latent_height, latent_width)       # host, float64 -> fp32 tables
+    model(hidden_states [B, F, H, W, in_channels], timestep [B], encoder_hidden_states [B, S_txt, text_dim],
+          rope) -> [B, F, H, W, out_channels] in the dtype of `hidden_states`
+
+Layout: channel-last video latents [B, F, H, W, C] in and out (diffusers' model takes and returns
+[B, C, F, H, W]; the pipeline transposes once at its ends, not every step). `timestep` is the scheduler's
+timestep as diffusers' pipeline passes it (UniPC's integer t in [0, 1000), or any float): no rounding to the
+model dtype happens on this path (the Wan pipeline passes `t` untouched, unlike Flux's `t.to(dtype)`).
+
+Structure (diffusers `models/transformers/transformer_wan.py`, attribute names kept so checkpoint keys map by
+models.loading's generic rules):
+- patch_embedding: Conv3d with kernel = stride = patch_size (1, 2, 2), computed as patchify + one matmul (the
+  same sums; its kernel is stored [pt, ph, pw, C, dim] like any of our convs). Tokens are row-major over the
+  (frame, row, column) patch grid, as diffusers' `flatten(2)`.
+- condition_embedder (diffusers' WanTimeTextImageEmbedding, text-to-video part): 256-channel sinusoids
+  (flip_sin_to_cos, shift 0) -> time_embedder MLP -> temb; time_proj(SiLU(temb)) -> [B, 6, dim] modulation;
+  text_embedder (linear_1, tanh-GELU, linear_2) on the UMT5 states.
+- `num_layers` blocks: self-attention on AdaLN-modulated LayerNorm(x) (shift, scale, gate), cross-attention
+  to the text on norm2(x) (affine LayerNorm, no modulation, no gate, no mask: diffusers passes none, so the
+  zero-padded text rows, which text_embedder maps to its bias path, are attended), tanh-GELU feed-forward on
+  modulated LayerNorm(x) (c_shift, c_scale, c_gate). Both attentions RMS-normalise q and k over ALL heads
+  (the [B, S, heads * head_dim] projection, before the head split); self-attention rotates q and k with the
+  3-axis RoPE.
+- Output head: (scale_shift_table + temb) chunks are (shift, scale) in that order, LayerNorm, proj_out,
+  unpatchify back to [B, F, H, W, out_channels].
+
+RoPE (diffusers' WanRotaryPosEmbed): head_dim split into t/h/w parts with h = w = 2 * (head_dim // 6) and t the
+rest (128 -> 44/42/42); per axis the table for positions 0..rope_max_seq_len-1 with theta 10000, frequencies
+and angles in numpy float64 (as diffusers' torch float64 buffers), cos/sin repeated in interleaved pairs and
+rounded to float32; a token (f, h, w) takes rows f, h, w of the three tables. Rotation of interleaved pairs in
+fp32, cast back to the activation dtype (diffusers writes the fp32 products into a tensor of q's dtype).
+
+Precision follows diffusers' bf16 load, which honours `_keep_in_fp32_modules` = (rope, time_embedder,
+scale_shift_table, norm1, norm2, norm3) (KEEP_IN_FP32 here): those weights are built and loaded in fp32 whatever
+`dtype` is, the rest in `dtype`. In a block the modulation `scale_shift_table + temb.float()` is fp32, the
+modulated norms are computed in fp32 and cast to `dtype` before the matmuls; the self-attention and FFN
+residual adds are fp32 (`x.float() + out * gate`) rounded back to `dtype`; the cross-attention residual is a
+plain add in `dtype`; norm2 is an fp32 LayerNorm with fp32 weights. The time embedder runs fp32 on the fp32
+sinusoids and its output is cast to `dtype` before SiLU and time_proj (diffusers' `.type_as(text states)`).
+The QK RMSNorms (not in the keep list, so their weights are `dtype`) compute in fp32 including the weight
+multiply, as torch's bf16 RMSNorm does (checked: bit-equal to an all-fp32 computation rounded once).
+Activations (SiLU, tanh-GELU) run in fp32 and round, as torch's bf16 kernels do internally.
+
+Parallelism:
+- Tensor (SHARDING_RULES): q/k/v column-split by heads, to_out row-split, FFN units split; the QK-RMSNorm
+  weights split with the features they scale. The norm spans every head, so it is written on the global
+  [B, S, inner] array and left to XLA's SPMD partitioner, which computes each device's sum of squares over
+  its own heads and all-reduces that [B, S, 1] partial sum over `tensor` (a psum of the squares; features
+  are never gathered). tests/models/test_transformer_wan.py checks the compiled norm keeps its output split
+  and contains the all-reduce, and that tensor=2 equals one device.
+- Context: self-attention goes through models.attention's `attention` (ring, Ulysses, all-gather, hybrid,
+  which pads and masks a token count that does not divide). Cross-attention uses the same entry, whose rule
+  for K/V shorter than `allgather_max_kv` (1024) and of another length than the queries (the 512 text
+  tokens) is to keep them whole on every device: local queries x replicated text, no collective. (Should a
+  video have exactly as many tokens as the text, the entry shards the text too: still exact, only slower.)
+
+Not covered: Wan's image-to-video extras (image_embedder, add_k_proj/add_v_proj, norm_added_k; config
+image_dim / added_kv_proj_dim / pos_embed_seq_len), which this text-to-video model rejects; Wan 2.2's
+per-token timesteps (timestep [B, S]); fused q/k/v projections (a runtime option in diffusers, checkpoints store
+them apart). diffusers builds the RMSNorm q/k norms whatever `qk_norm` says (0.42.1), and so does this model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshserve.models.attention import AttentionSettings, attention
+from meshserve.models.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
+from meshserve.models.loading import (
+    CheckpointError,
+    abstract_module,
+    load_weights,
+    read_component_weights,
+    read_json,
+)
+from meshserve.models.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
+
+# Parameter path regex (checkpoint names) -> logical axes, in NNX layout ([in, out] for a Linear, [pt, ph, pw,
+# in, out] for the patch embedding). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the
+# FSDP axes. Sizes quoted are Wan 2.1 1.3B's (dim 1536, 12 heads of 128, ffn 8960; 1.42 B parameters) and 14B's
+# (5120, 40 x 128, 13824).
+SHARDING_RULES: tuple = (
+    # Self- and cross-attention: q/k/v column-split by heads, the output row-split (one all-reduce each).
+    (r"attn[12]\.to_[qkv]\.weight$", ("embed", "heads")),
+    (r"attn[12]\.to_[qkv]\.bias$", ("heads",)),
+    (r"attn[12]\.to_out\.0\.weight$", ("heads", "embed")),
+    # The QK RMSNorm weights [heads * head_dim] scale the features q/k are split into (see the module
+    # docstring for the norm's all-reduce).
+    (r"attn[12]\.norm_[qk]\.weight$", ("heads",)),
+    # Feed-forward hidden units over tensor.
+    (r"ffn\.net\.0\.proj\.weight$", ("embed", "mlp")),
+    (r"ffn\.net\.0\.proj\.bias$", ("mlp",)),
+    (r"ffn\.net\.2\.weight$", ("mlp", "embed")),
+    # Embedders and the output head: stored split over FSDP only. time_proj [dim, 6 dim] is one per model
+    # (14 M parameters at 1.3B), so unlike Flux's per-block modulation Linears it is not worth a tensor split.
+    (r"^patch_embedding\.weight$", (None, None, None, None, "embed")),
+    (r"(linear_1|linear_2)\.weight$", (None, "embed")),
+    (r"^condition_embedder\.time_proj\.weight$", ("embed", None)),
+    (r"^proj_out\.weight$", ("embed", None)),
+)
+
+# diffusers' WanTransformer3DModel._keep_in_fp32_modules: a bf16 load keeps these modules' weights in fp32. Our
+# modules hold the same weights in fp32 (norm1, norm3 and rope have no weights: their math is fp32 anyway).
+KEEP_IN_FP32 = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+# diffusers' WanRotaryPosEmbed theta (fixed in WanTransformer3DModel.__init__, not a config field).
+ROPE_THETA = 10000.0
+
+# Config fields of Wan's image-to-video models: this text-to-video model has none of their modules.
+_IMAGE_TO_VIDEO_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+
+
+@dataclass(frozen=True)
+class WanTransformer3DConfig:
+    """diffusers' WanTransformer3DModel config (defaults: diffusers', i.e. the 14B model's sizes)."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 40
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int | None = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 13824
+    num_layers: int = 40
+    cross_attn_norm: bool = True
+    qk_norm: str | None = "rms_norm_across_heads"
+    eps: float = 1e-6
+    image_dim: int | None = None
+    added_kv_proj_dim: int | None = None
+    rope_max_seq_len: int = 1024
+    pos_embed_seq_len: int | None = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> WanTransformer3DConfig:
+        """From a diffusers config.json; `_`-prefixed metadata is ignored, any other unknown field raises, and
+        so does an image-to-video config."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in config if not k.startswith("_") and k not in names)
+        if unknown:
+            raise ValueError(f"WanTransformer3DModel config: unsupported fields {unknown}")
+        values = {k: v for k, v in config.items() if k in names}
+        if "patch_size" in values:
+            values["patch_size"] = tuple(values["patch_size"])
+        out = cls(**values)
+        i2v = [name for name in _IMAGE_TO_VIDEO_FIELDS if getattr(out, name) is not None]
+        if i2v:
+            raise ValueError(
+                f"WanTransformer3DModel config sets {i2v}: image-to-video models are not supported "
+                "(text-to-video only)"
+            )
+        if len(out.patch_size) != 3:
+            raise ValueError(f"patch_size must have 3 entries (t, h, w), got {out.patch_size}")
+        t, h, w = wan_rope_dims(out.attention_head_dim)
+        if min(t, h, w) <= 0 or t % 2:
+            raise ValueError(f"attention_head_dim {out.attention_head_dim} gives RoPE parts {(t, h, w)}")
+        return out
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def output_channels(self) -> int:
+        return self.out_channels or self.in_channels
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotary position embedding (host side)
+
+
+def wan_rope_dims(head_dim: int) -> tuple[int, int, int]:
+    """diffusers' split of a head into frame/row/column RoPE parts: h = w = 2 * (head_dim // 6), t the rest."""
+    h = w = 2 * (head_dim // 6)
+    return head_dim - h - w, h, w
+
+
+def wan_rope(
+    grid: tuple[int, int, int], head_dim: int, max_seq_len: int, theta: float = ROPE_THETA
+) -> tuple[np.ndarray, np.ndarray]:
+    """diffusers' WanRotaryPosEmbed for a (frames, rows, columns) patch grid -> (cos, sin), each
+    [frames * rows * columns, head_dim] float32, tokens row-major over the grid.
+
+    Per axis part of size d: frequencies theta^(-2j/d) and angles pos * freq for pos in 0..max_seq_len-1 in
+    float64, cos/sin repeated in interleaved pairs (each frequency rotates the pair (2j, 2j+1)), rounded to
+    float32 (diffusers' `.float()`); token (f, h, w) concatenates row f, h and w of the three parts.
+    """
+    if any(n > max_seq_len for n in grid):
+        raise ValueError(f"patch grid {tuple(grid)} exceeds rope_max_seq_len {max_seq_len}")
+    cos_parts, sin_parts = [], []
+    positions = np.arange(max_seq_len, dtype=np.float64)
+    for axis, (n, dim) in enumerate(zip(grid, wan_rope_dims(head_dim), strict=True)):
+        freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))  # [d/2]
+        angles = np.outer(positions, freqs)[:n]  # [n, d/2]
+        shape = [1, 1, 1, dim]
+        shape[axis] = n
+        for parts, fn in ((cos_parts, np.cos), (sin_parts, np.sin)):
+            table = np.repeat(fn(angles), 2, axis=1).astype(np.float32).reshape(shape)
+            parts.append(np.broadcast_to(table, (*grid, dim)))
+    tokens = math.prod(grid)
+    return (
+        np.concatenate(cos_parts, axis=-1).reshape(tokens, head_dim),
+        np.concatenate(sin_parts, axis=-1).reshape(tokens, head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Small layers
+
+
+def _silu(x):
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _gelu_tanh(x):
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+class PatchEmbed3D(nnx.Module):
+    """diffusers' `nn.Conv3d(in, dim, kernel_size=patch, stride=patch)` on channel-last video.
+
+    With kernel = stride the convolution is one matmul per non-overlapping patch: the video is cut into
+    [B, tokens, pt * ph * pw * C] patches (tokens row-major over the patch grid) and multiplied by the kernel
+    [pt, ph, pw, C, dim] flattened the same way.
+    """
+
+    def __init__(
+        self, in_channels: int, dim: int, patch_size: tuple[int, int, int], *, dtype, rngs: nnx.Rngs
+    ):
+        self.patch_size = tuple(patch_size)
+        shape = (*self.patch_size, in_channels, dim)
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), shape, dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+
+    def __call__(self, x):  # [B, F, H, W, C] -> [B, F/pt * H/ph * W/pw, dim]
+        b, f, h, w, c = x.shape
+        pt, ph, pw = self.patch_size
+        x = x.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c)
+        x = x.transpose(0, 1, 3, 5, 2, 4, 6, 7).reshape(b, -1, pt * ph * pw * c)
+        kernel = self.kernel[...]
+        return x @ kernel.reshape(-1, kernel.shape[-1]) + self.bias[...]
+
+
+class TextProjection(nnx.Module):
+    """diffusers' PixArtAlphaTextProjection(act_fn="gelu_tanh"): linear_1 -> tanh-GELU -> linear_2."""
+
+    def __init__(self, in_features: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_1 = linear(in_features, hidden_size, dtype=dtype, rngs=rngs)
+        self.linear_2 = linear(hidden_size, hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_2(_gelu_tanh(self.linear_1(x)))
+
+
+class WanTimeTextEmbedding(nnx.Module):
+    """diffusers' WanTimeTextImageEmbedding without its image embedder (text-to-video).
+
+    timestep [B] -> sinusoids [B, freq_dim] fp32 -> time_embedder (fp32 weights: KEEP_IN_FP32) -> temb, cast to
+    `dtype`; time_proj(SiLU(temb)) -> the blocks' modulation [B, 6 dim]; text_embedder(text states).
+    """
+
+    def __init__(self, dim: int, freq_dim: int, text_dim: int, *, dtype, rngs: nnx.Rngs):
+        self.freq_dim, self.dtype = freq_dim, dtype
+        self.time_embedder = TimestepEmbedding(freq_dim, dim, dtype=jnp.float32, rngs=rngs)
+        self.time_proj = linear(dim, 6 * dim, dtype=dtype, rngs=rngs)
+        self.text_embedder = TextProjection(text_dim, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, timestep, encoder_hidden_states):
+        """-> (temb [B, dim], timestep_proj [B, 6 dim], text [B, S_txt, dim]), all in `dtype`."""
+        sinusoids = timestep_embedding(
+            jnp.asarray(timestep), self.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0
+        )
+        temb = self.time_embedder(sinusoids).astype(self.dtype)
+        return temb, self.time_proj(_silu(temb)), self.text_embedder(encoder_hidden_states)
+
+
+class WanFeedForward(nnx.Module):
+    """diffusers' FeedForward(dim, inner_dim=ffn_dim, activation_fn="gelu-approximate"): net.0.proj, net.2."""
+
+    def __init__(self, dim: int, ffn_dim: int, *, dtype, rngs: nnx.Rngs):
+        # Dropout (rate 0: the identity) keeps index 1 so the output Linear keeps its key `net.2`.
+        self.net = nnx.List(
+            [
+                GELU(dim, ffn_dim, dtype=dtype, rngs=rngs),
+                nnx.Dropout(0.0),
+                linear(ffn_dim, dim, dtype=dtype, rngs=rngs),
+            ]
+        )
+
+    def __call__(self, x):
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention and blocks
+
+
+class WanAttention(nnx.Module):
+    """diffusers' WanAttention with WanAttnProcessor (text-to-video: no added image K/V).
+
+    q from x, k/v from `context` (cross-attention) or x (self-attention); q and k RMS-normalised over all heads
+    ([B, S, heads * head_dim], before the head split); RoPE on q and k when tables are given (self-attention);
+    attention with the default 1/sqrt(head_dim) scale and no mask; to_out.0.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, *, settings, dtype, rngs: nnx.Rngs):
+        inner = heads * head_dim
+        self.heads, self.head_dim, self.settings = heads, head_dim, settings
+        self.to_q = linear(dim, inner, dtype=dtype, rngs=rngs)
+        self.to_k = linear(dim, inner, dtype=dtype, rngs=rngs)
+        self.to_v = linear(dim, inner, dtype=dtype, rngs=rngs)
+        self.to_out = nnx.List([linear(inner, dim, dtype=dtype, rngs=rngs)])
+        self.norm_q = RMSNorm(inner, eps, dtype=dtype)
+        self.norm_k = RMSNorm(inner, eps, dtype=dtype)
+
+    def _heads(self, x):  # [B, S, H * D] -> [B, S, H, D]
+        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
+
+    def __call__(self, x, context=None, rope=None):
+        """x [B, S, dim]; context [B, S_txt, dim] or None (self-attention); rope (cos, sin) [S, head_dim]."""
+        source = x if context is None else context
+        q = self._heads(self.norm_q(self.to_q(x)))
+        k = self._heads(self.norm_k(self.to_k(source)))
+        v = self._heads(self.to_v(source))
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, settings=self.settings).astype(x.dtype)
+        return self.to_out[0](out.reshape(*out.shape[:2], -1))
+
+
+class WanTransformerBlock(nnx.Module):
+    """diffusers' WanTransformerBlock (module docstring: precision of each step)."""
+
+    def __init__(self, config: WanTransformer3DConfig, *, settings, dtype, rngs: nnx.Rngs):
+        c = config
+        dim, heads, head_dim = c.inner_dim, c.num_attention_heads, c.attention_head_dim
+        self.eps = c.eps
+        kw = dict(settings=settings, dtype=dtype, rngs=rngs)
+        self.attn1 = WanAttention(dim, heads, head_dim, c.eps, **kw)
+        self.attn2 = WanAttention(dim, heads, head_dim, c.eps, **kw)
+        # norm2 is in KEEP_IN_FP32: an affine fp32 LayerNorm with fp32 weights; diffusers' Identity without
+        # cross_attn_norm. norm1 and norm3 have no weights (functional layer_norm below).
+        self.norm2 = LayerNorm(dim, c.eps, dtype=jnp.float32, rngs=rngs) if c.cross_attn_norm else None
+        self.ffn = WanFeedForward(dim, c.ffn_dim, dtype=dtype, rngs=rngs)
+        self.scale_shift_table = nnx.Param(
+            jax.random.normal(rngs.params(), (1, 6, dim), jnp.float32) / dim**0.5
+        )
+
+    def __call__(self, x, context, timestep_proj, rope):
+        """x [B, S, dim], context [B, S_txt, dim], timestep_proj [B, 6, dim] -> [B, S, dim] (x's dtype)."""
+        dtype = x.dtype
+        modulation = self.scale_shift_table[...] + timestep_proj.astype(jnp.float32)  # [B, 6, dim] fp32
+        shift, scale, gate, c_shift, c_scale, c_gate = jnp.split(modulation, 6, axis=1)
+
+        h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + scale) + shift).astype(dtype)
+        x = (x.astype(jnp.float32) + self.attn1(h, rope=rope).astype(jnp.float32) * gate).astype(dtype)
+
+        h = x if self.norm2 is None else self.norm2(x.astype(jnp.float32)).astype(dtype)
+        x = x + self.attn2(h, context)
+
+        h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + c_scale) + c_shift).astype(dtype)
+        return (x.astype(jnp.float32) + self.ffn(h).astype(jnp.float32) * c_gate).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+
+
+class WanTransformer3DModel(nnx.Module):
+    def __init__(
+        self,
+        config: WanTransformer3DConfig,
+        *,
+        settings: AttentionSettings | None = None,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        c, settings = config, settings or AttentionSettings()
+        self.config, self.dtype = c, jnp.dtype(dtype)
+        dim = c.inner_dim
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.patch_embedding = PatchEmbed3D(c.in_channels, dim, c.patch_size, **kw)
+        self.condition_embedder = WanTimeTextEmbedding(dim, c.freq_dim, c.text_dim, **kw)
+        self.blocks = nnx.List([WanTransformerBlock(c, settings=settings, **kw) for _ in range(c.num_layers)])
+        self.proj_out = linear(dim, c.output_channels * math.prod(c.patch_size), **kw)
+        self.scale_shift_table = nnx.Param(
+            jax.random.normal(rngs.params(), (1, 2, dim), jnp.float32) / dim**0.5
+        )
+
+    def patch_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The (frames, rows, columns) token grid of a [*, frames, height, width, *] latent video."""
+        patch = self.config.patch_size
+        if frames % patch[0] or height % patch[1] or width % patch[2]:
+            raise ValueError(
+                f"latent video {frames} x {height} x {width} does not divide into patches {patch}"
+            )
+        return frames // patch[0], height // patch[1], width // patch[2]
+
+    def rope(self, frames: int, height: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (cos, sin) tables [tokens, head_dim] for a latent video of this size (host side: `wan_rope`)."""
+        return wan_rope(
+            self.patch_grid(frames, height, width),
+            self.config.attention_head_dim,
+            self.config.rope_max_seq_len,
+        )
+
+    def __call__(self, hidden_states, timestep, encoder_hidden_states, rope):
+        """hidden_states [B, F, H, W, in_channels], timestep [B], encoder_hidden_states [B, S_txt, text_dim],
+        rope (cos, sin) [tokens, head_dim] fp32 (`rope(F, H, W)`) -> [B, F, H, W, out_channels] in
+        hidden_states' dtype."""
+        c, dtype = self.config, self.dtype
+        b, frames, height, width, channels = hidden_states.shape
+        if channels != c.in_channels:
+            raise ValueError(f"hidden_states has {channels} channels, the model takes {c.in_channels}")
+        grid = self.patch_grid(frames, height, width)
+        rope = tuple(jnp.asarray(t, jnp.float32) for t in rope)
+        if rope[0].shape != (math.prod(grid), c.attention_head_dim):
+            raise ValueError(f"rope tables {rope[0].shape} do not fit the {grid} patch grid")
+
+        x = self.patch_embedding(hidden_states.astype(dtype))
+        temb, timestep_proj, context = self.condition_embedder(timestep, encoder_hidden_states.astype(dtype))
+        timestep_proj = timestep_proj.reshape(b, 6, -1)
+        for block in self.blocks:
+            x = block(x, context, timestep_proj, rope)
+
+        # Output head: the chunks are (shift, scale), fp32 (the fp32 table promotes temb).
+        shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None].astype(jnp.float32), 2, axis=1)
+        x = (layer_norm(x.astype(jnp.float32), c.eps) * (1 + scale) + shift).astype(dtype)
+        x = self.proj_out(x)  # [B, tokens, pt * ph * pw * out]
+
+        pt, ph, pw = c.patch_size
+        x = x.reshape(b, *grid, pt, ph, pw, c.output_channels)
+        x = x.transpose(0, 1, 4, 2, 5, 3, 6, 7).reshape(b, frames, height, width, c.output_channels)
+        return x.astype(hidden_states.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _rename(key: str) -> str | None:
+    # diffusers' _keys_to_ignore_on_load_unexpected: some exported checkpoints carry unused norm_added_q weights.
+    return None if "norm_added_q" in key else key
+
+
+def load_wan_transformer(
+    folder: Path, dtype=jnp.float32, settings: AttentionSettings | None = None, place=None
+) -> WanTransformer3DModel:
+    """A WanTransformer3DModel from a diffusers `transformer/` folder (config.json + safetensors, single or
+    sharded). Weights are cast to `dtype`, except KEEP_IN_FP32's, which stay fp32 as in diffusers' bf16 load.
+    Raises CheckpointMismatchError naming every missing, unexpected or misshapen key."""
+    folder = Path(folder)
+    raw = read_json(folder / "config.json")
+    class_name = raw.get("_class_name", "WanTransformer3DModel")
+    if class_name != "WanTransformer3DModel":
+        raise CheckpointError(f"{folder}: _class_name {class_name!r} is not WanTransformer3DModel")
+    config = WanTransformer3DConfig.from_config(raw)
+    dtype = jnp.dtype(dtype)
+    model = abstract_module(
+        lambda rngs: WanTransformer3DModel(config, settings=settings, dtype=dtype, rngs=rngs)
+    )
+    # No `dtype` to load_weights: every parameter is cast to the dtype it was built with (fp32 for the keep
+    # list, `dtype` otherwise).
+    load_weights(model, read_component_weights(folder), where=str(folder), rename=_rename, place=place)
+    return model
