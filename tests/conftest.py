@@ -37,3 +37,19 @@ def tiny_sdxl_path(tmp_path_factory) -> Path:
     from tests.fixtures.tiny_sdxl import build_tiny_sdxl
 
     return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dev_path(tmp_path_factory) -> Path:
+    """A tiny random Flux.1-dev-type diffusers folder (guidance embedding) written by diffusers' save_pretrained."""
+    from tests.fixtures.tiny_flux import build_tiny_flux
+
+    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux_dev"), guidance_embeds=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_schnell_path(tmp_path_factory) -> Path:
+    """A tiny random Flux.1-schnell-type diffusers folder (no guidance embedding, static shift)."""
+    from tests.fixtures.tiny_flux import build_tiny_flux
+
+    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux_schnell"), guidance_embeds=False)

@@ -17,6 +17,7 @@ from meshserve.models.pipelines.common import GenerationCancelled, PipelineError
 # diffusers pipeline class -> (family, module, class)
 _FAMILIES = {
     "StableDiffusionXLPipeline": ("sdxl", "meshserve.models.pipelines.sdxl", "StableDiffusionXLPipeline"),
+    "FluxPipeline": ("flux", "meshserve.models.pipelines.flux", "FluxPipeline"),
 }
 _DTYPES = {
     "float32": jnp.float32,
@@ -27,6 +28,24 @@ _DTYPES = {
     "fp16": jnp.float16,
 }
 EMBEDDED = "embedded:tiny-sdxl"
+# The embedded tiny models (made deterministically on first use, no download), by the model id each serves
+# as: `load_pipeline` takes the id itself or "embedded:<id>" (a folder of that name wins over the bare id).
+EMBEDDED_MODELS = {
+    "tiny-sdxl": ("meshserve.models.embedded", "embedded_model_path"),
+    "tiny-flux": ("meshserve.models.embedded_flux", "embedded_flux_path"),
+}
+
+
+def embedded_model_id(path: str | Path | None) -> str | None:
+    """The embedded model `path` names (None is the default tiny SDXL), or None when it names a folder."""
+    if path is None:
+        return "tiny-sdxl"
+    name = str(path)
+    if name.startswith("embedded:") and name.removeprefix("embedded:") in EMBEDDED_MODELS:
+        return name.removeprefix("embedded:")
+    if name in EMBEDDED_MODELS and not Path(name).expanduser().exists():
+        return name
+    return None
 
 
 class ModelFolderError(PipelineError):
@@ -57,7 +76,8 @@ def load_pipeline(
     weights: dict | None = None,
     max_programs: int | None = None,
 ):
-    """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model.
+    """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model,
+    "tiny-flux" (or "embedded:tiny-flux") the embedded tiny Flux.
 
     `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice;
     `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;
@@ -70,11 +90,10 @@ def load_pipeline(
         from meshserve.models.attention import AttentionSettings
 
         attention = AttentionSettings(**attention)
-    model_id = None
-    if path is None or str(path) == EMBEDDED:
-        from meshserve.models.embedded import embedded_model_path
-
-        path, model_id = embedded_model_path(), "tiny-sdxl"
+    model_id = embedded_model_id(path)
+    if model_id is not None:
+        module_name, func_name = EMBEDDED_MODELS[model_id]
+        path = getattr(importlib.import_module(module_name), func_name)()
     path = Path(path).expanduser()
     detect_family(path)
     class_name = read_json(path / "model_index.json")["_class_name"]
@@ -106,4 +125,6 @@ __all__ = [
     "PipelineOutput",
     "DiffusionPipeline",
     "EMBEDDED",
+    "EMBEDDED_MODELS",
+    "embedded_model_id",
 ]
