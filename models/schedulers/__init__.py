@@ -28,6 +28,7 @@ from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
+from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
 # The names the API offers, each with its class and the settings the name implies (over the model's config).
 _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
@@ -37,10 +38,12 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
+    # Wan 2.1's scheduler; only its flow-matching form is implemented, so the name implies it.
+    "unipc": (UniPCMultistepScheduler, {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
 }
 # Flow-matching models (Flux, Wan) predict a velocity, the others noise: the two are never interchangeable, so
 # SCHEDULER_NAMES (what SDXL-type families offer) leaves the flow schedulers out; flow families offer these.
-FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler",)
+FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler", "unipc")
 SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n in _BY_NAME if n not in FLOW_SCHEDULER_NAMES)
 # diffusers class names are accepted too; they take every setting from the config.
 _BY_CLASS: dict[str, type[NoiseScheduler]] = {
@@ -51,6 +54,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         DDIMScheduler,
         DPMSolverMultistepScheduler,
         FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
     )
 }
 
@@ -86,5 +90,6 @@ __all__ = [
     "DDIMScheduler",
     "DPMSolverMultistepScheduler",
     "FlowMatchEulerDiscreteScheduler",
+    "UniPCMultistepScheduler",
     "flux_mu",
 ]
