@@ -53,3 +53,11 @@ def tiny_flux_schnell_path(tmp_path_factory) -> Path:
     from tests.fixtures.tiny_flux import build_tiny_flux
 
     return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux_schnell"), guidance_embeds=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_path(tmp_path_factory) -> Path:
+    """A tiny random Wan 2.1 diffusers folder (UMT5, transformer, VAE, UniPC) written by diffusers' save_pretrained."""
+    from tests.fixtures.tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan"))
