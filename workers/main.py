@@ -5,6 +5,11 @@
 On SIGTERM every pool stops claiming, finishes or releases its batch (within the config's `drain_seconds`),
 gives back claimed leftovers and leaves the registry; a second signal only repeats the request (the process
 manager's SIGKILL is the hard stop, and the leases make that safe too).
+
+A multi-host worker (`--coordinator/--num-processes/--process-id`, the MESHSERVE_* equivalents, a
+LeaderWorkerSet or a Cloud TPU slice: workers/multihost.py) joins its process group first; its config has one
+pool on `devices: all`. Process 0 runs the pool as here; the others load the same models and follow it. A
+member that stops because of the group exits with EXIT_GROUP_FAILED (3) or EXIT_LEADER_SILENT (4).
 """
 
 from __future__ import annotations
@@ -20,7 +25,18 @@ from meshserve.service.settings import Settings, get_settings
 from meshserve.service.store import Store
 from meshserve.workers import metrics
 from meshserve.workers.config import WorkerConfig, load_config
-from meshserve.workers.pool import Pool
+from meshserve.workers.multihost import (
+    EXIT_GROUP_FAILED,
+    Group,
+    GroupFailed,
+    GroupSpec,
+    GroupTiming,
+    check_same_pool,
+    follow,
+    group_from_environment,
+    initialize_group,
+)
+from meshserve.workers.pool import Pool, load_runners
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +44,11 @@ log = logging.getLogger(__name__)
 class Worker:
     """The pools of one config, sharing one Store (one Redis connection pool) and one event loop."""
 
-    def __init__(self, config: WorkerConfig, settings: Settings | None = None):
+    def __init__(self, config: WorkerConfig, settings: Settings | None = None, group: Group | None = None):
         settings = settings or get_settings()
         if config.redis_url:
             settings = settings.model_copy(update={"redis_url": config.redis_url})
-        self.config, self.settings = config, settings
+        self.config, self.settings, self.group = config, settings, group  # group: this process leads it
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
         self._stop = asyncio.Event()
         self.pools: list[Pool] = []
@@ -55,7 +71,10 @@ class Worker:
         # The config's folder, else meshserve's default cache: a restarted worker reads its programs back.
         enable_compilation_cache(self.config.compilation_cache_dir)
         store = Store(self.settings)
-        self.pools = [Pool(p, self.config.models, store, self.settings, self.name) for p in self.config.pools]
+        self.pools = [
+            Pool(p, self.config.models, store, self.settings, self.name, group=self.group)
+            for p in self.config.pools
+        ]
         tasks: list[asyncio.Task] = []
         try:
             # Pools load and compile concurrently, each on its own thread.
@@ -118,15 +137,78 @@ def install_signal_handlers(loop: asyncio.AbstractEventLoop, stop) -> None:
         loop.add_signal_handler(sig, stop)
 
 
-def run_worker(config_path: str) -> None:
-    """Run the pools of `config_path` until SIGTERM/SIGINT (the `meshserve worker` command)."""
+def run_worker(
+    config_path: str,
+    *,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """Run the pools of `config_path` until SIGTERM/SIGINT (the `meshserve worker` command). With a process
+    group (the arguments, else the environment: multihost.group_from_environment) this process joins it first."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(config_path)
-    asyncio.run(_main(config))
+    spec = group_from_environment(coordinator, num_processes, process_id)
+    if spec is None:
+        asyncio.run(_main(config))
+        return
+    timing = GroupTiming.from_environment()
+    check_group_config(config, spec)
+    _ensure_host_devices(config.pools[0].mesh.size // spec.num_processes if spec.num_processes else 1)
+    if config.pools[0].weights.shard_over:
+        _prefer_memory_minimizing_cpu_scheduler()
+    initialize_group(spec, heartbeat_timeout_s=timing.heartbeat_s)
+    import jax
+
+    group = Group(leader=jax.process_index() == 0, timing=timing)
+    try:
+        pool = config.pools[0]
+        check_same_pool(
+            {"pool": pool.model_dump(), "models": {m: config.models[m].model_dump() for m in pool.models}}
+        )
+        if group.leader:
+            asyncio.run(_main(config, group))
+        else:
+            _follow(config, group)
+    except Exception as e:
+        # Past JAX's exit handler: its shutdown barrier would wait (shutdown_timeout) for a member that is gone.
+        code = EXIT_GROUP_FAILED if isinstance(e, GroupFailed) else 1
+        log.error("worker: process %d of the group ends: %r; exiting with %d", jax.process_index(), e, code)
+        logging.shutdown()
+        os._exit(code)
 
 
-async def _main(config: WorkerConfig) -> None:
-    worker = Worker(config)
+def check_group_config(config: WorkerConfig, spec: GroupSpec) -> None:
+    """A process group serves one pool over all its devices: the followers mirror that pool's programs."""
+    if len(config.pools) != 1 or config.pools[0].devices != "all":
+        raise ValueError(
+            f"a multi-host worker ({spec.source}: {spec.num_processes or 'auto'} processes) needs exactly one pool "
+            f"with `devices: all`; the config has {[(p.name, p.devices) for p in config.pools]}"
+        )
+    size = config.pools[0].mesh.size
+    if spec.num_processes and size % spec.num_processes:
+        raise ValueError(
+            f"pool {config.pools[0].name!r}: mesh {config.pools[0].mesh.as_dict()} ({size} devices) does not "
+            f"split over {spec.num_processes} processes"
+        )
+
+
+def _follow(config: WorkerConfig, group: Group) -> None:
+    """A follower: load and warm up the pool's models exactly as the leader does, then run what it sends."""
+    from meshserve.models.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache(config.compilation_cache_dir)
+    (pool,) = config.pools
+    try:
+        runners, _ = load_runners(pool, {m: config.models[m] for m in pool.models})
+    except Exception as e:  # the leader's load runs the same programs: its collectives fail, not hang
+        raise GroupFailed(f"follower could not load pool {pool.name!r}: {e!r}") from e
+    log.info("follower of pool %s: ready, waiting for the leader's batches", pool.name)
+    follow(group, runners)
+
+
+async def _main(config: WorkerConfig, group: Group | None = None) -> None:
+    worker = Worker(config, group=group)
     install_signal_handlers(asyncio.get_running_loop(), worker.stop)
     metrics.set_build_info()
     if config.metrics_port is not None:

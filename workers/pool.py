@@ -4,8 +4,13 @@ job loop. Several pools in one process each have their own thread (model calls) 
 
 Life: `start` loads and warms up every model on the pool thread, then registers the pool as ready in the
 registry (`/v1/models` and `/readyz` read it), each model's limits listing the pool's buckets as the only sizes
-it serves (`served_info`), so the API admits no size that would compile on the request path; `run` is the job loop plus a registry heartbeat; `request_stop`
-starts draining; `close` unregisters and frees the devices.
+it serves (`served_info`), so the API admits no size that would compile on the request path, and starts its
+registry heartbeat; `run` is the job loop; `request_stop` starts draining; `close` stops the heartbeat,
+unregisters and frees the devices.
+
+A multi-host pool (`devices: all` over a process group, workers/multihost.py) is a Pool in its leader process
+with `group` set: its runners send each batch to the followers first, and `run` pings them between batches.
+The followers run `load_runners` and `multihost.follow`, no Pool.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from meshserve.service.store import Store
 from meshserve.workers import metrics
 from meshserve.workers.config import ModelSpec, PoolConfig
 from meshserve.workers.job_loop import JobLoop
+from meshserve.workers.multihost import Group, GroupFailed, LeaderRunner
 from meshserve.workers.runner import Runner, make_runner
 from meshserve.workers.threads import PoolThread
 
@@ -54,10 +60,19 @@ def served_info(info: ModelInfo, cfg: PoolConfig) -> ModelInfo:
 
 
 def pool_devices(cfg: PoolConfig) -> list:
-    """The pool's jax devices, checked against what this process has."""
+    """The pool's jax devices, checked against what this process has (`devices: all`: every device of the
+    process group, which is this process's alone without jax.distributed)."""
     import jax
 
     available = jax.devices()
+    if cfg.devices == "all":
+        if len(available) != cfg.mesh.size:
+            raise ValueError(
+                f"pool {cfg.name!r}: devices: all gives {len(available)} devices "
+                f"({jax.process_count()} processes x {jax.local_device_count()}), but the mesh "
+                f"{cfg.mesh.as_dict()} needs {cfg.mesh.size}"
+            )
+        return list(available)
     missing = [i for i in cfg.device_ids if i >= len(available)]
     if missing:
         raise ValueError(
@@ -65,6 +80,67 @@ def pool_devices(cfg: PoolConfig) -> list:
             f"({available[0].platform}). On CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N."
         )
     return [available[i] for i in cfg.device_ids]
+
+
+def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
+    """The model's runner options, plus the pool's attention settings for pipeline runners and, for an
+    any_size pool, `max_programs` (load_pipeline's bound on the compiled programs it keeps); `weights`
+    (shard_over) when the pool stores its weights split."""
+    options = dict(spec.options)
+    attention = cfg.attention.model_dump(exclude_none=True)
+    if spec.runner == "pipeline" and attention:
+        options["attention"] = attention
+    if spec.runner == "pipeline" and cfg.weights.shard_over:
+        options["weights"] = cfg.weights.model_dump()
+    if cfg.any_size:
+        options["max_programs"] = cfg.max_programs
+    return options
+
+
+def load_runners(
+    cfg: PoolConfig, specs: dict[str, ModelSpec]
+) -> tuple[dict[str, Runner], dict[str, ModelInfo]]:
+    """Load and warm up every model of the pool, in the config's order: (runners, models as served here).
+
+    Every process of a multi-host pool calls this with the same config, so all of them load the same weights
+    and compile and run the same warm-up programs in the same order (each is one program over the group)."""
+    # A single-device pool on device 0 with no mesh runs unplaced: the pipeline's plain single-device path.
+    trivial = cfg.device_ids == [0] and cfg.mesh.size == 1
+    needs_devices = any(spec.runner == "pipeline" for spec in specs.values()) and not trivial
+    devices = pool_devices(cfg) if needs_devices else None
+    mesh = None if trivial else cfg.mesh.as_dict()
+    runners, models = {}, {}
+    for name, spec in specs.items():
+        runner = make_runner(
+            name,
+            spec.runner,
+            path=spec.path,
+            dtype=spec.dtype,
+            mesh=mesh,
+            devices=devices,
+            options=runner_options(cfg, spec),
+        )
+        runner.load()
+        info = served_info(runner.info(), cfg)
+        # Warm up exactly the sizes published as served (any_size: the configured buckets, if any).
+        buckets = info.limits.buckets or list(cfg.buckets)
+        before, t0 = runner.compilations, time.perf_counter()
+        seconds = runner.warm_up(buckets, cfg.warm_up_batch_sizes, cfg.warm_up_steps)
+        compiled = runner.compilations - before
+        if compiled:
+            metrics.COMPILATIONS.labels(cfg.name, "warmup").inc(compiled)
+            metrics.COMPILE_SECONDS.labels(name, cfg.name).observe(seconds)
+        log.info(
+            "pool %s: %s loaded; warm-up compiled %d programs for sizes %s, batch sizes %s in %.1f s",
+            cfg.name,
+            name,
+            compiled,
+            ", ".join(f"{w}x{h}" for w, h in buckets) or "(the runner's default)",
+            list(cfg.warm_up_batch_sizes),
+            time.perf_counter() - t0,
+        )
+        runners[name], models[name] = runner, info
+    return runners, models
 
 
 class Pool:
@@ -75,7 +151,10 @@ class Pool:
         store: Store,
         settings: Settings,
         worker_name: str,
+        group: Group | None = None,
     ):
+        # A multi-host pool's channel to its followers (this process leads); None: a one-process pool.
+        self.group = group
         self.cfg, self.specs, self.store, self.settings = (
             cfg,
             {m: models[m] for m in cfg.models},
@@ -91,12 +170,15 @@ class Pool:
         self.models: dict[str, ModelInfo] = {}  # as served here (served_info), filled by _load_all
         self.info: PoolInfo | None = None
         self.loop: JobLoop | None = None
+        self._beat: asyncio.Task | None = None
 
     # -- start -----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load and warm up every model (on the pool thread), then register as ready."""
         await self.thread.submit(self._load_all)
+        if self.group is not None:  # each batch goes to the followers first
+            self.runners = {name: LeaderRunner(r, self.group) for name, r in self.runners.items()}
         self.info = PoolInfo(
             name=self.consumer,
             models=list(self.models.values()),
@@ -108,6 +190,10 @@ class Pool:
             pid=os.getpid(),
         )
         await self.store.register_pool(self.info)
+        # The heartbeat starts with the registration, not with `run`: the worker runs its pools only once all
+        # are ready, and a pool that warmed up pool_stale_s before the slowest one would otherwise drop out of
+        # /v1/models meanwhile (seen with a Flux pool beside an SDXL pool on the loaded 2-core machine).
+        self._beat = asyncio.create_task(self._registry_heartbeat(), name=f"{self.name}-registry")
         metrics.POOL_READY.labels(self.name).set(1)
         metrics.POOL_BUSY.labels(self.name).set(0)
         self.loop = JobLoop(
@@ -128,68 +214,42 @@ class Pool:
             self.cfg.mesh.as_dict(),
         )
 
-    def _options(self, spec) -> dict:
-        """The model's runner options, plus the pool's attention settings for pipeline runners and, for an
-        any_size pool, `max_programs` (load_pipeline's bound on the compiled programs it keeps); `weights`
-        (shard_over) when the pool stores its weights split."""
-        options = dict(spec.options)
-        attention = self.cfg.attention.model_dump(exclude_none=True)
-        if spec.runner == "pipeline" and attention:
-            options["attention"] = attention
-        if spec.runner == "pipeline" and self.cfg.weights.shard_over:
-            options["weights"] = self.cfg.weights.model_dump()
-        if self.cfg.any_size:
-            options["max_programs"] = self.cfg.max_programs
-        return options
-
     def _load_all(self) -> None:
-        # A single-device pool on device 0 with no mesh runs unplaced: the pipeline's plain single-device path.
-        trivial = self.cfg.device_ids == [0] and self.cfg.mesh.size == 1
-        needs_devices = any(spec.runner == "pipeline" for spec in self.specs.values()) and not trivial
-        devices = pool_devices(self.cfg) if needs_devices else None
-        mesh = None if trivial else self.cfg.mesh.as_dict()
-        for name, spec in self.specs.items():
-            runner = make_runner(
-                name,
-                spec.runner,
-                path=spec.path,
-                dtype=spec.dtype,
-                mesh=mesh,
-                devices=devices,
-                options=self._options(spec),
-            )
-            runner.load()
-            info = served_info(runner.info(), self.cfg)
-            # Warm up exactly the sizes published as served (any_size: the configured buckets, if any).
-            buckets = info.limits.buckets or list(self.cfg.buckets)
-            before, t0 = runner.compilations, time.perf_counter()
-            seconds = runner.warm_up(buckets, self.cfg.warm_up_batch_sizes, self.cfg.warm_up_steps)
-            compiled = runner.compilations - before
-            if compiled:
-                metrics.COMPILATIONS.labels(self.name, "warmup").inc(compiled)
-                metrics.COMPILE_SECONDS.labels(name, self.name).observe(seconds)
-            log.info(
-                "pool %s: %s loaded; warm-up compiled %d programs for sizes %s, batch sizes %s in %.1f s",
-                self.name,
-                name,
-                compiled,
-                ", ".join(f"{w}x{h}" for w, h in buckets) or "(the runner's default)",
-                list(self.cfg.warm_up_batch_sizes),
-                time.perf_counter() - t0,
-            )
-            self.runners[name] = runner
-            self.models[name] = info
+        self.runners, self.models = load_runners(self.cfg, self.specs)
 
     # -- run -------------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """The job loop until `request_stop`, with the registry heartbeat beside it."""
+        """The job loop until `request_stop` (the registry heartbeat runs from `start` to `close`)."""
         assert self.loop is not None, "start() first"
-        beat = asyncio.create_task(self._registry_heartbeat(), name=f"{self.name}-registry")
+        ping = asyncio.create_task(self._ping_followers(), name=f"{self.name}-group") if self.group else None
+        loop = None
         try:
-            await self.loop.run()
+            if ping is None:
+                await self.loop.run()
+                return
+            loop = asyncio.create_task(self.loop.run(), name=f"{self.name}-jobs")
+            await asyncio.wait([loop, ping], return_when=asyncio.FIRST_COMPLETED)
+            if not loop.done():  # the group failed while idle: take no more jobs, give back the claimed ones
+                self.loop.request_stop(0.0)
+            await loop
+            if self.group.failed is not None:
+                raise GroupFailed(f"pool {self.name}: its process group failed: {self.group.failed}")
         finally:
-            beat.cancel()
+            for task in (ping, loop):
+                if task is not None:
+                    task.cancel()
+
+    async def _ping_followers(self) -> None:
+        """Between batches, tell the followers every `timing.ping_s` that the leader is alive (their watchdog
+        exits when it hears nothing); a failed ping is a failed group. On the pool thread, so a ping never
+        runs beside a batch's collectives."""
+        while True:
+            await asyncio.sleep(self.group.timing.ping_s)
+            try:
+                await self.thread.submit(self.group.ping)
+            except GroupFailed:
+                return
 
     async def _registry_heartbeat(self) -> None:
         interval = min(self.settings.pool_stale_s / 3, 5.0)
@@ -212,10 +272,17 @@ class Pool:
     async def close(self) -> None:
         """Leave the registry and free the devices (runners shut down on the pool thread)."""
         metrics.POOL_READY.labels(self.name).set(0)
+        if self._beat is not None:
+            self._beat.cancel()
         try:
             await self.store.unregister_pool(self.consumer)
         except RedisError as e:
             log.warning("pool %s: could not unregister: %s", self.name, e)
+        if self.group is not None and self.group.failed is None and self.runners:
+            try:  # a clean stop: the followers exit 0 with the leader
+                await asyncio.wait_for(self.thread.submit(self.group.stop_followers), timeout=10.0)
+            except (TimeoutError, GroupFailed) as e:
+                log.warning("pool %s: could not stop the followers: %r", self.name, e)
         runners = list(self.runners.values())
         self.runners.clear()
         if runners:

@@ -204,6 +204,18 @@ class DiffusionPipeline:
             raise PipelineError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
 
 
+def to_host(x) -> np.ndarray:
+    """A device array as a numpy array on this host. An array that spans the devices of several processes (a
+    multi-host pool: workers/multihost.py) cannot be read by np.asarray; it is all-gathered instead, a
+    collective that every process of the group calls (they all run the same pipeline call) and that gives each
+    of them the whole array. Every family turns its outputs into numpy with this."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def image_limits(size_multiple: int, default_size: int) -> dict:
     """The limits of a text-to-image family (sizes in pixels)."""
     return {

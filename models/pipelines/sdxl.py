@@ -33,7 +33,13 @@ from meshserve.models.clip import load_clip_text_model
 from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
 from meshserve.models.loading import read_json
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
-from meshserve.models.pipelines.base import MAX_IMAGES, MAX_STEPS, DiffusionPipeline, image_limits
+from meshserve.models.pipelines.base import (
+    MAX_IMAGES,
+    MAX_STEPS,
+    DiffusionPipeline,
+    image_limits,
+    to_host,
+)
 from meshserve.models.pipelines.common import PipelineError, PipelineOutput, to_list
 from meshserve.models.pipelines.denoise_loop import denoise_loop, interleave
 from meshserve.models.pipelines.seeds import initial_noise, per_row, row_keys, row_seeds
@@ -327,7 +333,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         timings["denoise"] = time.perf_counter() - t0
 
         if output_type == "latent":  # diffusers' layout [B, C, h, w], before the VAE's scaling
-            images = np.transpose(np.asarray(latents, dtype=np.float32), (0, 3, 1, 2))
+            images = np.transpose(to_host(latents).astype(np.float32, copy=False), (0, 3, 1, 2))
             return PipelineOutput(
                 images=images, seeds=seeds, timings=timings, compiled=self.compilations > compiled_before
             )
@@ -335,7 +341,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         # 3. Decode.
         t0 = time.perf_counter()
         images = self.programs.run("vae_decode", self._vae_decode, {}, self._states["vae"], latents)
-        images = np.asarray(images, dtype=np.float32)
+        images = to_host(images).astype(np.float32, copy=False)
         timings["vae_decode"] = time.perf_counter() - t0
         return PipelineOutput.make(
             images, output_type, seeds=seeds, timings=timings, compiled=self.compilations > compiled_before

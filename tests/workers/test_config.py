@@ -132,7 +132,7 @@ def test_single_model_config():
 
 
 def test_pool_attention_options_reach_the_pipeline():
-    from meshserve.workers.pool import Pool
+    from meshserve.workers.pool import runner_options
 
     cfg = WorkerConfig.model_validate(
         {
@@ -149,7 +149,7 @@ def test_pool_attention_options_reach_the_pipeline():
     )
     pool_cfg = cfg.pools[0]
     assert pool_cfg.attention.model_dump(exclude_none=True) == {"context_strategy": "ring", "block_kv": 256}
-    opts = Pool._options(type("P", (), {"cfg": pool_cfg})(), cfg.models["m"])
+    opts = runner_options(pool_cfg, cfg.models["m"])
     assert opts == {"attention": {"context_strategy": "ring", "block_kv": 256}}
     with pytest.raises(ValidationError, match="context_strategy"):
         WorkerConfig.model_validate(
@@ -163,7 +163,7 @@ def test_pool_attention_options_reach_the_pipeline():
 def test_pool_weight_sharding_reaches_the_pipeline():
     """`weights: {shard_over: [...]}` is checked against the pool's mesh before JAX loads and handed to
     load_pipeline as its `weights` argument (the placement's FSDP axes)."""
-    from meshserve.workers.pool import Pool
+    from meshserve.workers.pool import runner_options
 
     cfg = WorkerConfig.model_validate(
         {
@@ -180,6 +180,6 @@ def test_pool_weight_sharding_reaches_the_pipeline():
             ],
         }
     )
-    opts = Pool._options(type("P", (), {"cfg": cfg.pools[0]})(), cfg.models["m"])
+    opts = runner_options(cfg.pools[0], cfg.models["m"])
     assert opts == {"weights": {"shard_over": ["context", "data"]}}
-    assert Pool._options(type("P", (), {"cfg": cfg.pools[1]})(), cfg.models["m"]) == {}
+    assert runner_options(cfg.pools[1], cfg.models["m"]) == {}
