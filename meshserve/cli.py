@@ -1,4 +1,4 @@
-"""The `meshserve` command: generate | serve | api | worker.
+"""The `meshserve` command: generate | serve | api | worker | keys.
 
 Each subcommand imports only what it needs, so `meshserve api` never loads JAX. Errors a user can fix are
 printed as one line (exit code 2), never as a traceback.
@@ -32,7 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
     enable_compilation_cache()
 
     try:
-        pipe = load_pipeline(args.model, dtype=args.dtype)
+        pipe = load_pipeline(args.model, dtype=args.dtype, variant=args.variant)
         video = "frames" in pipe.limits
         bar = tqdm(total=args.steps or pipe.defaults["num_inference_steps"], desc="denoise", unit="step")
 
@@ -41,6 +41,11 @@ def _generate(args: argparse.Namespace) -> int:
             bar.update(step - bar.n)
 
         settings = {"num_frames": args.frames} if video and args.frames is not None else {}
+        if args.true_cfg_scale is not None:
+            # Only a family whose defaults name it takes it (Flux); elsewhere it would be silently ignored.
+            if "true_cfg_scale" not in pipe.defaults:
+                raise UsageError(f"--true-cfg-scale: the {pipe.family} model has no true CFG; leave it out")
+            settings["true_cfg_scale"] = args.true_cfg_scale
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -97,13 +102,22 @@ def _worker(args: argparse.Namespace) -> int:
     if not Path(args.config).is_file():
         raise UsageError(f"--config: {args.config} not found")
     from meshserve.workers.config import load_config
-    from meshserve.workers.main import run_worker
+    from meshserve.workers.main import check_group_config, run_worker
+    from meshserve.workers.multihost import group_from_environment
 
     try:
-        load_config(args.config)  # a bad file is the user's to fix: one line, before anything starts
+        config = load_config(args.config)  # a bad file is the user's to fix: one line, before anything starts
+        group = group_from_environment(args.coordinator, args.num_processes, args.process_id)
+        if group is not None:
+            check_group_config(config, group)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    run_worker(args.config)
+    run_worker(
+        args.config,
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
     return 0
 
 
@@ -114,12 +128,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate an image locally (no server)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--model", default=None, help="diffusers folder; default: the embedded tiny SDXL model")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="diffusers folder, Hugging Face Hub id (owner/name[@revision]; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE "
+        "apply) or an embedded model: tiny-sdxl (the default) or tiny-flux",
+    )
+    gen.add_argument(
+        "--variant", default=None, help="Hub ids: the weights variant to download, e.g. fp16 (default: plain)"
+    )
     gen.add_argument("-o", "--output", default="out.png")
     gen.add_argument("--height", type=int, default=None)
     gen.add_argument("--width", type=int, default=None)
     gen.add_argument("--steps", type=int, default=None)
     gen.add_argument("--guidance-scale", type=float, default=None)
+    gen.add_argument(
+        "--true-cfg-scale",
+        type=float,
+        default=None,
+        help="Flux: true CFG on --negative-prompt (acts when > 1 and a negative prompt is given)",
+    )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(
         "--scheduler", default=None, help="euler | euler_ancestral | ddim | dpmpp_2m | dpmpp_2m_sde"
@@ -134,18 +162,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--redis-url", default=os.environ.get("MESHSERVE_REDIS_URL"))
     serve.add_argument(
-        "--model", default=None, help="diffusers folder; default: the embedded tiny SDXL model"
+        "--model",
+        default=None,
+        help="diffusers folder, Hugging Face Hub id (owner/name[@revision]; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE "
+        "apply) or an embedded model: tiny-sdxl (the default) or tiny-flux",
     )
     serve.set_defaults(func=_serve)
 
-    api = sub.add_parser("api", help="the HTTP front end alone")
+    api = sub.add_parser(
+        "api", help="the HTTP front end alone (API keys required unless MESHSERVE_AUTH=none)"
+    )
     api.add_argument("--host", default="0.0.0.0")
     api.add_argument("--port", type=int, default=8000)
     api.set_defaults(func=_api)
 
     worker = sub.add_parser("worker", help="a worker process with the pools of a config file")
     worker.add_argument("--config", required=True, help="pools.yaml")
+    # A multi-host pool (docs/multihost.md); default: MESHSERVE_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID,
+    # else a LeaderWorkerSet's or a Cloud TPU slice's environment, else one process.
+    worker.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordination service")
+    worker.add_argument("--num-processes", type=int, default=None, help="processes in the pool's group")
+    worker.add_argument("--process-id", type=int, default=None, help="this process's index (0: the leader)")
     worker.set_defaults(func=_worker)
+
+    from meshserve.service.keys_cli import add_keys_parser  # argparse only: Redis is imported when it runs
+
+    add_keys_parser(sub, UsageError)
     return parser
 
 

@@ -23,6 +23,7 @@ A model whose keys differ beyond that passes `rename` (PyTorch key -> our key, o
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -48,6 +49,11 @@ _DTYPE_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
 
 # Weight file names diffusers and transformers write, in the order we look for them.
 _WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+# A variant's weight file: `<stem>.<variant>.safetensors`, sharded `<stem>.<variant>-00001-of-00002.safetensors`
+# or (legacy) `<stem>-00001-of-00002.<variant>.safetensors` (diffusers' variant_compatible_siblings).
+_VARIANT_FILE = re.compile(
+    r"^(?:diffusion_pytorch_model|model)(?:\.(?P<a>\w+)(?:-\d{5}-of-\d{5})?|-\d{5}-of-\d{5}\.(?P<b>\w+))\.safetensors$"
+)
 
 
 class CheckpointError(ValueError):
@@ -128,15 +134,26 @@ def read_component_weights(folder: Path, variant: str | None = None) -> dict[str
         single = folder / f"{stem}{suffix}"
         if single.is_file():
             return read_safetensors(single)
-        index = folder / f"{stem}{suffix}.index.json"
-        if index.is_file():
-            shards = sorted(set(read_json(index)["weight_map"].values()))
-            state: dict[str, np.ndarray] = {}
-            for shard in shards:
-                state.update(read_safetensors(folder / shard))
-            return state
-    if variant is None and list(folder.glob("*.fp16.safetensors")):
-        return read_component_weights(folder, "fp16")
+        # A variant's index is `<stem>.safetensors.index.<variant>.json` in diffusers and transformers
+        # (legacy: `<stem>.safetensors.<variant>.index.json`).
+        indexes = (
+            [f"{stem}.safetensors.index.{variant}.json", f"{stem}.safetensors.{variant}.index.json"]
+            if variant
+            else [f"{stem}.safetensors.index.json"]
+        )
+        for index in (folder / name for name in indexes):
+            if index.is_file():
+                shards = sorted(set(read_json(index)["weight_map"].values()))
+                state: dict[str, np.ndarray] = {}
+                for shard in shards:
+                    state.update(read_safetensors(folder / shard))
+                return state
+    if variant is None:  # no plain weights: a folder fetched with one variant (models/hub.py) holds its files
+        variants = {
+            m["a"] or m["b"] for p in folder.glob("*.safetensors") if (m := _VARIANT_FILE.match(p.name))
+        }
+        if "fp16" in variants or len(variants) == 1:
+            return read_component_weights(folder, "fp16" if "fp16" in variants else variants.pop())
     found = sorted(p.name for p in folder.glob("*")) if folder.is_dir() else []
     raise CheckpointError(
         f"no safetensors weights in {folder} (looked for {', '.join(s + suffix for s in _WEIGHT_STEMS)} "

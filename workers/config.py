@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # JAX-free: the same slice parser, mesh-size rules and attention option names the pool's mesh and attention are
 # built with (one parser, one error, one set of names).
 from meshserve.models.attention.options import ContextStrategy, Kernel
+from meshserve.models.hub import is_hub_id, parse_hub_id
 from meshserve.models.parallel.layout_spec import (
     AXES,
     LayoutError,
@@ -50,7 +51,10 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str | None = None  # None: the embedded tiny default model
+    # A diffusers folder; None: the embedded tiny default model (tiny-sdxl); "tiny-flux" (or "embedded:tiny-flux"):
+    # the embedded tiny Flux (meshserve.models.load_pipeline resolves the names); a Hugging Face Hub id
+    # "owner/name" or "owner/name@revision" (models/hub.py; `options: {variant: fp16}` picks a weights variant).
+    path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     runner: str = "pipeline"
     options: dict[str, Any] = Field(default_factory=dict)  # passed to the runner as keyword arguments
@@ -101,7 +105,8 @@ class WeightOptions(_Strict):
 
 class PoolConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    # Device indices into jax.devices(); None: the first `mesh.size` devices.
+    # Device indices into jax.devices(); None: the first `mesh.size` devices; "all": every device of the
+    # process group (a multi-host pool, workers/multihost.py), checked against the mesh when the pool starts.
     devices: str | int | list[int] | None = None
     mesh: MeshSizes = Field(default_factory=MeshSizes)
     attention: AttentionOptions = Field(default_factory=AttentionOptions)
@@ -122,13 +127,15 @@ class PoolConfig(_Strict):
     @field_validator("devices")
     @classmethod
     def _devices_readable(cls, v):
-        if v is not None:
+        if v is not None and v != "all":
             parse_device_slice(v)
         return v
 
     @property
     def device_ids(self) -> list[int]:
-        return parse_device_slice(self.devices) if self.devices is not None else list(range(self.mesh.size))
+        if self.devices is None or self.devices == "all":  # "all" spans mesh.size devices (checked at start)
+            return list(range(self.mesh.size))
+        return parse_device_slice(self.devices)
 
     @model_validator(mode="after")
     def _mesh_fits_slice(self):
@@ -201,9 +208,11 @@ def load_config(path: str | Path) -> WorkerConfig:
 def single_model_config(
     model: str | None = None, *, model_name: str | None = None, metrics_port: int | None = None
 ) -> WorkerConfig:
-    """One pool on one device serving one model: `model` is a diffusers folder or None for the embedded
-    default. Used by `meshserve serve`."""
-    name = model_name or (Path(model).name if model else "tiny-sdxl")
+    """One pool on one device serving one model: `model` is a diffusers folder, an embedded model's name
+    ("tiny-flux", "embedded:tiny-flux") or None for the embedded default. Used by `meshserve serve`."""
+    name = model_name or (Path(model.removeprefix("embedded:")).name if model else "tiny-sdxl")
+    if model and is_hub_id(model):  # "owner/name@rev" serves as "name"
+        name = model_name or parse_hub_id(model)[0].split("/")[1]
     return WorkerConfig(
         models={name: ModelSpec(path=model)},
         pools=[PoolConfig(name=re.sub(r"[^A-Za-z0-9_.-]", "-", name) + "-0", models=[name], devices="0")],

@@ -18,6 +18,7 @@ from meshserve.models.pipelines.common import GenerationCancelled, PipelineError
 _FAMILIES = {
     "StableDiffusionXLPipeline": ("sdxl", "meshserve.models.pipelines.sdxl", "StableDiffusionXLPipeline"),
     "FluxPipeline": ("flux", "meshserve.models.pipelines.flux", "FluxPipeline"),
+    "WanPipeline": ("wan", "meshserve.models.pipelines.wan", "WanPipeline"),
 }
 _DTYPES = {
     "float32": jnp.float32,
@@ -33,6 +34,7 @@ EMBEDDED = "embedded:tiny-sdxl"
 EMBEDDED_MODELS = {
     "tiny-sdxl": ("meshserve.models.embedded", "embedded_model_path"),
     "tiny-flux": ("meshserve.models.embedded_flux", "embedded_flux_path"),
+    "tiny-wan": ("meshserve.models.embedded_wan", "embedded_wan_path"),
 }
 
 
@@ -75,9 +77,13 @@ def load_pipeline(
     attention=None,
     weights: dict | None = None,
     max_programs: int | None = None,
+    revision: str | None = None,
+    variant: str | None = None,
 ):
-    """Loads a pipeline from a diffusers folder; None (or "embedded:tiny-sdxl") is the embedded default model,
-    "tiny-flux" (or "embedded:tiny-flux") the embedded tiny Flux.
+    """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
+    into the Hub cache by models/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
+    (or "embedded:tiny-sdxl") is the embedded default model, "tiny-flux" (or "embedded:tiny-flux") the
+    embedded tiny Flux.
 
     `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice;
     `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;
@@ -94,6 +100,10 @@ def load_pipeline(
     if model_id is not None:
         module_name, func_name = EMBEDDED_MODELS[model_id]
         path = getattr(importlib.import_module(module_name), func_name)()
+    else:
+        from meshserve.models.hub import resolve_model_path
+
+        path = resolve_model_path(path, revision=revision, variant=variant)
     path = Path(path).expanduser()
     detect_family(path)
     class_name = read_json(path / "model_index.json")["_class_name"]
