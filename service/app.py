@@ -8,17 +8,62 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from meshserve.service import metrics
+from meshserve.service.api.authentication import OPEN_PATHS, Authentication
+from meshserve.service.api.body_limit import BodySizeLimit
 from meshserve.service.api.catalog import Catalog
 from meshserve.service.api.errors import install_error_handlers
 from meshserve.service.api.routes import generate, health, images, jobs, models
+from meshserve.service.auth import KeyStore
 from meshserve.service.settings import Settings, get_settings
 from meshserve.service.store import Store
+
+log = logging.getLogger(__name__)
 
 DESCRIPTION = (
     "Diffusion-model generation over a durable Redis queue. Submit with `POST /v1/generate`, then poll "
     "`/v1/jobs/{id}`, follow `/v1/jobs/{id}/events` (SSE) and download `/v1/jobs/{id}/outputs/{i}`. Every error "
-    'is `{"error": {"code", "message", "field"}}`.'
+    'is `{"error": {"code", "message", "field"}}`. With `MESHSERVE_AUTH=keys` every route but `/livez`, '
+    "`/readyz` and `/metrics` needs `Authorization: Bearer <key>` (`meshserve keys create`)."
 )
+_UNAUTHORIZED = {
+    "description": "Missing, malformed, unknown or revoked API key (`WWW-Authenticate: Bearer`).",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+_RATE_LIMITED = {
+    "description": "Too many requests (per-key rate, active jobs, or queue); see `Retry-After` and `RateLimit`.",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+_TOO_LARGE = {
+    "description": "The request body is over the size limit (1 MiB by default).",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+
+
+def _document_security(app: FastAPI) -> None:
+    """Document what the middlewares enforce: the bearer scheme, and 401/429 (and 413 with a body) on every route
+    that is not open. The schema is the same whatever `MESHSERVE_AUTH` says (openapi.yaml is one file)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = build()
+        schema.setdefault("components", {})["securitySchemes"] = {
+            "bearerAuth": {"type": "http", "scheme": "bearer", "description": "An API key: `msk_...`."}
+        }
+        for path, operations in schema["paths"].items():
+            if path in OPEN_PATHS:
+                continue
+            for method, op in operations.items():
+                op["security"] = [{"bearerAuth": []}]
+                op["responses"].setdefault("401", _UNAUTHORIZED)
+                op["responses"].setdefault("429", _RATE_LIMITED)
+                if method in ("post", "put", "patch"):
+                    op["responses"].setdefault("413", _TOO_LARGE)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
 
 
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
@@ -31,6 +76,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         own = store is None
         app.state.store = store or Store(settings)
         app.state.catalog = Catalog(app.state.store, settings)
+        app.state.keys = KeyStore(app.state.store.redis, settings.key_prefix)
+        if settings.auth == "keys" and settings.admin_key is not None:
+            await _install_admin_key(app.state.keys, settings)
         try:
             yield
         finally:
@@ -42,16 +90,49 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     install_error_handlers(app)
     for module in (generate, jobs, models, images, health):
         app.include_router(module.router)
+    _document_security(app)
+    # Outermost first: metrics see every answer; the key is checked before the body is read.
+    app.add_middleware(BodySizeLimit)
+    app.add_middleware(Authentication)
     app.add_middleware(metrics.MetricsMiddleware)
     metrics.set_build_info()
     return app
 
 
+async def _install_admin_key(keys: KeyStore, settings: Settings) -> None:
+    """Install `MESHSERVE_ADMIN_KEY` (a Secret's value) as key `admin`. A Redis that is not up yet is not fatal: the
+    API starts (and answers 503 until Redis is back); the key is installed at the next start."""
+    from redis.exceptions import RedisError
+
+    try:
+        if await keys.install("admin", settings.admin_key.get_secret_value(), tenant="admin", admin=True):
+            log.info("authentication: installed the admin key from MESHSERVE_ADMIN_KEY")
+    except (RedisError, OSError) as e:
+        log.warning("authentication: could not install MESHSERVE_ADMIN_KEY now (%s)", e)
+
+
 def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
-    """Serve the API with uvicorn (uvloop and httptools when installed), until SIGINT/SIGTERM."""
+    """Serve the API with uvicorn (uvloop and httptools when installed), until SIGINT/SIGTERM.
+
+    The production entry: API keys are required unless `MESHSERVE_AUTH=none` is set explicitly (the settings'
+    own default, none, is for `create_app()` in tests and for `meshserve serve` on 127.0.0.1)."""
+    import os
+
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("MESHSERVE_AUTH", "keys")  # also read by uvicorn's worker processes (factory)
+    get_settings.cache_clear()
+    settings = get_settings()
+    if settings.auth == "keys":
+        log.info(
+            "authentication: API keys required on every route but /livez, /readyz, /metrics "
+            "(create one with `meshserve keys create NAME`)"
+        )
+    else:
+        log.warning(
+            "authentication: NONE (MESHSERVE_AUTH=none): anyone who reaches %s:%d may use the API", host, port
+        )
     if workers > 1:
         uvicorn.run(
             "meshserve.service.app:create_app",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class JobStatus(StrEnum):
@@ -70,6 +70,8 @@ CONTENT_TYPES: dict[str, str] = {
 }
 IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")  # an image model's formats, its default first
 VIDEO_FORMATS: tuple[str, ...] = ("mp4", "webp")
+# A video model that publishes no frame rate is written at Wan 2.1's, the rate it was trained at.
+DEFAULT_FPS = 16
 
 
 class _Frozen(BaseModel):
@@ -87,6 +89,20 @@ class ModelDefaults(_Frozen):
     height: int
     num_inference_steps: int
     guidance_scale: float
+    # Present (Flux: 1.0, i.e. off) only for a model that takes a true-CFG scale: its presence is how the API
+    # knows to accept the request field; None: the model has none, the API refuses the field (422) and the
+    # key is left out of what is written (the model card, the registry).
+    true_cfg_scale: float | None = None
+    # Video models: the frame rate their outputs are written at (Wan: 16); None for image models, left out.
+    fps: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent_fields(self, handler):
+        data = handler(self)
+        for name in ("true_cfg_scale", "fps"):
+            if getattr(self, name) is None:
+                data.pop(name, None)
+        return data
 
 
 class FrameLimits(_Frozen):
@@ -153,6 +169,8 @@ class JobParams(_Frozen):
     num_frames: int | None = None
     num_inference_steps: int
     guidance_scale: float
+    true_cfg_scale: float | None = None  # the model's true-CFG scale (None: the model has none)
+    fps: int | None = None  # video models: the outputs' frame rate (None: an image model)
     scheduler: str | None = None
     seed: int
     n: int = 1

@@ -59,7 +59,14 @@ JOBS_SUBMITTED = Counter(
 JOBS_REJECTED = Counter(
     "meshserve_jobs_rejected_total",
     "Generation requests refused, by reason (invalid, model_not_found, queue_full, "
-    "no_ready_pool, store_unavailable, idempotency_conflict).",
+    "no_ready_pool, store_unavailable, idempotency_conflict, rate_limited, too_many_active_jobs).",
+    ["reason"],
+)
+# By reason only: never the key, its name or the tenant (metrics are open, docs/security.md).
+AUTH_REFUSED = Counter(
+    "meshserve_auth_refused_total",
+    "Requests refused by authentication or the per-key rate limit, by reason (missing_api_key, "
+    "invalid_api_key, rate_limited).",
     ["reason"],
 )
 BUILD_INFO = Info("meshserve_build", "API build information.")

@@ -6,9 +6,10 @@ The per-model rules (sizes, steps, n, schedulers, formats) depend on what the po
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from meshserve.service.contract import (
     CONTENT_TYPES,
@@ -28,7 +29,36 @@ from meshserve.service.contract import (
 MAX_SEED = 2**32 - 1
 # Every format some model may produce (which ones a model takes is its `limits.output_formats`).
 OutputFormat = Literal[tuple(CONTENT_TYPES)]
+# Metadata is echoed back, stored with the job and bounded like everything a client sends (OWASP API4): flat (no
+# nesting), at most 32 entries, keys up to 64 characters, strings up to 1024, integers within JSON's exact range
+# (+-2**53), floats finite (GenerateRequest's allow_inf_nan=False). Checked by `_check_metadata`.
 MetadataValue = str | int | float | bool | None
+MAX_METADATA_KEY = 64
+MAX_METADATA_STRING = 1024
+MAX_METADATA_INT = 2**53
+
+
+def _check_metadata(metadata: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
+    for key, value in metadata.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY:
+            raise PydanticCustomError(
+                "metadata_key_length",
+                "metadata keys must be 1 to {limit} characters, got {got}",
+                {"limit": MAX_METADATA_KEY, "got": len(key)},
+            )
+        if isinstance(value, str) and len(value) > MAX_METADATA_STRING:
+            raise PydanticCustomError(
+                "string_too_long",
+                "metadata[{key!r}] must be at most {limit} characters, got {got}",
+                {"key": key, "limit": MAX_METADATA_STRING, "got": len(value)},
+            )
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_METADATA_INT:
+            raise PydanticCustomError(
+                "out_of_range",
+                "metadata[{key!r}] must be within +-2**53, got {digits} digits",
+                {"key": key, "digits": len(str(abs(value)))},
+            )
+    return metadata
 
 
 # -- requests -----------------------------------------------------------------------------------------------
@@ -38,7 +68,8 @@ class GenerateRequest(BaseModel):
     """`POST /v1/generate`. Fields left out take the model's defaults; `seed` null picks a random seed, which the
     job's `params.seed` then shows."""
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: NaN, Infinity and 1e309 (JSON that Python reads as inf) are 422s in every float field.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = Field(
         None, description="A served model id; may be left out when exactly one is served."
@@ -49,14 +80,32 @@ class GenerateRequest(BaseModel):
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
     num_frames: int | None = Field(None, gt=0, description="Video models only.")
+    fps: int | None = Field(
+        None,
+        ge=1,
+        le=120,
+        description="Video models only: the frame rate of the MP4/WebP written (default: the model's, 16 for Wan).",
+    )
     num_inference_steps: int | None = Field(None, gt=0)
     guidance_scale: float | None = Field(None, ge=0, le=100)
+    true_cfg_scale: float | None = Field(
+        None,
+        ge=1,
+        le=100,
+        allow_inf_nan=False,
+        description="True classifier-free guidance (Flux): a second pass on `negative_prompt`, mixed as "
+        "negative + true_cfg_scale * (positive - negative). It acts only when > 1 AND a negative_prompt is "
+        "given (1, the default, is off). Only models whose `defaults` list `true_cfg_scale` take it; for any "
+        "other model it is a 422.",
+    )
     scheduler: str | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")
     output_format: OutputFormat | None = None
     priority: Priority = Priority.NORMAL
-    metadata: dict[str, MetadataValue] = Field(default_factory=dict, max_length=32)
+    metadata: Annotated[dict[str, MetadataValue], AfterValidator(_check_metadata)] = Field(
+        default_factory=dict, max_length=32
+    )
 
 
 class ImagesRequest(BaseModel):

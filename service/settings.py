@@ -7,8 +7,9 @@ queue always agree on the data model's knobs.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -37,13 +38,19 @@ class Settings(BaseSettings):
     idempotency_ttl_s: int = Field(24 * 3600, ge=1)
     events_max_length: int = Field(1000, ge=10)
 
-    # Outputs live in Redis (`output_ttl_s`) unless `output_dir` is set: then they are files
-    # `<output_dir>/<job id>/<index>.<ext>` (a volume the API and the workers share, or a bucket mounted
-    # there), and their lifetime is the folder's (e.g. a bucket lifecycle rule), not Redis'. With
-    # `output_url_base` too, jobs list `<output_url_base>/<job id>/<index>.<ext>` as the output URL (an object
-    # store or CDN serving that folder) instead of the API's own `/v1/jobs/{id}/outputs/{i}`.
+    # Outputs live in Redis (`output_ttl_s`) unless `output_dir` is set: a local folder (a volume the API and
+    # the workers share), `gs://bucket/prefix`, `s3://bucket/prefix` or `az://container/prefix`
+    # (service/output_store.py; credentials from the usual AWS_* / GOOGLE_* / AZURE_* environment or the
+    # instance's). Objects are `<output_dir>/<job id>/<token>-<attempt>/<index>.<ext>` (`<token>` is 128 random
+    # bits per job, so paths are unguessable; `<attempt>` keeps a stale delivery's writes apart), and their
+    # lifetime is the location's (e.g. a bucket lifecycle rule), not Redis'. Jobs list the API's own
+    # `/v1/jobs/{id}/outputs/{i}` as the output URL, unless either `output_url_base` is set: then
+    # `<output_url_base>/<job id>/<token>-<attempt>/<index>.<ext>` (a bucket or CDN serving `output_dir`; a
+    # bearer link, docs/security.md), or `output_signed_url_ttl_s` (cloud locations only): a URL signed with the
+    # service's credentials, valid that many seconds from when the job was read (at most 7 days). Not both.
     output_dir: str | None = None
     output_url_base: str | None = None
+    output_signed_url_ttl_s: int | None = Field(None, ge=1, le=7 * 24 * 3600)
 
     # Delivery: a running job's lease must be renewed within `lease_s`, else another pool takes it over;
     # a job delivered more than `max_deliveries` times goes to the dead-letter stream and ends failed.
@@ -54,12 +61,28 @@ class Settings(BaseSettings):
     # How long the API trusts its cached copy of the pool registry (read on every submit).
     pool_cache_s: float = Field(1.0, ge=0)
 
-    # Request limits.
+    # Who may call (docs/security.md). `keys`: every route but /livez, /readyz, /metrics and the API docs needs
+    # `Authorization: Bearer <key>` (`meshserve keys create`); `none`: everyone is the one tenant
+    # `default_owner`. `create_app()` and `meshserve serve` (127.0.0.1) default to none; `meshserve api` (0.0.0.0)
+    # to keys unless MESHSERVE_AUTH=none is set.
+    auth: Literal["keys", "none"] = "none"
+    # An admin key the API installs at start-up (as key `admin`, tenant `admin`, no limits), for deployments that
+    # provision it from a Secret or an env file (docker-compose, Kubernetes) instead of `meshserve keys create`.
+    # Changing it and restarting replaces the old one (rotation). Generate: `msk_` + secrets.token_urlsafe(32).
+    admin_key: SecretStr | None = None
+    # What `meshserve keys create` gives a key unless told otherwise (0: no limit).
+    key_rate_per_minute: int = Field(600, ge=0)
+    key_max_active: int = Field(100, ge=0)
+
+    # Request limits. A body over `max_body_bytes` is a 413 before it is read further (prompts are bounded by
+    # `max_prompt_chars` on top).
+    max_body_bytes: int = Field(1 << 20, ge=1024)
     max_wait_s: int = Field(60, ge=0)  # `Prefer: wait=N` is clamped to this
     openai_timeout_s: float = Field(300.0, gt=0)  # /v1/images/generations waits this long for the result
     max_prompt_chars: int = Field(4000, ge=1)
     sse_keepalive_s: float = Field(15.0, gt=0)
-    # Owner of idempotency keys when no API key identifies the caller.
+    # The tenant of every request when no API key identifies the caller (MESHSERVE_AUTH=none), and of jobs
+    # submitted without one.
     default_owner: str = "public"
 
 

@@ -5,15 +5,22 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | key                          | type   | holds |
 |------------------------------|--------|-------|
 | `P:stream:{model}:{priority}` | stream, group `pools` | one entry `job=<id>` per job to run |
-| `P:job:{id}`                 | hash   | status, params (JSON), times, attempt, worker, progress, outputs/error/timings (JSON), cancel flag, stream + message id; TTL once ended |
+| `P:job:{id}`                 | hash   | status, tenant, out_token, out_key, params (JSON), times, attempt, worker, progress, outputs/error/timings (JSON), cancel flag, stream + message id; TTL once ended |
 | `P:events:{id}`              | stream | `type` + `data` (JSON) per event, capped; TTL once ended. SSE ids are its entry ids |
-| `P:out:{id}:{i}`             | string | encoded output bytes, TTL (or a file under `output_dir` when set) |
+| `P:out:{id}:{i}`             | string | encoded output bytes, TTL (or an object `<output_dir>/<id>/<out_key>/<i>.<ext>` when set) |
 | `P:staged:{id}:{attempt}:{i}` | string | output bytes written by one attempt, renamed to `P:out:{id}:{i}` by its fenced commit (else they expire) |
-| `P:idem:{owner}:{key}`       | string | `<job id> <request hash>`, TTL |
+| `P:idem:{tenant}:{key}`      | string | `<job id> <request hash>`, TTL (idempotency keys are per tenant) |
+| `P:active:{tenant}`          | set    | the tenant's queued/running job ids while its key has an active-job limit; pruned on submit |
 | `P:lease:{id}`               | string | the attempt holding the job, expires unless renewed (`heartbeat`) |
 | `P:dlq:{model}`              | stream | dead-lettered jobs with the reason |
 | `P:pools`                    | hash   | pool name -> `PoolInfo` JSON |
 | `P:models`, `P:stats`        | set, hash | models ever submitted (for queue metrics); cluster-wide counters `{model}\\|{name}` |
+
+API keys and rate buckets (`P:apikey:*`, `P:apikeys`, `P:ratelimit:*`) are `service/auth.py`'s.
+
+Tenants: every job records the tenant that submitted it (`Settings.default_owner` when none is given, as with
+`MESHSERVE_AUTH=none`); `get(job_id, tenant)` answers None for another tenant's job exactly as for an unknown id,
+and the API's routes reach a job only through it.
 
 Delivery is at least once: a worker `claim`s entries (XREADGROUP, or takes over entries whose lease expired),
 `start`s them, and its `complete`/`fail`/`mark_canceled` write the result and XACK in one script (output bytes
@@ -27,11 +34,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
+import secrets
 import socket
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -61,16 +69,20 @@ from meshserve.service.contract import (
     QueueFull,
     Timings,
 )
+from meshserve.service.output_store import OutputStore, OutputStoreError
 from meshserve.service.settings import Settings
 
-# File extension of an output file (Settings.output_dir) by content type: the format's name.
-_EXTENSIONS = {content_type: f".{fmt}" for fmt, content_type in CONTENT_TYPES.items()}
+# File extension of an output object (Settings.output_dir) by content type: the format's name.
+_EXTENSIONS = {content_type: fmt for fmt, content_type in CONTENT_TYPES.items()}
+
+log = logging.getLogger(__name__)
 
 GROUP = "pools"
 # Blocking reads (XREAD/XREADGROUP BLOCK) last at most this long per call; callers loop. A configured socket read
 # timeout is raised above it, so a quiet stream is never a timeout error.
 _MAX_BLOCK_MS = 10_000
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_OUTPUT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{22}$")  # secrets.token_urlsafe(16)
 
 
 def request_hash(body: Any) -> str:
@@ -112,15 +124,36 @@ def _pairs(flat: list) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
+class TooManyActiveJobs(Exception):
+    """The tenant already has its key's limit of queued + running jobs: answered 429 with `Retry-After`."""
+
+    def __init__(self, tenant: str, active: int, limit: int):
+        super().__init__(
+            f"tenant {tenant!r} has {active} queued or running jobs (limit {limit}); wait for one to end"
+        )
+        self.tenant, self.active, self.limit = tenant, active, limit
+
+
 class Store:
     """Async access to the Redis data model, for the API (submit/get/cancel/events/...) and the workers
     (register_pool/claim/start/heartbeat/progress/complete/fail/mark_canceled/release).
 
     One instance per process; call `close()` at shutdown. Redis errors propagate as `redis.exceptions.RedisError`
-    (the API answers them with 503)."""
+    (the API answers them with 503), output storage errors as `OutputStoreError` (503 too; workers retry them).
 
-    def __init__(self, settings: Settings):
+    `outputs`: where outputs go when `settings.output_dir` is set; built from the settings unless given (tests
+    pass an `OutputStore` subclass that fails on purpose)."""
+
+    def __init__(self, settings: Settings, outputs: OutputStore | None = None):
         self.settings = settings
+        # Built here, so a bad output_dir / URL option fails the process at start-up, not a job later.
+        if outputs is None and settings.output_dir:
+            outputs = OutputStore(
+                settings.output_dir,
+                url_base=settings.output_url_base,
+                signed_url_ttl_s=settings.output_signed_url_ttl_s,
+            )
+        self.outputs = outputs
         self.prefix = settings.key_prefix
         kwargs = dict(
             socket_connect_timeout=settings.redis_connect_timeout_s,
@@ -187,19 +220,22 @@ class Store:
         *,
         request_digest: str = "",
         owner: str | None = None,
+        max_active: int = 0,
     ) -> Job:
-        """Queue a job: its hash, its stream entry (XADD) and its `queued` event, in one script.
+        """Queue a job for tenant `owner` (default `Settings.default_owner`): its hash, its stream entry (XADD)
+        and its `queued` event, in one script.
 
         Admission: when the model already has `queue_max_length` undelivered entries (all priorities) it raises
-        `QueueFull`. With an `idempotency_key`, a second submit with the same key and `request_digest` returns the
-        first job (its current state); another digest raises `IdempotencyConflict`. The returned job carries
-        `queue_position` (jobs ahead of it)."""
+        `QueueFull`; when `max_active` > 0 and the tenant has that many queued or running jobs, it raises
+        `TooManyActiveJobs`. With an `idempotency_key` (scoped to the tenant), a second submit with the same key and
+        `request_digest` returns the first job (its current state); another digest raises `IdempotencyConflict`.
+        The returned job carries `queue_position` (jobs ahead of it)."""
         s = self.settings
         job_id = uuid.uuid4().hex
         now = time.time()
-        idem_key = (
-            f"{self.prefix}:idem:{owner or s.default_owner}:{idempotency_key}" if idempotency_key else ""
-        )
+        tenant = owner or s.default_owner
+        idem_key = f"{self.prefix}:idem:{tenant}:{idempotency_key}" if idempotency_key else ""
+        active_key = f"{self.prefix}:active:{tenant}" if max_active > 0 else ""
         streams = [self.stream_key(params.model, p) for p in PRIORITY_ORDER]
         args = [job_id, PRIORITY_ORDER.index(priority) + 1, s.queue_max_length, f"{job_id} {request_digest}"]
         args += [
@@ -209,10 +245,12 @@ class Store:
             priority.value,
             params.model_dump_json(),
         ]
-        args.append(repr(now))
-        res = await self._run("SUBMIT", [self.job_key(job_id), idem_key, *streams], args)
+        args += [repr(now), tenant, max_active, s.job_ttl_s, secrets.token_urlsafe(16)]
+        res = await self._run("SUBMIT", [self.job_key(job_id), idem_key, *streams, active_key], args)
         if res[0] == "full":
             raise QueueFull(params.model, int(res[1]), s.queue_max_length)
+        if res[0] == "busy":
+            raise TooManyActiveJobs(tenant, int(res[1]), max_active)
         if res[0] == "idem":
             prev_id, _, prev_digest = res[1].partition(" ")
             if prev_digest != request_digest:
@@ -221,7 +259,12 @@ class Store:
             if prev is None:  # the job expired before its key: the key is free again
                 await self.redis.delete(idem_key)
                 return await self.submit(
-                    params, priority, idempotency_key, request_digest=request_digest, owner=owner
+                    params,
+                    priority,
+                    idempotency_key,
+                    request_digest=request_digest,
+                    owner=owner,
+                    max_active=max_active,
                 )
             prev.queue_position = await self.queue_position(prev)
             return prev
@@ -236,12 +279,33 @@ class Store:
         job.queue_position = int(res[2])
         return job
 
-    async def get(self, job_id: str) -> Job | None:
-        """The job, or None when it never existed or expired."""
+    async def get(self, job_id: str, tenant: str | None = None) -> Job | None:
+        """The job, or None when it never existed, expired, or (with `tenant`) belongs to another tenant: the
+        same None, so a caller cannot tell another tenant's job from an unknown id. `tenant` None: any job
+        (workers, admin keys)."""
         if not valid_job_id(job_id):
             return None
         h = await self.redis.hgetall(self.job_key(job_id))
-        return job_from_hash(h) if h.get("status") else None
+        if not h.get("status"):
+            return None
+        if tenant is not None and (h.get("tenant") or self.settings.default_owner) != tenant:
+            return None
+        job = job_from_hash(h)
+        if job.outputs and h.get("out_key") and self.outputs is not None and self.outputs.signed_url_ttl_s:
+            await self._resign(job, h["out_key"])
+        return job
+
+    async def _resign(self, job: Job, out_key: str) -> None:
+        """Signed output URLs are made afresh on every read: one signed at completion would lapse
+        `output_signed_url_ttl_s` later while the job is still listed. When signing fails (credentials), the API's
+        own route, which always works, is listed instead of a stale link."""
+        try:
+            urls = await self._output_urls(job.id, out_key, [(o.index, o.content_type) for o in job.outputs])
+        except OutputStoreError as e:
+            reason = str(e).replace(out_key, "<key>")
+            log.warning("job %s: cannot sign output URLs (%s); listing the API's routes", job.id, reason)
+            urls = [f"/v1/jobs/{job.id}/outputs/{o.index}" for o in job.outputs]
+        job.outputs = [o.model_copy(update={"url": u}) for o, u in zip(job.outputs, urls, strict=True)]
 
     async def queue_position(self, job: Job) -> int | None:
         """Jobs ahead of a queued job (0: it is next); None when it is not queued."""
@@ -294,36 +358,58 @@ class Store:
         return await self.get(job_id)
 
     async def output(self, job_id: str, index: int) -> bytes | None:
-        """The stored bytes of output `index` (None: unknown or expired)."""
+        """The stored bytes of output `index` (None: unknown, expired, or deleted)."""
         if not valid_job_id(job_id):
             return None
-        if self.settings.output_dir:
-            return await asyncio.to_thread(self._read_output_file, job_id, index)
-        return await self._raw.get(self.output_key(job_id, index))
+        if self.outputs is None:
+            return await self._raw.get(self.output_key(job_id, index))
+        out_key, token, records = await self.redis.hmget(
+            self.job_key(job_id), ["out_key", "out_token", "outputs"]
+        )
+        record = next((o for o in json.loads(records or "[]") if o.get("index") == index), None)
+        if record is None or record.get("content_type") not in _EXTENSIONS:
+            return None
+        key = self._committed_key(out_key, token)
+        try:
+            return await self.outputs.get(job_id, index, _EXTENSIONS[record["content_type"]], key=key)
+        except OutputStoreError as e:  # answered and logged by the API: without the path's secret segment
+            raise OutputStoreError(str(e).replace(key, "<key>") if key else str(e)) from e.__cause__
 
-    # Outputs as files (Settings.output_dir). Job ids are validated (`valid_job_id`) before they name a path.
+    async def delete_outputs(self, job_id: str) -> int:
+        """Delete every stored output of the job, whatever attempt wrote it (objects under `<job id>/`, or its
+        Redis keys); returns how many there were. Raises `OutputStoreError` when the object store refuses."""
+        if not valid_job_id(job_id):
+            return 0
+        if self.outputs is not None:
+            return await self.outputs.delete(job_id)
+        records = json.loads(await self.redis.hget(self.job_key(job_id), "outputs") or "[]")
+        keys = [self.output_key(job_id, o["index"]) for o in records]
+        return int(await self._raw.delete(*keys)) if keys else 0
 
-    def _output_url(self, job_id: str, out: OutputBlob) -> str:
-        base = self.settings.output_url_base
-        if base and self.settings.output_dir:
-            return f"{base.rstrip('/')}/{job_id}/{out.index}{_EXTENSIONS.get(out.content_type, '')}"
-        return f"/v1/jobs/{job_id}/outputs/{out.index}"
+    # Outputs in object storage (Settings.output_dir; service/output_store.py): `<output_dir>/<job id>/<out key>/
+    # <index>.<ext>`, where the out key is `<token>-<attempt>`. The token (128 random bits, drawn at submit and
+    # kept in the job hash) makes the path, and so an `output_url_base` URL, unguessable even to whoever knows the
+    # job id (worker logs name job ids): such URLs are bearer links (docs/security.md). The attempt makes each
+    # delivery write its own objects: a stale attempt (its lease lapsed, another delivery took the job) that
+    # writes after the new one committed cannot replace the committed bytes with its own (another pool's mesh
+    # rounds differently, so they need not be identical); the fenced commit records which key won (`out_key`),
+    # and a loser's objects are never referenced (they go with the job's prefix: `delete_outputs`, or the
+    # bucket's lifecycle rule).
 
-    def _write_output_files(self, job_id: str, outputs: list[OutputBlob]) -> None:
-        folder = Path(self.settings.output_dir) / job_id
-        folder.mkdir(parents=True, exist_ok=True)
-        for out in outputs:
-            # Written beside and renamed: a reader never sees half a file. A stale attempt that gets here
-            # too writes the same job's image for the same seed; only the fenced job record decides.
-            target = folder / f"{out.index}{_EXTENSIONS.get(out.content_type, '')}"
-            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-            tmp.write_bytes(out.data)
-            tmp.replace(target)
+    @staticmethod
+    def _committed_key(out_key: str | None, token: str | None) -> str | None:
+        if out_key:
+            return out_key
+        # Jobs completed before per-attempt keys: under the token, or (before tokens) in the job's folder.
+        return token if token and _OUTPUT_TOKEN.match(token) else None
 
-    def _read_output_file(self, job_id: str, index: int) -> bytes | None:
-        for path in (Path(self.settings.output_dir) / job_id).glob(f"{index}.*"):
-            return path.read_bytes()
-        return None
+    async def _output_urls(self, job_id: str, key: str, outputs: list[tuple[int, str]]) -> list[str]:
+        """Client URLs of (index, content type) outputs: `output_url_base` or signed ones, else the API's route."""
+        assert self.outputs is not None
+        urls = await asyncio.gather(
+            *(self.outputs.url(job_id, i, _EXTENSIONS[ct], key=key) for i, ct in outputs)
+        )
+        return [url or f"/v1/jobs/{job_id}/outputs/{i}" for url, (i, _) in zip(urls, outputs, strict=True)]
 
     async def queue_depths(self) -> dict[tuple[str, Priority], dict[str, float]]:
         """Per (model, priority): `depth` (undelivered), `oldest_age_s` (of the oldest undelivered entry, 0 when
@@ -554,11 +640,13 @@ class Store:
     async def complete(
         self, delivery: Delivery, outputs: list[OutputBlob], stages: dict[str, float] | None = None
     ) -> bool:
-        """Store the outputs (bytes with `output_ttl_s`), mark the job succeeded with its outputs and timings,
-        emit `succeeded`, XACK and drop the lease. The bytes are written first under this attempt's own keys;
-        one small fenced script then renames them into place and commits the job: a stale attempt's call
-        returns False and nothing it wrote becomes visible (its staged bytes are deleted). `stages`: seconds per
-        stage as measured by the worker (text_encode, denoise, ...)."""
+        """Store the outputs (bytes with `output_ttl_s`, or objects under `output_dir`), mark the job succeeded
+        with its outputs and timings, emit `succeeded`, XACK and drop the lease. The bytes are written first
+        under this attempt's own keys (Redis) or object paths; one small fenced script then renames them into
+        place (Redis) or records the attempt's object key, and commits the job: a stale attempt's call returns
+        False and nothing it wrote becomes visible. So a succeeded job always has its outputs. Raises
+        `OutputStoreError` when an object cannot be written (nothing is committed; the caller retries or fails
+        the job). `stages`: seconds per stage as measured by the worker (text_encode, denoise, ...)."""
         job, now = delivery.job, time.time()
         started = job.started_at or now
         timings = Timings(
@@ -567,19 +655,38 @@ class Store:
             total_s=now - job.created_at,
             stages=stages or {},
         )
-        if self.settings.output_dir:
-            await asyncio.to_thread(self._write_output_files, job.id, outputs)
+        urls = [f"/v1/jobs/{job.id}/outputs/{o.index}" for o in outputs]
+        out_key = None
+        if self.outputs is not None:
+            unknown = sorted({o.content_type for o in outputs} - set(_EXTENSIONS))
+            if unknown:
+                raise ValueError(f"outputs of job {job.id} have content types with no format: {unknown}")
+            token = await self.redis.hget(self.job_key(job.id), "out_token")
+            if not (token and _OUTPUT_TOKEN.match(token)):  # a job submitted before tokens existed
+                token = secrets.token_urlsafe(16)
+            out_key = f"{token}-{delivery.attempt}"
+            try:
+                await asyncio.gather(
+                    *(
+                        self.outputs.put(job.id, o.index, _EXTENSIONS[o.content_type], o.data, key=out_key)
+                        for o in outputs
+                    )
+                )
+            except OutputStoreError as e:
+                # The message goes to worker logs and the job's error: without the path's secret segment.
+                raise OutputStoreError(str(e).replace(token, "<token>")) from e.__cause__
+            urls = await self._output_urls(job.id, out_key, [(o.index, o.content_type) for o in outputs])
         records = [
             Output(
                 index=o.index,
-                url=self._output_url(job.id, o),
+                url=url,
                 content_type=o.content_type,
                 width=o.width,
                 height=o.height,
                 seed=o.seed,
                 num_frames=o.num_frames,
             ).model_dump(mode="json")
-            for o in outputs
+            for o, url in zip(outputs, urls, strict=True)
         ]
         total = job.progress.total_steps or job.params.num_inference_steps
         fields = {
@@ -588,7 +695,9 @@ class Store:
             "step": str(total),
             "total_steps": str(total),
         }
-        renames = [] if self.settings.output_dir else await self._stage_outputs(delivery, outputs)
+        if out_key:
+            fields["out_key"] = out_key
+        renames = [] if self.outputs is not None else await self._stage_outputs(delivery, outputs)
         data = {"status": "succeeded", "outputs": records, "timings": timings.model_dump(mode="json")}
         done = await self._end(delivery, JobStatus.SUCCEEDED, fields, data, renames)
         if not done and renames:

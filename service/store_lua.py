@@ -101,9 +101,15 @@ local function owned(jk, attempt)
 end
 """
 
-# KEYS: job, idem (or ''), stream high, normal, low. ARGV: P, job id, target priority index (1-3), queue limit,
-# idem value, idem ttl, events maxlen, model, priority, params JSON, created_at. (Few arguments: redis-py packs
-# each one in Python, a measurable share of a submit.)
+# KEYS: job, idem (or ''), stream high, normal, low, the tenant's active set (or ''). ARGV: P, job id, target
+# priority index (1-3), queue limit, idem value, idem ttl, events maxlen, model, priority, params JSON, created_at,
+# tenant, the tenant's active-job limit (0: none), the active set's ttl, the output token. (Few arguments: redis-py packs each one in
+# Python, a measurable share of a submit.)
+#
+# Active jobs: the set holds the ids of the tenant's jobs submitted while it had a limit; members that are no
+# longer queued or running (succeeded, failed, canceled, dead-lettered, expired) are pruned here, when the set is
+# at the limit, so no terminal transition (worker, reaper, TTL) has to remember to decrement a counter, and a
+# lost update can never lock a tenant out. The prune reads at most `limit` job statuses.
 SUBMIT = (
     _COMMON
     + r"""
@@ -119,11 +125,25 @@ for i = 1, 3 do
   if i <= pidx then ahead = ahead + l end
 end
 if depth >= tonumber(ARGV[4]) then return {'full', tostring(depth)} end
+local max_active = tonumber(ARGV[13])
+if KEYS[6] ~= '' and max_active > 0 and redis.call('SCARD', KEYS[6]) >= max_active then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+    local st = redis.call('HGET', P .. ':job:' .. id, 'status')
+    if st ~= 'queued' and st ~= 'running' then redis.call('SREM', KEYS[6], id) end
+  end
+  local active = redis.call('SCARD', KEYS[6])
+  if active >= max_active then return {'busy', tostring(active)} end
+end
 local stream = KEYS[2 + pidx]
 redis.pcall('XGROUP', 'CREATE', stream, 'pools', '0', 'MKSTREAM')
 local msg_id = redis.call('XADD', stream, '*', 'job', ARGV[2])
 redis.call('HSET', KEYS[1], 'id', ARGV[2], 'model', ARGV[8], 'priority', ARGV[9], 'status', 'queued',
-  'params', ARGV[10], 'created_at', ARGV[11], 'attempt', 0, 'stream', stream, 'msg_id', msg_id)
+  'params', ARGV[10], 'created_at', ARGV[11], 'attempt', 0, 'stream', stream, 'msg_id', msg_id, 'tenant', ARGV[12],
+  'out_token', ARGV[15])
+if KEYS[6] ~= '' and max_active > 0 then
+  redis.call('SADD', KEYS[6], ARGV[2])
+  redis.call('EXPIRE', KEYS[6], ARGV[14])
+end
 event(ARGV[2], 'queued', '{"status":"queued"}', ARGV[7])
 if KEYS[2] ~= '' then redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[6]) end
 redis.call('SADD', P .. ':models', ARGV[8])

@@ -43,6 +43,31 @@ def test_generate_with_model_folder(tmp_path, tiny_sdxl_path):
     assert Image.open(out).size == (48, 64)
 
 
+def test_generate_with_flux_folder_and_true_cfg(tmp_path, tiny_flux_dev_path):
+    out = tmp_path / "flux.png"
+    r = _run(
+        "generate",
+        "--model",
+        str(tiny_flux_dev_path),
+        "--prompt",
+        "a lighthouse",
+        "--negative-prompt",
+        "fog",
+        "--true-cfg-scale",
+        "3",
+        "-o",
+        str(out),
+        "--steps",
+        "1",
+        "--width",
+        "32",
+        "--seed",
+        "4",
+    )
+    assert r.returncode == 0, r.stderr
+    assert Image.open(out).size == (32, 64) and "seed 4" in r.stdout
+
+
 def _not_diffusers(tmp_path):
     (tmp_path / "x").mkdir()
     return str(tmp_path / "x")
@@ -62,6 +87,7 @@ def _unsupported(tmp_path):
         (lambda p: ["--model", _unsupported(p)], "unsupported pipeline 'KandinskyPipeline'"),
         (lambda p: ["--height", "60"], "multiple of 8"),
         (lambda p: ["--steps", "0"], "at least 1"),
+        (lambda p: ["--true-cfg-scale", "2"], "the sdxl model has no true CFG"),
     ],
 )
 def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):

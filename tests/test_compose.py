@@ -68,6 +68,15 @@ def test_services_and_their_roles(compose):
     assert any(v.endswith(":/models:ro") for v in gpu["volumes"])
 
 
+def test_the_api_runs_with_keys_and_takes_the_admin_key_from_the_environment(compose):
+    env = compose["services"]["api"]["environment"]
+    assert env["MESHSERVE_AUTH"] == "keys"
+    # Interpolated from .env or the shell, required (`:?`): the key is never written in the file.
+    assert env["MESHSERVE_ADMIN_KEY"].startswith("${MESHSERVE_ADMIN_KEY:?")
+    assert "msk_" not in env["MESHSERVE_ADMIN_KEY"].split(":?", 1)[0]
+    assert env["MESHSERVE_REDIS_URL"].startswith("redis://redis:")
+
+
 def _host_paths(compose):
     for name, svc in compose["services"].items():
         build = svc.get("build")

@@ -12,6 +12,12 @@ Delivery is at least once (service/store.py): a job is acknowledged only by `com
   that raises is abandoned - no ack, no heartbeat - so its lease lapses and a later claim (here or in another
   pool) takes it again, until the store dead-letters it after `max_deliveries`. A crash of the whole process
   leaves the same state behind, so both faults end the same way.
+- Outputs that cannot be stored (`OutputStoreError` from `complete`: a bucket refusing writes, a full disk) are
+  retried for up to one lease while the heartbeat keeps the job; then the job is abandoned for redelivery like a
+  crashed one, and on its last delivery it ends failed with code "output_store_error" (whatever it wrote is
+  deleted): an output is never lost silently, and a job never succeeds without its outputs.
+- A multi-host pool whose process group failed (`GroupFailed`) abandons its batch and stops claiming; the
+  worker then exits non-zero so the group restarts (workers/multihost.py).
 - Stop (SIGTERM): no new claims; the running batch may finish within `drain_seconds`, else it is stopped at the
   next step and its jobs are released (requeued without spending a delivery), as are claimed leftovers.
 """
@@ -27,10 +33,12 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from meshserve.service.contract import PRIORITY_ORDER, Delivery, JobParams
+from meshserve.service.output_store import OutputStoreError
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
 from meshserve.workers import metrics
 from meshserve.workers.batching import BatchKey, gather_batch
+from meshserve.workers.multihost import GroupFailed
 from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult
 from meshserve.workers.threads import PoolThread
 
@@ -201,6 +209,14 @@ class JobLoop:
                 batch[0], "failed", lambda: self.store.fail(batch[0].delivery, "invalid_request", message)
             )
             return
+        except GroupFailed as e:
+            # A multi-host pool's group is gone (workers/multihost.py): no retry here. The batch is abandoned,
+            # not released, so its deliveries count: a job that kills its group is dead-lettered in the end.
+            log.error("pool %s: %s; leaving %d jobs to their leases", self.pool, e, len(batch))
+            for w in batch:
+                self._abandon(w)
+            self.request_stop(0.0)
+            return
         except Exception as e:
             if len(batch) > 1:
                 log.warning(
@@ -221,9 +237,7 @@ class JobLoop:
             w = by_id[result.job_id]
             if w.job_id not in self._held:  # canceled or fenced while running
                 continue
-            ok = await self._end(
-                w, "succeeded", lambda w=w, r=result: self.store.complete(w.delivery, r.outputs, r.timings)
-            )
+            ok = await self._complete(w, result)
             if ok:
                 metrics.END_TO_END_SECONDS.labels(model).observe(
                     max(0.0, time.time() - w.delivery.job.created_at)
@@ -312,12 +326,56 @@ class JobLoop:
                     await self._release(w)
                 raise _Abandoned
 
-    async def _end(self, w: Work, outcome: str, write: Callable[[], Awaitable[bool]]) -> bool:
-        """Finish a job with one fenced store write; False (fenced) is counted, not raised."""
-        ok = await self._call(write)
+    async def _end(
+        self,
+        w: Work,
+        outcome: str,
+        write: Callable[[], Awaitable[bool]],
+        retry_on: tuple[type[Exception], ...] = (RedisError,),
+    ) -> bool:
+        """Finish a job with one fenced store write; False (fenced) is counted, not raised. A non-Redis error
+        still failing after `_call`'s retries is raised, and the job stays held."""
+        ok = await self._call(write, retry_on)
         self._held.pop(w.job_id, None)
         metrics.JOBS.labels(w.key.model, outcome if ok else "fenced").inc()
         return ok
+
+    async def _complete(self, w: Work, result: RunResult) -> bool:
+        """`complete` with storage errors retried for one lease; past that the job is abandoned (its lease lapses
+        and another delivery runs it again), or, on its last delivery, failed with "output_store_error"."""
+        try:
+            return await self._end(
+                w,
+                "succeeded",
+                lambda: self.store.complete(w.delivery, result.outputs, result.timings),
+                retry_on=(RedisError, OutputStoreError),
+            )
+        except OutputStoreError as e:
+            job_id, count = w.job_id, w.delivery.delivery_count
+            if count < self.settings.max_deliveries:
+                log.error(
+                    "pool %s: job %s: outputs not stored (%s); leaving it for redelivery (delivery %d of %d)",
+                    self.pool,
+                    job_id,
+                    e,
+                    count,
+                    self.settings.max_deliveries,
+                )
+                self._abandon(w)
+                return False
+            message = f"the job's outputs could not be stored after {count} deliveries: {e}"
+            log.error("pool %s: job %s failed: %s", self.pool, job_id, message)
+            failed = await self._end(
+                w, "failed", lambda: self.store.fail(w.delivery, "output_store_error", message)
+            )
+            if failed:  # ours to clean: no other delivery can commit the job any more
+                try:
+                    await self.store.delete_outputs(job_id)
+                except OutputStoreError as cleanup:
+                    log.warning(
+                        "pool %s: job %s: partial outputs left behind: %s", self.pool, job_id, cleanup
+                    )
+            return False
 
     async def _release(self, w: Work) -> None:
         self._active.pop(w.job_id, None)
@@ -334,16 +392,21 @@ class JobLoop:
         self._held.pop(w.job_id, None)  # no more heartbeats: the lease lapses and a later claim retries it
         metrics.JOBS.labels(w.key.model, "abandoned").inc()
 
-    async def _call(self, write: Callable[[], Awaitable[bool]]) -> bool:
-        """A fenced store write, retried while Redis is away for up to one lease (after that the job belongs to
-        another delivery anyway, and the fence refuses the write)."""
+    async def _call(
+        self, write: Callable[[], Awaitable[bool]], retry_on: tuple[type[Exception], ...] = (RedisError,)
+    ) -> bool:
+        """A fenced store write, retried while Redis (or, with `retry_on`, the output store) fails, for up to one
+        lease (after that the job belongs to another delivery anyway, and the fence refuses the write). A Redis
+        error past that is False; any other is raised."""
         deadline = time.monotonic() + self.settings.lease_s
         delay = 0.05
         while True:
             try:
                 return bool(await write())
-            except RedisError as e:
+            except retry_on as e:
                 if time.monotonic() + delay > deadline:
+                    if not isinstance(e, RedisError):
+                        raise
                     log.error("pool %s: store write failed for good: %s", self.pool, e)
                     return False
                 log.warning("pool %s: store write failed (%s); retrying", self.pool, e)

@@ -13,6 +13,7 @@ compiled_batch_size, warm_up, __call__); other runners are picked by name (`runn
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -21,10 +22,23 @@ from typing import Any
 
 import numpy as np
 
-from meshserve.service.contract import JobParams, ModelDefaults, ModelInfo, ModelLimits, OutputBlob
+from meshserve.service.contract import (
+    DEFAULT_FPS,
+    JobParams,
+    ModelDefaults,
+    ModelInfo,
+    ModelLimits,
+    OutputBlob,
+)
 from meshserve.workers.encoding import encode_output
 
 StepCallback = Callable[[int, int], bool | None]
+
+# Pools of one process load their models one at a time. transformers 5's lazy top-level module is not
+# thread-safe: four threads doing `from transformers import CLIPTokenizer` at once raised ImportError in 3 of 3
+# runs here (transformers 5.23), which is what a flux pool and an sdxl pool starting together hit. Loading is
+# reading weights (bandwidth-bound either way); compiling (warm_up) still runs on every pool at once.
+_LOAD_LOCK = threading.Lock()
 
 
 class Cancelled(Exception):  # noqa: N818 - the name says what happened, as GenerationCancelled does
@@ -112,9 +126,10 @@ class PipelineRunner(Runner):
     def load(self) -> None:
         from meshserve.models import load_pipeline  # JAX is imported only by a worker that runs a real model
 
-        self.pipe = load_pipeline(
-            self.path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
-        )
+        with _LOAD_LOCK:
+            self.pipe = load_pipeline(
+                self.path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
+            )
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -147,12 +162,17 @@ class PipelineRunner(Runner):
 
         first = batch[0].params.model_dump()
         # One output per row: jobs with different n, guidance, seeds and negative prompts share one program.
-        prompts, negatives, guidance, seeds = [], [], [], []
+        prompts, negatives, guidance, true_cfg, seeds = [], [], [], [], []
         for req in batch:
             p = req.params
             prompts += [p.prompt] * p.n
             negatives += [p.negative_prompt] * p.n  # None: the family's empty negative (SDXL: zeros)
             guidance += [float(p.guidance_scale)] * p.n
+            # None (a job queued by an older API, or straight into the store): the model's default, off.
+            scale = (
+                p.true_cfg_scale if p.true_cfg_scale is not None else self.pipe.defaults.get("true_cfg_scale")
+            )
+            true_cfg += [scale] * p.n
             seeds += req.seeds()
         # The pipeline says what batch the rows run as (images: padded to a power of two and a multiple of
         # the data axis; video: the exact size). Padding rows repeat the first row and are dropped after
@@ -163,6 +183,10 @@ class PipelineRunner(Runner):
         guidance, seeds = guidance + guidance[:1] * pad, seeds + seeds[:1] * pad
         # The per-batch arguments are the ones the pipeline names (size, steps, scheduler, frames...).
         settings = {name: first[name] for name in self.pipe.batch_fields if first.get(name) is not None}
+        # True CFG (Flux) is per row, for a pipeline whose defaults name it: a batch may mix true-CFG jobs
+        # with plain ones (the pipeline runs the negative pass where a row asks for it). Others never get it.
+        if "true_cfg_scale" in self.pipe.defaults:
+            settings["true_cfg_scale"] = true_cfg + true_cfg[:1] * pad
         try:
             out = self.pipe(
                 prompts,
@@ -205,7 +229,9 @@ def split_and_encode(
         t0 = time.perf_counter()
         outputs = []
         for i in range(req.params.n):
-            data, content_type = encode_output(images[row + i], req.params.output_format)
+            data, content_type = encode_output(
+                images[row + i], req.params.output_format, fps=req.params.fps or DEFAULT_FPS
+            )
             frames = images.shape[1] if images.ndim == 5 else None  # [B, F, H, W, 3] for video
             height, width = images.shape[-3], images.shape[-2]
             outputs.append(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
-from meshserve.service.contract import JobParams, ModelInfo, PoolInfo
+from meshserve.service.contract import DEFAULT_FPS, JobParams, ModelInfo, PoolInfo
 from meshserve.service.schemas import MAX_SEED, GenerateRequest
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -159,12 +159,20 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             "not_supported",
             f"output_format {fmt!r} is not one of {lim.output_formats} for {info.id}",
         )
+    # A model takes a true-CFG scale only when its published defaults have one (Flux); any other refuses it.
+    true_cfg = req.true_cfg_scale if req.true_cfg_scale is not None else d.true_cfg_scale
+    if req.true_cfg_scale is not None and d.true_cfg_scale is None:
+        raise FieldError(
+            "true_cfg_scale",
+            "not_supported",
+            f"{info.id} ({info.family}) has no true CFG; true_cfg_scale must be left out "
+            "(guidance_scale is its guidance)",
+        )
     frames = None
     if lim.frames is None:
-        if req.num_frames is not None:
-            raise FieldError(
-                "num_frames", "not_supported", f"{info.id} makes images; num_frames must be left out"
-            )
+        for name in ("num_frames", "fps"):
+            if getattr(req, name) is not None:
+                raise FieldError(name, "not_supported", f"{info.id} makes images; {name} must be left out")
     else:
         fr = lim.frames
         frames = req.num_frames if req.num_frames is not None else fr.default
@@ -182,6 +190,8 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         num_frames=frames,
         num_inference_steps=steps,
         guidance_scale=req.guidance_scale if req.guidance_scale is not None else d.guidance_scale,
+        true_cfg_scale=true_cfg,
+        fps=None if lim.frames is None else (req.fps if req.fps is not None else d.fps or DEFAULT_FPS),
         scheduler=req.scheduler,
         seed=req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1),
         n=req.n,

@@ -2,8 +2,10 @@
 
 Bad input is a 422 naming the field and the rule (`code` is the rule: pydantic's error type such as
 `greater_than_equal` or `missing`, `invalid_json` for malformed JSON, or a per-model rule such as `not_multiple`);
-unknown things are 404s; a full queue is a 429 and an unavailable Redis or no ready pool a 503, both with
-`Retry-After`. Nothing reaches the client as a 500.
+unknown things are 404s (another tenant's job too: exactly the answer an unknown id gets); a missing or bad API
+key is a 401 (`service/api/authentication.py`), a body over the limit a 413; a full queue, a key past its rate or
+a tenant at its active-job limit is a 429 and an unavailable Redis or no ready pool a 503, all with `Retry-After`.
+Nothing reaches the client as a 500.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshserve.service import metrics
 from meshserve.service.contract import IdempotencyConflict, QueueFull
+from meshserve.service.output_store import OutputStoreError
 from meshserve.service.schemas import ErrorResponse
+from meshserve.service.store import TooManyActiveJobs
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,10 @@ def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400:
+        # FastAPI's answer to a body it could not even decode (not UTF-8, digits past Python's int limit):
+        # malformed JSON like any other, in the documented shape and status.
+        return error_response(422, "invalid_json", f"the body is not valid JSON: {exc.detail}", "body")
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
 
@@ -100,6 +108,12 @@ def _on_queue_full(request: Request, exc: QueueFull) -> JSONResponse:
     metrics.JOBS_REJECTED.labels("queue_full").inc()
     retry = str(request.app.state.settings.retry_after_s)
     return error_response(429, "queue_full", str(exc), "model", {"Retry-After": retry})
+
+
+def _on_too_many_active(request: Request, exc: TooManyActiveJobs) -> JSONResponse:
+    metrics.JOBS_REJECTED.labels("too_many_active_jobs").inc()
+    retry = str(request.app.state.settings.retry_after_s)
+    return error_response(429, "too_many_active_jobs", str(exc), None, {"Retry-After": retry})
 
 
 def _on_idempotency(request: Request, exc: IdempotencyConflict) -> JSONResponse:
@@ -117,12 +131,26 @@ def _on_redis(request: Request, exc: RedisError) -> JSONResponse:
     )
 
 
+def _on_output_store(request: Request, exc: OutputStoreError) -> JSONResponse:
+    log.warning("output store unavailable: %s", exc)
+    retry = str(request.app.state.settings.retry_after_s)
+    return error_response(
+        503,
+        "output_store_unavailable",
+        f"the output store is unavailable: {exc}",
+        None,
+        {"Retry-After": retry},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(QueueFull, _on_queue_full)
+    app.add_exception_handler(TooManyActiveJobs, _on_too_many_active)
     app.add_exception_handler(IdempotencyConflict, _on_idempotency)
     app.add_exception_handler(RedisError, _on_redis)
+    app.add_exception_handler(OutputStoreError, _on_output_store)
     # OSError covers a Redis that refuses connections before redis-py wraps it (e.g. during DNS/connect).
     app.add_exception_handler(OSError, _on_redis)

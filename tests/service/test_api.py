@@ -472,8 +472,8 @@ async def test_openai_images_keep_absolute_output_urls(make_settings, tmp_path):
             r = await client.post("/v1/images/generations", json={"prompt": "x"})
             assert r.status_code == 200, r.text
             (image,) = r.json()["data"]
-            job_id = image["url"].split("/")[-2]
-            assert image["url"] == f"https://cdn.example/outputs/{job_id}/0.png"
-            assert (tmp_path / job_id / "0.png").is_file()
+            job_id, token = image["url"].split("/")[-3:-1]
+            assert image["url"] == f"https://cdn.example/outputs/{job_id}/{token}/0.png"
+            assert (tmp_path / job_id / token / "0.png").is_file()
         finally:
             await worker.stop()

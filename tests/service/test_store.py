@@ -261,10 +261,14 @@ async def test_outputs_in_a_directory(make_settings, tmp_path, url_base):
         (d,) = await store.claim(["toy"], "c1")
         assert await store.start(d) and await store.complete(d, [blob(0), blob(1)])
         done = await store.get(job.id)
-        assert (tmp_path / job.id / "1.png").read_bytes() == b"img1"
+        # Under a per-job random token (128 bits): an output URL is unguessable even knowing the job id; and
+        # under the attempt that committed it (a stale attempt writes elsewhere).
+        token = await store.redis.hget(store.job_key(job.id), "out_token")
+        assert len(token) == 22 and token != job.id
+        assert (tmp_path / job.id / f"{token}-1" / "1.png").read_bytes() == b"img1"
         assert await store.output(job.id, 1) == b"img1" and await store.output(job.id, 2) is None
         assert not await store.redis.exists(store.output_key(job.id, 1))  # not in Redis as well
-        expected = f"{url_base}/{job.id}/0.png" if url_base else f"/v1/jobs/{job.id}/outputs/0"
+        expected = f"{url_base}/{job.id}/{token}-1/0.png" if url_base else f"/v1/jobs/{job.id}/outputs/0"
         assert done.outputs[0].url == expected
     finally:
         await drop_keys(store)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
+from meshserve.service.api.deps import current_tenant
 from meshserve.service.api.errors import FieldError
 from meshserve.service.contract import JobStatus
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, JobResponse
@@ -26,7 +27,8 @@ ERRORS = {
     422: {"model": ErrorResponse, "description": "A field breaks a rule; `field` names it, `code` the rule."},
     429: {
         "model": ErrorResponse,
-        "description": "The model's queue is full; retry after `Retry-After` seconds.",
+        "description": "The model's queue is full, the key is past its requests per minute, or the tenant has "
+        "its limit of queued + running jobs; retry after `Retry-After` seconds.",
     },
     503: {"model": ErrorResponse, "description": "No ready pool, or the store is down; see `Retry-After`."},
 }
@@ -87,11 +89,14 @@ def idempotency_key(request: Request) -> str | None:
 async def create_job(body: GenerateRequest, request: Request) -> Response:
     state = request.app.state
     store, settings = state.store, state.settings
+    tenant = await current_tenant(request)
     key = idempotency_key(request)
     served = await state.catalog.resolve(body.model)
     params = normalise(body, served.info, settings.max_prompt_chars)
     digest = request_hash(body.model_dump(mode="json", exclude_unset=True)) if key else ""
-    job = await store.submit(params, body.priority, key, request_digest=digest)
+    job = await store.submit(
+        params, body.priority, key, request_digest=digest, owner=tenant.name, max_active=tenant.max_active
+    )
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
     wait_s = prefer_wait(request.headers.get("prefer"), settings.max_wait_s)

@@ -7,10 +7,11 @@ import time
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 
 from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
-from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep
+from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, TenantDep
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.routes.generate import ERRORS
 from meshserve.service.contract import JobStatus
@@ -34,20 +35,35 @@ router = APIRouter(tags=["openai"])
     summary="Create images (OpenAI shape)",
 )
 async def create_image(
-    body: ImagesRequest, request: Request, store: StoreDep, catalog: CatalogDep, settings: SettingsDep
+    body: ImagesRequest,
+    request: Request,
+    store: StoreDep,
+    catalog: CatalogDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
 ) -> ImagesResponse:
     served = await catalog.resolve(body.model)
     width = height = None
     if body.size:
         width, height = (int(v) for v in body.size.split("x"))
-    req = GenerateRequest(model=served.info.id, prompt=body.prompt, n=body.n, width=width, height=height)
+    try:
+        req = GenerateRequest(model=served.info.id, prompt=body.prompt, n=body.n, width=width, height=height)
+    except ValidationError as e:  # e.g. size "0x0": the pattern admits it, the sizes' rules do not
+        first = e.errors()[0]
+        field = (
+            "size"
+            if first["loc"] and first["loc"][0] in ("width", "height")
+            else ".".join(map(str, first["loc"]))
+        )
+        metrics.JOBS_REJECTED.labels("invalid").inc()
+        raise FieldError(field, first["type"], f"{field}: {first['msg']}") from None
     try:
         params = normalise(req, served.info, settings.max_prompt_chars)
     except FieldError as e:
         if e.field in ("width", "height"):  # this route's clients sent `size`, not width and height
             e.field = "size"
         raise
-    job = await store.submit(params)
+    job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
     metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
     job = await store.wait(job.id, settings.openai_timeout_s) or job
     if job.status == JobStatus.FAILED:

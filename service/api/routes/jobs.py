@@ -19,6 +19,9 @@ from meshserve.service.schemas import ErrorResponse, JobResponse
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
 NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job (or it expired)."}}
 _STREAM_ID = r"^\d{1,20}-\d{1,20}$"
+# Far above any job's outputs (n <= a model's max_n): a bound so that a huge index is a 422, not a parse of
+# thousands of digits.
+MAX_OUTPUT_INDEX = 65535
 
 
 @router.get("/{job_id}", response_model=JobResponse, responses=NOT_FOUND, summary="Read a job")
@@ -94,7 +97,9 @@ def _valid_stream_id(value: str) -> bool:
     response_class=Response,
     summary="Download an output",
 )
-async def read_job_output(job: JobDep, store: StoreDep, index: int = Path(ge=0)) -> Response:
+async def read_job_output(
+    job: JobDep, store: StoreDep, index: int = Path(ge=0, le=MAX_OUTPUT_INDEX)
+) -> Response:
     if job.status != JobStatus.SUCCEEDED:
         raise ApiError(
             404,

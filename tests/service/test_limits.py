@@ -1,0 +1,203 @@
+"""Resource limits (issue 11; OWASP API4 unrestricted resource consumption) over HTTP (ASGI) on the real Redis:
+per-key requests per minute shared by every replica (429 + Retry-After + the IETF draft's RateLimit headers),
+active jobs per tenant (pruned as jobs end, so a tenant is never locked out), bodies over the limit (413 before
+parsing), non-finite and out-of-range numbers, bounded metadata, and path/id abuse on every job route."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+
+import httpx
+import pytest
+
+from meshserve.service.app import create_app
+from meshserve.service.auth import KeyStore
+from meshserve.service.store import Store
+from tests.service.conftest import FakeWorker, api_client
+
+pytestmark = pytest.mark.anyio
+RATELIMIT = re.compile(r'^"per-minute";r=(\d+);t=(\d+)$')
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_requests_per_minute_are_shared_by_replicas_and_answered_429_with_headers(make_settings):
+    settings = make_settings(auth="keys")
+    async with api_client(settings) as (first, store):
+        replica = create_app(settings, Store(settings))
+        async with replica.router.lifespan_context(replica):
+            transport = httpx.ASGITransport(app=replica)
+            async with httpx.AsyncClient(transport=transport, base_url="http://replica") as second:
+                key = await KeyStore(store.redis, store.prefix).create(
+                    "erin", rate_per_minute=3, max_active=0
+                )
+                answers = [
+                    await client.get("/v1/models", headers=bearer(key))
+                    for client in (first, second, first, second)
+                ]
+            await replica.state.store.close()
+    assert [r.status_code for r in answers] == [200, 200, 200, 429]
+    for r in answers:
+        assert r.headers["ratelimit-policy"] == '"per-minute";q=3;w=60'
+    remaining = [int(RATELIMIT.match(r.headers["ratelimit"]).group(1)) for r in answers]
+    assert remaining == [2, 1, 0, 0]
+    refused = answers[-1]
+    assert refused.json()["error"]["code"] == "rate_limited"
+    # One token comes back every 20 s (3 per minute): that is when to retry, and what RateLimit's t says.
+    t = int(RATELIMIT.match(refused.headers["ratelimit"]).group(2))
+    assert 1 <= int(refused.headers["retry-after"]) == t <= 20
+
+
+async def test_a_key_without_a_rate_sends_no_ratelimit_headers(make_settings):
+    async with api_client(make_settings(auth="keys")) as (client, store):
+        key = await KeyStore(store.redis, store.prefix).create("free", rate_per_minute=0, max_active=0)
+        r = await client.get("/v1/models", headers=bearer(key))
+        assert r.status_code == 200 and "ratelimit" not in r.headers
+
+
+async def test_active_jobs_per_tenant_are_limited_and_freed_when_jobs_end(make_settings):
+    async with api_client(make_settings(auth="keys")) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        ks = KeyStore(store.redis, store.prefix)
+        key = await ks.create("frank", rate_per_minute=0, max_active=2)
+        other = await ks.create("grace", rate_per_minute=0, max_active=2)
+        ids = []
+        for _ in range(2):
+            r = await client.post("/v1/generate", json={"prompt": "x"}, headers=bearer(key))
+            assert r.status_code == 202, r.text
+            ids.append(r.json()["id"])
+        r = await client.post("/v1/generate", json={"prompt": "x"}, headers=bearer(key))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_active_jobs"
+        assert int(r.headers["retry-after"]) >= 1
+        r = await client.post("/v1/images/generations", json={"prompt": "x"}, headers=bearer(key))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_active_jobs"
+        # Another tenant is not affected.
+        assert (
+            await client.post("/v1/generate", json={"prompt": "x"}, headers=bearer(other))
+        ).status_code == 202
+        # A canceled job frees its place...
+        assert (await client.post(f"/v1/jobs/{ids[0]}/cancel", headers=bearer(key))).status_code == 200
+        r = await client.post("/v1/generate", json={"prompt": "x"}, headers=bearer(key))
+        assert r.status_code == 202, r.text
+        # ... and so do finished ones (the worker ends them through its own scripts; nothing decrements).
+        worker.start()
+        for _ in range(500):
+            if len(worker.finished) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        for _ in range(2):
+            r = await client.post("/v1/generate", json={"prompt": "x"}, headers=bearer(key))
+            assert r.status_code == 202, r.text
+        await worker.stop()
+
+
+async def test_a_body_over_the_limit_is_413_before_it_is_parsed(make_settings):
+    async with api_client(make_settings(max_body_bytes=4096)) as (client, store):
+        await FakeWorker(store).register()
+        big = b'{"prompt": "' + b"x" * 5000 + b'"}'
+        r = await client.post("/v1/generate", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        async def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(10):
+                yield b"x" * 1000
+
+        r = await client.post("/v1/generate", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "content-length" not in r.request.headers
+        # Not JSON at all, but over the limit: still 413, the parser never saw it.
+        r = await client.post("/v1/images/generations", content=b"\xff" * 5000)
+        assert r.status_code == 413
+        ok = await client.post("/v1/generate", json={"prompt": "x" * 1000})
+        assert ok.status_code == 202, ok.text
+
+
+async def test_the_default_body_limit_is_one_mebibyte(api):
+    client, *_ = api
+    body = b'{"prompt": "' + b"x" * (1 << 20) + b'"}'
+    r = await client.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "code"),
+    [
+        ('"guidance_scale": NaN', "guidance_scale", "finite_number"),
+        ('"guidance_scale": Infinity', "guidance_scale", "finite_number"),
+        ('"guidance_scale": -Infinity', "guidance_scale", "finite_number"),
+        ('"guidance_scale": 1e309', "guidance_scale", "finite_number"),
+        # A union's first branch names the error; the message lists each branch's rule (finite_number too).
+        ('"metadata": {"a": NaN}', "metadata.a.str", "string_type"),
+        ('"metadata": {"a": 1e309}', "metadata.a.str", "string_type"),
+        ('"metadata": {"a": 9007199254740993}', "metadata", "out_of_range"),
+        ('"metadata": {"a": "' + "x" * 1025 + '"}', "metadata", "string_too_long"),
+        ('"metadata": {"' + "k" * 65 + '": 1}', "metadata", "metadata_key_length"),
+        ('"metadata": {"a": [1]}', "metadata.a.str", "string_type"),
+        ('"width": 1e309', "width", "finite_number"),
+        ('"width": 100000000000000000000000000000', "width", "out_of_range"),
+        ('"seed": 4294967296', "seed", "less_than_equal"),
+        ('"seed": -1', "seed", "greater_than_equal"),
+        ('"n": 1000000000000', "n", "out_of_range"),
+        ('"num_inference_steps": 1e3', "num_inference_steps", "out_of_range"),
+    ],
+)
+async def test_numbers_are_finite_and_in_range(api, raw, field, code):
+    client, *_ = api
+    body = '{"model": "toy", "prompt": "x", ' + raw + "}"
+    r = await client.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, code), err
+    if "NaN" in raw or "e309" in raw:
+        assert "finite_number" in err["message"]
+
+
+async def test_a_number_with_thousands_of_digits_is_a_422(api):
+    client, *_ = api
+    body = '{"model": "toy", "prompt": "x", "seed": ' + "9" * 5000 + "}"
+    r = await client.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_json", r.text
+    # A body that is not even UTF-8: the same answer (FastAPI's own is a 400 in another shape).
+    r = await client.post(
+        "/v1/generate", content=b"\xce\xb8\xff\x04@", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_json", r.text
+
+
+async def test_path_and_id_abuse_is_answered_4xx(api):
+    client, store, worker = api
+    worker.start()
+    r = await client.post("/v1/generate", json={"model": "toy", "prompt": "x"})
+    job_id = r.json()["id"]
+    for _ in range(500):
+        if (await client.get(f"/v1/jobs/{job_id}")).json()["status"] == "succeeded":
+            break
+        await asyncio.sleep(0.01)
+    ids = ["..", "%2e%2e", "..%2f..%2fetc%2fpasswd", "a%00b", "%00", "x" * 5000, "*", "job%0d%0aX: y", "%ff"]
+    for bad in ids:
+        for method, suffix in (("GET", ""), ("POST", "/cancel"), ("GET", "/events"), ("GET", "/outputs/0")):
+            r = await client.request(method, f"/v1/jobs/{bad}{suffix}")
+            assert 400 <= r.status_code < 500, (bad, suffix, r.status_code, r.text[:200])
+            assert "x" * 100 not in r.text  # a 5,000-character id is not echoed back whole
+    for index in ("-1", "65536", "1" + "0" * 30, "9" * 5000, "1.5", "0x1", "%00"):
+        r = await client.get(f"/v1/jobs/{job_id}/outputs/{index}")
+        assert r.status_code == 422, (index, r.status_code, r.text[:200])
+    assert (await client.get(f"/v1/jobs/{job_id}/outputs/1")).status_code == 404  # n=1: only index 0
+    assert (await client.get(f"/v1/jobs/{job_id}/outputs/0")).status_code == 200
+    # Event ids are checked too: a malformed Last-Event-ID restarts the stream instead of reaching Redis.
+    r = await client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "../../x"})
+    assert r.status_code == 200 and "event: succeeded" in r.text
+    assert uuid.UUID(job_id)
+
+
+async def test_a_zero_size_on_the_openai_route_is_a_422_naming_size(api):
+    """Found by the fuzzer: "0x0" matches the size pattern and was a 500 (GenerateRequest raised in the handler)."""
+    client, *_ = api
+    for size in ("0x0", "0x64", "64x0"):
+        r = await client.post("/v1/images/generations", json={"prompt": "x", "size": size})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == "size" and r.json()["error"]["code"] == "greater_than"
