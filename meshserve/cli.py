@@ -20,6 +20,8 @@ def _generate(args: argparse.Namespace) -> int:
     # Sizes are checked by the pipeline (its limits: a family's size multiple, frame rules), after loading.
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.fps is not None and not 1 <= args.fps <= 120:
+        raise UsageError(f"--fps must be between 1 and 120, got {args.fps}")
     out = Path(args.output)
     if out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp", ".mp4"):
         raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg, .webp or .mp4, got {out.name}")
@@ -75,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
     fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
     for output, path in zip(outputs, paths, strict=True):
         try:
-            data, _ = encode_output(output, fmt)
+            data, _ = encode_output(output, fmt, fps=args.fps or pipe.defaults.get("fps", 16))
         except ValueError as e:  # e.g. a video to .png
             raise UsageError(str(e)) from None
         path.write_bytes(data)
@@ -154,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("-n", type=int, default=1, help="images (or videos) for the prompt")
     gen.add_argument("--frames", type=int, default=None, help="video models: frames per video")
+    gen.add_argument(
+        "--fps",
+        type=int,
+        default=None,
+        help="video models: frame rate of the .mp4/.webp (default: the model's)",
+    )
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.set_defaults(func=_generate)
 
