@@ -44,6 +44,16 @@ def fit_blocks(sq: int, sk: int, head_dim: int, block_q: int, block_kv: int) -> 
     return bq, bk
 
 
+def even_block(length: int, block: int) -> int:
+    """The block a sequence of `length` is cut into: as many blocks as `block` needs, made as even as possible
+    (rounded up to 8 rows), so the last one is not mostly padding. At 1152 tokens (Flux at 512x512: 1024 image +
+    128 text) blocks of 512 pad to 1536, 1.78x the score work of blocks of 384, which pad to nothing."""
+    count = -(-length // block)
+    if count <= 1:
+        return length
+    return min(block, (-(-length // count) + 7) // 8 * 8)
+
+
 def _pad_axis(x, axis: int, size: int, value=0):
     extra = size - x.shape[axis]
     if extra == 0:
@@ -56,7 +66,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 def _kv_blocks(k, v, kv_mask, block_kv: int):
     """Pad K/V to whole blocks; padded keys are switched off by the same mask as the caller's kv_mask."""
     b, sk = k.shape[:2]
-    bk = min(block_kv, sk)
+    bk = even_block(sk, block_kv)
     nk = -(-sk // bk)
     if kv_mask is not None or nk * bk != sk:
         kv_mask = jnp.ones((b, sk), bool) if kv_mask is None else kv_mask
@@ -144,7 +154,7 @@ def xla_blockwise(
     q_offset = k.shape[1] - sq if q_offset is None else q_offset
     out_dtype = q.dtype if out_dtype is None else out_dtype
     k, v, kv_mask, bk, nk = _kv_blocks(k, v, kv_mask, block_kv)
-    bq = min(block_q, sq)
+    bq = even_block(sq, block_q)
     nq = -(-sq // bq)
     q = _pad_axis(q, 1, nq * bq)
 
@@ -197,7 +207,7 @@ def init_state(q, block_q: int = 512):
     at N=2, 52 -> 28 at N=4).
     """
     b, sq, h, d = q.shape
-    bq = min(block_q, sq)
+    bq = even_block(sq, block_q)
     sq_pad = -(-sq // bq) * bq
     return (
         jnp.full((b, h, sq_pad), -jnp.inf, jnp.float32),
@@ -224,7 +234,7 @@ def accumulate(
     sq, d = q.shape[1], q.shape[-1]
     scale = d**-0.5 if scale is None else scale
     k, v, kv_mask, bk, nk = _kv_blocks(k, v, kv_mask, block_kv)
-    bq = min(block_q, sq)
+    bq = even_block(sq, block_q)
     q = _pad_axis(q, 1, state[0].shape[-1])
 
     def q_step(state, iq):
