@@ -12,20 +12,20 @@ so both are the same architecture.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
-
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from meshserve.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
-from meshserve.models.loading import abstract_module, to_torch_layout, torch_key, write_safetensors
+from meshserve.models.embedded_folder import (
+    RandomComponent,
+    cached_model_folder,
+    clip_text_config,
+    write_pipeline_folder,
+)
+from meshserve.models.embedded_folder import (
+    cache_root as cache_root,  # re-exported: models/compile_cache.py keeps its cache beside the models
+)
 from meshserve.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
 
 VERSION = "tiny-sdxl-v1"  # bump when anything below changes: the cache folder is keyed by it
@@ -79,115 +79,42 @@ SCHEDULER = dict(
 )
 
 
-def cache_root() -> Path:
-    base = os.environ.get("MESHSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "meshserve"
-    )
-    return Path(base)
-
-
 def embedded_model_path() -> Path:
     """The embedded model's folder, built on first use (under a second) and reused after."""
-    path = cache_root() / "models" / VERSION
-    if (path / "model_index.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: two processes starting at once never see half a folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{VERSION}-", dir=path.parent))
-    try:
-        write_embedded_model(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its folder is as good as ours
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _write_config(folder: Path, config: dict, name: str = "config.json") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(json.dumps(config, indent=2))
-
-
-def random_weights(module: nnx.Module, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """PyTorch-named, PyTorch-layout random weights for an (abstract) module, by numpy alone.
-
-    numpy rather than the modules' own initialisers: eager JAX init dispatches one small program per
-    parameter (46 s for this tiny model on 2 cores, measured), numpy takes well under a second, and
-    numpy's generator gives the same bits on every platform. Kernels ~ N(0, 1/fan_in), norms 1, biases 0.
-    """
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        leaf, shape = str(path[-1]), tuple(var.get_value().shape)
-        if leaf == "scale":
-            value = np.ones(shape, np.float32)
-        elif leaf == "bias":
-            value = np.zeros(shape, np.float32)
-        else:
-            fan_in = int(np.prod(shape[:-1])) if leaf == "kernel" else shape[-1]
-            value = (rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))).astype(np.float32)
-        out[torch_key(path)] = np.ascontiguousarray(to_torch_layout(leaf, value))
-    return out
+    return cached_model_folder(VERSION, write_embedded_model)
 
 
 def write_embedded_model(out: Path, seed: int = 0) -> Path:
     out = Path(out)
     vocab = build_tiny_clip_tokenizer(out / "tokenizer")
     build_tiny_clip_tokenizer(out / "tokenizer_2", pad_token="!")  # SDXL's second tokenizer pads with "!"
-    # <|startoftext|> and <|endoftext|> are the last two ids; the pooled output reads the first eos.
-    special = dict(vocab_size=vocab, bos_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
-
     components = [
-        (
+        RandomComponent(
             "text_encoder",
             CLIPTextModel,
             CLIPTextConfig,
-            {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model", **special, **TEXT_ENCODER},
+            clip_text_config("CLIPTextModel", vocab, TEXT_ENCODER),
         ),
-        (
+        RandomComponent(
             "text_encoder_2",
             CLIPTextModelWithProjection,
             CLIPTextConfig,
-            {
-                "architectures": ["CLIPTextModelWithProjection"],
-                "model_type": "clip_text_model",
-                **special,
-                **TEXT_ENCODER_2,
-            },
+            clip_text_config("CLIPTextModelWithProjection", vocab, TEXT_ENCODER_2),
         ),
-        (
+        RandomComponent(
             "unet",
             UNet2DConditionModel,
             UNet2DConditionConfig,
             {"_class_name": "UNet2DConditionModel", **UNET},
         ),
-        ("vae", AutoencoderKL, AutoencoderKLConfig, {"_class_name": "AutoencoderKL", **VAE}),
+        RandomComponent("vae", AutoencoderKL, AutoencoderKLConfig, {"_class_name": "AutoencoderKL", **VAE}),
     ]
-    for i, (name, cls, config_cls, raw) in enumerate(components):
-        config = config_cls.from_config(raw)
-        module = abstract_module(lambda rngs: cls(config, dtype=jnp.float32, rngs=rngs))  # noqa: B023
-        _write_config(out / name, raw)
-        weights_name = (
-            "model.safetensors" if name.startswith("text_encoder") else "diffusion_pytorch_model.safetensors"
-        )
-        write_safetensors(out / name / weights_name, random_weights(module, np.random.default_rng(seed + i)))
-    _write_config(
-        out / "scheduler", {"_class_name": "EulerDiscreteScheduler", **SCHEDULER}, "scheduler_config.json"
-    )
-    _write_config(
+    return write_pipeline_folder(
         out,
-        {
-            "_class_name": "StableDiffusionXLPipeline",
-            "force_zeros_for_empty_prompt": True,
-            "scheduler": ["diffusers", "EulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "CLIPTextModel"],
-            "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-            "tokenizer": ["transformers", "CLIPTokenizer"],
-            "tokenizer_2": ["transformers", "CLIPTokenizer"],
-            "unet": ["diffusers", "UNet2DConditionModel"],
-            "vae": ["diffusers", "AutoencoderKL"],
-        },
-        "model_index.json",
+        "StableDiffusionXLPipeline",
+        components,
+        tokenizers={"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer"},
+        scheduler=("EulerDiscreteScheduler", SCHEDULER),
+        seed=seed,
+        pipeline_config={"force_zeros_for_empty_prompt": True},
     )
-    return out

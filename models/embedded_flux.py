@@ -12,19 +12,19 @@ The configs below are also what the tests' diffusers-built checkpoints use (test
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
 from meshserve.models.clip import CLIPTextConfig, CLIPTextModel
 from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
-from meshserve.models.embedded import cache_root, random_weights
-from meshserve.models.loading import abstract_module, write_safetensors
+from meshserve.models.embedded_folder import (
+    RandomComponent,
+    cached_model_folder,
+    clip_text_config,
+    write_pipeline_folder,
+)
 from meshserve.models.t5 import T5Config, T5EncoderModel
 from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
 from meshserve.models.transformer_flux import FluxTransformer2DConfig, FluxTransformer2DModel
@@ -103,41 +103,10 @@ SCHEDULER = dict(
 # FLUX.1-schnell's: static shift 1 (for the tests' schnell-type checkpoint).
 SCHNELL_SCHEDULER = dict(SCHEDULER, shift=1.0, use_dynamic_shifting=False)
 
-# diffusers' FluxPipeline model_index.json entries (the real FLUX.1 folders' classes).
-MODEL_INDEX = {
-    "_class_name": "FluxPipeline",
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "CLIPTextModel"],
-    "text_encoder_2": ["transformers", "T5EncoderModel"],
-    "tokenizer": ["transformers", "CLIPTokenizer"],
-    "tokenizer_2": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "FluxTransformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-}
-
 
 def embedded_flux_path() -> Path:
     """The embedded tiny Flux's folder, built on first use and reused after (same cache root as tiny-sdxl)."""
-    path = cache_root() / "models" / VERSION
-    if (path / "model_index.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: two processes starting at once never see half a folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{VERSION}-", dir=path.parent))
-    try:
-        write_embedded_flux(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its folder is as good as ours
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _write_config(folder: Path, config: dict, name: str = "config.json") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(json.dumps(config, indent=2))
+    return cached_model_folder(VERSION, write_embedded_flux)
 
 
 def _join_single_proj_out(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -156,19 +125,10 @@ def _join_single_proj_out(weights: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
 
 def write_embedded_flux(out: Path, seed: int = 0) -> Path:
+    """The folder as the real FLUX.1 ones are (their model_index.json's classes)."""
     out = Path(out)
     clip_vocab = build_tiny_clip_tokenizer(out / "tokenizer")
     t5_vocab = build_tiny_t5_tokenizer(out / "tokenizer_2")
-    # <|startoftext|> and <|endoftext|> are the CLIP vocabulary's last two ids; the pooled output reads the
-    # first end-of-text token.
-    clip_special = dict(bos_token_id=clip_vocab - 2, eos_token_id=clip_vocab - 1, pad_token_id=clip_vocab - 1)
-    clip_raw = {
-        "architectures": ["CLIPTextModel"],
-        "model_type": "clip_text_model",
-        "vocab_size": clip_vocab,
-        **clip_special,
-        **TEXT_ENCODER,
-    }
     t5_raw = {
         "architectures": ["T5EncoderModel"],
         "model_type": "t5",
@@ -176,48 +136,28 @@ def write_embedded_flux(out: Path, seed: int = 0) -> Path:
         "is_encoder_decoder": True,
         **T5,
     }
-    transformer_raw = {"_class_name": "FluxTransformer2DModel", **TRANSFORMER}
-    vae_raw = {"_class_name": "AutoencoderKL", **VAE}
     components = [
-        (
+        RandomComponent(
             "text_encoder",
-            clip_raw,
-            "model.safetensors",
-            lambda rngs: CLIPTextModel(CLIPTextConfig.from_config(clip_raw), dtype=jnp.float32, rngs=rngs),
+            CLIPTextModel,
+            CLIPTextConfig,
+            clip_text_config("CLIPTextModel", clip_vocab, TEXT_ENCODER),
         ),
-        (
-            "text_encoder_2",
-            t5_raw,
-            "model.safetensors",
-            lambda rngs: T5EncoderModel(T5Config.from_config(t5_raw), dtype=jnp.float32, rngs=rngs),
-        ),
-        (
+        RandomComponent("text_encoder_2", T5EncoderModel, T5Config, t5_raw),
+        RandomComponent(
             "transformer",
-            transformer_raw,
-            "diffusion_pytorch_model.safetensors",
-            lambda rngs: FluxTransformer2DModel(
-                FluxTransformer2DConfig.from_config(transformer_raw), dtype=jnp.float32, rngs=rngs
-            ),
+            FluxTransformer2DModel,
+            FluxTransformer2DConfig,
+            {"_class_name": "FluxTransformer2DModel", **TRANSFORMER},
+            to_checkpoint=lambda weights, rng: _join_single_proj_out(weights),
         ),
-        (
-            "vae",
-            vae_raw,
-            "diffusion_pytorch_model.safetensors",
-            lambda rngs: AutoencoderKL(
-                AutoencoderKLConfig.from_config(vae_raw), dtype=jnp.float32, rngs=rngs
-            ),
-        ),
+        RandomComponent("vae", AutoencoderKL, AutoencoderKLConfig, {"_class_name": "AutoencoderKL", **VAE}),
     ]
-    for i, (name, raw, weights_name, factory) in enumerate(components):
-        weights = random_weights(abstract_module(factory), np.random.default_rng(seed + i))
-        if name == "transformer":
-            weights = _join_single_proj_out(weights)
-        _write_config(out / name, raw)
-        write_safetensors(out / name / weights_name, weights)
-    _write_config(
-        out / "scheduler",
-        {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER},
-        "scheduler_config.json",
+    return write_pipeline_folder(
+        out,
+        "FluxPipeline",
+        components,
+        tokenizers={"tokenizer": "CLIPTokenizer", "tokenizer_2": "T5TokenizerFast"},
+        scheduler=("FlowMatchEulerDiscreteScheduler", SCHEDULER),
+        seed=seed,
     )
-    _write_config(out, MODEL_INDEX, "model_index.json")
-    return out

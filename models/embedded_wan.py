@@ -6,8 +6,8 @@ diffusers WanPipeline folder (model_index.json, configs, safetensors in PyTorch 
 tokenizer built offline, Wan 2.1's UniPC scheduler config with flow_shift 3), so it goes through exactly the
 loading path a real checkpoint takes, and diffusers' WanPipeline.from_pretrained opens it too.
 
-Sizes: the transformer, UMT5 and VAE of tests/fixtures/tiny_wan.py (there built by diffusers/transformers, here
-by numpy; the shapes are the same). Its RoPE tables address 32 positions per axis, fewer than diffusers'
+The configs below are also what the tests' diffusers-built checkpoint uses (tests/fixtures/tiny_wan.py), so
+both are the same architecture. Its RoPE tables address 32 positions per axis, fewer than diffusers'
 default 480x832 grid needs, so models/pipelines/wan.py serves it at its small defaults (32x48 pixels, 5 frames,
 4 steps) and caps sizes at what the tables address: a video of noise-like colour in well under a second of
 denoising on a CPU. It exists so that `meshserve serve --model tiny-wan` returns an MP4 on a fresh machine.
@@ -15,17 +15,12 @@ denoising on a CPU. It exists so that `meshserve serve --model tiny-wan` returns
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from meshserve.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig
-from meshserve.models.embedded import cache_root, random_weights
-from meshserve.models.loading import abstract_module, write_safetensors
+from meshserve.models.embedded_folder import RandomComponent, cached_model_folder, write_pipeline_folder
 from meshserve.models.t5 import T5Config, T5EncoderModel
 from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
 from meshserve.models.transformer_wan import WanTransformer3DConfig, WanTransformer3DModel
@@ -88,39 +83,10 @@ SCHEDULER = dict(
     flow_shift=3.0,
 )
 
-# diffusers' WanPipeline model_index.json entries (the real Wan 2.1 folders' classes).
-MODEL_INDEX = {
-    "_class_name": "WanPipeline",
-    "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-    "text_encoder": ["transformers", "UMT5EncoderModel"],
-    "tokenizer": ["transformers", "T5TokenizerFast"],
-    "transformer": ["diffusers", "WanTransformer3DModel"],
-    "vae": ["diffusers", "AutoencoderKLWan"],
-}
-
 
 def embedded_wan_path() -> Path:
     """The embedded tiny Wan's folder, built on first use and reused after (same cache root as tiny-sdxl)."""
-    path = cache_root() / "models" / VERSION
-    if (path / "model_index.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: two processes starting at once never see half a folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{VERSION}-", dir=path.parent))
-    try:
-        write_embedded_wan(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its folder is as good as ours
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _write_config(folder: Path, config: dict, name: str = "config.json") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(json.dumps(config, indent=2))
+    return cached_model_folder(VERSION, write_embedded_wan)
 
 
 def _vae_to_diffusers(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -148,6 +114,7 @@ def _perturb_norms(weights: dict[str, np.ndarray], rng: np.random.Generator) -> 
 
 
 def write_embedded_wan(out: Path, seed: int = 0) -> Path:
+    """The folder as the real Wan 2.1 ones are (their model_index.json's classes)."""
     out = Path(out)
     vocab = build_tiny_t5_tokenizer(out / "tokenizer")
     if vocab > UMT5["vocab_size"]:
@@ -160,45 +127,28 @@ def write_embedded_wan(out: Path, seed: int = 0) -> Path:
         "is_encoder_decoder": True,
         **UMT5,
     }
-    transformer_raw = {"_class_name": "WanTransformer3DModel", **TRANSFORMER}
-    vae_raw = {"_class_name": "AutoencoderKLWan", **VAE}
     components = [
-        (
-            "text_encoder",
-            umt5_raw,
-            "model.safetensors",
-            lambda rngs: T5EncoderModel(T5Config.from_config(umt5_raw), dtype=jnp.float32, rngs=rngs),
-        ),
-        (
+        RandomComponent("text_encoder", T5EncoderModel, T5Config, umt5_raw),
+        RandomComponent(
             "transformer",
-            transformer_raw,
-            "diffusion_pytorch_model.safetensors",
-            lambda rngs: WanTransformer3DModel(
-                WanTransformer3DConfig.from_config(transformer_raw), dtype=jnp.float32, rngs=rngs
-            ),
+            WanTransformer3DModel,
+            WanTransformer3DConfig,
+            {"_class_name": "WanTransformer3DModel", **TRANSFORMER},
+            to_checkpoint=_perturb_norms,
         ),
-        (
+        RandomComponent(
             "vae",
-            vae_raw,
-            "diffusion_pytorch_model.safetensors",
-            lambda rngs: AutoencoderKLWan(
-                AutoencoderKLWanConfig.from_config(vae_raw), dtype=jnp.float32, rngs=rngs
-            ),
+            AutoencoderKLWan,
+            AutoencoderKLWanConfig,
+            {"_class_name": "AutoencoderKLWan", **VAE},
+            to_checkpoint=lambda weights, rng: _vae_to_diffusers(_perturb_norms(weights, rng)),
         ),
     ]
-    for i, (name, raw, weights_name, factory) in enumerate(components):
-        rng = np.random.default_rng(seed + i)
-        weights = random_weights(abstract_module(factory), rng)
-        if name != "text_encoder":
-            weights = _perturb_norms(weights, rng)
-        if name == "vae":
-            weights = _vae_to_diffusers(weights)
-        _write_config(out / name, raw)
-        write_safetensors(out / name / weights_name, weights)
-    _write_config(
-        out / "scheduler",
-        {"_class_name": "UniPCMultistepScheduler", **SCHEDULER},
-        "scheduler_config.json",
+    return write_pipeline_folder(
+        out,
+        "WanPipeline",
+        components,
+        tokenizers={"tokenizer": "T5TokenizerFast"},
+        scheduler=("UniPCMultistepScheduler", SCHEDULER),
+        seed=seed,
     )
-    _write_config(out, MODEL_INDEX, "model_index.json")
-    return out
