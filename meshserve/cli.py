@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="diffusers folder, Hugging Face Hub id (owner/name[@revision]; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE "
-        "apply) or an embedded model: tiny-sdxl (the default) or tiny-flux",
+        "apply) or an embedded model: tiny-sdxl (the default), tiny-flux or tiny-wan (video)",
     )
     gen.add_argument(
         "--variant", default=None, help="Hub ids: the weights variant to download, e.g. fp16 (default: plain)"
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="diffusers folder, Hugging Face Hub id (owner/name[@revision]; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE "
-        "apply) or an embedded model: tiny-sdxl (the default) or tiny-flux",
+        "apply) or an embedded model: tiny-sdxl (the default), tiny-flux or tiny-wan (video)",
     )
     serve.set_defaults(func=_serve)
 

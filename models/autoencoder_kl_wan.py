@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +141,16 @@ class FeatureCache:
     in the same order, with the same shapes, so a `lax.scan` can carry them.
     """
 
-    def __init__(self, entries: list | None = None):
+    def __init__(self, entries: list | None = None, constrain: Callable | None = None):
         self.entries = entries
         self.updated: list = []
+        # The decode's activation sharding (the pipeline's spatial split over its mesh), applied to the block
+        # outputs and to every cached entry; None: identity (one device, or XLA's own propagation).
+        self._constrain = constrain
+
+    def constrain(self, x):
+        """x [B, T, H, W, C] pinned to the decode's activation sharding (identity without one)."""
+        return x if self._constrain is None else self._constrain(x)
 
     def take(self, x, frames: int):
         """The next conv's cached frames [B, frames, H, W, C] (zeros in the first chunk), for input x."""
@@ -154,7 +162,7 @@ class FeatureCache:
         return cached
 
     def put(self, value) -> None:
-        self.updated.append(value)
+        self.updated.append(self.constrain(value))
 
     def extend(self, x):
         """x with the conv's CACHE_T cached frames prepended; caches the last CACHE_T frames of the result."""
@@ -439,11 +447,13 @@ class WanDecoder3d(nnx.Module):
         self.conv_out = WanCausalConv3d(dims[-1], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cache: FeatureCache, first_chunk: bool = False):
-        x = self.conv_in(x, cache)
-        x = self.mid_block(x, cache)
+        # Each block's output pinned to the decode's sharding (cache.constrain): where the pipeline splits the
+        # video spatially, XLA's propagation alone left activations of the scan body replicated.
+        x = cache.constrain(self.conv_in(x, cache))
+        x = cache.constrain(self.mid_block(x, cache))
         for block in self.up_blocks:
-            x = block(x, cache, first_chunk)
-        return self.conv_out(jax.nn.silu(self.norm_out(x)), cache)
+            x = cache.constrain(block(x, cache, first_chunk))
+        return cache.constrain(self.conv_out(jax.nn.silu(self.norm_out(x)), cache))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,27 +505,30 @@ class AutoencoderKLWan(nnx.Module):
         mean, logvar = jnp.split(moments, 2, axis=-1)
         return DiagonalGaussian(mean=mean, logvar=jnp.clip(logvar, -30.0, 20.0))
 
-    def decode(self, z):
+    def decode(self, z, constrain: Callable | None = None):
         """z: [B, T, h, w, z_dim] (unnormalised latents: z / (1 / latents_std) + latents_mean) -> video
         [B, 1 + 4 (T - 1), 8 h, 8 w, out_channels] in [-1, 1] (real config).
 
         The first latent frame alone, then one latent frame per lax.scan iteration carrying the cache.
+        `constrain` (x [B, T, H, W, C] -> x with a sharding constraint) pins the input, every block's output
+        and every cached frame, so a caller can split the decode over devices (the Wan pipeline splits it
+        spatially); it changes no value.
         """
         b, t = z.shape[:2]
-        x = self.post_quant_conv(z)
-        cache = FeatureCache()
+        cache = FeatureCache(constrain=constrain)
+        x = cache.constrain(self.post_quant_conv(cache.constrain(z)))
         out = self.decoder(x[:, :1], cache, first_chunk=True)
         if t > 1:
 
             def body(entries, frame):
-                step = FeatureCache(entries)
-                return step.updated, self.decoder(frame, step)
+                step = FeatureCache(entries, constrain=constrain)
+                return step.updated, self.decoder(step.constrain(frame), step)
 
             xs = x[:, 1:, None].swapaxes(0, 1)  # [T - 1, B, 1, h, w, z]
             _, rest = lax.scan(body, cache.updated, xs)  # [T - 1, B, 4, H, W, out]
             rest = rest.swapaxes(0, 1).reshape(b, -1, *rest.shape[3:])
             out = jnp.concatenate([out, rest], axis=1)
-        return jnp.clip(out, -1.0, 1.0)
+        return cache.constrain(jnp.clip(out, -1.0, 1.0))
 
 
 def _to_our_names(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

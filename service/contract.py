@@ -106,13 +106,16 @@ class ModelDefaults(_Frozen):
 
 
 class FrameLimits(_Frozen):
-    """Video models: `num_frames` in [min_frames, max_frames] with (num_frames - offset) % step == 0."""
+    """Video models: `num_frames` in [min_frames, max_frames] with (num_frames - offset) % step == 0, and, when
+    `served` is given, one of those frame counts: the ones the pool compiled at start (a frame count is a shape,
+    so any other would compile on the request path). None: any count the rule allows (an `any_size` pool)."""
 
     min_frames: int
     max_frames: int
     step: int = 1
     offset: int = 0
     default: int
+    served: list[int] | None = None
 
 
 class ModelLimits(_Frozen):

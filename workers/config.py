@@ -15,6 +15,10 @@ A pool's `buckets` are the only (width, height) sizes it serves: compiled at sta
 model's default size alone. `any_size: true` (with `max_programs`, the bound on compiled programs kept) serves
 every size the model allows, compiling new ones on the request path.
 
+A video model's pool also lists `frames: [81, 49]`, the frame counts it serves (every bucket is compiled with
+each); no frames: the model's default count alone. The API refuses any other `num_frames` (422). An
+`any_size` pool serves every frame count the model allows too (its `frames` are then only warmed up).
+
 A model's `runner` picks its implementation by name: "pipeline" (the default) wraps `meshserve.models.load_pipeline`;
 "fake" is the model-free runner of `meshserve.workers.fake_runner` (tests, load benchmarks); anything with a colon is an
 import path "module:Class". Redis, lease and TTL settings are not here: they are the service package's
@@ -116,6 +120,9 @@ class PoolConfig(_Strict):
     batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company
     # The (width, height) sizes the pool serves, compiled at start; empty: the model's default size alone.
     buckets: list[tuple[int, int]] = Field(default_factory=list)
+    # Video models: the frame counts (`num_frames`) the pool serves, compiled at start for every bucket (a frame
+    # count is a shape like the size); empty: the model's default frame count alone. Image models: must be empty.
+    frames: list[int] = Field(default_factory=list)
     # Serve any size the model allows (buckets are then only warmed up), keeping at most `max_programs`
     # compiled programs (the runner's bound): an explicit choice, since each new size compiles on the request
     # path (seconds to minutes on a real model).
@@ -160,6 +167,10 @@ class PoolConfig(_Strict):
             raise ValueError(f"pool {self.name!r}: {e}") from None
         if len(set(self.buckets)) != len(self.buckets):
             raise ValueError(f"pool {self.name!r}: buckets {self.buckets} repeat a size")
+        if len(set(self.frames)) != len(self.frames):
+            raise ValueError(f"pool {self.name!r}: frames {self.frames} repeat a frame count")
+        if any(f < 1 for f in self.frames):
+            raise ValueError(f"pool {self.name!r}: frames {self.frames} must be positive frame counts")
         return self
 
 

@@ -4,9 +4,9 @@ job loop. Several pools in one process each have their own thread (model calls) 
 
 Life: `start` loads and warms up every model on the pool thread, then registers the pool as ready in the
 registry (`/v1/models` and `/readyz` read it), each model's limits listing the pool's buckets as the only sizes
-it serves (`served_info`), so the API admits no size that would compile on the request path, and starts its
-registry heartbeat; `run` is the job loop; `request_stop` starts draining; `close` stops the heartbeat,
-unregisters and frees the devices.
+(and, for video, its frame counts as the only ones) it serves (`served_info`), so the API admits no shape that
+would compile on the request path, and starts its registry heartbeat; `run` is the job loop; `request_stop`
+starts draining; `close` stops the heartbeat, unregisters and frees the devices.
 
 A multi-host pool (`devices: all` over a process group, workers/multihost.py) is a Pool in its leader process
 with `group` set: its runners send each batch to the followers first, and `run` pings them between batches.
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 def served_info(info: ModelInfo, cfg: PoolConfig) -> ModelInfo:
     """The model as this pool serves it: its limits list the pool's buckets as the only sizes (no buckets: the
     model's default size), or None with `any_size`. A default size the pool does not serve becomes its first
-    bucket, so a request that names no size is admitted. Raises ValueError for a bucket the model cannot run."""
+    bucket, so a request that names no size is admitted. A video model's frame limits list the pool's `frames`
+    as the only frame counts (`served`; none given: the default count), the default moved the same way.
+    Raises ValueError for a bucket or a frame count the model cannot run."""
     lim, d = info.limits, info.defaults
     for width, height in cfg.buckets:
         fits = all(v % lim.size_multiple == 0 and lim.min_size <= v <= lim.max_size for v in (width, height))
@@ -49,13 +51,27 @@ def served_info(info: ModelInfo, cfg: PoolConfig) -> ModelInfo:
                 f"{lim.size_multiple} in [{lim.min_size}, {lim.max_size}]"
                 + (f", one of {lim.buckets})" if lim.buckets else ")")
             )
+    fr = lim.frames
+    if fr is None and cfg.frames:
+        raise ValueError(f"pool {cfg.name!r}: frames {cfg.frames} given, but {info.id} makes images")
+    for n in cfg.frames:
+        if not fr.min_frames <= n <= fr.max_frames or (n - fr.offset) % fr.step:
+            raise ValueError(
+                f"pool {cfg.name!r}: {n} frames is not a frame count {info.id} can run ({fr.step}k+{fr.offset} "
+                f"in [{fr.min_frames}, {fr.max_frames}])"
+            )
     if cfg.any_size:
         return info
     buckets = list(cfg.buckets) or [(d.width, d.height)]
     defaults = d
     if (d.width, d.height) not in buckets:
         defaults = d.model_copy(update={"width": buckets[0][0], "height": buckets[0][1]})
-    limits = lim.model_copy(update={"buckets": buckets})
+    update = {"buckets": buckets}
+    if fr is not None:  # the frame counts served, the default among them (else the first becomes the default)
+        frames = list(cfg.frames) or [fr.default]
+        default = fr.default if fr.default in frames else frames[0]
+        update["frames"] = fr.model_copy(update={"served": frames, "default": default})
+    limits = lim.model_copy(update=update)
     return info.model_copy(update={"defaults": defaults, "limits": limits})
 
 
@@ -124,18 +140,22 @@ def load_runners(
         info = served_info(runner.info(), cfg)
         # Warm up exactly the sizes published as served (any_size: the configured buckets, if any).
         buckets = info.limits.buckets or list(cfg.buckets)
+        frames = (info.limits.frames.served or list(cfg.frames)) if info.limits.frames else []
         before, t0 = runner.compilations, time.perf_counter()
-        seconds = runner.warm_up(buckets, cfg.warm_up_batch_sizes, cfg.warm_up_steps)
+        # `frames` only for a video model: an image model's runner need not take the argument.
+        extra = {"frames": frames} if frames else {}
+        seconds = runner.warm_up(buckets, cfg.warm_up_batch_sizes, cfg.warm_up_steps, **extra)
         compiled = runner.compilations - before
         if compiled:
             metrics.COMPILATIONS.labels(cfg.name, "warmup").inc(compiled)
             metrics.COMPILE_SECONDS.labels(name, cfg.name).observe(seconds)
         log.info(
-            "pool %s: %s loaded; warm-up compiled %d programs for sizes %s, batch sizes %s in %.1f s",
+            "pool %s: %s loaded; warm-up compiled %d programs for sizes %s%s, batch sizes %s in %.1f s",
             cfg.name,
             name,
             compiled,
             ", ".join(f"{w}x{h}" for w, h in buckets) or "(the runner's default)",
+            f", frames {frames}" if frames else "",
             list(cfg.warm_up_batch_sizes),
             time.perf_counter() - t0,
         )

@@ -84,9 +84,14 @@ class Runner(ABC):
         """What the pool registry publishes (family, task, defaults, limits); valid after load()."""
 
     def warm_up(
-        self, buckets: Sequence[tuple[int, int]], batch_sizes: Sequence[int], num_inference_steps: int | None
+        self,
+        buckets: Sequence[tuple[int, int]],
+        batch_sizes: Sequence[int],
+        num_inference_steps: int | None,
+        frames: Sequence[int] = (),
     ) -> float:
-        """Compile the programs for these (width, height) buckets and batch sizes; returns seconds spent."""
+        """Compile the programs for these (width, height) buckets and batch sizes (a video model: with each of
+        these frame counts; none: its default); returns seconds spent."""
         return 0.0
 
     def batch_key(self, params: JobParams) -> tuple:
@@ -140,13 +145,15 @@ class PipelineRunner(Runner):
             limits=ModelLimits(**self.pipe.limits),
         )
 
-    def warm_up(self, buckets, batch_sizes, num_inference_steps) -> float:
+    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=()) -> float:
         buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
+        extra = {"num_frames": list(frames)} if frames else {}  # video pipelines only (base.warm_up)
         return float(
             self.pipe.warm_up(
                 buckets=buckets,
                 batch_sizes=sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes}),
                 num_inference_steps=num_inference_steps,
+                **extra,
             )
         )
 

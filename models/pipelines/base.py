@@ -14,7 +14,8 @@ What the serving side reads (workers/runner.py relies on nothing else):
     compiled_batch_size(rows, data)  the batch the rows run as: images pad to powers of two (few programs),
                                      video compiles the exact sizes the pool warms up (a padded row would
                                      cost a whole extra video)
-    warm_up(buckets, batch_sizes)    compile every program those shapes need
+    warm_up(buckets, batch_sizes,    compile every program those shapes need (video: each frame count)
+            num_frames=)
     __call__(prompt, negative_prompt=, guidance_scale=, seed=, num_images_per_prompt=, output_type=,
              callback=, **{batch_fields}) -> PipelineOutput
     compilations                     programs compiled so far (each also logged with its shapes and seconds)
@@ -109,27 +110,33 @@ class DiffusionPipeline:
         buckets: Sequence[tuple[int, int]] | None = None,
         batch_sizes: Sequence[int] = (1,),
         num_inference_steps: int | None = None,
+        num_frames: Sequence[int] | None = None,
     ) -> float:
-        """Compiles every stage for each (width, height) bucket and batch size, with and without CFG.
+        """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
+        video family each of `num_frames` (None: its default frame count; a frame count is a shape).
         One step is enough: the step count is traced (num_inference_steps is accepted for the old callers)."""
         t0 = time.perf_counter()
         d = self.defaults
-        extra = {}
         if "frames" in self.limits:
-            extra["num_frames"] = self.limits["frames"]["default"]
+            frame_counts = [{"num_frames": int(n)} for n in num_frames or [self.limits["frames"]["default"]]]
+        elif num_frames:
+            raise PipelineError(f"{self.family} makes images: it takes no num_frames to warm up")
+        else:
+            frame_counts = [{}]
         for width, height in buckets or [(d["width"], d["height"])]:
-            for b in batch_sizes:
-                for g in sorted({d["guidance_scale"], 1.0}):
-                    self(
-                        [""] * b,
-                        height=height,
-                        width=width,
-                        num_inference_steps=1,
-                        guidance_scale=g,
-                        seed=0,
-                        output_type="np",
-                        **extra,
-                    )
+            for extra in frame_counts:
+                for b in batch_sizes:
+                    for g in sorted({d["guidance_scale"], 1.0}):
+                        self(
+                            [""] * b,
+                            height=height,
+                            width=width,
+                            num_inference_steps=1,
+                            guidance_scale=g,
+                            seed=0,
+                            output_type="np",
+                            **extra,
+                        )
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------

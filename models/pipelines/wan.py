@@ -21,7 +21,8 @@ Three compiled programs, one per stage:
     text_encode  ids, mask [T, 512] (T = prompts, + negatives with CFG) -> embeds [B or 2B, 512, D]
     denoise      seeds' key data [B, 2] (or latents [B, T, h, w, C]), embeds, guidance [B], cfg_rows [B],
                  RoPE tables -> latents (a lax.while_loop)
-    vae_decode   latents -> frames [B, F, H, W, 3] in [0, 1]
+    vae_decode   latents -> frames [B, F, H, W, 3] in [0, 1], split over the whole mesh: the batch over
+                 (data, cfg), the larger spatial dimension over the other axes (`decode_sharding`)
 
 Prompt, negative prompt, seed, guidance scale and step count are traced inputs: only a new shape (size, frame
 count, batch), a new scheduler or switching CFG on or off compiles.
@@ -33,14 +34,18 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshserve.models.attention import AttentionSettings
+from meshserve.models.attention.context import batch_axes_for
 from meshserve.models.autoencoder_kl_wan import SHARDING_RULES as VAE_SHARDING_RULES
 from meshserve.models.autoencoder_kl_wan import load_autoencoder_kl_wan
 from meshserve.models.loading import CheckpointError, read_json
@@ -62,7 +67,7 @@ from meshserve.models.transformer_wan import SHARDING_RULES as WAN_SHARDING_RULE
 from meshserve.models.transformer_wan import load_wan_transformer, wan_rope
 from meshserve.models.wan_text import WAN_MAX_SEQUENCE_LENGTH, encode_wan_prompts, tokenize_wan_prompts
 
-__all__ = ["WanPipeline"]
+__all__ = ["WanPipeline", "decode_sharding"]
 
 # diffusers' WanPipeline.__call__ defaults (480p, 5 s at 16 fps: the Wan 2.1 model card's setting).
 DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_STEPS, DEFAULT_GUIDANCE = 480, 832, 81, 50, 5.0
@@ -119,7 +124,8 @@ class WanPipeline(DiffusionPipeline):
         self.dtype = jnp.dtype(dtype)
         settings = attention or AttentionSettings()
         # Only the transformer runs attention on the mesh; UMT5 (once per request) and the VAE run plain
-        # kernels, their batch split by whatever sharding it carries.
+        # kernels, UMT5's batch split by whatever sharding it carries, the VAE's decode split by
+        # `decode_sharding` (its mid-block attention is over one frame's pixels, gathered by XLA).
         plain = dataclasses.replace(settings, mesh=None)
         self.placement = placement
 
@@ -355,12 +361,20 @@ class WanPipeline(DiffusionPipeline):
         )
 
     def _vae_decode(self, vae_state, latents):
+        # Weights gathered whole (a no-op without shard_over): besides the usual reason, XLA's partitioner
+        # computes a 3x3 conv wrongly when its kernel is split beside a spatially split input on a 2-D mesh
+        # (docs/weights.md, Found), which is what the spatial split below would otherwise meet.
         vae = nnx.merge(self._graphs["vae"], gathered(self.placement, vae_state, VAE_SHARDING_RULES))
         cfg = self.vae_config
         # diffusers: latents / (1 / std) + mean, per channel, fp32 (the same roundings as its two tensors).
         inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
         z = latents.astype(jnp.float32) / inv_std + jnp.asarray(cfg.latents_mean, jnp.float32)
-        video = vae.decode(z)  # [B, F, H, W, 3] in [-1, 1]
+        constrain = None
+        if self.placement is not None:
+            b, _, h, w, _ = latents.shape
+            sharding = decode_sharding(self.placement.mesh, b, h, w)
+            constrain = partial(jax.lax.with_sharding_constraint, shardings=sharding)
+        video = vae.decode(z, constrain)  # [B, F, H, W, 3] in [-1, 1]
         return jnp.clip(video / 2 + 0.5, 0.0, 1.0)
 
     # ----------------------------------------------------------------------------------------------
@@ -503,6 +517,25 @@ class WanPipeline(DiffusionPipeline):
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def decode_sharding(mesh: Mesh, batch: int, height: int, width: int) -> NamedSharding:
+    """The VAE decode's activation sharding, for every [B, T, H, W, C] array of the decode program: the batch
+    over the batch axes (data, cfg where they divide it, as the denoise loop's), the larger spatial dimension
+    (the width on a tie) over every other mesh axis larger than 1, so one video on an 8-device pool decodes
+    split 8 ways instead of replicated. `height`, `width`: the latents' (any level's split is the same axes).
+
+    No divisibility rule: a dimension that does not divide (a 240x416 video's 52 latent columns over 8) is
+    split unevenly, XLA padding the last shard, and the convs' halos are exchanged between neighbours; the
+    decoded video equals the single-device one either way (tests/parallel/test_wan_layouts.py). The memory
+    this saves is in docs/wan.md (VAE, "Split over the pool's devices")."""
+    sizes = dict(mesh.shape)
+    batch_axes = batch_axes_for(mesh, batch) or ()
+    rest = tuple(a for a in mesh.axis_names if sizes[a] > 1 and a not in batch_axes)
+    spatial = (rest[0] if len(rest) == 1 else rest) if rest else None
+    spec = [batch_axes or None, None, None, None, None]
+    spec[2 if height > width else 3] = spatial
+    return NamedSharding(mesh, P(*spec))
 
 
 def _repeat(x, n: int, prompts: int):

@@ -8,7 +8,9 @@ Sizes: a pool lists the (width, height) buckets it compiled as the only sizes it
 for an `any_size` pool). All pools of a model read one stream, so any of them may run any job: the API admits a
 size only when EVERY ready pool of the model serves it (the intersection of their buckets), and nothing compiles
 on the request path. Pools of one model should therefore share their buckets; a pool with other buckets narrows
-what the model serves to the common ones (an empty intersection admits no size, and says so).
+what the model serves to the common ones (an empty intersection admits no size, and says so). A video model's
+frame counts are served the same way: `limits.frames.served`, intersected over its pools, refused otherwise
+(422 `frames_not_supported` naming `num_frames`).
 """
 
 from __future__ import annotations
@@ -90,16 +92,26 @@ class Catalog:
 
 def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
     """The first info, with `limits.buckets` the sizes every one of `infos` serves (None only when all serve any
-    size) and the default size moved to the first common bucket when the first pool's default is not one."""
+    size) and the default size moved to the first common bucket when the first pool's default is not one; for a
+    video model the same for its frame counts (`limits.frames.served`, `limits.frames.default`)."""
     first = infos[0]
-    listed = [[tuple(b) for b in info.limits.buckets] for info in infos if info.limits.buckets is not None]
-    if len(infos) == 1 or not listed:
+    if len(infos) == 1:
         return first
-    common = [b for b in dict.fromkeys(listed[0]) if all(b in other for other in listed[1:])]
-    defaults = first.defaults
-    if common and (defaults.width, defaults.height) not in common:
-        defaults = defaults.model_copy(update={"width": common[0][0], "height": common[0][1]})
-    limits = first.limits.model_copy(update={"buckets": common})
+    limits, defaults = first.limits, first.defaults
+    listed = [[tuple(b) for b in info.limits.buckets] for info in infos if info.limits.buckets is not None]
+    if listed:
+        common = [b for b in dict.fromkeys(listed[0]) if all(b in other for other in listed[1:])]
+        if common and (defaults.width, defaults.height) not in common:
+            defaults = defaults.model_copy(update={"width": common[0][0], "height": common[0][1]})
+        limits = limits.model_copy(update={"buckets": common})
+    served = [info.limits.frames.served for info in infos if info.limits.frames is not None]
+    served = [s for s in served if s is not None]
+    if limits.frames is not None and served:
+        frames = [n for n in dict.fromkeys(served[0]) if all(n in other for other in served[1:])]
+        default = limits.frames.default if limits.frames.default in frames or not frames else frames[0]
+        limits = limits.model_copy(
+            update={"frames": limits.frames.model_copy(update={"served": frames, "default": default})}
+        )
     return first.model_copy(update={"defaults": defaults, "limits": limits})
 
 
@@ -181,6 +193,13 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             raise FieldError(
                 "num_frames", "not_multiple", f"num_frames must be {fr.step}k+{fr.offset}, got {frames}"
             )
+        if fr.served is not None and frames not in fr.served:
+            raise FieldError(
+                "num_frames",
+                "frames_not_supported",
+                f"{frames} frames is not a frame count {info.id} serves; served: "
+                + (", ".join(map(str, fr.served)) or "none (its pools share no frame count)"),
+            )
     return JobParams(
         model=info.id,
         prompt=req.prompt,
@@ -203,7 +222,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
 def normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> JobParams:
     """The request with the model's defaults filled in and its limits checked (422 `FieldError` naming the field
     and the rule: `not_multiple`, `out_of_range`, `size_not_supported`, `not_supported`, `string_too_long` past
-    the `max_prompt_chars` setting)."""
+    the `max_prompt_chars` setting; for video `frames_not_supported`, a `num_frames` its pools did not compile)."""
     try:
         return _normalise(req, info, max_prompt_chars)
     except FieldError:

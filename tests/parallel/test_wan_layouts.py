@@ -7,6 +7,8 @@ tokens, divisible by neither 2 nor 4, so every context layout pads the sequence 
 (one attended pad would change every output). CFG runs (guidance 5, a negative prompt), so the transformer
 batch is the interleaved [negative, positive] pair the cfg axis splits. Strategies are forced: with 45 tokens
 `auto` would pick allgather everywhere. The 512 text tokens of the cross-attention stay whole on every device.
+The VAE decode is split spatially over the devices the batch leaves (`decode_sharding`); the decode tests at
+the end check the split and its exactness on widths that do not divide the device count.
 """
 
 import numpy as np
@@ -121,3 +123,54 @@ def test_data_axis_splits_the_videos_of_a_batch(tiny_wan_path):
     print(f"data2-cfg2-context2-ring, 2 videos: max abs err {err:.2e}")
     assert err <= 1e-4
     assert float(np.abs(expected[0] - expected[1]).max()) > 1e-2
+
+
+# The decode program alone on given latents, batch 1: 48 x 80 px is 6 x 10 latents, whose 10 columns split
+# over 8 (cfg2 x context4: one video leaves the cfg axis to the width) or 4 (context2 x tensor2) devices do not
+# divide; nor do 48 x 112's 14 columns.
+DECODE_LAYOUTS = {
+    "cfg2-context4": ({"cfg": 2, "context": 4}, 8),
+    "context2-tensor2": ({"context": 2, "tensor": 2}, 4),
+}
+
+
+def _decode(pipe, latents: np.ndarray):
+    """The pipeline's vae_decode program (as __call__ runs it) on latents [B, T, h, w, C]."""
+    return pipe.programs.run("vae_decode", pipe._vae_decode, {}, pipe._states["vae"], pipe.put_batch(latents))
+
+
+@pytest.mark.parametrize("name", list(DECODE_LAYOUTS))
+@pytest.mark.parametrize("latent_hw", [(6, 10), (6, 14)], ids=["48x80", "48x112"])
+def test_wan_decode_is_split_spatially_and_matches_single_device(tiny_wan_path, name, latent_hw):
+    """Issue 10: one video's VAE decode split over the pool's devices, not replicated. The decoded video is
+    split along its width over every mesh axis the batch does not use (each device holds 1/n of the columns)
+    and equals the single-device decode; the widths do not divide the device count at the latent level."""
+    sizes, n = DECODE_LAYOUTS[name]
+    h, w = latent_hw
+    latents = np.random.default_rng(1).standard_normal((1, 3, h, w, 4)).astype(np.float32)
+    expected = np.asarray(_decode(load_pipeline(tiny_wan_path), latents))
+    pipe = load_pipeline(tiny_wan_path, mesh=sizes, devices=list(range(n)))
+    video = _decode(pipe, latents)
+    err = float(np.abs(np.asarray(video) - expected).max())
+    print(f"{name}, latents {h}x{w}: decode max abs err {err:.2e}")
+    assert err <= 1e-5, f"{name}: decoded video max abs error {err:.2e}"
+    assert expected.shape == (1, 9, 8 * h, 8 * w, 3)
+    widths = sorted({s.data.shape[3] for s in video.addressable_shards})
+    assert max(widths) == -(-8 * w // n), (
+        name,
+        widths,
+    )  # the width split n ways (the last shard may be short)
+    assert {s.data.shape[:3] for s in video.addressable_shards} == {(1, 9, 8 * h)}
+
+
+def test_decode_sharding_splits_the_larger_side_over_the_axes_the_batch_leaves():
+    from jax.sharding import PartitionSpec as P
+
+    from meshserve.models.parallel.mesh import MeshSizes, make_mesh
+    from meshserve.models.pipelines.wan import decode_sharding
+
+    mesh = make_mesh(MeshSizes(data=2, cfg=2, context=2))
+    # [B, T, H, W, C]: landscape splits W, portrait H; a batch of 1 leaves every axis to the picture.
+    assert decode_sharding(mesh, 1, 30, 52).spec == P(None, None, None, ("data", "cfg", "context"), None)
+    assert decode_sharding(mesh, 2, 30, 52).spec == P(("data",), None, None, ("cfg", "context"), None)
+    assert decode_sharding(mesh, 4, 52, 30).spec == P(("data", "cfg"), None, "context", None, None)

@@ -4,7 +4,9 @@ import pytest
 from pydantic import ValidationError
 
 from meshserve.models.parallel.layout_spec import AXES
-from meshserve.workers.config import MeshSizes, WorkerConfig, load_config, single_model_config
+from meshserve.service.contract import FrameLimits, ModelDefaults, ModelInfo, ModelLimits
+from meshserve.workers.config import MeshSizes, PoolConfig, WorkerConfig, load_config, single_model_config
+from meshserve.workers.pool import served_info
 
 
 def _cfg(**pool):
@@ -74,6 +76,8 @@ def test_devices_default_to_the_mesh_size():
         ({"any_size": True}, "any_size and max_programs go together"),
         ({"max_programs": 4}, "any_size and max_programs go together"),
         ({"buckets": [[64, 64], [64, 64]]}, "repeat a size"),
+        ({"frames": [81, 49, 81]}, "repeat a frame count"),
+        ({"frames": [0]}, "must be positive frame counts"),
         ({"weights": {"shard_over": ["data"]}}, "mesh has data=1"),
         (
             {"devices": "0-1", "mesh": {"tensor": 2}, "weights": {"shard_over": ["tensor"]}},
@@ -183,3 +187,53 @@ def test_pool_weight_sharding_reaches_the_pipeline():
     opts = runner_options(cfg.pools[0], cfg.models["m"])
     assert opts == {"weights": {"shard_over": ["context", "data"]}}
     assert runner_options(cfg.pools[1], cfg.models["m"]) == {}
+
+
+# A video model as a runner reports it (the tiny Wan's shape of limits: 4k+1 frames up to 33, default 5).
+_VIDEO = ModelInfo(
+    id="v",
+    family="wan",
+    task="text-to-video",
+    defaults=ModelDefaults(width=48, height=32, num_inference_steps=4, guidance_scale=5.0, fps=16),
+    limits=ModelLimits(
+        size_multiple=16,
+        min_size=16,
+        max_size=512,
+        max_steps=200,
+        max_n=8,
+        output_formats=["mp4", "webp"],
+        frames=FrameLimits(min_frames=1, max_frames=33, step=4, offset=1, default=5),
+    ),
+)
+
+
+def _pool_cfg(**fields) -> PoolConfig:
+    return WorkerConfig.model_validate(_cfg(**fields)).pools[0]
+
+
+def test_a_video_pool_publishes_its_frame_counts_as_the_only_ones_it_serves():
+    """Before: FrameLimits had no served list, so any 4k+1 count was admitted and compiled on the request path."""
+    served = served_info(_VIDEO, _pool_cfg(frames=[9, 5]))
+    assert served.limits.frames.served == [9, 5] and served.limits.frames.default == 5
+    # The default count not among them: the first becomes the default (a request naming none is admitted).
+    served = served_info(_VIDEO, _pool_cfg(frames=[9, 17]))
+    assert (served.limits.frames.served, served.limits.frames.default) == ([9, 17], 9)
+    # No frames: the model's default count alone.
+    assert served_info(_VIDEO, _pool_cfg()).limits.frames.served == [5]
+    # any_size serves every count the model allows (the pool's frames are only warmed up).
+    any_pool = _pool_cfg(frames=[9], any_size=True, max_programs=4)
+    assert served_info(_VIDEO, any_pool).limits.frames.served is None
+
+
+@pytest.mark.parametrize(
+    "frames, message", [([8], "8 frames is not a frame count v can run"), ([37], "37 frames")]
+)
+def test_a_frame_count_the_model_cannot_run_is_a_clear_error(frames, message):
+    with pytest.raises(ValueError, match=message):
+        served_info(_VIDEO, _pool_cfg(frames=frames))
+
+
+def test_frames_on_an_image_model_pool_is_a_clear_error():
+    image = _VIDEO.model_copy(update={"limits": _VIDEO.limits.model_copy(update={"frames": None})})
+    with pytest.raises(ValueError, match="makes images"):
+        served_info(image, _pool_cfg(frames=[5]))
