@@ -24,9 +24,10 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.memory_analysis import host_cpu_devices, write_docs_section  # noqa: E402
+
+host_cpu_devices(memory_minimizing=False)  # before JAX is imported
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -392,9 +393,7 @@ def main():
     text = "\n".join(out)
     print(text)
     if args.write_docs:
-        docs = DOCS.read_text()
-        head, rest = docs.split(START, 1)
-        DOCS.write_text(head + START + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        write_docs_section(DOCS, START, END, text)
 
 
 if __name__ == "__main__":

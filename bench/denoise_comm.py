@@ -29,10 +29,11 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.memory_analysis import host_cpu_devices, write_docs_section  # noqa: E402
+
+host_cpu_devices(memory_minimizing=False)  # before JAX is imported
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -196,11 +197,7 @@ def main():
     text = "\n".join(out)
     print(text)
     if args.write_docs:
-        docs = DOCS.read_text()
-        if START not in docs:
-            raise SystemExit(f"{DOCS} has no {START} marker")
-        head, rest = docs.split(START, 1)
-        DOCS.write_text(head + START + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        write_docs_section(DOCS, START, END, text)
 
 
 if __name__ == "__main__":

@@ -46,17 +46,14 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if "--default-scheduler" not in sys.argv:
-    # XLA:CPU reads it from XLA_FLAGS only (bench/weight_memory.py: per-compilation options changed nothing).
-    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.memory_analysis import host_cpu_devices  # noqa: E402
+
+host_cpu_devices(memory_minimizing="--default-scheduler" not in sys.argv)  # before JAX is imported
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -66,6 +63,17 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.attention_memory import MIB, memory_parts  # noqa: E402
+from bench.memory_analysis import (  # noqa: E402
+    GB,
+    batch_arg,
+    fits,
+    fits_rule,
+    layout_placement,
+    layout_text,
+    scheduler_name,
+    state_bytes,
+    write_docs_section,
+)
 from bench.weight_memory import placed_state  # noqa: E402
 from meshserve.models.attention import AttentionSettings  # noqa: E402
 from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_RULES  # noqa: E402
@@ -73,7 +81,6 @@ from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  
 from meshserve.models.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
 from meshserve.models.clip import CLIPTextConfig, CLIPTextModel  # noqa: E402
 from meshserve.models.loading import abstract_module  # noqa: E402
-from meshserve.models.parallel.placement import pipeline_placement  # noqa: E402
 from meshserve.models.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
 from meshserve.models.t5 import T5Config, T5EncoderModel  # noqa: E402
 from meshserve.models.transformer_flux import SHARDING_RULES as FLUX_RULES  # noqa: E402
@@ -82,7 +89,6 @@ from meshserve.models.transformer_flux import FluxTransformer2DConfig, FluxTrans
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "flux.md"
 START, END = "<!-- bench/flux_memory.py: start -->", "<!-- bench/flux_memory.py: end -->"
-GB = 1e9
 
 # black-forest-labs/FLUX.1-dev: transformer/config.json, text_encoder_2/config.json (T5 v1.1 XXL),
 # text_encoder/config.json (CLIP ViT-L/14 text), vae/config.json.
@@ -107,11 +113,6 @@ FLUX_VAE = {
 
 IMAGE, TEXT = 4096, 512  # tokens at 1024x1024 (128 x 128 latent, 2 x 2 patches) and T5's max_sequence_length
 UNITS = 19  # FLUX.1-dev = 19 x (1 double + 2 single blocks)
-DEVICE_GB = (16, 24, 40, 80)
-# Headroom assumed free of our programs on a GPU: the CUDA context, cuDNN/cuBLAS workspaces and XLA's
-# allocator fragmentation. 10 % of the device plus 1 GB is a common rule of thumb (XLA's GPU client itself
-# preallocates 75 % by default; a pool runs with XLA_PYTHON_CLIENT_MEM_FRACTION raised), not measured here.
-HEADROOM = (0.10, 1.0)
 
 # name -> (mesh sizes, shard_over, transformer rows compiled: 1 = CFG off, 2 = true CFG). A cfg axis only
 # helps with true CFG (it splits the negative and positive rows), so cfg layouts are measured with it alone;
@@ -132,13 +133,6 @@ LAYOUTS = {
 }
 
 
-def _placement(sizes: dict, shard_over) -> tuple:
-    n = math.prod(sizes.values()) if sizes else 1
-    weights = {"shard_over": list(shard_over)} if shard_over else None
-    out = pipeline_placement(sizes, list(range(n)), weights=weights)
-    return out["placement"], out["attention"]
-
-
 def flux_module(units: int, settings: AttentionSettings):
     cfg = FluxTransformer2DConfig(**dict(FLUX_DEV, num_layers=units, num_single_layers=2 * units))
     return abstract_module(
@@ -157,19 +151,6 @@ def other_modules():
     vae = AutoencoderKLConfig.from_config(FLUX_VAE)
     f32 = jnp.float32
     yield "VAE", abstract_module(lambda r: AutoencoderKL(vae, dtype=f32, rngs=r)), VAE_RULES, f32
-
-
-def state_bytes(state) -> tuple[int, int]:
-    """(parameters, bytes per device) of a placed abstract state."""
-    count = per_device = 0
-    for leaf in jax.tree.leaves(state):
-        count += math.prod(leaf.shape)
-        per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-    return count, per_device
-
-
-def _arg(placement, shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=placement.batch_spec(shape[0], len(shape)))
 
 
 def compile_denoise(units: int, placement, settings, rows: int, tie: bool = True):
@@ -202,10 +183,10 @@ def compile_denoise(units: int, placement, settings, rows: int, tie: bool = True
         return jax.lax.while_loop(lambda c: c[0] < steps, body, (jnp.int32(0), latents))[1]
 
     args = (
-        _arg(placement, (1, IMAGE, 64), bf16),
-        _arg(placement, (rows, TEXT, 4096), bf16),
-        _arg(placement, (rows, 768), bf16),
-        _arg(placement, (rows,), jnp.float32),
+        batch_arg(placement, (1, IMAGE, 64), bf16),
+        batch_arg(placement, (rows, TEXT, 4096), bf16),
+        batch_arg(placement, (rows, 768), bf16),
+        batch_arg(placement, (rows,), jnp.float32),
         tuple(jax.ShapeDtypeStruct(cos.shape, jnp.float32, sharding=replicated) for _ in range(2)),
         jax.ShapeDtypeStruct((201,), jnp.float32, sharding=replicated),
         jax.ShapeDtypeStruct((), jnp.int32),
@@ -220,7 +201,7 @@ def compile_t5(placement, rows: int):
     def _encode(state, ids):
         return nnx.merge(graph, placement.gather_weights(state, rules))(ids).last_hidden_state
 
-    return jax.jit(_encode).lower(state, _arg(placement, (rows, TEXT), jnp.int32)).compile()
+    return jax.jit(_encode).lower(state, batch_arg(placement, (rows, TEXT), jnp.int32)).compile()
 
 
 def compile_vae(placement):
@@ -231,13 +212,13 @@ def compile_vae(placement):
         vae = nnx.merge(graph, placement.gather_weights(state, rules))
         return vae.decode(z)
 
-    z = _arg(placement, (1, 128, 128, 16), jnp.float32)
+    z = batch_arg(placement, (1, 128, 128, 16), jnp.float32)
     return jax.jit(_decode).lower(state, z).compile()
 
 
 def measure(name: str, units: int, engine: bool) -> dict:
     sizes, shard_over, cfg_modes = LAYOUTS[name]
-    placement, settings = _placement(sizes, shard_over)
+    placement, settings = layout_placement(sizes, shard_over)
     out = {"name": name, "sizes": sizes, "shard_over": shard_over, "devices": placement.sizes.num_devices}
     out["cfg_modes"] = cfg_modes
     out["measured"] = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}"
@@ -267,14 +248,8 @@ def measure(name: str, units: int, engine: bool) -> dict:
     return out
 
 
-def fits(total_bytes: float) -> str:
-    ok = [f"{g}" for g in DEVICE_GB if total_bytes <= g * GB * (1 - HEADROOM[0]) - HEADROOM[1] * GB]
-    return ", ".join(ok) + " GB" if ok else "none"
-
-
 def _layout_text(r) -> str:
-    mesh = " x ".join(f"{a}{n}" for a, n in r["sizes"].items()) or "1 device"
-    return mesh + (f", shard_over [{', '.join(r['shard_over'])}]" if r["shard_over"] else "")
+    return layout_text(r["sizes"], r["shard_over"])
 
 
 def tables(results, units: int) -> list[str]:
@@ -354,7 +329,7 @@ def main():
         parser.error(f"unknown layouts {sorted(unknown)}")
     t0 = time.perf_counter()
     engine = {n.strip() for n in args.engine.split(",")}
-    scheduler = "default (concurrency-optimized)" if args.default_scheduler else "memory-minimizing"
+    scheduler = scheduler_name(args.default_scheduler)
     key = f"units={args.units} scheduler={scheduler} jax={jax.__version__}"
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     results = []
@@ -364,23 +339,19 @@ def main():
             if args.cache:
                 args.cache.write_text(json.dumps(cache))
         results.append(cache[f"{key} {n}"])
-    fraction, fixed = HEADROOM
     text = "\n".join(
         [
             f"FLUX.1-dev shapes; {len(jax.devices())} host CPU devices, jax {jax.__version__}, XLA:CPU "
             f"{scheduler} scheduler; layouts measured {min(r['measured'] for r in results)} to "
             f"{max(r['measured'] for r in results)} UTC (this run: {time.perf_counter() - t0:.0f} s). "
-            f"Fits: peak <= {100 - 100 * fraction:.0f} % of the device minus {fixed:.0f} GB (headroom assumed "
-            "for the runtime, not measured).",
+            + fits_rule(),
             "",
             *tables(results, args.units),
         ]
     )
     print(text)
     if args.write_docs:
-        docs = DOCS.read_text()
-        before, rest = docs.split(START, 1)
-        DOCS.write_text(before + START + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        write_docs_section(DOCS, START, END, text)
 
 
 if __name__ == "__main__":

@@ -17,37 +17,24 @@ Measured: one true-CFG denoise step called alone (both transformer passes + comb
 from Python), one step inside a generation ((whole - 1-step whole) / (steps - 1)), whole generations of
 `--steps` and of 1 step, the VAE decode, our compile time; and for our step its FLOPs (XLA's
 `cost_analysis()` of the compiled step, and an analytic count of its matmuls and attention) over its time,
-against a plain JAX fp32 matmul's rate measured in the same process, right before.
+against a plain JAX fp32 matmul's rate measured in the same process, right before. The harness (processes,
+pinning, rounds, table, README row) is bench/compare_harness.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import compare_harness as harness  # noqa: E402
 
 PROMPT = "a photo of a cat and a dog"
 NEGATIVE = "blurry"
 GUIDANCE, TRUE_CFG = 3.5, 2.0
 HEAD_DIM = 64
-# FLUX.1-dev's scheduler_config.json (dynamic shift).
-SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
 VAE = dict(
     in_channels=3,
     out_channels=3,
@@ -120,6 +107,7 @@ def build_checkpoint(out: Path, args) -> Path:
     )
 
     from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
+    from meshserve.models.embedded_flux import SCHEDULER  # FLUX.1-dev's scheduler_config.json
     from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
 
     clip_vocab = build_tiny_clip_tokenizer(out / "_tok")
@@ -139,15 +127,6 @@ def build_checkpoint(out: Path, args) -> Path:
     return out / "ckpt"
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _grid(size: int) -> int:
     return size // 16  # VAE factor 8 x 2x2 packing
 
@@ -159,13 +138,6 @@ def _latents(size: int):
     return (
         np.random.default_rng(0).standard_normal((1, tokens, 4 * VAE["latent_channels"])).astype(np.float32)
     )
-
-
-def _pin(threads: int) -> None:
-    """Both sides on the same CPUs: XLA sizes its pool from the affinity mask, torch is told as well."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if threads < len(cpus):
-        os.sched_setaffinity(0, cpus[:threads])
 
 
 def analytic_flops(cfg: dict, image: int, text: int, rows: int) -> float:
@@ -186,57 +158,35 @@ def analytic_flops(cfg: dict, image: int, text: int, rows: int) -> float:
     return 2.0 * rows * (macs + macs_row)
 
 
-def matmul_rate(n: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of a plain jitted fp32 n x n matmul on this process's CPUs (median of `repeats`)."""
-    import jax
-    import jax.numpy as jnp
+def _generation_kwargs(args) -> dict:
+    return dict(
+        negative_prompt=NEGATIVE,
+        true_cfg_scale=TRUE_CFG,
+        guidance_scale=GUIDANCE,
+        height=args.size,
+        width=args.size,
+        max_sequence_length=args.text_len,
+        output_type="np",
+    )
 
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    mm = jax.jit(lambda a, b: a @ b)
-    mm(a, b).block_until_ready()
-    return 2.0 * n**3 / median_time(lambda: mm(a, b).block_until_ready(), repeats)
 
-
-def run_ours(ckpt: Path, args) -> dict:
-    from meshserve.models.xla_cpu_flags import apply_cpu_defaults
-
-    apply_cpu_defaults()  # as `meshserve` runs: before JAX starts its CPU backend
-    import jax
+def run_ours(ckpt: Path, args) -> tuple[object, dict]:
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from meshserve.models import load_pipeline
     from meshserve.models.transformer_flux import flux_rope, image_ids
 
-    size, steps, text = args.size, args.steps, args.text_len
+    size, text = args.size, args.text_len
     latents = _latents(size)
-    t0 = time.perf_counter()
-    ours = load_pipeline(ckpt, dtype="float32")
-    load_s = time.perf_counter() - t0
-    kw = dict(
-        negative_prompt=NEGATIVE,
-        true_cfg_scale=TRUE_CFG,
-        guidance_scale=GUIDANCE,
-        height=size,
-        width=size,
-        max_sequence_length=text,
-        output_type="np",
+    ours, load_s = harness.load_ours(ckpt)
+    kw = _generation_kwargs(args)
+    first, gens = harness.time_generations(
+        lambda n: ours(PROMPT, latents=latents, num_inference_steps=n, **kw), args.steps, args.repeats
     )
 
-    def run(n):
-        return ours(PROMPT, latents=latents, num_inference_steps=n, **kw)
-
-    t0 = time.perf_counter()
-    first = run(steps)
-    first_s = time.perf_counter() - t0
-    gen = median_time(lambda: run(steps), args.repeats)
-    run(1)  # compiles the 1-step program
-    gen_1 = median_time(lambda: run(1), args.repeats)
-
     # One true-CFG step: the transformer on [negative, positive] + combine + Euler update, one jitted call.
-    graph, state = nnx.split(nnx.merge(ours._graphs["transformer"], ours._states["transformer"]))
+    graph, state = harness.ours_component(ours, "transformer")
     cfg = ours.transformer_config
     grid = _grid(size)
     ids = np.concatenate([np.zeros((text, 3), np.float32), image_ids(grid, grid)])
@@ -253,67 +203,31 @@ def run_ours(ckpt: Path, args) -> dict:
         v = v[:1] + TRUE_CFG * (v[1:] - v[:1])
         return x + (sigma_next - sigma) * v
 
-    sigma, sigma_next = jnp.float32(0.9), jnp.float32(0.8)
-    compiled = jax.jit(cfg_step).lower(state, x, sigma, sigma_next).compile()
-    compiled(state, x, sigma, sigma_next).block_until_ready()
-    rate = matmul_rate()
-    step = median_time(
-        lambda: compiled(state, x, sigma, sigma_next).block_until_ready(), max(5, args.repeats)
-    )
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-
-    vae_graph, vae_state = nnx.split(nnx.merge(ours._graphs["vae"], ours._states["vae"]))
+    step = harness.time_ours_flow_step(cfg_step, state, x, args.repeats)
     z = jnp.zeros((1, size // 8, size // 8, VAE["latent_channels"]), jnp.float32)
-    decode = jax.jit(lambda state, z: nnx.merge(vae_graph, state).decode(z))
-    decode(vae_state, z).block_until_ready()
-    vae = median_time(lambda: decode(vae_state, z).block_until_ready(), max(5, args.repeats))
-    np.save(args.images, first.images)
-    params = sum(v.size for v in jax.tree.leaves(ours._states["transformer"]))
-    return {
-        "step": step,
-        "vae": vae,
-        "gen": gen,
-        "gen_1": gen_1,
-        "compile": first_s - gen,
+    return first.images, {
+        **gens,
+        **step,
+        "vae": harness.time_ours_decode(ours, z, max(5, args.repeats)),
         "load": load_s,
-        "params": int(params),
-        "xla_flops": xla_flops,
+        "params": harness.ours_parameters(ours, "transformer"),
         "analytic_flops": analytic_flops(transformer_config(args), grid * grid, text, rows=2),
-        "matmul_rate": rate,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "threads": len(os.sched_getaffinity(0)),
     }
 
 
-def run_diffusers(ckpt: Path, args) -> dict:
-    import numpy as np
+def run_diffusers(ckpt: Path, args) -> tuple[object, dict]:
     import torch
     from diffusers import FluxPipeline
 
-    torch.set_num_threads(args.threads)
-    size, steps, text = args.size, args.steps, args.text_len
+    size, text = args.size, args.text_len
     latents = torch.from_numpy(_latents(size))
-    ref = FluxPipeline.from_pretrained(str(ckpt), torch_dtype=torch.float32)
-    ref.set_progress_bar_config(disable=True)
-    kw = dict(
-        negative_prompt=NEGATIVE,
-        true_cfg_scale=TRUE_CFG,
-        guidance_scale=GUIDANCE,
-        height=size,
-        width=size,
-        max_sequence_length=text,
-        output_type="np",
-    )
-
-    def run(n):
-        return ref(PROMPT, latents=latents, num_inference_steps=n, **kw)
+    ref = harness.load_diffusers(FluxPipeline, ckpt)
+    kw = _generation_kwargs(args)
 
     with torch.inference_mode():
-        images = run(steps).images
-        gen = median_time(lambda: run(steps), args.repeats)
-        gen_1 = median_time(lambda: run(1), args.repeats)
+        first, gens = harness.time_generations(
+            lambda n: ref(PROMPT, latents=latents, num_inference_steps=n, **kw), args.steps, args.repeats
+        )
 
         cfg = ref.transformer.config
         grid = _grid(size)
@@ -340,21 +254,13 @@ def run_diffusers(ckpt: Path, args) -> dict:
             v = neg + TRUE_CFG * (pos - neg)
             return latents + (sigma_next - sigma) * v
 
-        cfg_step()
-        step = median_time(cfg_step, max(5, args.repeats))
+        step = harness.warm_median(cfg_step, max(5, args.repeats))
         z = torch.zeros(1, VAE["latent_channels"], size // 8, size // 8)
-        ref.vae.decode(z)
-        vae = median_time(lambda: ref.vae.decode(z), max(5, args.repeats))
-    np.save(args.images, images)
-    return {"step": step, "vae": vae, "gen": gen, "gen_1": gen_1, "threads": torch.get_num_threads()}
+        vae = harness.warm_median(lambda: ref.vae.decode(z), max(5, args.repeats))
+    return first.images, {**gens, "step": step, "vae": vae}
 
 
 def main() -> None:
-    import json
-    import subprocess
-
-    import numpy as np
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=512, help="image side (512: 1024 image tokens)")
     ap.add_argument("--width", type=int, default=256, help="transformer width (heads of 64)")
@@ -362,123 +268,28 @@ def main() -> None:
     ap.add_argument("--single", type=int, default=4, help="single-stream blocks")
     ap.add_argument("--text-len", type=int, default=128, help="T5 max_sequence_length (text tokens)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; median and min-max")
-    ap.add_argument("--side", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
-    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
-    ap.add_argument("--images", help=argparse.SUPPRESS)
+    harness.add_harness_options(ap)
     args = ap.parse_args()
     if args.size % 16:
         ap.error("--size must be a multiple of 16 (VAE factor 8 x 2x2 packing)")
-
-    if args.side:  # a child process: one side, result as JSON on the last line
-        _pin(args.threads)
-        result = (run_ours if args.side == "ours" else run_diffusers)(Path(args.ckpt), args)
-        print(json.dumps(result))
+    if harness.run_side(args, run_ours, run_diffusers):
         return
 
-    tmp = Path(tempfile.mkdtemp(prefix="meshserve-flux-bench-"))
-    ckpt = build_checkpoint(tmp, args)
-    started, load_before = datetime.datetime.now(datetime.UTC), os.getloadavg()
-    runs = {"ours": [], "diffusers": []}
-    for r in range(args.rounds):
-        for side in ("ours", "diffusers") if r % 2 == 0 else ("diffusers", "ours"):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--side",
-                side,
-                "--ckpt",
-                str(ckpt),
-                "--images",
-                str(tmp / f"{side}.npy"),
-            ]
-            for flag in ("size", "width", "double", "single", "text_len", "steps", "repeats", "threads"):
-                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{side} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    load_after = os.getloadavg()
-    for (
-        rs
-    ) in runs.values():  # a step as the generation runs it: what one more step adds, loop overhead included
-        for r in rs:
-            r["in_gen"] = (r["gen"] - r["gen_1"]) / max(args.steps - 1, 1)
-    ours, ref = runs["ours"], runs["diffusers"]
-    err = float(np.abs(np.load(tmp / "ours.npy") - np.load(tmp / "diffusers.npy")).max())
+    flags = ("size", "width", "double", "single", "text_len", "steps", "repeats", "threads")
+    rounds = harness.compare(__file__, args, build_checkpoint, flags)
+    ours = rounds.ours
     grid = _grid(args.size)
-    print(
-        f"\n{started:%Y-%m-%d %H:%M} UTC, {_cpu_name()}, {os.cpu_count()} cores, load average "
-        f"{load_before[0]:.2f} before / {load_after[0]:.2f} after (1 min)\n"
+    model = (
         f"Flux-shaped model: transformer {ours[0]['params'] / 1e6:.1f} M parameters ({args.double} double + "
         f"{args.single} single blocks, width {args.width}, {args.width // HEAD_DIM} heads of {HEAD_DIM}), "
         f"{args.size}x{args.size} = {grid * grid} image + {args.text_len} text tokens, {args.steps} steps, "
-        f"true CFG {TRUE_CFG} (two passes), guidance {GUIDANCE}, fp32; threads: ours {ours[0]['threads']}, "
-        f"diffusers {ref[0]['threads']}; each side in its own process, {args.rounds} alternating rounds "
-        f"(median, min-max over rounds); our XLA_FLAGS={ours[0]['xla_flags']!r}; "
-        f"max |ours - diffusers| pixel = {err:.1e}; our load {statistics.median(r['load'] for r in ours):.1f}s\n"
+        f"true CFG {TRUE_CFG} (two passes), guidance {GUIDANCE}, fp32"
     )
-    print("| measure | meshserve (JAX) | diffusers (PyTorch) | speed-up, per-round ratios |")
-    print("|---|---|---|---|")
-    rows = [
-        ("one true-CFG denoise step, called alone", "step", 1e3, "ms"),
-        ("one step inside a generation, (whole - 1-step whole) / (steps - 1)", "in_gen", 1e3, "ms"),
-        (f"whole generation, {args.steps} steps (median of {args.repeats} per round)", "gen", 1, "s"),
-        ("whole generation, 1 step", "gen_1", 1, "s"),
-        ("VAE decode", "vae", 1e3, "ms"),
-    ]
-    cells = []
-    for name, key, scale, unit in rows:
-        a = [r[key] * scale for r in ours]
-        b = [r[key] * scale for r in ref]
-        ratio = [y / x for x, y in zip(a, b, strict=True)]
-        fmt = ".2f" if unit == "s" else ".1f"
-        print(f"| {name} | {_spread(a, fmt)} {unit} | {_spread(b, fmt)} {unit} | {_spread(ratio, '.2f')}x |")
-        cells.append(
-            f"{statistics.median(a):{fmt}} / {statistics.median(b):{fmt}} {unit} "
-            f"(**{statistics.median(ratio):.2f}x**, {min(ratio):.2f}-{max(ratio):.2f})"
-        )
-    compile_s = [r["compile"] for r in ours]
-    print(f"| compile (first call - steady call) | {_spread(compile_s, '.1f')} s | n/a | |")
-
-    # Achieved FLOP/s of our step against the plain matmul rate of the same process.
-    gflops = [r["xla_flops"] / r["step"] / 1e9 for r in ours]
-    analytic = [r["analytic_flops"] / r["step"] / 1e9 for r in ours]
-    mm = [r["matmul_rate"] / 1e9 for r in ours]
-    share = [r["analytic_flops"] / r["step"] / r["matmul_rate"] for r in ours]
-    print(
-        f"\nOur step: {ours[0]['xla_flops'] / 1e9:.2f} GFLOP by XLA's cost_analysis, "
-        f"{ours[0]['analytic_flops'] / 1e9:.2f} GFLOP analytic (matmuls + attention); achieved "
-        f"{_spread(gflops, '.1f')} GFLOP/s (cost_analysis) / {_spread(analytic, '.1f')} GFLOP/s (analytic); "
-        f"plain fp32 2048^3 matmul in the same process {_spread(mm, '.1f')} GFLOP/s; step at "
-        f"{_spread([100 * s for s in share], '.0f')} % of the matmul rate (analytic FLOPs)."
+    config = (
+        f"{args.size}x{args.size}, width {args.width}, {args.double}+{args.single} blocks, text "
+        f"{args.text_len} ({ours[0]['params'] / 1e6:.1f} M)"
     )
-    print("\nbench/README.md row (ours / diffusers, median speed-up, its min-max over rounds):\n")
-    print(
-        f"| {args.size}x{args.size}, width {args.width}, {args.double}+{args.single} blocks, text "
-        f"{args.text_len} ({ours[0]['params'] / 1e6:.1f} M) | "
-        + " | ".join(cells)
-        + f" | {statistics.median(analytic):.1f} GFLOP/s ({statistics.median(share) * 100:.0f} % of "
-        f"{statistics.median(mm):.1f}) | {statistics.median(compile_s):.1f} s | {started:%Y-%m-%d}, "
-        f"load {load_before[0]:.1f}/{load_after[0]:.1f} |"
-    )
-
-
-def _spread(values: list[float], fmt: str) -> str:
-    """'median (min-max)' over rounds."""
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    harness.report(rounds, args, model, "one true-CFG denoise step, called alone", config)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ they are 2.2 MB arrays at 480p). Attention: `AttentionSettings()` (context strat
 Peak per device: every component's weights at rest (the pipeline keeps them loaded) plus the larger of the
 denoise step's inputs + temporaries and the VAE decode's temporaries + video. The decode (fp32, batch 1, the
 real VAE config) is compiled by bench/wan_vae_memory.py in a child process with XLA:CPU's default scheduler
-(`vae_decode_memory`); the pipeline does not split it over devices, so it is each device's on any layout.
+(`vae_decode_memory`), unsplit: one device's whole decode on any layout, an upper bound since the pipeline
+splits the decode over the pool's devices (docs/wan.md, "Split over the pool's devices", has those numbers).
 
 Bytes sent per device per step: every collective inside the loop body, read from the compiled HLO with
 bench/attention_memory.py's reader (as bench/denoise_comm.py does for SDXL): all-gather (the FSDP weight
@@ -55,12 +56,10 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if "--default-scheduler" not in sys.argv:
-    # XLA:CPU reads it from XLA_FLAGS only (bench/weight_memory.py: per-compilation options changed nothing).
-    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.memory_analysis import host_cpu_devices  # noqa: E402
+
+host_cpu_devices(memory_minimizing="--default-scheduler" not in sys.argv)  # before JAX is imported
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
@@ -75,12 +74,22 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.attention_memory import COLLECTIVES, collectives, memory_parts  # noqa: E402
+from bench.memory_analysis import (  # noqa: E402
+    GB,
+    batch_arg,
+    fits,
+    fits_rule,
+    layout_placement,
+    layout_text,
+    scheduler_name,
+    state_bytes,
+    write_docs_section,
+)
 from bench.weight_memory import placed_state  # noqa: E402
 from meshserve.models.attention import AttentionSettings  # noqa: E402
 from meshserve.models.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES  # noqa: E402
 from meshserve.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig  # noqa: E402
 from meshserve.models.loading import abstract_module  # noqa: E402
-from meshserve.models.parallel.placement import pipeline_placement  # noqa: E402
 from meshserve.models.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
 from meshserve.models.t5 import T5Config, T5EncoderModel  # noqa: E402
 from meshserve.models.transformer_wan import SHARDING_RULES as WAN_RULES  # noqa: E402
@@ -95,7 +104,6 @@ def markers(model: str) -> tuple[str, str]:
     return f"<!-- bench/wan_memory.py {model}: start -->", f"<!-- bench/wan_memory.py {model}: end -->"
 
 
-GB = 1e9
 MB = 1e6
 
 # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (diffusers' WanTransformer3DModel defaults).
@@ -130,11 +138,6 @@ def video_size(name: str) -> tuple[int, int, tuple[int, int, int]]:
     return height, width, (21, height // 8, width // 8)
 
 
-DEVICE_GB = (16, 24, 40, 80)
-# Headroom assumed free of our programs on a GPU: the CUDA context, cuDNN/cuBLAS workspaces and XLA's
-# allocator fragmentation: 10 % of the device plus 1 GB (the rule bench/flux_memory.py uses; not measured).
-HEADROOM = (0.10, 1.0)
-
 # name -> (mesh sizes, shard_over). Context degree 1/2/4/8; with a cfg axis of 2 where the 8 devices allow.
 LAYOUTS = {
     "1": ({}, ()),
@@ -147,31 +150,11 @@ LAYOUTS = {
 }
 
 
-def _placement(sizes: dict, shard_over):
-    n = math.prod(sizes.values()) if sizes else 1
-    weights = {"shard_over": list(shard_over)} if shard_over else None
-    out = pipeline_placement(sizes, list(range(n)), weights=weights)
-    return out["placement"], out["attention"]
-
-
 def wan_module(base: dict, layers: int, settings: AttentionSettings):
     cfg = WanTransformer3DConfig(**dict(base, num_layers=layers))
     return abstract_module(
         lambda r: WanTransformer3DModel(cfg, settings=settings, dtype=jnp.bfloat16, rngs=r)
     )
-
-
-def state_bytes(state) -> tuple[int, int]:
-    """(parameters, bytes per device) of a placed abstract state."""
-    count = per_device = 0
-    for leaf in jax.tree.leaves(state):
-        count += math.prod(leaf.shape)
-        per_device += math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-    return count, per_device
-
-
-def _arg(placement, shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=placement.batch_spec(shape[0], len(shape)))
 
 
 def compile_denoise(base: dict, layers: int, placement, settings, latent: tuple[int, int, int]):
@@ -200,8 +183,8 @@ def compile_denoise(base: dict, layers: int, placement, settings, latent: tuple[
         return jax.lax.while_loop(lambda c: c[0] < steps, body, (jnp.int32(0), latents))[1]
 
     args = (
-        _arg(placement, (1, frames, h, w, 16), jnp.float32),
-        _arg(placement, (2, TEXT, 4096), jnp.bfloat16),
+        batch_arg(placement, (1, frames, h, w, 16), jnp.float32),
+        batch_arg(placement, (2, TEXT, 4096), jnp.bfloat16),
         tuple(jax.ShapeDtypeStruct((tokens, 128), jnp.float32, sharding=replicated) for _ in range(2)),
         jax.ShapeDtypeStruct((201,), jnp.float32, sharding=replicated),
         jax.ShapeDtypeStruct((), jnp.int32),
@@ -233,7 +216,7 @@ def as_bf16(hlo: str) -> str:
 
 def measure_cell(base: dict, name: str, size: str, layers: int) -> dict:
     sizes, shard_over = LAYOUTS[name]
-    placement, settings = _placement(sizes, shard_over)
+    placement, settings = layout_placement(sizes, shard_over)
     t0 = time.perf_counter()
     compiled = compile_denoise(base, layers, placement, settings, video_size(size)[2])
     mem = memory_parts(compiled)
@@ -255,9 +238,9 @@ def measure_cell(base: dict, name: str, size: str, layers: int) -> dict:
 
 def vae_decode_memory(size: str) -> dict:
     """The VAE decode of one 81-frame video (fp32, batch 1) by bench/wan_vae_memory.py, in a child process
-    with XLA:CPU's default scheduler. The pipeline decodes with plain kernels on gathered weights and a batch
-    of 1 it cannot split, so every device of any layout runs this same program: its temporaries are each
-    device's. The memory-minimizing scheduler this script compiles the denoise step with gives the decode
+    with XLA:CPU's default scheduler, on one device: an upper bound for every layout, since the pipeline
+    splits the decode spatially over the pool's devices (`bench/wan_vae_memory.py --meshes` measures that;
+    the tables here were not re-rendered with it). The memory-minimizing scheduler this script compiles the denoise step with gives the decode
     twice the temporaries (measured at 480x832: 15.60 GB against 7.26 GB), so the decode is measured apart."""
     frames, h, w = video_size(size)[2]
     flags = os.environ.get("XLA_FLAGS", "").replace(
@@ -286,7 +269,7 @@ def vae_decode_memory(size: str) -> dict:
 def at_rest(base: dict, name: str) -> dict:
     """Weights at rest per device, every component of the 14B pipeline (from the placement alone)."""
     sizes, shard_over = LAYOUTS[name]
-    placement, settings = _placement(sizes, shard_over)
+    placement, settings = layout_placement(sizes, shard_over)
     out = {}
     module = wan_module(base, base["num_layers"], settings)
     _, state = placed_state(module, WAN_RULES, placement, jnp.bfloat16)
@@ -307,15 +290,8 @@ def extrapolate(points: dict[int, float], layers: int) -> float:
     return v1 + slope * (layers - l1)
 
 
-def fits(total_bytes: float) -> str:
-    ok = [f"{g}" for g in DEVICE_GB if total_bytes <= g * GB * (1 - HEADROOM[0]) - HEADROOM[1] * GB]
-    return ", ".join(ok) + " GB" if ok else "none"
-
-
 def _layout_text(name: str) -> str:
-    sizes, shard_over = LAYOUTS[name]
-    mesh = " x ".join(f"{a}{n}" for a, n in sizes.items()) or "1 device"
-    return mesh + (f", shard_over [{', '.join(shard_over)}]" if shard_over else "")
+    return layout_text(*LAYOUTS[name])
 
 
 def tables(results: dict, rest: dict, vae: dict, layer_points: list[int], layers: int) -> list[str]:
@@ -460,25 +436,18 @@ def main():
     if args.json:
         cells = {f"{s}/{n}": {str(k): v for k, v in p.items()} for (s, n), p in results.items()}
         args.json.write_text(json.dumps({"cells": cells, "vae": vae, "run": runs[0]}, indent=1))
-    scheduler = "default (concurrency-optimized)" if args.default_scheduler else "memory-minimizing"
-    fraction, fixed = HEADROOM
+    scheduler = scheduler_name(args.default_scheduler)
     text = "\n".join(
         [
             f"{title} shapes; {len(jax.devices())} host CPU devices, jax {jax.__version__}, XLA:CPU "
-            f"{scheduler} scheduler; measured {'; '.join(runs)}. Fits: peak <= {100 - 100 * fraction:.0f} % of "
-            f"the device minus {fixed:.0f} GB (headroom assumed for the runtime, not measured).",
+            f"{scheduler} scheduler; measured {'; '.join(runs)}. " + fits_rule(),
             "",
             *tables(results, rest, vae, layer_points, layers),
         ]
     )
     print(text)
     if args.write_docs:
-        start, end = markers(args.model)
-        docs = DOCS.read_text()
-        if start not in docs:
-            raise SystemExit(f"{DOCS} has no {start} marker")
-        before, rest_text = docs.split(start, 1)
-        DOCS.write_text(before + start + "\n" + text + "\n" + end + rest_text.split(end, 1)[1])
+        write_docs_section(DOCS, *markers(args.model), text)
 
 
 if __name__ == "__main__":

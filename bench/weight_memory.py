@@ -29,12 +29,12 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if "--memory-scheduler" in sys.argv:
-    # XLA:CPU reads it from XLA_FLAGS only: passed per compilation (compiler_options) it changed nothing here.
-    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.memory_analysis import host_cpu_devices, write_docs_section  # noqa: E402
+
+# XLA:CPU reads its scheduler from XLA_FLAGS only: passed per compilation (compiler_options) it changed
+# nothing here.
+host_cpu_devices(memory_minimizing="--memory-scheduler" in sys.argv)  # before JAX is imported
 
 import argparse  # noqa: E402
 import math  # noqa: E402
@@ -265,9 +265,7 @@ def main():
     print(text)
     if args.write_docs:
         start, end = (START, END) if not args.memory_scheduler else (START_MEMORY, END_MEMORY)
-        docs = DOCS.read_text()
-        head, rest = docs.split(start, 1)
-        DOCS.write_text(head + start + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+        write_docs_section(DOCS, start, end, text)
 
 
 if __name__ == "__main__":
