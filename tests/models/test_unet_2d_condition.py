@@ -107,11 +107,14 @@ def test_sdxl_unet_matches_diffusers(unet_folder, torch_unet):
 
 def test_sdxl_unet_bf16_is_as_accurate_as_diffusers_bf16(unet_folder, torch_unet):
     """bf16 cannot meet fp32's 1e-4 (8-bit mantissa), so the yardstick is diffusers' own bf16 run on the same
-    weights and inputs: ours may not stray from the fp32 result more than 1.25x as far as it does.
+    weights and inputs: ours may not stray from the fp32 result more than 1.5x as far as it does.
 
-    Measured on this tiny UNet: ours 1.41e-2, diffusers bf16 1.43e-2 (the fp32 test above: 1.1e-6). The
-    timestep sinusoids computed in bf16 (diffusers keeps them fp32) gave 3.18e-2: rejected here, accepted
-    by the former fixed bound of 5e-2. Finer choices (GroupNorm or LayerNorm statistics in bf16, weights
+    Measured on this tiny UNet (the fp32 test above: 1.1e-6): on an Intel Xeon (AVX-512, no bf16 dot
+    instructions) ours 1.41e-2, diffusers bf16 1.43e-2; on an AMD EPYC with avx512_bf16, where torch's
+    oneDNN kernels take bf16 dot products with fp32 accumulation, ours 1.45e-2, diffusers bf16 1.01e-2 (and
+    1.39e-2 / 1.24e-2 with both limited to AVX2): the ratio depends on the CPU's instructions, up to 1.43x
+    seen, hence 1.5x. The timestep sinusoids computed in bf16 (diffusers keeps them fp32) gave 3.18e-2 (over
+    2x either yardstick): rejected here, accepted by the former fixed bound of 5e-2. Finer choices (GroupNorm or LayerNorm statistics in bf16, weights
     truncated instead of rounded: 1.55e-2, 1.31e-2, 1.52e-2) drown in bf16's own rounding at these map sizes;
     the fp32 parity tests and the norms' fp32-statistics code, not this test, stand for them."""
     from diffusers import UNet2DConditionModel
@@ -131,7 +134,7 @@ def test_sdxl_unet_bf16_is_as_accurate_as_diffusers_bf16(unet_folder, torch_unet
         ).sample.float()
     ref_err = rel_err(ref_bf16.numpy(), expected)
     log.info("SDXL UNet bf16 vs diffusers fp32: rel err %.2e (diffusers bf16: %.2e)", err, ref_err)
-    assert err <= 1.25 * ref_err
+    assert err <= 1.5 * ref_err
 
 
 def test_conv_projection_unet_matches_diffusers(tmp_path):
