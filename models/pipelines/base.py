@@ -81,6 +81,16 @@ class DiffusionPipeline:
         self._schedulers: dict[str | None, object] = {}
         self._schedules = lru_cache(maxsize=256)(self._make_schedule)
 
+    def split_modules(self, modules: Mapping[str, object]) -> None:
+        """Split each loaded module into graph + state once (`self._graphs`, `self._states`, by name): the
+        compiled programs take the state as an argument and merge inside, so no Python walks a module tree per
+        call (nnx.jit would, every call)."""
+        from flax import nnx
+
+        self._graphs, self._states = {}, {}
+        for name, module in modules.items():
+            self._graphs[name], self._states[name] = nnx.split(module)
+
     # ---------------------------------------------------------------------------------------------
     # The contract's generic parts
 

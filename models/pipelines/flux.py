@@ -168,15 +168,14 @@ class FluxPipeline(DiffusionPipeline):
             )
         self.scheduler(None)  # fail at load time on an unsupported scheduler config
 
-        # Split once into graph + state: programs take the state as an argument and merge inside.
-        self._graphs, self._states = {}, {}
-        for name, module in (
-            ("text_encoder", text_encoder),
-            ("text_encoder_2", text_encoder_2),
-            ("transformer", transformer),
-            ("vae", vae),
-        ):
-            self._graphs[name], self._states[name] = nnx.split(module)
+        self.split_modules(
+            {
+                "text_encoder": text_encoder,
+                "text_encoder_2": text_encoder_2,
+                "transformer": transformer,
+                "vae": vae,
+            }
+        )
         self._text_states = {k: self._states[k] for k in ("text_encoder", "text_encoder_2")}
 
     # ----------------------------------------------------------------------------------------------

@@ -112,18 +112,9 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         self.scheduler_config = read_json(folder / "scheduler" / "scheduler_config.json")
         self.scheduler(None)  # fail at load time on an unsupported default scheduler
 
-        # Split the modules into graph + state once: compiled programs take the state as an argument and
-        # merge inside, so no Python walks the module tree per call (nnx.jit would, every call).
-        self._graphs, self._states = {}, {}
-        for name, module in (
-            ("text_encoder", text_encoders[0]),
-            ("text_encoder_2", text_encoders[1]),
-            ("unet", unet),
-            ("vae", vae),
-        ):
-            graph, state = nnx.split(module)
-            self._graphs[name] = graph
-            self._states[name] = state
+        self.split_modules(
+            {"text_encoder": text_encoders[0], "text_encoder_2": text_encoders[1], "unet": unet, "vae": vae}
+        )
         self._text_states = {k: self._states[k] for k in ("text_encoder", "text_encoder_2")}
 
     # ----------------------------------------------------------------------------------------------

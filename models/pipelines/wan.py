@@ -167,10 +167,7 @@ class WanPipeline(DiffusionPipeline):
         self._check_geometry(folder)
         self.scheduler(None)  # fail at load time on an unsupported scheduler config
 
-        # Split once into graph + state: programs take the state as an argument and merge inside.
-        self._graphs, self._states = {}, {}
-        for name, module in (("text_encoder", text_encoder), ("transformer", transformer), ("vae", vae)):
-            self._graphs[name], self._states[name] = nnx.split(module)
+        self.split_modules({"text_encoder": text_encoder, "transformer": transformer, "vae": vae})
 
     def _check_geometry(self, folder: Path) -> None:
         t, v = self.transformer_config, self.vae_config
