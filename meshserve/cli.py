@@ -123,6 +123,12 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_embedded(args: argparse.Namespace) -> int:
+    from meshserve.training.train_shapes import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,6 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--num-processes", type=int, default=None, help="processes in the pool's group")
     worker.add_argument("--process-id", type=int, default=None, help="this process's index (0: the leader)")
     worker.set_defaults(func=_worker)
+
+    train = sub.add_parser(
+        "train-embedded",
+        help="train the embedded default model (a tiny SDXL that draws coloured shapes) into a folder",
+    )
+    from meshserve.training.train_shapes import add_arguments as add_training_arguments  # argparse only
+
+    add_training_arguments(train)
+    train.set_defaults(func=_train_embedded)
 
     from meshserve.service.keys_cli import add_keys_parser  # argparse only: Redis is imported when it runs
 

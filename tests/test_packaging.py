@@ -41,10 +41,16 @@ def test_wheel_installs_only_the_meshserve_package(wheel):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"meshserve"}, tops
     # Every source package is in it (a folder missing from pyproject's list would silently drop out).
-    for folder in ("models", "service", "workers"):
+    for folder in ("models", "service", "workers", "training"):
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.relative_to(ROOT).as_posix()
             assert f"meshserve/{rel}" in names, f"{rel} is not in the wheel: add it to pyproject's packages"
+    # The embedded model's folder ships whole: every file of it, weights included.
+    shipped = ROOT / "models" / "weights" / "tiny-sdxl"
+    for path in shipped.rglob("*"):
+        if path.is_file():
+            rel = path.relative_to(ROOT).as_posix()
+            assert f"meshserve/{rel}" in names, f"{rel} is not in the wheel: see pyproject's package-data"
 
 
 def test_installed_wheel_imports_from_outside_the_repository(wheel, tmp_path):
@@ -58,6 +64,8 @@ def test_installed_wheel_imports_from_outside_the_repository(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     code = (
         "import meshserve.models, meshserve.service.app, meshserve.workers.main, meshserve.cli\n"
+        "from meshserve.models.embedded import embedded_model_path\n"
+        "assert (embedded_model_path() / 'model_index.json').is_file()\n"
         "import importlib.util\n"
         f"assert meshserve.models.__file__.startswith({str(target)!r}), meshserve.models.__file__\n"
         "assert importlib.util.find_spec('models') is None and importlib.util.find_spec('workers') is None\n"

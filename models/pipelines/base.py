@@ -53,6 +53,31 @@ MAX_IMAGES = 8
 OUTPUT_TYPES = ("pil", "np", "latent")
 
 
+# A model folder may carry the settings it was made to be served with (the embedded model's training writes
+# them): {"defaults": {"num_inference_steps": 20, "guidance_scale": 5.0}}. diffusers ignores the file.
+SERVING_DEFAULTS_FILE = "meshserve.json"
+_FOLDER_DEFAULT_TYPES = {"num_inference_steps": int, "guidance_scale": float, "width": int, "height": int}
+
+
+def folder_serving_defaults(folder) -> dict:
+    """The `defaults` of a model folder's meshserve.json ({} without one); PipelineError on a malformed one."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / SERVING_DEFAULTS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        defaults = json.loads(path.read_text()).get("defaults", {})
+        return {
+            name: _FOLDER_DEFAULT_TYPES[name](value)
+            for name, value in defaults.items()
+            if name in _FOLDER_DEFAULT_TYPES and not isinstance(value, bool)
+        }
+    except (ValueError, TypeError, AttributeError) as e:
+        raise PipelineError(f"{path}: malformed serving defaults ({e})") from e
+
+
 def batch_bucket(rows: int, data: int = 1) -> int:
     """The next power of two >= rows, and a multiple of the mesh's data axis."""
     size = 1 << max(rows - 1, 0).bit_length()

@@ -37,6 +37,7 @@ from meshserve.models.pipelines.base import (
     MAX_IMAGES,
     MAX_STEPS,
     DiffusionPipeline,
+    folder_serving_defaults,
     image_limits,
     to_host,
 )
@@ -78,6 +79,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         text_place = placement.placer(CLIP_SHARDING_RULES) if placement else None
         index = read_json(folder / "model_index.json")
         self.force_zeros_for_empty_prompt = bool(index.get("force_zeros_for_empty_prompt", True))
+        self.folder_defaults = folder_serving_defaults(folder)
 
         self.tokenizers = [
             load_clip_tokenizer(folder / "tokenizer"),
@@ -138,6 +140,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "height": size,
             "num_inference_steps": 30 if size >= 512 else 4,
             "guidance_scale": 5.0,
+            **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
 
     @property

@@ -16,6 +16,7 @@ from PIL import Image
 
 from meshserve.service.contract import JobStatus
 from meshserve.service.store import Store
+from meshserve.training.shape_score import read_picture
 from meshserve.workers.config import single_model_config
 from meshserve.workers.encoding import to_uint8
 from meshserve.workers.main import Worker
@@ -123,7 +124,8 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
             assert models_["data"][0]["limits"]["buckets"] == [[64, 64]]
             r = client.post("/v1/generate", json={"prompt": "x", "width": 128, "height": 128})
             assert r.status_code == 422 and r.json()["error"]["code"] == "size_not_supported", r.text
-            r = client.post("/v1/generate", json={"prompt": "a lighthouse", "seed": 3})
+            # The README's prompt: the embedded model draws it (training/shape_score.py reads the picture).
+            r = client.post("/v1/generate", json={"prompt": "a red circle on a blue background", "seed": 3})
             assert r.status_code == 202, r.text
             job_id = r.json()["id"]
             while True:
@@ -135,7 +137,10 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
             assert job["status"] == "succeeded", job
             img = client.get(job["outputs"][0]["url"])
             assert img.headers["content-type"] == "image/png"
-            assert Image.open(io.BytesIO(img.content)).size == (64, 64)
+            picture = np.asarray(Image.open(io.BytesIO(img.content)).convert("RGB"))
+            assert picture.shape == (64, 64, 3)
+            reading = read_picture(picture)
+            assert (reading.colour, reading.shape, reading.background) == ("red", "circle", "blue"), reading
             text = client.get("/metrics").text
             assert 'meshserve_worker_jobs_total{model="tiny-sdxl",outcome="succeeded"} 1.0' in text
             assert "meshserve_http_requests_total" in text
