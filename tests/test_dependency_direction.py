@@ -29,6 +29,11 @@ EXTRA
             "load_clip_tokenizer(embedded_model_path() / 'tokenizer')",
         ),
         (
+            "meshserve.training",
+            ["meshserve.service", "meshserve.workers", "redis", "fastapi", "torch", "diffusers"],
+            "import meshserve.training.train_shapes, meshserve.training.evaluate, meshserve.training.shape_score",
+        ),
+        (
             "meshserve.service",
             ["jax", "flax", "meshserve.models", "meshserve.workers", "torch", "diffusers"],
             "import meshserve.service.app, meshserve.service.store, meshserve.service.contract",
