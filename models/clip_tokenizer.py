@@ -54,17 +54,32 @@ def _bytes_to_unicode() -> list[str]:
 
 def build_tiny_clip_tokenizer(out_dir: Path, pad_token: str = "<|endoftext|>") -> int:
     """Writes a tiny CLIP tokenizer (vocab.json, merges.txt, tokenizer_config.json) and returns its vocab size."""
+    return write_clip_tokenizer(out_dir, _TINY_MERGES, pad_token)
+
+
+def write_clip_tokenizer(
+    out_dir: Path, merges: list[tuple[str, str]], pad_token: str = "<|endoftext|>"
+) -> int:
+    """Writes the CLIP tokenizer of these BPE merges (in rank order) and returns its vocabulary size: every
+    byte, every byte at a word end, each merge's result, then <|startoftext|> and <|endoftext|> (the last two
+    ids, as models/embedded_folder.clip_text_config expects)."""
     from transformers import CLIPTokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     chars = _bytes_to_unicode()
-    vocab = chars + [c + "</w>" for c in chars] + ["".join(m) for m in _TINY_MERGES]
+    vocab = chars + [c + "</w>" for c in chars]
+    seen = set(vocab)
+    for pair in merges:
+        token = "".join(pair)
+        if token not in seen:
+            vocab.append(token)
+            seen.add(token)
     vocab += ["<|startoftext|>", "<|endoftext|>"]
     work = out_dir / "_src"
     work.mkdir(exist_ok=True)
     (work / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}))
-    (work / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in _TINY_MERGES) + "\n")
+    (work / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
     tok = CLIPTokenizer(
         str(work / "vocab.json"), str(work / "merges.txt"), pad_token=pad_token, model_max_length=MAX_LENGTH
     )

@@ -28,8 +28,8 @@ FOLDER = Path(__file__).resolve().parent / "weights" / "tiny-sdxl"
 TRAINING_COMMAND = "meshserve train-embedded --out models/weights/tiny-sdxl --seed 0"
 # sha256 of each weights file, as training wrote it. A new training run must update these.
 SHA256 = {
-    "text_encoder/model.safetensors": "fab30b4459eaff986029871f94cced6ea6bd53619f500ac94633e6a5176361b3",
-    "text_encoder_2/model.safetensors": "3e160c749acb62882d813995ce32a76d1588a6b4d8110d8bba52616e3061548e",
+    "text_encoder/model.safetensors": "691223f63a69b0422c78faef7acaa1fe4f6eb41b215dee99a8751b765b8d4a47",
+    "text_encoder_2/model.safetensors": "c03c1acb5d37b1e8f1056660f8efb3c3c1f33b78aa6ef14530674b7034b67af8",
     "unet/diffusion_pytorch_model.safetensors": "157e4aaa6615edde822ed73e5e125d29bce5a5906a53080ce60327a0ac2b3b8a",
     "vae/diffusion_pytorch_model.safetensors": "0ea61bb0e6cb8c2511ab78524ae0c329aebf3819462af6019c000e87b7fc8f7c",
 }

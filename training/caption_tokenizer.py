@@ -2,17 +2,17 @@
 
 The tiny tokenizer of the random test models (models/clip_tokenizer.py) spells most words letter by letter;
 a 2-layer text encoder trained for minutes learns far faster from one token per word. So the merges are
-learned, by the `tokenizers` library's BPE trainer, from the caption vocabulary; the result is written as an
-ordinary CLIP tokenizer (vocab.json, merges.txt) that transformers' CLIPTokenizer and diffusers read. Words
-outside the captions still tokenize, byte by byte, as CLIP's do.
+learned from the caption vocabulary (deterministically, `caption_merges`) and written as an ordinary CLIP
+tokenizer that transformers' CLIPTokenizer and diffusers read. Words outside the captions still tokenize,
+byte by byte, as CLIP's do.
 """
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 from pathlib import Path
 
-from meshserve.models.clip_tokenizer import MAX_LENGTH, _bytes_to_unicode
+from meshserve.models.clip_tokenizer import write_clip_tokenizer
 from meshserve.training.shapes import COLOURS, POSITIONS, SHAPES, SIZES
 
 WORDS = sorted(
@@ -21,47 +21,37 @@ WORDS = sorted(
 
 
 def caption_merges() -> list[tuple[str, str]]:
-    """BPE merges, in rank order, under which every word of WORDS is a single token."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """BPE merges, in rank order, under which every word of WORDS is a single token.
 
-    tokenizer = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=10_000,  # more than the merges it can find: it stops when every word is whole
-        min_frequency=1,
-        end_of_word_suffix="</w>",
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(WORDS, trainer)
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
+    Learned as BPE learns them, by hand: each word spelt as symbols (its last one marked "</w>", as CLIP
+    marks a word's end), then again and again the commonest adjacent pair merged everywhere, until every word
+    is one symbol. Ties go to the alphabetically first pair, so the merges, hence the token ids, are the same
+    on every run (the `tokenizers` library's trainer breaks ties by hash order: two builds numbered "ed</w>"
+    and "er</w>" the other way round).
+    """
+    words = [(*w[:-1], w[-1] + "</w>") for w in WORDS]
+    merges: list[tuple[str, str]] = []
+    while True:
+        counts = Counter(pair for w in words for pair in zip(w, w[1:], strict=False))
+        if not counts:
+            return merges
+        best = min(counts, key=lambda pair: (-counts[pair], pair))
+        merges.append(best)
+        words = [_merge(w, best) for w in words]
+
+
+def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(word):
+        if word[i : i + 2] == pair:
+            out.append(pair[0] + pair[1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
 
 
 def build_caption_tokenizer(out_dir: Path, pad_token: str = "<|endoftext|>") -> int:
     """Writes the tokenizer (vocab.json, merges.txt, configs) and returns its vocabulary size."""
-    from transformers import CLIPTokenizer
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    merges = caption_merges()
-    chars = _bytes_to_unicode()
-    vocab = chars + [c + "</w>" for c in chars]
-    seen = set(vocab)
-    for pair in merges:
-        token = "".join(pair)
-        if token not in seen:
-            vocab.append(token)
-            seen.add(token)
-    vocab += ["<|startoftext|>", "<|endoftext|>"]
-    work = out_dir / "_src"
-    work.mkdir(exist_ok=True)
-    (work / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}))
-    (work / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-    tok = CLIPTokenizer(
-        str(work / "vocab.json"), str(work / "merges.txt"), pad_token=pad_token, model_max_length=MAX_LENGTH
-    )
-    tok.save_pretrained(str(out_dir))
-    for f in work.iterdir():
-        f.unlink()
-    work.rmdir()
-    return len(vocab)
+    return write_clip_tokenizer(out_dir, caption_merges(), pad_token)
