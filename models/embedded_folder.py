@@ -1,7 +1,7 @@
 """Writing an embedded tiny model's diffusers pipeline folder, and building it once into the cache.
 
-What models/embedded.py (tiny SDXL), models/embedded_flux.py (tiny Flux) and models/embedded_wan.py (tiny Wan)
-share: random weights for our NNX modules, filled by numpy from a seed and named and laid out as PyTorch has
+What models/embedded_flux.py (tiny Flux) and models/embedded_wan.py (tiny Wan) share, and the embedded SDXL's
+training script (training/train_shapes.py) writes its folder with: random weights for our NNX modules, filled by numpy from a seed and named and laid out as PyTorch has
 them (random_weights); each component written as its library writes it, config.json beside its safetensors
 (RandomComponent); the scheduler's config and model_index.json (write_pipeline_folder); and the build-once
 cache folder keyed by the model's VERSION, made by an atomic rename (cached_model_folder).
@@ -109,8 +109,7 @@ ToCheckpoint = Callable[[dict[str, np.ndarray], np.random.Generator], dict[str, 
 @dataclass(frozen=True)
 class RandomComponent:
     """One model component of a pipeline folder: our NNX class built from `config` (its config.json) with
-    random weights. A diffusers config names its `_class_name`, a transformers one its `architectures`: that
-    says the library in model_index.json and the weights' file name."""
+    random weights."""
 
     name: str
     module_cls: type[nnx.Module]
@@ -118,24 +117,26 @@ class RandomComponent:
     config: dict
     to_checkpoint: ToCheckpoint | None = None
 
-    @property
-    def library_class(self) -> list[str]:
-        if "_class_name" in self.config:
-            return ["diffusers", self.config["_class_name"]]
-        return ["transformers", self.config["architectures"][0]]
-
-    def write(self, folder: Path, rng: np.random.Generator) -> None:
+    def write(self, folder: Path, rng: np.random.Generator) -> list[str]:
         config = self.config_cls.from_config(self.config)
         module = abstract_module(lambda rngs: self.module_cls(config, dtype=jnp.float32, rngs=rngs))
         weights = random_weights(module, rng)
         if self.to_checkpoint is not None:
             weights = self.to_checkpoint(weights, rng)
-        write_json(folder, self.config)
-        library, _ = self.library_class
-        weights_name = (
-            "diffusion_pytorch_model.safetensors" if library == "diffusers" else "model.safetensors"
-        )
-        write_safetensors(folder / weights_name, weights)
+        return write_component(folder, self.config, weights)
+
+
+def write_component(folder: Path, config: dict, weights: dict[str, np.ndarray]) -> list[str]:
+    """config.json and the weights (PyTorch names and layout) of one component, named as its library names
+    them; returns its model_index.json entry. A diffusers config names its `_class_name`, a transformers one
+    its `architectures`."""
+    if "_class_name" in config:
+        entry, weights_name = ["diffusers", config["_class_name"]], "diffusion_pytorch_model.safetensors"
+    else:
+        entry, weights_name = ["transformers", config["architectures"][0]], "model.safetensors"
+    write_json(folder, config)
+    write_safetensors(folder / weights_name, weights)
+    return entry
 
 
 def write_pipeline_folder(
@@ -150,15 +151,38 @@ def write_pipeline_folder(
 ) -> Path:
     """The rest of a diffusers pipeline folder beside its tokenizers (already written, by their builders):
     each component with weights from `np.random.default_rng(seed + i)` (i its place in `components`), the
-    scheduler's config and model_index.json, whose entries diffusers writes sorted by name after the
-    pipeline's own settings (`pipeline_config`)."""
+    scheduler's config and model_index.json (write_model_index)."""
+    out = Path(out)
+    entries = {
+        c.name: c.write(out / c.name, np.random.default_rng(seed + i)) for i, c in enumerate(components)
+    }
+    return write_model_index(
+        out,
+        pipeline_class,
+        entries,
+        tokenizers=tokenizers,
+        scheduler=scheduler,
+        pipeline_config=pipeline_config,
+    )
+
+
+def write_model_index(
+    out: Path,
+    pipeline_class: str,
+    components: dict[str, list[str]],
+    *,
+    tokenizers: dict[str, str],
+    scheduler: tuple[str, dict],
+    pipeline_config: dict | None = None,
+) -> Path:
+    """The scheduler's config and model_index.json of a pipeline folder whose components (name -> their
+    model_index entry, from write_component) and tokenizers are written. diffusers writes the entries sorted by
+    name after the pipeline's own settings (`pipeline_config`)."""
     out = Path(out)
     scheduler_class, scheduler_config = scheduler
     entries = {"scheduler": ["diffusers", scheduler_class]}
     entries |= {name: ["transformers", cls] for name, cls in tokenizers.items()}
-    for i, component in enumerate(components):
-        component.write(out / component.name, np.random.default_rng(seed + i))
-        entries[component.name] = component.library_class
+    entries |= components
     write_json(
         out / "scheduler", {"_class_name": scheduler_class, **scheduler_config}, "scheduler_config.json"
     )

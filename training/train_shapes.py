@@ -93,7 +93,6 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
     import jax
     import jax.numpy as jnp
     import optax
-    from flax import nnx
 
     from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_RULES
     from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
@@ -296,47 +295,29 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
         "vae_mse": vae_curve,
         "unet_loss": unet_curve,
     }
-    states = {"vae": nnx.state(vae.module())}
-    states |= {name: nnx.state(t.module(ema[name])) for name, t in trainees.items()}
-    _write_folder(out, configs, states, record)
+    modules = {"vae": vae.module()} | {name: t.module(ema[name]) for name, t in trainees.items()}
+    _write_folder(out, configs, modules, record)
     _log(f"done in {record['total_seconds']:.0f} s: {out}")
     return record
 
 
-def _write_folder(out: Path, configs: dict, states: dict, record: dict) -> None:
-    from flax import nnx
-
-    from meshserve.models.embedded_folder import write_json
-    from meshserve.models.loading import to_torch_layout, torch_key, write_safetensors
+def _write_folder(out: Path, configs: dict, modules: dict, record: dict) -> None:
+    """The diffusers folder (tokenizers already in it) and meshserve.json: serving defaults and the record."""
+    from meshserve.models.embedded_folder import write_component, write_json, write_model_index
+    from meshserve.models.loading import export_weights
     from meshserve.training import config as C
 
-    entries = {"scheduler": ["diffusers", "EulerDiscreteScheduler"]}
-    entries |= {
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+    entries = {
+        name: write_component(out / name, configs[name], export_weights(m)) for name, m in modules.items()
     }
-    for name, state in states.items():
-        config = configs[name]
-        weights = {}
-        for path, var in nnx.to_flat_state(state):
-            value = np.asarray(var.get_value() if hasattr(var, "get_value") else var, np.float32)
-            weights[torch_key(path)] = np.ascontiguousarray(to_torch_layout(str(path[-1]), value))
-        write_json(out / name, config)
-        if "_class_name" in config:
-            write_safetensors(out / name / "diffusion_pytorch_model.safetensors", weights)
-            entries[name] = ["diffusers", config["_class_name"]]
-        else:
-            write_safetensors(out / name / "model.safetensors", weights)
-            entries[name] = ["transformers", config["architectures"][0]]
-    write_json(
-        out / "scheduler", {"_class_name": "EulerDiscreteScheduler", **C.SCHEDULER}, "scheduler_config.json"
+    write_model_index(
+        out,
+        "StableDiffusionXLPipeline",
+        entries,
+        tokenizers={"tokenizer": "CLIPTokenizer", "tokenizer_2": "CLIPTokenizer"},
+        scheduler=("EulerDiscreteScheduler", C.SCHEDULER),
+        pipeline_config={"force_zeros_for_empty_prompt": True},
     )
-    model_index = {
-        "_class_name": "StableDiffusionXLPipeline",
-        "force_zeros_for_empty_prompt": True,
-        **dict(sorted(entries.items())),
-    }
-    write_json(out, model_index, "model_index.json")
     write_json(out, {"defaults": C.SERVING_DEFAULTS, "training": record}, "meshserve.json")
 
 
