@@ -34,12 +34,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshserve.models.loading import read_json
 from meshserve.models.parallel.placement import Placement
 from meshserve.models.pipelines.common import GenerationCancelled, PipelineError
 from meshserve.models.pipelines.denoise_loop import StepReporter
@@ -61,14 +63,11 @@ _FOLDER_DEFAULT_TYPES = {"num_inference_steps": int, "guidance_scale": float, "w
 
 def folder_serving_defaults(folder) -> dict:
     """The `defaults` of a model folder's meshserve.json ({} without one); PipelineError on a malformed one."""
-    import json
-    from pathlib import Path
-
     path = Path(folder) / SERVING_DEFAULTS_FILE
     if not path.is_file():
         return {}
     try:
-        defaults = json.loads(path.read_text()).get("defaults", {})
+        defaults = read_json(path).get("defaults", {})
         return {
             name: _FOLDER_DEFAULT_TYPES[name](value)
             for name, value in defaults.items()
