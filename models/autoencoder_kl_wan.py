@@ -49,6 +49,7 @@ from jax import lax
 
 from meshserve.models.attention import AttentionSettings, attention
 from meshserve.models.autoencoder_kl import DiagonalGaussian
+from meshserve.models.conv_by_taps import conv_by_taps, prefers_taps
 from meshserve.models.layers import conv2d, upsample_nearest2x_conv3x3
 from meshserve.models.loading import abstract_module, load_weights, read_component_weights, read_json
 
@@ -219,13 +220,17 @@ class WanCausalConv3d(nnx.Module):
             else:
                 x = cache.extend(x)
         kernel = self.kernel[...]
-        y = lax.conv_general_dilated(
-            x.astype(kernel.dtype),
-            kernel,
-            self.stride,
-            ((0, 0), *self.spatial_pad),
-            dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
-        )
+        padding = ((0, 0), *self.spatial_pad)
+        if self.stride == (1, 1, 1) and prefers_taps(kernel.shape):  # conv_out to RGB: 27 x 3 <= 96 channels
+            y = conv_by_taps(x.astype(kernel.dtype), kernel, padding)
+        else:
+            y = lax.conv_general_dilated(
+                x.astype(kernel.dtype),
+                kernel,
+                self.stride,
+                padding,
+                dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+            )
         return y + self.bias[...]
 
 
