@@ -13,8 +13,11 @@ def test_defaults_are_added_beside_the_users_flags():
     flags = apply_cpu_defaults(env, jaxlib_version="0.10.2")
     assert (
         flags.startswith("--xla_force_host_platform_device_count=8 ")
-        and f"{YNN}=-individual_convolution,-individual_dot" in flags
+        and f"{YNN}=-individual_convolution" in flags
     )
+    # Dots stay on YNNPACK: Eigen's matmul blocking depends on the batch, so a seed's image would depend on
+    # what it was batched with (tests/models/test_seeds.py: ddim 1.9e-5 relative with dots on Eigen).
+    assert "individual_dot" not in flags
     assert env["XLA_FLAGS"] == flags
     assert apply_cpu_defaults(env, jaxlib_version="0.10.2") == flags  # idempotent
 
