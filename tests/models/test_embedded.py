@@ -14,6 +14,9 @@ from meshserve.training.evaluate import evaluate
 # The bar: the shape's colour and the background's in >= 90 % of pictures, the shape in >= 70 %.
 COLOUR_BAR, SHAPE_BAR = 0.9, 0.7
 SEEDS = (0, 1)  # 2 x 24 held-out captions
+# bf16 and the cfg2 x context2 layout are held to the same bars on seed 0 alone (24 pictures), which keeps a
+# minute out of the suite; `python -m meshserve.training.evaluate --seeds 2 --dtype bfloat16` gives both seeds.
+ONE_SEED = (0,)
 
 
 def test_the_shipped_weights_are_the_trained_ones():
@@ -57,10 +60,10 @@ def test_held_out_captions_fp32():
 
 
 def test_held_out_captions_bf16():
-    _check(evaluate(load_pipeline(None, dtype="bfloat16"), SEEDS)[0])
+    _check(evaluate(load_pipeline(None, dtype="bfloat16"), ONE_SEED)[0])
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
 def test_held_out_captions_on_cfg2_x_context2():
     pipe = load_pipeline(None, mesh={"cfg": 2, "context": 2}, devices=jax.devices()[:4])
-    _check(evaluate(pipe, SEEDS, batch=16)[0])
+    _check(evaluate(pipe, ONE_SEED, batch=16)[0])

@@ -19,10 +19,12 @@ def runs(tmp_path_factory):
         pytest.skip("needs 2 devices (XLA_FLAGS host device count)")
     out = tmp_path_factory.mktemp("trained")
     # "again" repeats "2": the programs come from the persistent compilation cache, so it costs seconds.
-    runs = {"1": 1, "2": 2, "again": 2}
+    # "1" trains the VAE stage alone: compiling the UNet stage's step for a second mesh cost ~1 minute of
+    # the suite, and the stages share the placement code (one `put` of every batch over `data`).
+    runs = {"1": (1, RECIPE.model_copy(update={"unet_steps": 0})), "2": (2, RECIPE), "again": (2, RECIPE)}
     return {
-        name: (out / name, train(out / name, RECIPE, devices=jax.devices()[:n], log_every=1))
-        for name, n in runs.items()
+        name: (out / name, train(out / name, recipe, devices=jax.devices()[:n], log_every=1))
+        for name, (n, recipe) in runs.items()
     }
 
 
@@ -49,10 +51,11 @@ def test_a_run_is_a_function_of_its_seed(runs):
 def test_data_parallel_training_computes_the_single_device_losses(runs):
     (_, one), (_, two) = runs["1"], runs["2"]
     assert two["devices"] == 2 and one["devices"] == 1
-    # Same seed, same batches: the VAE's first loss (before any update) agrees to rounding; the UNet's, which
-    # sees the VAE after its updates, to what a reduction order changes there (as between two same-mesh runs).
+    # Same seed, same batches: the VAE's first loss (before any update) agrees to rounding, and so do the
+    # losses after its updates.
     np.testing.assert_allclose(one["vae_mse"][0], two["vae_mse"][0], rtol=1e-5)
-    np.testing.assert_allclose(one["unet_loss"], two["unet_loss"], rtol=1e-2)
+    np.testing.assert_allclose(one["vae_mse"], two["vae_mse"], rtol=1e-3)
+    np.testing.assert_allclose(one["latents_mean"], two["latents_mean"], rtol=1e-3, atol=1e-5)
 
 
 def test_the_folder_it_writes_serves(runs):
