@@ -111,7 +111,7 @@ class LayerNorm(nnx.LayerNorm):
 
 class Conv(nnx.Conv):
     """nnx.Conv (same parameters and keys) that runs a stride-1 conv to few output channels as
-    `conv_by_taps` where that is faster (models/conv_by_taps.py: a VAE's or UNet's conv_out, 2-5x on the CPU)."""
+    `conv_by_taps` where that is faster (models/conv_by_taps.py: a VAE's or UNet's conv_out, 2-4x on the CPU)."""
 
     def __call__(self, inputs):
         kernel = self.kernel[...]
