@@ -93,6 +93,7 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
     import jax
     import jax.numpy as jnp
     import optax
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_RULES
     from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
@@ -141,9 +142,17 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
     def put(x: np.ndarray):
         return jax.device_put(x, data(x.shape[0], x.ndim))
 
+    replicated = NamedSharding(placement.mesh, PartitionSpec())
+
+    def on_mesh(opt_state):
+        """optax's init leaves its step counts uncommitted on one device; the step returns them replicated
+        over the mesh, and jit compiled each step a second time for that (a cold 2-step run on 2 devices:
+        130 -> 82 s with them placed on the mesh from the start, the same losses)."""
+        return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, replicated), opt_state)
+
     # ---- stage 1: the VAE
     vae_opt = optax.adamw(_schedule(recipe.vae_lr, recipe.warmup_steps, recipe.vae_steps), weight_decay=0.0)
-    vae_opt_state = vae_opt.init(vae.params)
+    vae_opt_state = on_mesh(vae_opt.init(vae.params))
 
     def vae_loss(params, images, key):
         model = vae.module(params)
@@ -217,7 +226,7 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
             weight_decay=recipe.weight_decay,
         ),
     )
-    unet_opt_state = unet_opt.init(params)
+    unet_opt_state = on_mesh(unet_opt.init(params))
 
     # The schedule the pipeline samples with: the scheduler class's own alpha_bar (zero at the last step).
     schedule = make_scheduler(None, {"_class_name": "EulerDiscreteScheduler", **C.SCHEDULER})
