@@ -170,7 +170,7 @@ def run_side(args: argparse.Namespace, run_ours: Side, run_diffusers: Side) -> b
 
     _pin(args.threads)
     if args.side == "ours":
-        from meshserve.models.xla_cpu_flags import apply_cpu_defaults
+        from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults
 
         apply_cpu_defaults()  # as `meshserve` runs: before JAX starts its CPU backend
         images, result = run_ours(Path(args.ckpt), args)

@@ -8,7 +8,7 @@ Nothing here needs a checkpoint or runs a model: every module is built shapes-on
 abstract_module) from FLUX.1-dev's configs (transformer: 19 double + 38 single blocks of 24 heads x 128,
 joint_attention_dim 4096, pooled 768, guidance_embeds; text_encoder_2: T5 v1.1 XXL, 24 layers of d_model 4096,
 d_ff 10240, 64 heads; text_encoder: CLIP ViT-L/14's text tower; vae: 16 latent channels, blocks
-[128, 256, 512, 512], no quant convs), weights bf16 but the VAE fp32, as models/pipelines/flux.py loads them. Each parameter is a ShapeDtypeStruct carrying the
+[128, 256, 512, 512], no quant convs), weights bf16 but the VAE fp32, as models/flux/pipeline.py loads them. Each parameter is a ShapeDtypeStruct carrying the
 NamedSharding `Placement.param_spec` gives the real weight (the same call `load_pipeline` places with), so
 the compiled program's argument bytes are the weights' bytes per device.
 
@@ -76,15 +76,15 @@ from bench.memory_analysis import (  # noqa: E402
 )
 from bench.weight_memory import placed_state  # noqa: E402
 from meshserve.models.attention import AttentionSettings  # noqa: E402
-from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_RULES  # noqa: E402
-from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  # noqa: E402
-from meshserve.models.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
-from meshserve.models.clip import CLIPTextConfig, CLIPTextModel  # noqa: E402
-from meshserve.models.loading import abstract_module  # noqa: E402
-from meshserve.models.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
-from meshserve.models.t5 import T5Config, T5EncoderModel  # noqa: E402
-from meshserve.models.transformer_flux import SHARDING_RULES as FLUX_RULES  # noqa: E402
-from meshserve.models.transformer_flux import FluxTransformer2DConfig, FluxTransformer2DModel  # noqa: E402
+from meshserve.models.checkpoints.loading import abstract_module  # noqa: E402
+from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RULES  # noqa: E402
+from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  # noqa: E402
+from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
+from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel  # noqa: E402
+from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
+from meshserve.models.components.t5 import T5Config, T5EncoderModel  # noqa: E402
+from meshserve.models.flux.transformer_flux import SHARDING_RULES as FLUX_RULES  # noqa: E402
+from meshserve.models.flux.transformer_flux import FluxTransformer2DConfig, FluxTransformer2DModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "flux.md"
@@ -142,7 +142,7 @@ def flux_module(units: int, settings: AttentionSettings):
 
 def other_modules():
     """(name, shapes-only module, rules, dtype) of the three other components: the text encoders in bf16, the
-    VAE in fp32 (models/pipelines/flux.py decodes in fp32 whatever the pipeline dtype)."""
+    VAE in fp32 (models/flux/pipeline.py decodes in fp32 whatever the pipeline dtype)."""
     t5 = T5Config(**T5_XXL)
     bf16 = jnp.bfloat16
     yield "T5-XXL", abstract_module(lambda r: T5EncoderModel(t5, dtype=bf16, rngs=r)), T5_RULES, bf16

@@ -106,9 +106,9 @@ def build_checkpoint(out: Path, args) -> Path:
         T5EncoderModel,
     )
 
-    from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
-    from meshserve.models.embedded_flux import SCHEDULER  # FLUX.1-dev's scheduler_config.json
-    from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
+    from meshserve.models.components.clip_tokenizer import build_tiny_clip_tokenizer
+    from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer
+    from meshserve.models.flux.embedded import SCHEDULER  # FLUX.1-dev's scheduler_config.json
 
     clip_vocab = build_tiny_clip_tokenizer(out / "_tok")
     t5_vocab = build_tiny_t5_tokenizer(out / "_tok2")
@@ -175,7 +175,7 @@ def run_ours(ckpt: Path, args) -> tuple[object, dict]:
     import numpy as np
     from flax import nnx
 
-    from meshserve.models.transformer_flux import flux_rope, image_ids
+    from meshserve.models.flux.transformer_flux import flux_rope, image_ids
 
     size, text = args.size, args.text_len
     latents = _latents(size)

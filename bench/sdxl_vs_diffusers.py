@@ -85,7 +85,7 @@ def build_checkpoint(out: Path, width: int = 64) -> Path:
     )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
+    from meshserve.models.components.clip_tokenizer import build_tiny_clip_tokenizer
 
     vocab = build_tiny_clip_tokenizer(out / "_tok")
     special = dict(bos_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1)

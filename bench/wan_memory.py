@@ -16,7 +16,7 @@ ShapeDtypeStruct carrying the NamedSharding `Placement.param_spec` gives the rea
 places with), so the compiled program's argument bytes are the weights' bytes per device.
 
 The program (lowered with abstract arguments and compiled for XLA:CPU on N of 8 host devices; never run) is
-the denoise loop as models/pipelines/wan.py builds it: a `lax.while_loop` of unknown trip count whose body
+the denoise loop as models/wan/pipeline.py builds it: a `lax.while_loop` of unknown trip count whose body
 repeats the fp32 latents [1, 21, h, w, 16] into the CFG batch of 2 (negative, positive: interleaved, so a cfg
 axis splits them), gathers the weights per step (`Placement.gather_weights_per_step`) when shard_over is set,
 runs the transformer in bf16 on the 512 text tokens of each row, combines neg + 5 (pos - neg) and takes a flow
@@ -87,13 +87,13 @@ from bench.memory_analysis import (  # noqa: E402
 )
 from bench.weight_memory import placed_state  # noqa: E402
 from meshserve.models.attention import AttentionSettings  # noqa: E402
-from meshserve.models.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES  # noqa: E402
-from meshserve.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig  # noqa: E402
-from meshserve.models.loading import abstract_module  # noqa: E402
-from meshserve.models.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
-from meshserve.models.t5 import T5Config, T5EncoderModel  # noqa: E402
-from meshserve.models.transformer_wan import SHARDING_RULES as WAN_RULES  # noqa: E402
-from meshserve.models.transformer_wan import WanTransformer3DConfig, WanTransformer3DModel  # noqa: E402
+from meshserve.models.checkpoints.loading import abstract_module  # noqa: E402
+from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
+from meshserve.models.components.t5 import T5Config, T5EncoderModel  # noqa: E402
+from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES  # noqa: E402
+from meshserve.models.wan.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig  # noqa: E402
+from meshserve.models.wan.transformer_wan import SHARDING_RULES as WAN_RULES  # noqa: E402
+from meshserve.models.wan.transformer_wan import WanTransformer3DConfig, WanTransformer3DModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "wan.md"

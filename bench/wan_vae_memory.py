@@ -11,7 +11,7 @@ else the program holds at its peak, the chunk working set and the scan's carried
 lax.scan keeps memory bounded, the temporaries stay flat as T grows and only the output grows with T.
 
 `--meshes`: the decode as the pipeline compiles it on a pool's mesh (XLA:CPU host devices, 8 of them): the
-activations constrained to `models/pipelines/wan.decode_sharding` (batch over data/cfg, the larger spatial
+activations constrained to `models/registry.py/wan.decode_sharding` (batch over data/cfg, the larger spatial
 dimension over the other axes), the latents placed with the pool's batch sharding; memory_analysis() is then
 per device. Names: "1" (one device, unplaced), or axis sizes joined by "-" ("context4", "cfg2-context4").
 """
@@ -33,10 +33,10 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from meshserve.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig  # noqa: E402
-from meshserve.models.loading import abstract_module  # noqa: E402
+from meshserve.models.checkpoints.loading import abstract_module  # noqa: E402
 from meshserve.models.parallel.mesh import MeshSizes, make_mesh  # noqa: E402
-from meshserve.models.pipelines.wan import decode_sharding  # noqa: E402
+from meshserve.models.wan.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig  # noqa: E402
+from meshserve.models.wan.pipeline import decode_sharding  # noqa: E402
 
 
 def parse_mesh(name: str) -> dict[str, int]:

@@ -94,7 +94,7 @@ def build_checkpoint(out: Path, args) -> Path:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-    from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
+    from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer
 
     vocab = build_tiny_t5_tokenizer(out / "_tok")
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def run_ours(ckpt: Path, args) -> tuple[object, dict]:
     import numpy as np
     from flax import nnx
 
-    from meshserve.models.transformer_wan import wan_rope
+    from meshserve.models.wan.transformer_wan import wan_rope
 
     latents = _latents(args)
     ours, load_s = harness.load_ours(ckpt)

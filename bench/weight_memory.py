@@ -48,14 +48,14 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from bench.attention_memory import COLLECTIVES, MIB, collectives, memory_parts  # noqa: E402
 from bench.denoise_comm import per_step  # noqa: E402
-from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_RULES  # noqa: E402
-from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  # noqa: E402
-from meshserve.models.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
-from meshserve.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
-from meshserve.models.loading import abstract_module, torch_key  # noqa: E402
+from meshserve.models.checkpoints.loading import abstract_module, torch_key  # noqa: E402
+from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RULES  # noqa: E402
+from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  # noqa: E402
+from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
+from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
 from meshserve.models.parallel.placement import pipeline_placement  # noqa: E402
-from meshserve.models.unet_2d_condition import SHARDING_RULES as UNET_RULES  # noqa: E402
-from meshserve.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel  # noqa: E402
+from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES  # noqa: E402
+from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "weights.md"

@@ -29,7 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from meshserve.models import PipelineError, load_pipeline
-    from meshserve.models.compile_cache import enable_compilation_cache
+    from meshserve.models.engine.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
 
@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Before any command starts JAX's CPU backend (it reads XLA_FLAGS once): models/xla_cpu_flags.py says why.
-    from meshserve.models.xla_cpu_flags import apply_cpu_defaults
+    # Before any command starts JAX's CPU backend (it reads XLA_FLAGS once): models/cpu/xla_cpu_flags.py says why.
+    from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults()
     try:

@@ -11,16 +11,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "EMBEDDED": "meshserve.models.pipelines",
-    "GenerationCancelled": "meshserve.models.pipelines",
-    "ModelFolderError": "meshserve.models.pipelines",
-    "PipelineError": "meshserve.models.pipelines",
-    "load_pipeline": "meshserve.models.pipelines",
+    "EMBEDDED": "meshserve.models.registry",
+    "GenerationCancelled": "meshserve.models.registry",
+    "ModelFolderError": "meshserve.models.registry",
+    "PipelineError": "meshserve.models.registry",
+    "load_pipeline": "meshserve.models.registry",
 }
 __all__ = ["load_pipeline", "GenerationCancelled", "PipelineError", "ModelFolderError", "EMBEDDED"]
 
 if TYPE_CHECKING:
-    from meshserve.models.pipelines import (
+    from meshserve.models.registry import (
         EMBEDDED,
         GenerationCancelled,
         ModelFolderError,

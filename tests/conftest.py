@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The XLA:CPU flags meshserve serves with (the CLI sets them too), so the tests check what runs.
-from meshserve.models.xla_cpu_flags import apply_cpu_defaults  # noqa: E402
+from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults  # noqa: E402
 
 apply_cpu_defaults()
 

@@ -22,10 +22,10 @@ EXTRA
         (
             "meshserve.models",
             ["meshserve.service", "meshserve.workers", "redis", "fastapi", "torch", "diffusers"],
-            "import meshserve.models.pipelines.sdxl, meshserve.models.schedulers, meshserve.models.attention\n"
-            "import meshserve.models.transformer_flux, meshserve.models.t5, meshserve.models.t5_tokenizer\n"
-            "from meshserve.models.clip_tokenizer import load_clip_tokenizer\n"
-            "from meshserve.models.embedded import embedded_model_path\n"
+            "import meshserve.models.sdxl.pipeline, meshserve.models.schedulers, meshserve.models.attention\n"
+            "import meshserve.models.flux.transformer_flux, meshserve.models.components.t5, meshserve.models.components.t5_tokenizer\n"
+            "from meshserve.models.components.clip_tokenizer import load_clip_tokenizer\n"
+            "from meshserve.models.sdxl.embedded import embedded_model_path\n"
             "load_clip_tokenizer(embedded_model_path() / 'tokenizer')",
         ),
         (

@@ -46,7 +46,7 @@ def test_wheel_installs_only_the_meshserve_package(wheel):
             rel = init.relative_to(ROOT).as_posix()
             assert f"meshserve/{rel}" in names, f"{rel} is not in the wheel: add it to pyproject's packages"
     # The embedded model's folder ships whole: every file of it, weights included.
-    shipped = ROOT / "models" / "weights" / "tiny-sdxl"
+    shipped = ROOT / "models" / "sdxl" / "weights" / "tiny-sdxl"
     for path in shipped.rglob("*"):
         if path.is_file():
             rel = path.relative_to(ROOT).as_posix()
@@ -64,7 +64,7 @@ def test_installed_wheel_imports_from_outside_the_repository(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     code = (
         "import meshserve.models, meshserve.service.app, meshserve.workers.main, meshserve.cli\n"
-        "from meshserve.models.embedded import embedded_model_path\n"
+        "from meshserve.models.sdxl.embedded import embedded_model_path\n"
         "assert (embedded_model_path() / 'model_index.json').is_file()\n"
         "import importlib.util\n"
         f"assert meshserve.models.__file__.startswith({str(target)!r}), meshserve.models.__file__\n"

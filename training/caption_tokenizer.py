@@ -1,6 +1,6 @@
 """The trained model's CLIP tokenizers: byte-level BPE whose merges make every caption word one token.
 
-The tiny tokenizer of the random test models (models/clip_tokenizer.py) spells most words letter by letter;
+The tiny tokenizer of the random test models (models/components/clip_tokenizer.py) spells most words letter by letter;
 a 2-layer text encoder trained for minutes learns far faster from one token per word. So the merges are
 learned from the caption vocabulary (deterministically, `caption_merges`) and written as an ordinary CLIP
 tokenizer that transformers' CLIPTokenizer and diffusers read. Words outside the captions still tokenize,
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from meshserve.models.clip_tokenizer import write_clip_tokenizer
+from meshserve.models.components.clip_tokenizer import write_clip_tokenizer
 from meshserve.training.shapes import COLOURS, POSITIONS, SHAPES, SIZES
 
 WORDS = sorted(

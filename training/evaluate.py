@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance", type=float, default=None)
     parser.add_argument("--grid", default=None, help="also save the pictures as one PNG, a row per seed")
     args = parser.parse_args(argv)
-    from meshserve.models.pipelines import load_pipeline
+    from meshserve.models.registry import load_pipeline
 
     pipeline = load_pipeline(args.model, dtype=args.dtype)
     result, images = evaluate(

@@ -38,7 +38,7 @@ def _cpu_devices_flag() -> None:
     otherwise. Data parallelism over 2 host devices trained the UNet 1.36x faster than one device using both
     cores (72 vs 53 samples/s, batch 32, 2-core EPYC, 2026-11-22): XLA:CPU runs many of the small
     element-wise and normalisation kernels of a tiny model on one thread."""
-    from meshserve.models.xla_cpu_flags import apply_cpu_defaults
+    from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults
 
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -65,8 +65,8 @@ def _build(module_cls, config_cls, config: dict, rng: np.random.Generator, place
     import jax.numpy as jnp
     from flax import nnx
 
-    from meshserve.models.embedded_folder import random_weights
-    from meshserve.models.loading import abstract_module, load_weights
+    from meshserve.models.checkpoints.embedded_folder import random_weights
+    from meshserve.models.checkpoints.loading import abstract_module, load_weights
 
     parsed = config_cls.from_config(config)
     module = abstract_module(lambda rngs: module_cls(parsed, dtype=jnp.float32, rngs=rngs))
@@ -95,16 +95,16 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_RULES
-    from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-    from meshserve.models.clip import SHARDING_RULES as CLIP_RULES
-    from meshserve.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-    from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
-    from meshserve.models.embedded_folder import clip_text_config
+    from meshserve.models.checkpoints.embedded_folder import clip_text_config
+    from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RULES
+    from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+    from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
+    from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
     from meshserve.models.parallel.placement import pipeline_placement
     from meshserve.models.schedulers import make_scheduler
-    from meshserve.models.unet_2d_condition import SHARDING_RULES as UNET_RULES
-    from meshserve.models.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
+    from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
+    from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel
     from meshserve.training import config as C
     from meshserve.training.caption_tokenizer import build_caption_tokenizer
     from meshserve.training.shapes import training_batch
@@ -312,8 +312,8 @@ def train(out: Path, recipe=None, *, devices=None, log_every: int = 100) -> dict
 
 def _write_folder(out: Path, configs: dict, modules: dict, record: dict) -> None:
     """The diffusers folder (tokenizers already in it) and meshserve.json: serving defaults and the record."""
-    from meshserve.models.embedded_folder import write_component, write_json, write_model_index
-    from meshserve.models.loading import export_weights
+    from meshserve.models.checkpoints.embedded_folder import write_component, write_json, write_model_index
+    from meshserve.models.checkpoints.loading import export_weights
     from meshserve.training import config as C
 
     entries = {

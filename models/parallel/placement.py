@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshserve.models.attention import AttentionSettings
 from meshserve.models.attention.context import batch_axes_for
-from meshserve.models.loading import torch_key
+from meshserve.models.checkpoints.loading import torch_key
 from meshserve.models.parallel.mesh import (
     LayoutError,
     MeshSizes,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from flax import nnx
 
-from meshserve.models.autoencoder_kl import AutoencoderKLConfig, load_autoencoder_kl
-from meshserve.models.loading import read_component_weights, write_safetensors
+from meshserve.models.checkpoints.loading import read_component_weights, write_safetensors
+from meshserve.models.components.autoencoder_kl import AutoencoderKLConfig, load_autoencoder_kl
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,8 @@ def test_sdxl_vae_config_builds_diffusers_parameter_tree():
     """At full SDXL-VAE size (shapes only; diffusers on the meta device): every checkpoint key and shape."""
     from diffusers import AutoencoderKL as TorchAutoencoderKL
 
-    from meshserve.models.autoencoder_kl import AutoencoderKL
-    from meshserve.models.loading import abstract_module, to_nnx_layout, torch_key
+    from meshserve.models.checkpoints.loading import abstract_module, to_nnx_layout, torch_key
+    from meshserve.models.components.autoencoder_kl import AutoencoderKL
 
     cfg = AutoencoderKLConfig.from_config(SDXL_VAE)
     ours = abstract_module(lambda rngs: AutoencoderKL(cfg, rngs=rngs))

@@ -17,13 +17,13 @@ import pytest
 import torch
 from flax import nnx
 
-from meshserve.models.autoencoder_kl_wan import (
+from meshserve.models.checkpoints.loading import abstract_module, to_nnx_layout, torch_key
+from meshserve.models.wan.autoencoder_kl_wan import (
     SHARDING_RULES,
     AutoencoderKLWan,
     AutoencoderKLWanConfig,
     load_autoencoder_kl_wan,
 )
-from meshserve.models.loading import abstract_module, to_nnx_layout, torch_key
 
 log = logging.getLogger(__name__)
 

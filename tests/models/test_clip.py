@@ -16,19 +16,19 @@ import pytest
 import torch
 from flax import nnx
 
-from meshserve.models.clip import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    load_clip_text_model,
-)
-from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointError,
     CheckpointMismatchError,
     read_component_weights,
     write_safetensors,
 )
+from meshserve.models.components.clip import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    load_clip_text_model,
+)
+from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A stride-1 conv to few output channels as one matmul + shifted sum (models/conv_by_taps.py), against
+"""A stride-1 conv to few output channels as one matmul + shifted sum (models/cpu/conv_by_taps.py), against
 torch's Conv2d / Conv3d on the same weights, and the rule that picks it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from flax import nnx
 
-from meshserve.models.conv_by_taps import conv_by_taps, prefers_taps
-from meshserve.models.layers import conv2d
+from meshserve.models.components.layers import conv2d
+from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 
 # fp32 sums of up to 9 x 320 products, in another order than torch's: 1.1e-6 measured, the library conv alike.
 TOLERANCE = 5e-6

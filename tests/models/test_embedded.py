@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import load_pipeline
-from meshserve.models.embedded import FOLDER, SHA256, embedded_model_path
+from meshserve.models.sdxl.embedded import FOLDER, SHA256, embedded_model_path
 from meshserve.training.evaluate import evaluate
 
 # The bar: the shape's colour and the background's in >= 90 % of pictures, the shape in >= 70 %.

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from meshserve.models import load_pipeline
-from meshserve.models.embedded_wan import VERSION, embedded_wan_path, write_embedded_wan
-from meshserve.models.pipelines.wan import WanPipeline
+from meshserve.models.wan.embedded import VERSION, embedded_wan_path, write_embedded_wan
+from meshserve.models.wan.pipeline import WanPipeline
 
 log = logging.getLogger(__name__)
 

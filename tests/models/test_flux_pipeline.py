@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from meshserve.models import GenerationCancelled, PipelineError, load_pipeline
-from meshserve.models.pipelines.flux import FluxPipeline, pack_latents, unpack_latents
-from meshserve.models.pipelines.seeds import initial_noise, key_data, row_keys
+from meshserve.models.engine.seeds import initial_noise, key_data, row_keys
+from meshserve.models.flux.pipeline import FluxPipeline, pack_latents, unpack_latents
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ def test_bad_arguments_are_clear(dev, kw, match):
 
 
 def test_embedded_tiny_flux_loads_and_equals_diffusers():
-    from meshserve.models.embedded_flux import TRANSFORMER, embedded_flux_path
+    from meshserve.models.flux.embedded import TRANSFORMER, embedded_flux_path
 
     path = embedded_flux_path()
     assert embedded_flux_path() == path  # built once, then reused
@@ -409,10 +409,10 @@ def test_full_size_flux_schnell_t5_xxl_and_vae_keys_and_shapes_map():
     from transformers import T5Config as TorchT5Config
     from transformers import T5EncoderModel as TorchT5
 
-    from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-    from meshserve.models.loading import abstract_module, load_weights
-    from meshserve.models.t5 import T5Config, T5EncoderModel, _rename
-    from meshserve.models.transformer_flux import (
+    from meshserve.models.checkpoints.loading import abstract_module, load_weights
+    from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+    from meshserve.models.components.t5 import T5Config, T5EncoderModel, _rename
+    from meshserve.models.flux.transformer_flux import (
         FluxTransformer2DConfig,
         FluxTransformer2DModel,
         split_single_proj_out,

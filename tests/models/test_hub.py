@@ -1,4 +1,4 @@
-"""Hub ids (models/hub.py), fully offline: the tests build a Hugging Face cache folder by hand, in the layout
+"""Hub ids (models/checkpoints/hub.py), fully offline: the tests build a Hugging Face cache folder by hand, in the layout
 huggingface_hub reads (models--owner--name/{blobs, refs/<name>, snapshots/<commit>/..., trees/<commit>.json}),
 and resolve through the library with HF_HUB_OFFLINE=1. No test reaches the network."""
 
@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from meshserve.models.hub import (
+from meshserve.models.checkpoints.hub import (
     components,
     explain_hub_error,
     files_to_download,
@@ -226,7 +226,7 @@ def _write_repo(
 
 
 def _fp16_copy(path: Path, tmp: Path) -> bytes:
-    from meshserve.models.loading import read_safetensors, write_safetensors
+    from meshserve.models.checkpoints.loading import read_safetensors, write_safetensors
 
     state = {k: np.asarray(v).astype(np.float16) for k, v in read_safetensors(path).items()}
     write_safetensors(tmp, state)
@@ -340,7 +340,7 @@ def test_the_environment_alone_configures_the_library(hub_cache):
     """HF_HOME and HF_HUB_OFFLINE set in the environment of a fresh process (the library reads them at import)."""
     env = {**os.environ, "HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = "from meshserve.models.hub import resolve_model_path; print(resolve_model_path('tiny/sdxl'))"
+    code = "from meshserve.models.checkpoints.hub import resolve_model_path; print(resolve_model_path('tiny/sdxl'))"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert Path(r.stdout.strip()) == hub_cache / "hub" / "models--tiny--sdxl" / "snapshots" / COMMIT
@@ -384,7 +384,7 @@ def test_a_folder_fetched_with_one_variant_loads(tmp_path, shards, index):
     """What `files_to_download(..., variant="bf16")` fetches is what the loader reads."""
     import ml_dtypes
 
-    from meshserve.models.loading import read_component_weights, write_safetensors
+    from meshserve.models.checkpoints.loading import read_component_weights, write_safetensors
 
     state = {f"w{i}": np.full((2, 3), i, ml_dtypes.bfloat16) for i in range(4)}
     weight_map = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from flax import nnx
 
-from meshserve.models.layers import Upsample2D
+from meshserve.models.components.layers import Upsample2D
 
 
 def rel_err(ours, ref) -> float:

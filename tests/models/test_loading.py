@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointError,
     CheckpointMismatchError,
     export_weights,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import load_pipeline
-from meshserve.models.pipelines.seeds import key_data
+from meshserve.models.engine.seeds import key_data
 from meshserve.models.schedulers import SCHEDULER_NAMES
 
 H, W = 64, 48

@@ -101,14 +101,14 @@ def test_compiled_programs_are_counted_logged_and_bounded(caplog):
     recently used program is dropped and compiles again when next needed."""
     import logging
 
-    from meshserve.models.pipelines.programs import CompiledPrograms
+    from meshserve.models.engine.programs import CompiledPrograms
 
     def scale(weights, x, *, power):
         return weights * x**power
 
     programs = CompiledPrograms("test", max_programs=2)
     w = jnp.float32(2.0)
-    with caplog.at_level(logging.INFO, logger="meshserve.models.pipelines.programs"):
+    with caplog.at_level(logging.INFO, logger="meshserve.models.engine.programs"):
         for shape in [(2,), (3,), (2,), (4,), (3,)]:
             out = programs.run("scale", scale, {"power": 2}, w, jnp.ones(shape))
             assert out.shape == shape

@@ -16,9 +16,13 @@ import pytest
 import torch
 from flax import nnx
 
-from meshserve.models.loading import CheckpointMismatchError, read_component_weights, write_safetensors
-from meshserve.models.t5 import T5Config, load_t5_encoder, relative_position_bucket
-from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer, load_t5_tokenizer, tokenize_t5
+from meshserve.models.checkpoints.loading import (
+    CheckpointMismatchError,
+    read_component_weights,
+    write_safetensors,
+)
+from meshserve.models.components.t5 import T5Config, load_t5_encoder, relative_position_bucket
+from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer, load_t5_tokenizer, tokenize_t5
 
 log = logging.getLogger(__name__)
 

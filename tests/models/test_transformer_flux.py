@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshserve.models.attention import AttentionSettings
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointMismatchError,
     abstract_module,
     load_weights,
@@ -28,9 +28,7 @@ from meshserve.models.loading import (
     torch_key,
     write_safetensors,
 )
-from meshserve.models.parallel.mesh import MeshSizes, make_mesh
-from meshserve.models.parallel.placement import Placement
-from meshserve.models.transformer_flux import (
+from meshserve.models.flux.transformer_flux import (
     SHARDING_RULES,
     FluxTransformer2DConfig,
     FluxTransformer2DModel,
@@ -40,6 +38,8 @@ from meshserve.models.transformer_flux import (
     scaled_timestep,
     split_single_proj_out,
 )
+from meshserve.models.parallel.mesh import MeshSizes, make_mesh
+from meshserve.models.parallel.placement import Placement
 
 log = logging.getLogger(__name__)
 

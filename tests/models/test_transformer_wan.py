@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointMismatchError,
     abstract_module,
     load_weights,
@@ -34,7 +34,7 @@ from meshserve.models.loading import (
 )
 from meshserve.models.parallel.mesh import MeshSizes, make_mesh
 from meshserve.models.parallel.placement import Placement
-from meshserve.models.transformer_wan import (
+from meshserve.models.wan.transformer_wan import (
     KEEP_IN_FP32,
     SHARDING_RULES,
     WanTransformer3DConfig,

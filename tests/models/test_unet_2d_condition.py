@@ -16,7 +16,7 @@ import torch
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings
-from meshserve.models.unet_2d_condition import UNet2DConditionConfig, load_unet
+from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionConfig, load_unet
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +185,8 @@ def test_feed_forward_is_exact_geglu():
     bar), so the feed-forward is checked alone, on inputs large enough for the two to differ."""
     from diffusers.models.attention import FeedForward as TorchFeedForward
 
-    from meshserve.models.loading import load_weights
-    from meshserve.models.unet_2d_condition import FeedForward
+    from meshserve.models.checkpoints.loading import load_weights
+    from meshserve.models.sdxl.unet_2d_condition import FeedForward
 
     torch.manual_seed(0)
     ref = TorchFeedForward(16, activation_fn="geglu").eval()
@@ -239,8 +239,8 @@ def test_sdxl_base_config_builds_diffusers_parameter_tree():
     """At full SDXL size (shapes only; diffusers on the meta device): every checkpoint key and shape."""
     from diffusers import UNet2DConditionModel
 
-    from meshserve.models.loading import abstract_module, to_nnx_layout, torch_key
-    from meshserve.models.unet_2d_condition import UNet2DConditionModel as Ours
+    from meshserve.models.checkpoints.loading import abstract_module, to_nnx_layout, torch_key
+    from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionModel as Ours
 
     cfg = UNet2DConditionConfig.from_config(SDXL_BASE)
     ours = abstract_module(lambda rngs: Ours(cfg, dtype=jnp.bfloat16, rngs=rngs))

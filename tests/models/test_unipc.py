@@ -284,9 +284,9 @@ def test_names_and_unsupported_options():
 
 
 def test_engine_denoise_loop_equals_diffusers():
-    """Through the engine's own loop (models/pipelines/denoise_loop: lax.while_loop, traced step count, CFG,
+    """Through the engine's own loop (models/registry.py/denoise_loop: lax.while_loop, traced step count, CFG,
     the per-step host callback), 30 steps on a schedule padded to 200 steps."""
-    from meshserve.models.pipelines.denoise_loop import denoise_loop
+    from meshserve.models.engine.denoise_loop import denoise_loop
 
     steps, guidance = 30, 5.0
     sched = make_scheduler("unipc", WAN)

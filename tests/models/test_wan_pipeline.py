@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from meshserve.models import GenerationCancelled, PipelineError, load_pipeline
-from meshserve.models.pipelines.seeds import initial_noise, key_data, row_keys
-from meshserve.models.pipelines.wan import WanPipeline
+from meshserve.models.engine.seeds import initial_noise, key_data, row_keys
+from meshserve.models.wan.pipeline import WanPipeline
 
 log = logging.getLogger(__name__)
 

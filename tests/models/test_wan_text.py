@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshserve.models.t5 import load_t5_encoder
-from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer, load_t5_tokenizer
-from meshserve.models.wan_text import (
+from meshserve.models.components.t5 import load_t5_encoder
+from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer, load_t5_tokenizer
+from meshserve.models.wan.text import (
     WAN_MAX_SEQUENCE_LENGTH,
     encode_wan_prompts,
     prompt_clean,

@@ -3,7 +3,7 @@ a flag the user set, never for an unknown version (an XLA flag a jaxlib does not
 
 import os
 
-from meshserve.models.xla_cpu_flags import apply_cpu_defaults, cpu_default_flags
+from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults, cpu_default_flags
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 

@@ -167,7 +167,7 @@ def test_decode_sharding_splits_the_larger_side_over_the_axes_the_batch_leaves()
     from jax.sharding import PartitionSpec as P
 
     from meshserve.models.parallel.mesh import MeshSizes, make_mesh
-    from meshserve.models.pipelines.wan import decode_sharding
+    from meshserve.models.wan.pipeline import decode_sharding
 
     mesh = make_mesh(MeshSizes(data=2, cfg=2, context=2))
     # [B, T, H, W, C]: landscape splits W, portrait H; a batch of 1 leaves every axis to the picture.

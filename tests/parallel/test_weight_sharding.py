@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from meshserve.models import load_pipeline
 from meshserve.models.parallel import LayoutError, MeshSizes, make_mesh, validate_weight_sharding
 from meshserve.models.parallel.placement import Placement
-from meshserve.models.unet_2d_condition import SHARDING_RULES as UNET_RULES
+from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
 
 H, W = 64, 48
 PROMPTS = ["a photo of a cat", "a red car", "a lighthouse", "a bowl of fruit"]

@@ -29,7 +29,7 @@ def test_two_builds_are_the_same_files(tmp_path):
 
 
 def test_the_shipped_tokenizers_are_what_the_builder_makes(tmp_path):
-    from meshserve.models.embedded import FOLDER
+    from meshserve.models.sdxl.embedded import FOLDER
 
     for name, pad in (("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")):
         build_caption_tokenizer(tmp_path / name, pad_token=pad)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import load_pipeline
-from meshserve.models.loading import read_component_weights
+from meshserve.models.checkpoints.loading import read_component_weights
 from meshserve.training.config import Recipe
 from meshserve.training.train_shapes import train
 

@@ -19,10 +19,10 @@ FakeRunner("f").run([RunRequest("j", p)])
 heavy = sorted(m for m in ("jax", "flax", "torch", "diffusers") if m in sys.modules)
 assert not heavy, heavy
 # The config reads device slices, mesh sizes, attention options and Hub ids with the models' own JAX-free
-# rules only (models/hub.py imports huggingface_hub and the pipelines only when it resolves an id).
+# rules only (models/checkpoints/hub.py imports huggingface_hub and the pipelines only when it resolves an id).
 models = sorted(m for m in sys.modules if m.startswith("meshserve.models"))
 allowed = ["meshserve.models", "meshserve.models.attention", "meshserve.models.attention.options"]
-allowed += ["meshserve.models.hub", "meshserve.models.parallel", "meshserve.models.parallel.layout_spec"]
+allowed += ["meshserve.models.checkpoints", "meshserve.models.checkpoints.hub", "meshserve.models.parallel", "meshserve.models.parallel.layout_spec"]
 assert models == allowed, models
 """
 

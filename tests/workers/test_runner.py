@@ -97,7 +97,7 @@ def test_fake_runner_stop_and_faults():
 
 
 def test_batches_pad_to_power_of_two_buckets():
-    from meshserve.models.pipelines.base import batch_bucket
+    from meshserve.models.engine.pipeline import batch_bucket
 
     assert [batch_bucket(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert [batch_bucket(n, data=2) for n in (1, 2, 3)] == [2, 2, 4]
@@ -109,7 +109,7 @@ def test_batches_pad_to_power_of_two_buckets():
 
 
 def _contract_pipeline(video: bool = False, fail: Exception | None = None):
-    from meshserve.models.pipelines import DiffusionPipeline, PipelineOutput
+    from meshserve.models.registry import DiffusionPipeline, PipelineOutput
 
     class StandIn(DiffusionPipeline):
         family = "standin-video" if video else "standin"

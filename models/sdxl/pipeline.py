@@ -26,14 +26,15 @@ import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings
-from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_SHARDING_RULES
-from meshserve.models.autoencoder_kl import load_autoencoder_kl
-from meshserve.models.clip import SHARDING_RULES as CLIP_SHARDING_RULES
-from meshserve.models.clip import load_clip_text_model
-from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
-from meshserve.models.loading import read_json
-from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
-from meshserve.models.pipelines.base import (
+from meshserve.models.checkpoints.loading import read_json
+from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_SHARDING_RULES
+from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
+from meshserve.models.components.clip import SHARDING_RULES as CLIP_SHARDING_RULES
+from meshserve.models.components.clip import load_clip_text_model
+from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
+from meshserve.models.engine.common import PipelineError, PipelineOutput, to_list
+from meshserve.models.engine.denoise_loop import denoise_loop, interleave
+from meshserve.models.engine.pipeline import (
     MAX_IMAGES,
     MAX_STEPS,
     DiffusionPipeline,
@@ -41,12 +42,11 @@ from meshserve.models.pipelines.base import (
     image_limits,
     to_host,
 )
-from meshserve.models.pipelines.common import PipelineError, PipelineOutput, to_list
-from meshserve.models.pipelines.denoise_loop import denoise_loop, interleave
-from meshserve.models.pipelines.seeds import initial_noise, per_row, row_keys, row_seeds
-from meshserve.models.unet_2d_condition import SHARDING_RULES as UNET_SHARDING_RULES
-from meshserve.models.unet_2d_condition import Attention as UNetAttention
-from meshserve.models.unet_2d_condition import load_unet
+from meshserve.models.engine.seeds import initial_noise, per_row, row_keys, row_seeds
+from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
+from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_SHARDING_RULES
+from meshserve.models.sdxl.unet_2d_condition import Attention as UNetAttention
+from meshserve.models.sdxl.unet_2d_condition import load_unet
 
 __all__ = ["StableDiffusionXLPipeline", "MAX_STEPS", "MAX_IMAGES"]
 

@@ -75,15 +75,15 @@ import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointError,
     abstract_module,
     load_weights,
     read_component_weights,
     read_json,
 )
-from meshserve.models.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
+from meshserve.models.components.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
+from meshserve.models.flux.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
 
 # Parameter path regex (checkpoint names) -> logical axes, in NNX layout ([in, out] for a Linear, [pt, ph, pw,
 # in, out] for the patch embedding). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the

@@ -41,12 +41,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshserve.models.loading import read_json
+from meshserve.models.checkpoints.loading import read_json
+from meshserve.models.engine.common import GenerationCancelled, PipelineError
+from meshserve.models.engine.denoise_loop import StepReporter
+from meshserve.models.engine.programs import CompiledPrograms
+from meshserve.models.engine.seeds import key_data
 from meshserve.models.parallel.placement import Placement
-from meshserve.models.pipelines.common import GenerationCancelled, PipelineError
-from meshserve.models.pipelines.denoise_loop import StepReporter
-from meshserve.models.pipelines.programs import CompiledPrograms
-from meshserve.models.pipelines.seeds import key_data
 from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
 
 # Every schedule is padded to this many steps, so the step count is a traced value and never compiles.

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from meshserve.models.loading import CheckpointError, read_json
-from meshserve.models.pipelines.base import DiffusionPipeline
-from meshserve.models.pipelines.common import GenerationCancelled, PipelineError, PipelineOutput
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.engine.common import GenerationCancelled, PipelineError, PipelineOutput
+from meshserve.models.engine.pipeline import DiffusionPipeline
 
 # diffusers pipeline class -> (family, module, class)
 _FAMILIES = {
-    "StableDiffusionXLPipeline": ("sdxl", "meshserve.models.pipelines.sdxl", "StableDiffusionXLPipeline"),
-    "FluxPipeline": ("flux", "meshserve.models.pipelines.flux", "FluxPipeline"),
-    "WanPipeline": ("wan", "meshserve.models.pipelines.wan", "WanPipeline"),
+    "StableDiffusionXLPipeline": ("sdxl", "meshserve.models.sdxl.pipeline", "StableDiffusionXLPipeline"),
+    "FluxPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
+    "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
 }
 _DTYPES = {
     "float32": jnp.float32,
@@ -32,9 +32,9 @@ EMBEDDED = "embedded:tiny-sdxl"
 # The embedded tiny models (made deterministically on first use, no download), by the model id each serves
 # as: `load_pipeline` takes the id itself or "embedded:<id>" (a folder of that name wins over the bare id).
 EMBEDDED_MODELS = {
-    "tiny-sdxl": ("meshserve.models.embedded", "embedded_model_path"),
-    "tiny-flux": ("meshserve.models.embedded_flux", "embedded_flux_path"),
-    "tiny-wan": ("meshserve.models.embedded_wan", "embedded_wan_path"),
+    "tiny-sdxl": ("meshserve.models.sdxl.embedded", "embedded_model_path"),
+    "tiny-flux": ("meshserve.models.flux.embedded", "embedded_flux_path"),
+    "tiny-wan": ("meshserve.models.wan.embedded", "embedded_wan_path"),
 }
 
 
@@ -81,7 +81,7 @@ def load_pipeline(
     variant: str | None = None,
 ):
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
-    into the Hub cache by models/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
+    into the Hub cache by models/checkpoints/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
     (or "embedded:tiny-sdxl") is the embedded default model, "tiny-flux" (or "embedded:tiny-flux") the
     embedded tiny Flux.
 
@@ -101,7 +101,7 @@ def load_pipeline(
         module_name, func_name = EMBEDDED_MODELS[model_id]
         path = getattr(importlib.import_module(module_name), func_name)()
     else:
-        from meshserve.models.hub import resolve_model_path
+        from meshserve.models.checkpoints.hub import resolve_model_path
 
         path = resolve_model_path(path, revision=revision, variant=variant)
     path = Path(path).expanduser()

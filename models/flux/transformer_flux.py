@@ -48,14 +48,14 @@ import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.layers import TimestepEmbedding, linear, timestep_embedding
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointError,
     abstract_module,
     load_weights,
     read_component_weights,
     read_json,
 )
+from meshserve.models.components.layers import TimestepEmbedding, linear, timestep_embedding
 
 # Parameter path regex (checkpoint names; our split proj_out parts) -> logical axes, in NNX layout ([in, out]
 # for a Linear). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the FSDP axes.

@@ -29,7 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.layers import (
+from meshserve.models.checkpoints.loading import (
+    abstract_module,
+    load_weights,
+    read_component_weights,
+    read_json,
+)
+from meshserve.models.components.layers import (
     Downsample2D,
     GroupNorm,
     LayerNorm,
@@ -41,7 +47,6 @@ from meshserve.models.layers import (
     linear,
     timestep_embedding,
 )
-from meshserve.models.loading import abstract_module, load_weights, read_component_weights, read_json
 
 # Config values we do not implement -> the value that means "not used" (diffusers' default).
 _UNSUPPORTED = {

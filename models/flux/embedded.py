@@ -1,6 +1,6 @@
 """The embedded tiny Flux ("tiny-flux"): a Flux.1-dev-architecture checkpoint made deterministically on first use.
 
-As models/embedded.py does for the tiny SDXL: no download, no torch. The weights come from our own NNX modules
+As models/sdxl/embedded.py does for the tiny SDXL: no download, no torch. The weights come from our own NNX modules
 (shapes only) filled by numpy from a fixed seed, written as an ordinary diffusers FluxPipeline folder
 (model_index.json, configs, safetensors in PyTorch layout, CLIP and T5 tokenizers built offline), so it goes
 through exactly the loading path a real checkpoint takes, and diffusers' FluxPipeline.from_pretrained opens it
@@ -16,18 +16,18 @@ from pathlib import Path
 
 import numpy as np
 
-from meshserve.models.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
-from meshserve.models.clip import CLIPTextConfig, CLIPTextModel
-from meshserve.models.clip_tokenizer import build_tiny_clip_tokenizer
-from meshserve.models.embedded_folder import (
+from meshserve.models.checkpoints.embedded_folder import (
     RandomComponent,
     cached_model_folder,
     clip_text_config,
     write_pipeline_folder,
 )
-from meshserve.models.t5 import T5Config, T5EncoderModel
-from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
-from meshserve.models.transformer_flux import FluxTransformer2DConfig, FluxTransformer2DModel
+from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig
+from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel
+from meshserve.models.components.clip_tokenizer import build_tiny_clip_tokenizer
+from meshserve.models.components.t5 import T5Config, T5EncoderModel
+from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer
+from meshserve.models.flux.transformer_flux import FluxTransformer2DConfig, FluxTransformer2DModel
 
 VERSION = "tiny-flux-v1"  # bump when anything below changes: the cache folder is keyed by it
 
@@ -74,7 +74,7 @@ TEXT_ENCODER = dict(
     layer_norm_eps=1e-5,
 )
 # T5 v1.1 (gated GELU) at d_model 32 = the transformer's joint_attention_dim; the vocabulary is the tiny
-# tokenizer's (models/t5_tokenizer.py).
+# tokenizer's (models/components/t5_tokenizer.py).
 T5 = dict(
     d_model=32,
     d_kv=8,

@@ -10,7 +10,7 @@ import os
 
 import jax
 
-from meshserve.models.embedded import cache_root
+from meshserve.models.checkpoints.embedded_folder import cache_root
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:

@@ -1,7 +1,7 @@
 """Layers shared by the UNet and the VAE: norms, activations, resnet blocks, resampling, timestep embeddings.
 
 Every class mirrors the diffusers module of the same name (attribute names included, so checkpoint keys map
-by the generic rules of `meshserve.models.loading`), with activations in NHWC: `[B, H, W, C]`.
+by the generic rules of `meshserve.models.checkpoints.loading`), with activations in NHWC: `[B, H, W, C]`.
 
 Precision: group and layer norms compute their statistics in fp32 whatever the parameter dtype (two-pass
 variance, as torch does) and hand back the input's dtype; a bf16 mean/variance over a 128x128x320 map loses
@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from meshserve.models.conv_by_taps import conv_by_taps, prefers_taps
+from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 
 # --------------------------------------------------------------------------------------------------
 # Activations and norms
@@ -111,7 +111,7 @@ class LayerNorm(nnx.LayerNorm):
 
 class Conv(nnx.Conv):
     """nnx.Conv (same parameters and keys) that runs a stride-1 conv to few output channels as
-    `conv_by_taps` where that is faster (models/conv_by_taps.py: a VAE's or UNet's conv_out, 2-4x on the CPU)."""
+    `conv_by_taps` where that is faster (models/cpu/conv_by_taps.py: a VAE's or UNet's conv_out, 2-4x on the CPU)."""
 
     def __call__(self, inputs):
         kernel = self.kernel[...]

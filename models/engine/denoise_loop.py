@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from meshserve.models.pipelines.seeds import step_keys
+from meshserve.models.engine.seeds import step_keys
 
 
 def interleave(a, b):

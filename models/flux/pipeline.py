@@ -45,23 +45,23 @@ import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings
-from meshserve.models.autoencoder_kl import SHARDING_RULES as VAE_SHARDING_RULES
-from meshserve.models.autoencoder_kl import load_autoencoder_kl
-from meshserve.models.clip import SHARDING_RULES as CLIP_SHARDING_RULES
-from meshserve.models.clip import load_clip_text_model
-from meshserve.models.clip_tokenizer import load_clip_tokenizer, tokenize
-from meshserve.models.loading import CheckpointError, read_json
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_SHARDING_RULES
+from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
+from meshserve.models.components.clip import SHARDING_RULES as CLIP_SHARDING_RULES
+from meshserve.models.components.clip import load_clip_text_model
+from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
+from meshserve.models.components.t5 import SHARDING_RULES as T5_SHARDING_RULES
+from meshserve.models.components.t5 import load_t5_encoder
+from meshserve.models.components.t5_tokenizer import load_t5_tokenizer, tokenize_t5
+from meshserve.models.engine.common import PipelineError, PipelineOutput, to_list
+from meshserve.models.engine.denoise_loop import denoise_loop, interleave
+from meshserve.models.engine.pipeline import DiffusionPipeline, image_limits, to_host
+from meshserve.models.engine.seeds import initial_noise, per_row, row_keys, row_seeds
+from meshserve.models.flux.transformer_flux import SHARDING_RULES as FLUX_SHARDING_RULES
+from meshserve.models.flux.transformer_flux import flux_rope, image_ids, load_flux_transformer, round_to
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
-from meshserve.models.pipelines.base import DiffusionPipeline, image_limits, to_host
-from meshserve.models.pipelines.common import PipelineError, PipelineOutput, to_list
-from meshserve.models.pipelines.denoise_loop import denoise_loop, interleave
-from meshserve.models.pipelines.seeds import initial_noise, per_row, row_keys, row_seeds
 from meshserve.models.schedulers import flux_mu, pad_schedule
-from meshserve.models.t5 import SHARDING_RULES as T5_SHARDING_RULES
-from meshserve.models.t5 import load_t5_encoder
-from meshserve.models.t5_tokenizer import load_t5_tokenizer, tokenize_t5
-from meshserve.models.transformer_flux import SHARDING_RULES as FLUX_SHARDING_RULES
-from meshserve.models.transformer_flux import flux_rope, image_ids, load_flux_transformer, round_to
 
 __all__ = ["FluxPipeline", "pack_latents", "unpack_latents"]
 

@@ -1,6 +1,6 @@
 """The embedded tiny Wan ("tiny-wan"): a Wan 2.1 text-to-video checkpoint made deterministically on first use.
 
-As models/embedded.py and models/embedded_flux.py do for the tiny SDXL and Flux: no download, no torch. The
+As models/sdxl/embedded.py and models/flux/embedded.py do for the tiny SDXL and Flux: no download, no torch. The
 weights come from our own NNX modules (shapes only) filled by numpy from a fixed seed, written as an ordinary
 diffusers WanPipeline folder (model_index.json, configs, safetensors in PyTorch layout, a UMT5-style T5
 tokenizer built offline, Wan 2.1's UniPC scheduler config with flow_shift 3), so it goes through exactly the
@@ -8,7 +8,7 @@ loading path a real checkpoint takes, and diffusers' WanPipeline.from_pretrained
 
 The configs below are also what the tests' diffusers-built checkpoint uses (tests/fixtures/tiny_wan.py), so
 both are the same architecture. Its RoPE tables address 32 positions per axis, fewer than diffusers'
-default 480x832 grid needs, so models/pipelines/wan.py serves it at its small defaults (32x48 pixels, 5 frames,
+default 480x832 grid needs, so models/wan/pipeline.py serves it at its small defaults (32x48 pixels, 5 frames,
 4 steps) and caps sizes at what the tables address: a video of noise-like colour in well under a second of
 denoising on a CPU. It exists so that `meshserve serve --model tiny-wan` returns an MP4 on a fresh machine.
 """
@@ -19,11 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from meshserve.models.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig
-from meshserve.models.embedded_folder import RandomComponent, cached_model_folder, write_pipeline_folder
-from meshserve.models.t5 import T5Config, T5EncoderModel
-from meshserve.models.t5_tokenizer import build_tiny_t5_tokenizer
-from meshserve.models.transformer_wan import WanTransformer3DConfig, WanTransformer3DModel
+from meshserve.models.checkpoints.embedded_folder import (
+    RandomComponent,
+    cached_model_folder,
+    write_pipeline_folder,
+)
+from meshserve.models.components.t5 import T5Config, T5EncoderModel
+from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer
+from meshserve.models.wan.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig
+from meshserve.models.wan.transformer_wan import WanTransformer3DConfig, WanTransformer3DModel
 
 VERSION = "tiny-wan-v1"  # bump when anything below changes: the cache folder is keyed by it
 

@@ -24,7 +24,13 @@ import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.layers import (
+from meshserve.models.checkpoints.loading import (
+    abstract_module,
+    load_weights,
+    read_component_weights,
+    read_json,
+)
+from meshserve.models.components.layers import (
     Downsample2D,
     GroupNorm,
     ResnetBlock2D,
@@ -33,7 +39,6 @@ from meshserve.models.layers import (
     get_activation,
     linear,
 )
-from meshserve.models.loading import abstract_module, load_weights, read_component_weights, read_json
 
 # diffusers builds every VAE block with this eps (vae.py), whatever the config says.
 _VAE_EPS = 1e-6

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.pipelines.common import PipelineError
+from meshserve.models.engine.common import PipelineError
 
 # Tags the per-step noise stream apart from the initial noise (which uses the row key itself).
 STEP_NOISE_STREAM = 0x5EED

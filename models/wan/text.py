@@ -4,7 +4,7 @@
     embeds = encode_wan_prompts(umt5, tokens.input_ids, tokens.attention_mask)       # JAX, jittable
     -> [B, max_sequence_length, d_model]: UMT5's states for each prompt's real tokens (EOS included), zeros after
 
-The UMT5 encoder (models/t5.py, `model_type` "umt5") runs WITH the attention mask, so padding keys are not
+The UMT5 encoder (models/components/t5.py, `model_type` "umt5") runs WITH the attention mask, so padding keys are not
 attended; its outputs at padding positions are real numbers, which diffusers then drops: each prompt is
 trimmed to its length `mask.sum()` and zero-padded back to max_sequence_length. The transformer's
 cross-attention has no mask, so those zero rows (bias-only after its text_embedder) are attended: the zeros
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from meshserve.models.t5_tokenizer import T5Tokens, tokenize_t5
+from meshserve.models.components.t5_tokenizer import T5Tokens, tokenize_t5
 
 # WanPipeline's max_sequence_length default in __call__ (encode_prompt's own default, 226, is never used by
 # the pipeline).

@@ -104,7 +104,7 @@ def files_to_download(model_index: dict, repo_files: Iterable[str], variant: str
     `model_index`: the repo's model_index.json; `repo_files`: every file path in the repo at the commit;
     `variant`: e.g. "fp16" for `*.fp16.safetensors`. Raises ModelFolderError when a component's weights exist
     only in formats the loader does not read, or when no component has the variant asked for."""
-    from meshserve.models.pipelines import ModelFolderError
+    from meshserve.models.registry import ModelFolderError
 
     stems = "|".join(_WEIGHT_STEMS)
     by_component: dict[str, list[str]] = {}
@@ -151,7 +151,7 @@ def resolve_model_path(
     saved login (huggingface_hub's rule). Errors: ModelFolderError, saying what to do."""
     if not is_hub_id(spec):
         return Path(spec).expanduser()
-    from meshserve.models.pipelines import ModelFolderError
+    from meshserve.models.registry import ModelFolderError
 
     repo_id, at_revision = parse_hub_id(str(spec))
     if revision and at_revision and revision != at_revision:
@@ -172,7 +172,7 @@ def _fetch(repo_id: str, revision: str | None, variant: str | None, token) -> Pa
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from meshserve.models.loading import read_json
+    from meshserve.models.checkpoints.loading import read_json
 
     index = Path(hf_hub_download(repo_id, "model_index.json", revision=revision, token=token))
     snapshot = index.parent  # <cache>/models--owner--name/snapshots/<commit>/model_index.json
@@ -191,7 +191,7 @@ def _fetch(repo_id: str, revision: str | None, variant: str | None, token) -> Pa
     try:
         return Path(snapshot_download(repo_id, revision=commit, allow_patterns=patterns, token=token))
     except LocalEntryNotFoundError as e:  # model_index.json was found: the snapshot lacks some of the rest
-        from meshserve.models.pipelines import ModelFolderError
+        from meshserve.models.registry import ModelFolderError
 
         raise ModelFolderError(_incomplete(repo_id, revision)) from e
 

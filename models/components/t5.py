@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshserve.models.loading import (
+from meshserve.models.checkpoints.loading import (
     CheckpointError,
     abstract_module,
     load_weights,

@@ -26,7 +26,7 @@ all reproduced:
 
 Module names follow diffusers' `autoencoders/autoencoder_kl_wan.py` (WanCausalConv3d, WanRMS_norm,
 WanResample, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanUpBlock, WanEncoder3d, WanDecoder3d), so
-checkpoint keys map by models/loading.py's rules (Conv3d [O, I, t, h, w] -> [t, h, w, I, O]) plus two
+checkpoint keys map by models/checkpoints/loading.py's rules (Conv3d [O, I, t, h, w] -> [t, h, w, I, O]) plus two
 renames in `_to_our_names`: each `resample` is diffusers' nn.Sequential (zero pad or upsample, conv) whose
 conv is `resample.1`, ours the conv itself; WanRMS_norm's `gamma` [C, 1, 1(, 1)] is stored as [C].
 Only the Wan 2.1 form is built: the Wan 2.2 options (is_residual, patch_size) and attention outside the mid
@@ -48,10 +48,15 @@ from flax import nnx
 from jax import lax
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.autoencoder_kl import DiagonalGaussian
-from meshserve.models.conv_by_taps import conv_by_taps, prefers_taps
-from meshserve.models.layers import conv2d, upsample_nearest2x_conv3x3
-from meshserve.models.loading import abstract_module, load_weights, read_component_weights, read_json
+from meshserve.models.checkpoints.loading import (
+    abstract_module,
+    load_weights,
+    read_component_weights,
+    read_json,
+)
+from meshserve.models.components.autoencoder_kl import DiagonalGaussian
+from meshserve.models.components.layers import conv2d, upsample_nearest2x_conv3x3
+from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 
 CACHE_T = 2  # frames a causal conv carries from one chunk to the next (its temporal kernel minus one)
 _ENCODE_CHUNK = 4  # video frames per encoder call after the first (the time downsampling factor)

@@ -1,6 +1,6 @@
 """A stride-1 convolution to few output channels, run as one matmul and a shifted sum.
 
-XLA:CPU's convolution kernels (Eigen's, see models/xla_cpu_flags.py) vectorise over output channels, so a
+XLA:CPU's convolution kernels (Eigen's, see models/cpu/xla_cpu_flags.py) vectorise over output channels, so a
 conv to 3 or 4 channels (a VAE's `conv_out` to RGB, a UNet's `conv_out` to latents) runs far below the
 machine's rate. Here the same multiply-adds are done as
 
@@ -8,7 +8,7 @@ machine's rate. Here the same multiply-adds are done as
     out[p]  = sum over taps t of partial_padded[p + t, t]      one fused element-wise pass
 
 summed in another order than the conv's (<= 1e-6 relative, measured against XLA's conv and torch's). Measured on a 2-core AMD
-EPYC without AVX-512 on 2026-11-23, quiet (fp32, batch 1, XLA flags of models/xla_cpu_flags.py; direct conv
+EPYC without AVX-512 on 2026-11-23, quiet (fp32, batch 1, XLA flags of models/cpu/xla_cpu_flags.py; direct conv
 -> this, medians of 21 calls, three alternating repeats):
 
     256x256, 32 -> 3 (the bench VAE's conv_out)           4.7-4.8 -> 2.2-2.8 ms

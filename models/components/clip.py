@@ -22,7 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.loading import CheckpointError, load_weights, read_component_weights, read_json
+from meshserve.models.checkpoints.loading import (
+    CheckpointError,
+    load_weights,
+    read_component_weights,
+    read_json,
+)
 
 _DEFAULT_SETTINGS = AttentionSettings()
 

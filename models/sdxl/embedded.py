@@ -18,14 +18,11 @@ import functools
 import hashlib
 from pathlib import Path
 
-from meshserve.models.embedded_folder import (
-    cache_root as cache_root,  # re-exported: models/compile_cache.py keeps its cache beside the models
-)
-from meshserve.models.loading import CheckpointError
+from meshserve.models.checkpoints.loading import CheckpointError
 
 FOLDER = Path(__file__).resolve().parent / "weights" / "tiny-sdxl"
 # The command that made the weights (on a 2-core CPU; docs/embedded-model.md has the run's record).
-TRAINING_COMMAND = "meshserve train-embedded --out models/weights/tiny-sdxl --seed 0"
+TRAINING_COMMAND = "meshserve train-embedded --out models/sdxl/weights/tiny-sdxl --seed 0"
 # sha256 of each weights file, as training wrote it. A new training run must update these.
 SHA256 = {
     "text_encoder/model.safetensors": "691223f63a69b0422c78faef7acaa1fe4f6eb41b215dee99a8751b765b8d4a47",
@@ -47,6 +44,6 @@ def embedded_model_path() -> Path:
         if digest != expected:
             raise CheckpointError(
                 f"the embedded model's {name} has sha256 {digest}, expected {expected}: reinstall meshserve "
-                f"(or, after retraining with `{TRAINING_COMMAND}`, update models/embedded.py's SHA256)"
+                f"(or, after retraining with `{TRAINING_COMMAND}`, update models/sdxl/embedded.py's SHA256)"
             )
     return FOLDER

@@ -4,7 +4,7 @@ Mirrors diffusers' WanPipeline (`pipelines/wan/pipeline_wan.py`, the reference i
 shared pipeline contract (`base.py`) and denoising loop (`denoise_loop.py`). What is Wan's own:
 
 - Text: `prompt_clean`, UMT5 WITH its attention mask at 512 tokens, each prompt's states trimmed to its length
-  and zero-padded back (models/wan_text.py); the transformer's cross-attention has no mask.
+  and zero-padded back (models/wan/text.py); the transformer's cross-attention has no mask.
 - The negative prompt: diffusers' `negative_prompt or ""` (None is the empty string, never zeros). CFG runs when
   a row's guidance scale is > 1 (diffusers' `do_classifier_free_guidance`); the negative pass is interleaved
   [neg0, pos0, neg1, pos1, ...] as the shared CFG path is, so on a cfg=2 mesh the two passes run on the two
@@ -46,26 +46,26 @@ from jax.sharding import PartitionSpec as P
 
 from meshserve.models.attention import AttentionSettings
 from meshserve.models.attention.context import batch_axes_for
-from meshserve.models.autoencoder_kl_wan import SHARDING_RULES as VAE_SHARDING_RULES
-from meshserve.models.autoencoder_kl_wan import load_autoencoder_kl_wan
-from meshserve.models.loading import CheckpointError, read_json
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.components.t5 import SHARDING_RULES as T5_SHARDING_RULES
+from meshserve.models.components.t5 import load_t5_encoder
+from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
+from meshserve.models.engine.common import PipelineError, PipelineOutput, to_list
+from meshserve.models.engine.denoise_loop import denoise_loop, interleave
+from meshserve.models.engine.pipeline import DiffusionPipeline, image_limits, to_host
+from meshserve.models.engine.seeds import initial_noise, per_row, row_keys, row_seeds
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
-from meshserve.models.pipelines.base import DiffusionPipeline, image_limits, to_host
-from meshserve.models.pipelines.common import PipelineError, PipelineOutput, to_list
-from meshserve.models.pipelines.denoise_loop import denoise_loop, interleave
-from meshserve.models.pipelines.seeds import initial_noise, per_row, row_keys, row_seeds
 from meshserve.models.schedulers import (
     FLOW_SCHEDULER_NAMES,
     FlowMatchEulerDiscreteScheduler,
     make_scheduler,
     pad_schedule,
 )
-from meshserve.models.t5 import SHARDING_RULES as T5_SHARDING_RULES
-from meshserve.models.t5 import load_t5_encoder
-from meshserve.models.t5_tokenizer import load_t5_tokenizer
-from meshserve.models.transformer_wan import SHARDING_RULES as WAN_SHARDING_RULES
-from meshserve.models.transformer_wan import load_wan_transformer, wan_rope
-from meshserve.models.wan_text import WAN_MAX_SEQUENCE_LENGTH, encode_wan_prompts, tokenize_wan_prompts
+from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_SHARDING_RULES
+from meshserve.models.wan.autoencoder_kl_wan import load_autoencoder_kl_wan
+from meshserve.models.wan.text import WAN_MAX_SEQUENCE_LENGTH, encode_wan_prompts, tokenize_wan_prompts
+from meshserve.models.wan.transformer_wan import SHARDING_RULES as WAN_SHARDING_RULES
+from meshserve.models.wan.transformer_wan import load_wan_transformer, wan_rope
 
 __all__ = ["WanPipeline", "decode_sharding"]
 

@@ -1,6 +1,6 @@
 """Writing an embedded tiny model's diffusers pipeline folder, and building it once into the cache.
 
-What models/embedded_flux.py (tiny Flux) and models/embedded_wan.py (tiny Wan) share, and the embedded SDXL's
+What models/flux/embedded.py (tiny Flux) and models/wan/embedded.py (tiny Wan) share, and the embedded SDXL's
 training script (training/train_shapes.py) writes its folder with: random weights for our NNX modules, filled by numpy from a seed and named and laid out as PyTorch has
 them (random_weights); each component written as its library writes it, config.json beside its safetensors
 (RandomComponent); the scheduler's config and model_index.json (write_pipeline_folder); and the build-once
@@ -26,7 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshserve.models.loading import abstract_module, to_torch_layout, torch_key, write_safetensors
+from meshserve.models.checkpoints.loading import (
+    abstract_module,
+    to_torch_layout,
+    torch_key,
+    write_safetensors,
+)
 
 
 def cache_root() -> Path:
@@ -83,7 +88,7 @@ def random_weights(module: nnx.Module, rng: np.random.Generator) -> dict[str, np
 
 def clip_text_config(architecture: str, vocab_size: int, sizes: dict) -> dict:
     """A transformers CLIP text encoder's config.json for the tiny CLIP tokenizer's vocabulary
-    (models/clip_tokenizer.py): <|startoftext|> and <|endoftext|> are its last two ids, and the pooled output
+    (models/components/clip_tokenizer.py): <|startoftext|> and <|endoftext|> are its last two ids, and the pooled output
     reads the first end-of-text token, which also pads."""
     return {
         "architectures": [architecture],

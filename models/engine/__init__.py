@@ -1,0 +1,1 @@
+"""The engine every family runs on: the pipeline base (contract, argument normalisation, CFG rows, warm-up), the one compiled denoising loop, compiled-program cache, per-row seeds, JAX compilation cache."""
