@@ -14,8 +14,10 @@ are switched off through kv_mask and padded queries sliced off, so no layout is 
 Cross-attention K/V that differ in length from q and have at most settings.allgather_max_kv tokens (SDXL's 77
 text tokens) are replicated: every strategy then reduces to local queries x the whole K/V, with no collective.
 
-Strategy ("auto"): allgather for replicated or short K/V (Sk <= allgather_max_kv), ulysses when the heads per
-device divide by the context size, else ring. "hybrid" runs Ulysses inside groups of consecutive context devices
+Strategy ("auto", `select_strategy`, a function of the platform): allgather for replicated or short K/V
+(Sk <= allgather_max_kv), ulysses when the heads per device divide by the context size; otherwise ring, except
+on an NVIDIA GPU whose local kernel is cuDNN (non-causal): allgather there, which keeps one cuDNN call of the
+local queries against all keys where ring would run cuDNN once per chunk and merge (docs/attention.md says why). "hybrid" runs Ulysses inside groups of consecutive context devices
 and a ring across the groups, with collectives over subsets of the same axis (models.attention.hybrid): every
 strategy runs on the pool mesh itself, as a pipeline's program must (one mesh per program).
 """
@@ -56,13 +58,35 @@ def head_axis_for(mesh, heads: int) -> str | None:
     return HEAD_AXIS if size > 1 and heads % size == 0 else None
 
 
-def select_strategy(strategy: str, *, context: int, local_heads: int, sk: int, short_kv: int) -> str:
-    """The strategy for one call (pure, for tests). Replicated K/V need no strategy and never reach here."""
+def select_strategy(
+    strategy: str,
+    *,
+    context: int,
+    local_heads: int,
+    sk: int,
+    short_kv: int,
+    platform: str,
+    kernel: str = "xla_blockwise",
+    causal: bool = False,
+) -> str:
+    """The strategy for one call (pure: the platform is an argument, so tests can fake a GPU). Replicated K/V
+    need no strategy and never reach here.
+
+        forced                                  -> as given
+        Sk <= short_kv                          -> allgather (gathering short K/V is the cheapest)
+        heads per device % context == 0         -> ulysses (any local kernel, whole sequences)
+        cuda, local kernel cudnn, not causal    -> allgather (one cuDNN call: local queries x all keys)
+        otherwise                               -> ring (memory 1/N; xla_blockwise's carried online softmax)
+    """
     if strategy != "auto":
         return strategy
     if sk <= short_kv:
         return "allgather"
-    return "ulysses" if local_heads % context == 0 else "ring"
+    if local_heads % context == 0:
+        return "ulysses"
+    if platform == "cuda" and kernel == "cudnn" and not causal:
+        return "allgather"
+    return "ring"
 
 
 def _pad_seq(x, length: int, value=0):
@@ -72,7 +96,9 @@ def _pad_seq(x, length: int, value=0):
     return jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
 
-def context_attention(q, k, v, *, causal: bool, kv_mask, scale, settings: AttentionSettings, kernel: str):
+def context_attention(
+    q, k, v, *, causal: bool, kv_mask, scale, settings: AttentionSettings, kernel: str, platform: str = "cpu"
+):
     """Global q: [B, Sq, H, D], k/v: [B, Sk, H, D], kv_mask: [B, Sk] or None -> [B, Sq, H, D]."""
     mesh = settings.mesh
     n = dict(mesh.shape)[CONTEXT_AXIS]
@@ -91,6 +117,9 @@ def context_attention(q, k, v, *, causal: bool, kv_mask, scale, settings: Attent
             local_heads=local_heads,
             sk=sk,
             short_kv=settings.allgather_max_kv,
+            platform=platform,
+            kernel=kernel,
+            causal=causal,
         )
     )
 
@@ -104,10 +133,12 @@ def context_attention(q, k, v, *, causal: bool, kv_mask, scale, settings: Attent
         kv_mask = _pad_seq(jnp.ones((b, sk), bool) if kv_mask is None else kv_mask, sk_pad, value=False)
 
     local = partial(run_kernel, kernel, causal=causal, scale=scale, settings=settings)
-    # Ring needs positions and the log-sum-exp: reference does both; any other kernel runs as xla_blockwise
-    # (kernels.run_kernel), which the ring drives through its carried online-softmax state.
+    # Ring needs the log-sum-exp (and, when causal, positions): reference does both, and cuDNN returns the
+    # log-sum-exp (non-causal): their partial results are merged explicitly (ring.merge_partials). Any other
+    # kernel runs as xla_blockwise (kernels.run_kernel), which the ring drives through its carried
+    # online-softmax state.
     blockwise = None
-    if kernel != "reference":
+    if kernel != "reference" and not (kernel == "cudnn" and not causal):
         blockwise = dict(causal=causal, scale=scale, block_q=settings.block_q, block_kv=settings.block_kv)
     if strategy == "ring":
         body = partial(

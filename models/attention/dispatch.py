@@ -4,14 +4,20 @@
     q: [B, Sq, H, D]   k, v: [B, Sk, H, D]   kv_mask: [B, Sk] bool (True = attend)   -> [B, Sq, H, D]
 
 Models call it on globally shaped arrays (under jit). When `settings.mesh` has a "context" axis larger than 1
-the entry point does the shard_map itself (models.attention.context); otherwise the chosen kernel runs on the
-global arrays and XLA's partitioner splits batch and heads along whatever sharding they carry.
-Kernel choice: models.attention.kernels.
+the entry point does the shard_map itself (models.attention.context). Otherwise an XLA kernel (xla_blockwise,
+reference) runs on the global arrays and XLA's partitioner splits batch and heads along whatever sharding they
+carry, while a fused kernel (cudnn, splash) runs inside shard_map on each device's block
+(`run_local_kernel`): Mosaic refuses to be partitioned ("Mosaic kernels cannot be automatically
+partitioned"), so a splash call on globally sharded arrays fails to compile on any multi-chip TPU mesh.
+Kernel choice: models.attention.kernels; strategy choice: models.attention.context.select_strategy.
 """
 
 from __future__ import annotations
 
-from meshserve.models.attention.context import context_attention
+import jax
+from jax.sharding import PartitionSpec as P
+
+from meshserve.models.attention.context import batch_axes_for, context_attention, head_axis_for
 from meshserve.models.attention.kernels import platform_of, run_kernel, select_kernel
 from meshserve.models.attention.settings import AttentionSettings
 
@@ -40,9 +46,10 @@ def attention(
         )
     if kv_mask is not None and tuple(kv_mask.shape) != tuple(k.shape[:2]):
         raise ValueError(f"kv_mask must be [B, Sk] = {tuple(k.shape[:2])}, got {tuple(kv_mask.shape)}")
+    platform = platform_of(settings)
     kernel = select_kernel(
         settings.kernel,
-        platform=platform_of(settings),
+        platform=platform,
         head_dim=q.shape[-1],
         dtype=q.dtype,
         causal=causal,
@@ -52,6 +59,38 @@ def attention(
     mesh = settings.mesh
     if mesh is not None and dict(mesh.shape).get("context", 1) > 1:
         return context_attention(
-            q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings, kernel=kernel
+            q,
+            k,
+            v,
+            causal=causal,
+            kv_mask=kv_mask,
+            scale=scale,
+            settings=settings,
+            kernel=kernel,
+            platform=platform,
         )
-    return run_kernel(kernel, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
+    return run_local_kernel(kernel, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
+
+
+FUSED_KERNELS = ("cudnn", "splash")
+
+
+def run_local_kernel(name: str, q, k, v, *, causal: bool, kv_mask, scale, settings: AttentionSettings):
+    """run_kernel on globally shaped arrays without context parallelism. A fused kernel (cudnn, splash) runs
+    inside shard_map over settings.mesh on each device's block: batch over ("data", "cfg"), heads over
+    "tensor" (where they divide: the rule of models.attention.context, so inputs placed by
+    models.parallel.placement need no resharding); the XLA kernels are left to XLA's partitioner."""
+    mesh = settings.mesh
+    if name not in FUSED_KERNELS or mesh is None or mesh.size == 1:
+        return run_kernel(name, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
+    batch_axes = batch_axes_for(mesh, q.shape[0])
+    qkv_spec = P(batch_axes, None, head_axis_for(mesh, q.shape[2]), None)
+
+    def local(q, k, v, kv_mask=None):
+        return run_kernel(name, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
+
+    args, specs = (q, k, v), (qkv_spec,) * 3
+    if kv_mask is not None:
+        args, specs = (*args, kv_mask), (*specs, P(batch_axes, None))
+    # check_vma off as in models.attention.context: the kernels' internals mix replicated and varying values.
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv_spec, check_vma=False)(*args)

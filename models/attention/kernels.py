@@ -8,9 +8,18 @@
 
 A forced "cudnn" or "splash" is likewise used only for the calls it can run (one settings object serves every
 attention of a model: SDXL's VAE has one head of dim 512, beyond cuDNN's limit), the rest go to xla_blockwise,
-as does a forced kernel on the wrong platform. Where the local kernel of a context-parallel strategy must take
-chunk positions (causal allgather) or return the log-sum-exp (ring, hybrid), only reference and xla_blockwise
-can; cudnn/splash are replaced by xla_blockwise there (ulysses and non-causal allgather keep them).
+as does a forced kernel on the wrong platform.
+
+Inside context-parallel strategies (run_kernel's extra arguments): chunk positions matter only under causal
+masking, which neither fused kernel takes (cuDNN's causal mask has no offsets, splash's is static), so causal
+calls with positions (causal allgather, causal ring) run xla_blockwise. The log-sum-exp that ring and hybrid
+merge chunks by: cuDNN returns it (models.attention.cudnn, `return_lse`), splash does not through this code,
+so non-causal ring/hybrid keep cuDNN and splash goes to xla_blockwise there. Ulysses and non-causal allgather
+keep either.
+
+Outside context parallelism the fused kernels run inside `shard_map` on each device's block
+(models.attention.dispatch): a Pallas/Mosaic kernel can't be partitioned by XLA ("Mosaic kernels cannot be
+automatically partitioned"), and cuDNN's partitioning rules are then not needed either.
 """
 
 from __future__ import annotations
@@ -60,10 +69,10 @@ def run_kernel(
     return_lse: bool = False,
     out_dtype=None,
 ):
-    """Run kernel `name` on local (per-device) arrays. Chunk positions or the log-sum-exp send cudnn and
-    splash calls to xla_blockwise (see the module docstring)."""
-    positional = return_lse or q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0)
-    if name in ("cudnn", "splash") and positional:
+    """Run kernel `name` on local (per-device) arrays. Causal chunk positions send cudnn and splash calls to
+    xla_blockwise, and so does the log-sum-exp splash calls (see the module docstring)."""
+    positional = causal and (q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0))
+    if (name == "cudnn" and positional) or (name == "splash" and (positional or return_lse)):
         name = "xla_blockwise"
     if name == "reference":
         return reference_attention(
@@ -94,7 +103,8 @@ def run_kernel(
             out_dtype=out_dtype,
         )
     if name == "cudnn":
-        return cudnn_attention(q, k, v, causal=causal, kv_mask=kv_mask, scale=scale)
+        extra = dict(return_lse=True, out_dtype=out_dtype) if return_lse else {}
+        return cudnn_attention(q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, **extra)
     if name == "splash":
         return splash_attention(
             q,

@@ -3,7 +3,8 @@ degree x lengths that divide and don't x masks x self/cross attention, against t
 
 Kernels that cannot run here are checked as far as the CPU allows: cudnn's argument mapping through the same
 jax call with implementation="xla", splash through Pallas interpret mode, and both kernels' selection with a
-faked platform.
+faked platform; tests/parallel/test_attention_accelerators.py has the rest (cuDNN's own checks and CUDA lowering,
+splash inside shard_map, the strategy chosen on a GPU).
 """
 
 from __future__ import annotations
@@ -328,10 +329,12 @@ def test_batch_that_does_not_divide_data_is_replicated_not_wrong():
 
 
 def test_strategy_selection_and_layout_errors():
-    assert select_strategy("auto", context=4, local_heads=8, sk=77, short_kv=1024) == "allgather"
-    assert select_strategy("auto", context=4, local_heads=8, sk=4096, short_kv=1024) == "ulysses"
-    assert select_strategy("auto", context=4, local_heads=2, sk=4096, short_kv=1024) == "ring"
-    assert select_strategy("ring", context=4, local_heads=8, sk=77, short_kv=1024) == "ring"
+    # On the CPU; the GPU's choice: tests/parallel/test_attention_accelerators.py.
+    cpu = dict(context=4, short_kv=1024, platform="cpu")
+    assert select_strategy("auto", local_heads=8, sk=77, **cpu) == "allgather"
+    assert select_strategy("auto", local_heads=8, sk=4096, **cpu) == "ulysses"
+    assert select_strategy("auto", local_heads=2, sk=4096, **cpu) == "ring"
+    assert select_strategy("ring", local_heads=8, sk=77, **cpu) == "ring"
     assert hybrid_degrees(8, 4, None) == (4, 2)
     assert hybrid_degrees(4, 4, None) == (2, 2)
     assert hybrid_degrees(2, 4, None) == (1, 2)  # no proper divisor but 1: pure ring
