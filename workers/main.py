@@ -110,11 +110,21 @@ class Worker:
             log.info("worker %s: stopped", self.name)
 
 
+# XLA:CPU flags go in XLA_FLAGS before JAX is imported (XLA reads it once), and only where JAX will run on the
+# CPU: JAX_PLATFORMS' first entry is "cpu", or it is unset and no accelerator plugin is installed
+# (models/cpu/xla_cpu_flags.py: cpu_is_the_platform, decided without importing JAX). A GPU or TPU host gets none.
+
+
+def _cpu_flags_apply() -> bool:
+    from meshserve.models.cpu.xla_cpu_flags import cpu_is_the_platform  # JAX-free; only when a pool starts
+
+    return "jax" not in sys.modules and cpu_is_the_platform()
+
+
 def _ensure_host_devices(count: int) -> None:
-    """Pools on CPU need as many host devices as the config names; XLA makes one unless told otherwise. Only
-    possible before JAX starts (a flag on other platforms' hosts, harmless there)."""
+    """Pools on CPU need as many host devices as the config names; XLA makes one unless told otherwise."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if count > 1 and "xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+    if count > 1 and "xla_force_host_platform_device_count" not in flags and _cpu_flags_apply():
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
@@ -128,7 +138,7 @@ _CPU_MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 def _prefer_memory_minimizing_cpu_scheduler() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and "jax" not in sys.modules:
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and _cpu_flags_apply():
         os.environ["XLA_FLAGS"] = f"{flags} {_CPU_MEMORY_SCHEDULER}".strip()
 
 

@@ -14,13 +14,27 @@ and the SDXL bench call `apply_cpu_defaults()` first; a library user keeps XLA's
 
 The flag is experimental in XLA, and an XLA_FLAGS entry that a jaxlib does not know aborts the process, so it
 is added only for the jaxlib minor versions it was checked with. A flag the user already set wins.
+
+Only where JAX will run on the CPU (`cpu_is_the_platform`): these flags, and the worker's host-device count and
+CPU scheduler flags (workers/main.py), were measured on and are meant for XLA:CPU, not for a GPU or TPU host.
+XLA reads XLA_FLAGS once, when the first backend starts, so the platform is decided before JAX is imported
+and without importing it, the way JAX will decide it:
+
+- `JAX_PLATFORMS` set (e.g. "cpu", "cuda", "tpu,cpu"): its first entry is the default backend (JAX gives the
+  listed platforms falling priority); CPU flags apply when that is "cpu". Same for the older
+  `JAX_PLATFORM_NAME`.
+- Unset: JAX uses an accelerator when its plugin is installed (a `jax_plugins` module or entry point, e.g.
+  jax-cuda12-plugin, or libtpu), the CPU otherwise; CPU flags apply when none is installed. A host with an
+  accelerator plugin but serving on the CPU sets JAX_PLATFORMS=cpu (as tests/conftest.py does).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import MutableMapping
-from importlib.metadata import PackageNotFoundError, version
+import pkgutil
+from collections.abc import Mapping, MutableMapping
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
 # jaxlib "major.minor" -> the flags known good there.
 _CHECKED = {
@@ -38,12 +52,36 @@ def cpu_default_flags(jaxlib_version: str | None = None) -> tuple[str, ...]:
     return _CHECKED.get(".".join(jaxlib_version.split(".")[:2]), ())
 
 
+def accelerator_plugins() -> list[str]:
+    """The JAX accelerator plugins installed here, found as JAX finds them but without importing JAX: modules
+    of the `jax_plugins` namespace package, entry points of the `jax_plugins` group, and libtpu."""
+    names = {entry.name for entry in entry_points(group="jax_plugins")}
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        names |= {module.name for module in pkgutil.iter_modules(spec.submodule_search_locations)}
+    if importlib.util.find_spec("libtpu") is not None:
+        names.add("libtpu")
+    return sorted(names)
+
+
+def cpu_is_the_platform(environ: Mapping[str, str] = os.environ, plugins: list[str] | None = None) -> bool:
+    """Whether JAX will run on the CPU in a process with this environment (the rule in the module docstring).
+    `plugins`: the installed accelerator plugins (default: accelerator_plugins())."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip() or environ.get("JAX_PLATFORM_NAME", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    return not (accelerator_plugins() if plugins is None else plugins)
+
+
 def apply_cpu_defaults(
     environ: MutableMapping[str, str] = os.environ, jaxlib_version: str | None = None
 ) -> str:
-    """Adds meshserve's XLA:CPU flags to XLA_FLAGS, each unless XLA_FLAGS already names it; returns the result.
-    Effective only before JAX's CPU backend starts (XLA reads the variable once)."""
+    """Adds meshserve's XLA:CPU flags to XLA_FLAGS, each unless XLA_FLAGS already names it, where JAX will run
+    on the CPU (cpu_is_the_platform(environ)); returns the result. Effective only before JAX's CPU backend
+    starts (XLA reads the variable once)."""
     flags = environ.get("XLA_FLAGS", "")
+    if not cpu_is_the_platform(environ):
+        return flags
     for flag in cpu_default_flags(jaxlib_version):
         name = flag.split("=", 1)[0]
         if name not in flags:
