@@ -13,7 +13,7 @@ pool config fails at start-up rather than as a shape error deep inside a trace.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import jax
 import numpy as np
@@ -59,35 +59,21 @@ class MeshSizes:
         return math.prod(self.shape)
 
 
-def fold_cfg_into_data(sizes: MeshSizes, guidance: float | None) -> MeshSizes:
-    """With guidance <= 1 there is no unconditional half, so the cfg devices serve more requests instead.
-
-    The device count and order stay the same: the (data, cfg) block of the mesh becomes (data * cfg, 1), i.e.
-    `make_mesh(fold_cfg_into_data(sizes, g), devices)` lays the same devices out with cfg merged into data.
-    """
-    if guidance is None or guidance > 1 or sizes.cfg == 1:
-        return sizes
-    return replace(sizes, data=sizes.data * sizes.cfg, cfg=1)
-
-
 def validate_layout(
     sizes: MeshSizes,
     *,
-    num_devices: int,
+    num_devices: int | None = None,
     heads: int | None = None,
-    batch: int | None = None,
-    guidance: float | None = None,
     ulysses_degree: int | None = None,
 ) -> None:
-    """Raise LayoutError, naming the sizes, when `sizes` can't run on `num_devices` devices.
+    """Raise LayoutError, naming the sizes, when `sizes` can't run.
 
+    num_devices: the devices of the slice (None: not checked); the sizes must use exactly these.
     heads: attention heads of the model (every attention layer's count, if they differ call once per count).
-    batch: requests per step (before CFG doubles it); it must split evenly over data (after folding cfg into
-        data when guidance <= 1, see fold_cfg_into_data). Callers pad a partial batch up to a multiple.
     ulysses_degree: devices of the context axis that exchange heads by all_to_all (context size for "ulysses",
         the sub-group for "hybrid").
     """
-    if sizes.num_devices != num_devices:
+    if num_devices is not None and sizes.num_devices != num_devices:
         raise LayoutError(
             f"mesh data={sizes.data} x cfg={sizes.cfg} x context={sizes.context} x tensor={sizes.tensor} "
             f"= {sizes.num_devices} devices, but the slice has {num_devices}"
@@ -103,14 +89,6 @@ def validate_layout(
             raise LayoutError(
                 f"Ulysses needs the heads per tensor shard ({heads} / tensor={sizes.tensor} = "
                 f"{heads // sizes.tensor}) divisible by its degree {ulysses_degree}; use ring or hybrid"
-            )
-    if batch is not None:
-        data = fold_cfg_into_data(sizes, guidance).data
-        if batch < 1 or batch % data:
-            raise LayoutError(
-                f"a batch of {batch} does not split over data={data}"
-                + (" (cfg folded into data because guidance <= 1)" if data != sizes.data else "")
-                + "; pad the batch to a multiple of data"
             )
 
 

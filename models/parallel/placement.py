@@ -162,7 +162,7 @@ class Placement:
         """Every attention layer's head count against tensor (and the Ulysses degree), before compiling."""
         ulysses = self.sizes.context if strategy == "ulysses" and self.sizes.context > 1 else None
         for h in sorted(heads):
-            validate_layout(self.sizes, num_devices=self.sizes.num_devices, heads=h, ulysses_degree=ulysses)
+            validate_layout(self.sizes, heads=h, ulysses_degree=ulysses)
 
 
 def pipeline_placement(
@@ -188,9 +188,8 @@ def pipeline_placement(
         device_list = select_devices(devices)
     else:
         device_list = list(devices)
-    validate_layout(sizes, num_devices=len(device_list))
+    grid = make_mesh(sizes, device_list)  # validates the sizes against the devices
     shard_over = validate_weight_sharding(weights, sizes)
-    grid = make_mesh(sizes, device_list)
     base = attention or AttentionSettings()
     settings = dataclasses.replace(base, mesh=grid)
     return {"placement": Placement(grid, sizes, shard_over), "attention": settings}

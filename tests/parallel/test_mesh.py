@@ -10,7 +10,6 @@ from meshserve.models.parallel.mesh import (
     AXES,
     LayoutError,
     MeshSizes,
-    fold_cfg_into_data,
     make_mesh,
     parse_device_slice,
     select_devices,
@@ -68,12 +67,6 @@ def test_mesh_sizes_from_config():
             r"= 2\) divisible by its degree 4",
         ),
         (MeshSizes(context=8), dict(num_devices=8, ulysses_degree=3), r"Ulysses degree 3 does not divide"),
-        (MeshSizes(data=4, cfg=2), dict(num_devices=8, batch=2), r"a batch of 2 does not split over data=4"),
-        (
-            MeshSizes(data=2, cfg=2, context=2),
-            dict(num_devices=8, batch=2, guidance=1.0),
-            r"data=4 \(cfg folded",
-        ),
     ],
 )
 def test_validate_layout_names_the_problem(sizes, kwargs, message):
@@ -82,21 +75,9 @@ def test_validate_layout_names_the_problem(sizes, kwargs, message):
 
 
 def test_validate_layout_accepts_good_layouts():
-    validate_layout(
-        MeshSizes(cfg=2, context=2, tensor=2), num_devices=8, heads=8, batch=1, guidance=5.0, ulysses_degree=2
-    )
-    validate_layout(MeshSizes(data=2, context=4), num_devices=8, heads=4, batch=4, ulysses_degree=4)
-    # guidance <= 1: the two cfg devices serve a batch of 2 as data.
-    validate_layout(MeshSizes(cfg=2, context=4), num_devices=8, batch=2, guidance=1.0)
-
-
-def test_fold_cfg_into_data_keeps_devices():
-    sizes = MeshSizes(data=2, cfg=2, context=2)
-    assert fold_cfg_into_data(sizes, 1.0) == MeshSizes(data=4, cfg=1, context=2)
-    assert fold_cfg_into_data(sizes, 7.5) is sizes
-    assert fold_cfg_into_data(sizes, None) is sizes
-    folded = make_mesh(fold_cfg_into_data(sizes, 0.0))
-    assert [d.id for d in folded.devices.flat] == [d.id for d in make_mesh(sizes).devices.flat]
+    validate_layout(MeshSizes(cfg=2, context=2, tensor=2), num_devices=8, heads=8, ulysses_degree=2)
+    validate_layout(MeshSizes(data=2, context=4), num_devices=8, heads=4, ulysses_degree=4)
+    validate_layout(MeshSizes(cfg=2, context=4), heads=6)  # the device count is checked only when given
 
 
 @pytest.mark.parametrize(
