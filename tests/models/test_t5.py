@@ -209,9 +209,9 @@ def test_tokenizer_pads_to_max_sequence_length(tmp_path, t5_folders):
     tokens = tokenize_t5(tokenizer, ["a cat and the dog", "", "the cat " * 40], max_sequence_length=16)
     assert tokens.input_ids.shape == tokens.attention_mask.shape == (3, 16)
     assert tokens.input_ids.dtype == np.int32
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad = tokenizer.token_id("</s>"), tokenizer.pad_token_id
     assert tokens.input_ids[0].tolist()[:7] == [
-        tokenizer.convert_tokens_to_ids(t) for t in ["▁a", "▁cat", "▁and", "▁the", "▁dog"]
+        tokenizer.token_id(t) for t in ["▁a", "▁cat", "▁and", "▁the", "▁dog"]
     ] + [eos, pad]
     assert tokens.attention_mask[0].tolist() == [1] * 6 + [0] * 10
     assert tokens.input_ids[1, 0] == eos and tokens.attention_mask[1].sum() == 1  # "" is EOS alone
