@@ -9,7 +9,7 @@ YNN = "--xla_cpu_experimental_ynn_fusion_type"
 
 
 def test_defaults_are_added_beside_the_users_flags():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     flags = apply_cpu_defaults(env, jaxlib_version="0.10.2")
     assert (
         flags.startswith("--xla_force_host_platform_device_count=8 ")
@@ -23,13 +23,13 @@ def test_defaults_are_added_beside_the_users_flags():
 
 
 def test_a_flag_the_user_set_wins():
-    env = {"XLA_FLAGS": f"{YNN}=dot"}
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{YNN}=dot"}
     assert apply_cpu_defaults(env, jaxlib_version="0.10.2") == f"{YNN}=dot"
 
 
 def test_unchecked_jaxlib_versions_get_nothing():
     assert cpu_default_flags("0.11.0") == () and cpu_default_flags("0.9.1") == ()
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"JAX_PLATFORMS": "cpu"}
     assert apply_cpu_defaults(env, jaxlib_version="0.11.0") == "" and "XLA_FLAGS" not in env
 
 
