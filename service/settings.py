@@ -18,13 +18,20 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MESHSERVE_", frozen=True, extra="ignore")
 
-    # Redis. A short connect timeout makes a dead Redis a 503 within about a second (a killed Redis resets open
-    # connections at once). No read timeout by default: with one, redis-py wraps every send in
-    # `asyncio.wait_for`, which on Python 3.11 swallows a task's cancellation when the send has just finished
-    # (measured: 55 of 60 cancelled GET/SET loops kept running), so workers and SSE streams could not be stopped.
+    # Redis (service/redis_client.py). A short connect timeout makes a dead Redis a 503 within about a second (a
+    # killed Redis resets open connections at once). Every command has a deadline, `redis_command_timeout_s` (plus
+    # its BLOCK time for a blocking stream read): a Redis that stops answering - a half-open connection after a
+    # partition or a NAT timeout, a hung server - is an error on the API (503) and a retry on a fresh connection
+    # in a worker, never a wait for ever. The deadline is an `asyncio.timeout`, not redis-py's `socket_timeout`,
+    # which wraps every send in `asyncio.wait_for` and so, on Python 3.11, can swallow a task's cancellation
+    # (measured: 55 of 60 cancelled GET/SET loops kept running). Output bytes (up to hundreds of MB) get
+    # `redis_output_timeout_s`. A pooled connection idle longer than `redis_health_check_interval_s` is PINGed
+    # before use (0: never); TCP keepalive is always on.
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_connect_timeout_s: float = 1.0
-    redis_socket_timeout_s: float | None = None
+    redis_connect_timeout_s: float = Field(1.0, gt=0)
+    redis_command_timeout_s: float = Field(5.0, gt=0)
+    redis_output_timeout_s: float = Field(60.0, gt=0)
+    redis_health_check_interval_s: float = Field(15.0, ge=0)
     # Every key the service and the workers write starts with this; tests use a unique prefix per test.
     key_prefix: str = "ms"
 

@@ -1,0 +1,128 @@
+"""The store's Redis clients: every command has a deadline, idle connections are probed, and TCP keepalive is on.
+
+A Redis that stops answering must be an error, never a wait for ever: a half-open connection (a partition, a NAT
+or load balancer that forgot the flow, a host gone without a reset) looks exactly like a slow reply. So every
+command, script and pipeline runs under a deadline (`Settings.redis_command_timeout_s`; a blocking XREAD /
+XREADGROUP gets its BLOCK time on top). When it passes, redis-py drops the connection it was waiting on (it
+disconnects on any exception inside a read or a send) and the caller gets `redis.exceptions.TimeoutError`; the
+next command takes a fresh connection from the pool.
+
+The deadline is an `asyncio.timeout` around the whole command, not redis-py's `socket_timeout`: with that one set,
+redis-py wraps every send in `asyncio.wait_for`, which on Python 3.11 swallows a task's cancellation when the send
+has just finished (measured: 55 of 60 cancelled GET/SET loops kept running), so workers and SSE streams could not
+be stopped. `asyncio.timeout` counts the task's cancel requests and lets an outside cancel through
+(tests/service/test_redis_client.py cancels 60 busy loops).
+
+Below the deadline, two cheaper guards: a pooled connection idle for longer than `health_check_interval` is PINGed
+before it is used (so a connection that died while idle is replaced without failing the command), and TCP keepalive
+probes an idle connection (a blocking read included) every few seconds, which both keeps NAT mappings alive and
+makes the kernel report a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import ConstantBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# Blocking reads (XREAD/XREADGROUP BLOCK) last at most this long per call; callers loop.
+MAX_BLOCK_MS = 10_000
+
+# Probe a connection idle for 10 s every 5 s, give up after 3 unanswered probes: a dead peer is seen within ~25 s of
+# silence even when no command is waiting on it. (Linux names; other platforms keep what they have.)
+_KEEPALIVE = {
+    getattr(socket, name): value
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+    if hasattr(socket, name)
+}
+
+
+@contextlib.asynccontextmanager
+async def deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
+    """Run the body within `seconds` (None: no limit); past it, raise redis' TimeoutError (a RedisError, which every
+    caller of the store already handles) instead of the builtin one."""
+    if seconds is None:
+        yield
+        return
+    timeout = asyncio.timeout(seconds)
+    try:
+        async with timeout:
+            yield
+    except TimeoutError:
+        if not timeout.expired():  # an OSError subclass from below, not our deadline
+            raise
+        raise RedisTimeoutError(f"Redis did not answer {what} within {seconds:g} s") from None
+
+
+def _block_seconds(args: tuple) -> float | None:
+    """The BLOCK time of an XREAD/XREADGROUP command, in seconds (0: none); None for BLOCK 0 (for ever)."""
+    words = [(a.decode() if isinstance(a, bytes) else a).upper() if isinstance(a, str | bytes) else a for a in args]
+    options = words[: words.index("STREAMS")] if "STREAMS" in words else words  # not a key named "block"
+    if words[0] not in ("XREAD", "XREADGROUP") or "BLOCK" not in options:
+        return 0.0
+    ms = int(words[options.index("BLOCK") + 1])
+    return ms / 1000 if ms > 0 else None
+
+
+class _DeadlinePipeline(Pipeline):
+    command_timeout_s: float | None = None
+
+    async def execute(self, raise_on_error: bool = True):
+        async with deadline(self.command_timeout_s, f"a pipeline of {len(self.command_stack)} commands"):
+            return await super().execute(raise_on_error)
+
+
+class DeadlineRedis(aioredis.Redis):
+    """`redis.asyncio.Redis` whose every command (scripts and pipelines included) has a deadline:
+    `command_timeout_s`, plus the BLOCK time of a blocking stream read. Build it with `connect`."""
+
+    command_timeout_s: float | None = None
+
+    async def execute_command(self, *args, **options):
+        if self.command_timeout_s is None:
+            return await super().execute_command(*args, **options)
+        block = _block_seconds(args)
+        seconds = None if block is None else self.command_timeout_s + block
+        async with deadline(seconds, str(args[0])):
+            return await super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
+        pipe = _DeadlinePipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.command_timeout_s = self.command_timeout_s
+        return pipe
+
+
+def connect(
+    url: str,
+    *,
+    command_timeout_s: float | None,
+    connect_timeout_s: float,
+    health_check_interval_s: float,
+    decode_responses: bool = True,
+) -> DeadlineRedis:
+    """A client (with its own connection pool) for `url`. Connecting is not attempted until the first command."""
+    client = DeadlineRedis.from_url(
+        url,
+        decode_responses=decode_responses,
+        socket_connect_timeout=connect_timeout_s,
+        # No socket_timeout (redis-py 8 sets 5 s unless told None): the deadline replaces it (module docstring).
+        # With one, an XREADGROUP BLOCK loop cancelled from outside kept running in 1 to 3 of 40 tries here.
+        socket_timeout=None,
+        socket_keepalive=True,
+        socket_keepalive_options=_KEEPALIVE,
+        health_check_interval=health_check_interval_s,
+        # One quick retry covers a pooled connection that died with a restarted Redis, or a connect that timed
+        # out; more would only delay the error while Redis is really down. (The deadline spans the retry too.)
+        retry=Retry(ConstantBackoff(0.05), 1),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+    client.command_timeout_s = command_timeout_s
+    return client
