@@ -5,8 +5,13 @@ Delivery is at least once (service/store.py): a job is acknowledged only by `com
 
 - Claimed jobs it holds (running or waiting as batch leftovers) keep their lease alive through a background
   heartbeat every lease/3; a refused heartbeat means another delivery owns the job: it is dropped here.
-- After every denoise step (the runner's callback, from the pool thread) it checks each job's cancel flag, ends
-  the canceled ones at once and publishes progress for the rest; the batch stops when no job is left in it.
+- The denoise loop never waits on the network. The runner's step callback (on the pool thread, after every
+  step) only hands the step over (`_StepHandoff`, no lock held across anything slow) and answers from flags
+  kept fresh by the batch's progress task: a task on the event loop that, a few times a second and whenever a new
+  step came, reads the jobs' cancel flags and publishes the newest step (older ones are skipped) in one round trip
+  (`Store.poll_running`). It ends the canceled jobs at once and drops the fenced ones; the batch stops at the next
+  step when no job is left in it. A slow or silent Redis (every command has a deadline: service/redis_client.py)
+  delays only progress and cancel, never a step.
 - Faults: `InvalidRequest` (the job's own fault) fails the job with no retry. Any other exception in a batch of
   several jobs re-runs them one by one, so one poison job cannot take its neighbours down with it; a single job
   that raises is abandoned - no ack, no heartbeat - so its lease lapses and a later claim (here or in another
@@ -25,6 +30,7 @@ Delivery is at least once (service/store.py): a job is acknowledged only by `com
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +49,12 @@ from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunReque
 from meshserve.workers.threads import PoolThread
 
 log = logging.getLogger(__name__)
+
+# While a batch runs its jobs' cancel flags are read at least this often (and at every new step, if steps are
+# slower than a round trip): a cancel stops the loop within about this much, plus a round trip, plus a step.
+_POLL_S = 0.25
+# After a failed round (Redis down or silent: the round took up to its command deadline) the next one waits this.
+_RETRY_S = 0.5
 
 
 @dataclass
@@ -67,7 +79,27 @@ class Work:
 
 
 class _Abandoned(Exception):  # noqa: N818
-    """The runner thread did not return within the drain deadline; its jobs were released."""
+    """The runner thread did not return within the drain deadline."""
+
+
+class _StepHandoff:
+    """What the pool thread and a batch's progress task share.
+
+    The pool thread (the step callback) writes `latest` - one tuple assignment, atomic - and wakes the task with
+    `call_soon_threadsafe`, a write to the event loop's self-pipe that never blocks; it reads `active` (the batch's
+    jobs still computed: the event loop removes them) and `closed`. Nothing it does waits on the event loop, on a
+    lock held across I/O, or on the network."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, active: dict[str, Work]):
+        self.loop, self.active = loop, active
+        self.latest: tuple[int, int] | None = None  # (step, total) of the newest step, from the pool thread
+        self.wake = asyncio.Event()  # set (on the loop) after each step, and by close
+        self.closed = False
+
+    def close(self) -> None:
+        """The batch is over (on the event loop): the task ends after the round in flight."""
+        self.closed = True
+        self.wake.set()
 
 
 class JobLoop:
@@ -150,13 +182,18 @@ class JobLoop:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_s / 3
+        delay = interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(delay)
+            delay = interval
             for w in list(self._held.values()):
                 try:
                     ok = await self.store.heartbeat(w.delivery)
                 except RedisError as e:
+                    # Again soon, on a fresh connection (a silent one was dropped at its deadline), not a whole
+                    # interval later: two intervals plus a deadline could outlast the lease.
                     log.warning("pool %s: lease heartbeat failed: %s", self.pool, e)
+                    delay = min(interval, _RETRY_S)
                     break
                 if not ok:
                     self._drop(w)
@@ -191,12 +228,24 @@ class JobLoop:
         requests = [RunRequest(w.job_id, w.delivery.job.params) for w in batch]
         compiled_before = runner.compilations
         t0 = self._last_step = time.perf_counter()
+        handoff = _StepHandoff(asyncio.get_running_loop(), self._active)
+        progress = asyncio.create_task(self._progress_task(handoff), name=f"{self.pool}-progress")
         try:
-            results = await self._in_thread(runner.run, requests, self._step_callback(model))
+            try:
+                results = await self._in_thread(runner.run, requests, self._step_callback(model, handoff))
+            finally:
+                # Before any job of the batch is ended here: the task's last round (a cancel it saw) completes.
+                handoff.close()
+                (outcome,) = await asyncio.gather(progress, return_exceptions=True)
+                if isinstance(outcome, Exception):
+                    log.error("pool %s: the progress task failed", self.pool, exc_info=outcome)
         except _Abandoned:
+            for w in list(self._active.values()):
+                await self._release(w)
             return
         except Cancelled:
-            # Every job was canceled (already ended in _on_step), or the drain deadline passed: give back the rest.
+            # Every job was canceled (ended by the progress task) or dropped, or the drain deadline passed: give
+            # back the rest.
             for w in list(self._active.values()):
                 await self._release(w)
             return
@@ -281,49 +330,77 @@ class JobLoop:
 
     # -- per step (called from the pool thread) --------------------------------------------------------------
 
-    def _step_callback(self, model: str) -> Callable[[int, int], bool]:
-        loop = asyncio.get_running_loop()
-
+    def _step_callback(self, model: str, handoff: _StepHandoff) -> Callable[[int, int], bool]:
         def callback(step: int, total: int) -> bool:
             now = time.perf_counter()
             metrics.DENOISE_STEP_SECONDS.labels(model).observe(now - self._last_step)
             self._last_step = now
-            return asyncio.run_coroutine_threadsafe(self._on_step(step, total), loop).result()
+            handoff.latest = (step, total)
+            try:
+                handoff.loop.call_soon_threadsafe(handoff.wake.set)
+            except RuntimeError:  # the loop is closed: the worker exited past its drain deadline
+                return False
+            return not handoff.closed and bool(handoff.active) and not self._drain_expired()
 
         return callback
 
-    async def _on_step(self, step: int, total: int) -> bool:
-        """Cancel check and progress for each job of the running batch; False stops the batch."""
-        try:
-            active = list(self._active.values())
-            flags = await asyncio.gather(*(self.store.cancel_requested(w.job_id) for w in active))
-            for w, flag in zip(active, flags, strict=True):
-                if flag:
-                    self._active.pop(w.job_id, None)
+    # -- the progress task (on the event loop, one per running batch) ----------------------------------------
+
+    async def _progress_task(self, handoff: _StepHandoff) -> None:
+        """Until the batch ends: at every new step, and every `_POLL_S` when steps are slower, one round trip reads
+        the cancel flags of the batch's jobs and records the newest step for them (`Store.poll_running`; steps that
+        came meanwhile are skipped). Canceled jobs end here at once, fenced ones are dropped; the step callback
+        stops the loop when none is left. A failed round is logged once per outage and tried again."""
+        sent: tuple[int, int] | None = None
+        failing = False
+        while not handoff.closed:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_POLL_S):
+                    await handoff.wake.wait()
+            handoff.wake.clear()
+            active = list(handoff.active.values())
+            if handoff.closed or not active:
+                continue
+            latest = handoff.latest
+            new = latest if latest != sent else None
+            try:
+                states = await self.store.poll_running([w.delivery for w in active], *(new or (None, 0)))
+            except RedisError as e:
+                if not failing:
+                    log.warning("pool %s: progress/cancel check failed (%s); retrying", self.pool, e)
+                failing = True
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_RETRY_S):
+                        while not handoff.closed:
+                            await handoff.wake.wait()
+                            handoff.wake.clear()
+                continue
+            if failing:
+                log.info("pool %s: progress/cancel checks work again", self.pool)
+                failing = False
+            sent = new or sent
+            for w, (canceled, recorded) in zip(active, states, strict=True):
+                if w.job_id not in handoff.active:  # ended or dropped meanwhile (a refused heartbeat)
+                    continue
+                if canceled:
+                    handoff.active.pop(w.job_id, None)
                     if await self._end(w, "canceled", lambda w=w: self.store.mark_canceled(w.delivery)):
                         metrics.CANCELLED.labels(w.key.model).inc()
-            active = list(self._active.values())
-            oks = await asyncio.gather(*(self.store.progress(w.delivery, step, total) for w in active))
-            for w, ok in zip(active, oks, strict=True):
-                if not ok:
+                elif not recorded:
                     self._drop(w)
-        except RedisError as e:
-            log.warning("pool %s: progress/cancel check failed at step %d: %s", self.pool, step, e)
-        return bool(self._active) and not self._drain_expired()
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
     async def _in_thread(self, fn, *args):
-        """Run fn on the pool thread. Past the drain deadline (plus a grace for the next step callback) the jobs
-        still in the batch are released and the thread is left behind: it is a daemon and the process exits."""
+        """Run fn on the pool thread. Past the drain deadline (plus a grace for the next step callback) raise
+        `_Abandoned` (the caller releases the batch's jobs) and leave the thread behind: it is a daemon and the
+        process exits."""
         fut = self.thread.submit(fn, *args)
         while True:
             done, _ = await asyncio.wait({fut}, timeout=0.5)
             if done:
                 return fut.result()
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline + 5.0:
-                for w in list(self._active.values()):
-                    await self._release(w)
                 raise _Abandoned
 
     async def _end(
