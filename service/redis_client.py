@@ -9,9 +9,10 @@ next command takes a fresh connection from the pool.
 
 The deadline is an `asyncio.timeout` around the whole command, not redis-py's `socket_timeout`: with that one set,
 redis-py wraps every send in `asyncio.wait_for`, which on Python 3.11 swallows a task's cancellation when the send
-has just finished (measured: 55 of 60 cancelled GET/SET loops kept running), so workers and SSE streams could not
-be stopped. `asyncio.timeout` counts the task's cancel requests and lets an outside cancel through
-(tests/service/test_redis_client.py cancels 60 busy loops).
+has just finished, so workers and SSE streams could not be stopped (redis-py 8 even sets a 5 s `socket_timeout`
+unless told None: with it, 41 to 47 of 60 cancelled GET/SET and XREADGROUP loops kept running here).
+`asyncio.timeout` counts the task's cancel requests and lets an outside cancel through: all 60 end
+(tests/service/test_redis_client.py).
 
 Below the deadline, two cheaper guards: a pooled connection idle for longer than `health_check_interval` is PINGed
 before it is used (so a connection that died while idle is replaced without failing the command), and TCP keepalive
@@ -114,7 +115,6 @@ def connect(
         decode_responses=decode_responses,
         socket_connect_timeout=connect_timeout_s,
         # No socket_timeout (redis-py 8 sets 5 s unless told None): the deadline replaces it (module docstring).
-        # With one, an XREADGROUP BLOCK loop cancelled from outside kept running in 1 to 3 of 40 tries here.
         socket_timeout=None,
         socket_keepalive=True,
         socket_keepalive_options=_KEEPALIVE,
