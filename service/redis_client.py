@@ -3,9 +3,10 @@
 A Redis that stops answering must be an error, never a wait for ever: a half-open connection (a partition, a NAT
 or load balancer that forgot the flow, a host gone without a reset) looks exactly like a slow reply. So every
 command, script and pipeline runs under a deadline (`Settings.redis_command_timeout_s`; a blocking XREAD /
-XREADGROUP gets its BLOCK time on top). When it passes, redis-py drops the connection it was waiting on (it
-disconnects on any exception inside a read or a send) and the caller gets `redis.exceptions.TimeoutError`; the
-next command takes a fresh connection from the pool.
+XREADGROUP gets its BLOCK time on top). When it passes, the connection waited on is dropped (redis-py disconnects
+on any exception inside a read or a send), and so are the pool's idle connections (a silent path usually silences
+every flow on it, and each would cost a deadline to find out); the caller gets `redis.exceptions.TimeoutError`,
+and the next command connects afresh.
 
 The deadline is an `asyncio.timeout` around the whole command, not redis-py's `socket_timeout`: with that one set,
 redis-py wraps every send in `asyncio.wait_for`, which on Python 3.11 swallows a task's cancellation when the send
@@ -73,12 +74,25 @@ def _block_seconds(args: tuple) -> float | None:
     return ms / 1000 if ms > 0 else None
 
 
+async def _drop_idle_connections(pool: aioredis.ConnectionPool) -> None:
+    """After a deadline passed: the pool's idle connections probably share the silent path (a NAT or a partition
+    drops every flow at once), and each would cost a whole deadline to find out. Close them; they reconnect on
+    their next use, which costs one connect."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(2.0):
+            await pool.disconnect(inuse_connections=False)
+
+
 class _DeadlinePipeline(Pipeline):
     command_timeout_s: float | None = None
 
     async def execute(self, raise_on_error: bool = True):
-        async with deadline(self.command_timeout_s, f"a pipeline of {len(self.command_stack)} commands"):
-            return await super().execute(raise_on_error)
+        try:
+            async with deadline(self.command_timeout_s, f"a pipeline of {len(self.command_stack)} commands"):
+                return await super().execute(raise_on_error)
+        except RedisTimeoutError:
+            await _drop_idle_connections(self.connection_pool)
+            raise
 
 
 class DeadlineRedis(aioredis.Redis):
@@ -92,8 +106,12 @@ class DeadlineRedis(aioredis.Redis):
             return await super().execute_command(*args, **options)
         block = _block_seconds(args)
         seconds = None if block is None else self.command_timeout_s + block
-        async with deadline(seconds, str(args[0])):
-            return await super().execute_command(*args, **options)
+        try:
+            async with deadline(seconds, str(args[0])):
+                return await super().execute_command(*args, **options)
+        except RedisTimeoutError:
+            await _drop_idle_connections(self.connection_pool)
+            raise
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         pipe = _DeadlinePipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
