@@ -16,7 +16,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from meshserve.limits import IMAGE_FORMATS, VIDEO_FORMATS
 
 
 class JobStatus(StrEnum):
@@ -68,8 +70,8 @@ CONTENT_TYPES: dict[str, str] = {
     "webp": "image/webp",
     "mp4": "video/mp4",
 }
-IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")  # an image model's formats, its default first
-VIDEO_FORMATS: tuple[str, ...] = ("mp4", "webp")
+# An image model's formats (its default first) and a video model's: meshserve/limits.py, which the pipelines read
+# too (they never import the service).
 # A video model that publishes no frame rate is written at Wan 2.1's, the rate it was trained at.
 DEFAULT_FPS = 16
 
@@ -129,8 +131,17 @@ class ModelLimits(_Frozen):
     max_n: int
     schedulers: list[str] = Field(default_factory=list)
     buckets: list[tuple[int, int]] | None = None  # (width, height)
+    # The formats a worker can write the model's outputs in, its default first (left out: IMAGE_FORMATS, or
+    # VIDEO_FORMATS for a video model).
     output_formats: list[str] = Field(default_factory=lambda: list(IMAGE_FORMATS))
     frames: FrameLimits | None = None  # None: an image model (num_frames must be absent)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _video_formats_by_default(cls, data):
+        if isinstance(data, dict) and data.get("output_formats") is None and data.get("frames") is not None:
+            data = {**data, "output_formats": list(VIDEO_FORMATS)}
+        return data
 
 
 class ModelInfo(_Frozen):

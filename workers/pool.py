@@ -23,6 +23,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from meshserve.limits import LimitError, check_request
 from meshserve.service.contract import ModelInfo, PoolInfo
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -43,23 +44,22 @@ def served_info(info: ModelInfo, cfg: PoolConfig) -> ModelInfo:
     as the only frame counts (`served`; none given: the default count), the default moved the same way.
     Raises ValueError for a bucket or a frame count the model cannot run."""
     lim, d = info.limits, info.defaults
+    # The one limits check the API and the pipelines run too (meshserve/limits.py).
     for width, height in cfg.buckets:
-        fits = all(v % lim.size_multiple == 0 and lim.min_size <= v <= lim.max_size for v in (width, height))
-        if not fits or (lim.buckets and (width, height) not in lim.buckets):
+        try:
+            check_request(lim, {"width": width, "height": height}, model=info.id)
+        except LimitError as e:
             raise ValueError(
-                f"pool {cfg.name!r}: bucket {width}x{height} is not a size {info.id} can run (multiples of "
-                f"{lim.size_multiple} in [{lim.min_size}, {lim.max_size}]"
-                + (f", one of {lim.buckets})" if lim.buckets else ")")
-            )
-    fr = lim.frames
-    if fr is None and cfg.frames:
-        raise ValueError(f"pool {cfg.name!r}: frames {cfg.frames} given, but {info.id} makes images")
+                f"pool {cfg.name!r}: bucket {width}x{height} is not a size {info.id} can run ({e})"
+            ) from None
     for n in cfg.frames:
-        if not fr.min_frames <= n <= fr.max_frames or (n - fr.offset) % fr.step:
+        try:
+            check_request(lim, {"num_frames": n}, model=info.id)
+        except LimitError as e:
             raise ValueError(
-                f"pool {cfg.name!r}: {n} frames is not a frame count {info.id} can run ({fr.step}k+{fr.offset} "
-                f"in [{fr.min_frames}, {fr.max_frames}])"
-            )
+                f"pool {cfg.name!r}: {n} frames is not a frame count {info.id} can run ({e})"
+            ) from None
+    fr = lim.frames
     if cfg.any_size:
         return info
     buckets = list(cfg.buckets) or [(d.width, d.height)]

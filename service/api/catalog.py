@@ -19,6 +19,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from meshserve.limits import LimitError, check_request
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.contract import DEFAULT_FPS, JobParams, ModelInfo, PoolInfo
@@ -115,11 +116,6 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
     return first.model_copy(update={"defaults": defaults, "limits": limits})
 
 
-def _check_range(name: str, value: int, low: int, high: int) -> None:
-    if not low <= value <= high:
-        raise FieldError(name, "out_of_range", f"{name} must be between {low} and {high}, got {value}")
-
-
 def _check_prompts(req: GenerateRequest, max_chars: int) -> None:
     for name in ("prompt", "negative_prompt"):
         text = getattr(req, name)
@@ -129,48 +125,28 @@ def _check_prompts(req: GenerateRequest, max_chars: int) -> None:
             )
 
 
-def _check_served_size(width: int, height: int, info: ModelInfo) -> None:
-    buckets = [tuple(b) for b in info.limits.buckets or ()]
-    if (width, height) in buckets:
-        return
-    # Name the field at fault: the width when no served size has it, else the height.
-    field_name = "height" if any(w == width for w, _ in buckets) else "width"
-    sizes = ", ".join(f"{w}x{h}" for w, h in buckets) or "none (its pools share no size)"
-    raise FieldError(
-        field_name,
-        "size_not_supported",
-        f"{width}x{height} (width x height) is not a size {info.id} serves; served sizes: {sizes}",
-    )
-
-
 def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> JobParams:
     d, lim = info.defaults, info.limits
     _check_prompts(req, max_prompt_chars)
     width = req.width if req.width is not None else d.width
     height = req.height if req.height is not None else d.height
-    if lim.buckets is not None:  # the only sizes (an empty list: none is served by every pool)
-        _check_served_size(width, height, info)
-    else:
-        for name, value in (("width", width), ("height", height)):
-            if value % lim.size_multiple:
-                raise FieldError(
-                    name, "not_multiple", f"{name} must be a multiple of {lim.size_multiple}, got {value}"
-                )
-            _check_range(name, value, lim.min_size, lim.max_size)
     steps = req.num_inference_steps if req.num_inference_steps is not None else d.num_inference_steps
-    _check_range("num_inference_steps", steps, lim.min_steps, lim.max_steps)
-    _check_range("n", req.n, 1, lim.max_n)
-    if req.scheduler is not None and lim.schedulers and req.scheduler not in lim.schedulers:
-        raise FieldError(
-            "scheduler", "not_supported", f"scheduler {req.scheduler!r} is not one of {lim.schedulers}"
-        )
     fmt = req.output_format or lim.output_formats[0]
-    if fmt not in lim.output_formats:
-        raise FieldError(
-            "output_format",
-            "not_supported",
-            f"output_format {fmt!r} is not one of {lim.output_formats} for {info.id}",
-        )
+    frames = req.num_frames if req.num_frames is not None or lim.frames is None else lim.frames.default
+    request = {
+        "width": width,
+        "height": height,
+        "num_inference_steps": steps,
+        "n": req.n,
+        "scheduler": req.scheduler,
+        "output_format": fmt,
+        "num_frames": frames,
+        "fps": req.fps,
+    }
+    try:  # the one limits check the pools and the pipelines run too (meshserve/limits.py)
+        check_request(lim, request, model=info.id)
+    except LimitError as e:
+        raise FieldError(e.field, e.rule, str(e)) from None
     # A model takes a true-CFG scale only when its published defaults have one (Flux); any other refuses it.
     true_cfg = req.true_cfg_scale if req.true_cfg_scale is not None else d.true_cfg_scale
     if req.true_cfg_scale is not None and d.true_cfg_scale is None:
@@ -180,26 +156,6 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             f"{info.id} ({info.family}) has no true CFG; true_cfg_scale must be left out "
             "(guidance_scale is its guidance)",
         )
-    frames = None
-    if lim.frames is None:
-        for name in ("num_frames", "fps"):
-            if getattr(req, name) is not None:
-                raise FieldError(name, "not_supported", f"{info.id} makes images; {name} must be left out")
-    else:
-        fr = lim.frames
-        frames = req.num_frames if req.num_frames is not None else fr.default
-        _check_range("num_frames", frames, fr.min_frames, fr.max_frames)
-        if (frames - fr.offset) % fr.step:
-            raise FieldError(
-                "num_frames", "not_multiple", f"num_frames must be {fr.step}k+{fr.offset}, got {frames}"
-            )
-        if fr.served is not None and frames not in fr.served:
-            raise FieldError(
-                "num_frames",
-                "frames_not_supported",
-                f"{frames} frames is not a frame count {info.id} serves; served: "
-                + (", ".join(map(str, fr.served)) or "none (its pools share no frame count)"),
-            )
     return JobParams(
         model=info.id,
         prompt=req.prompt,

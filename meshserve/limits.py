@@ -1,0 +1,145 @@
+"""The one check of a request against a model's limits, for every side that checks one.
+
+    check_request(limits, {"width": 64, "height": 48, "num_inference_steps": 4, "n": 1}, model="tiny-sdxl")
+
+raises `LimitError(field, rule, message)` for the first field that breaks a rule. Its callers: the API
+(service/api/catalog.py: a 422 naming the field and the rule), the pools (workers/pool.py: a bucket or a frame
+count the model cannot run, at start-up) and the pipelines (models/engine/pipeline.py: a library call, as a
+PipelineError). Pure Python, no imports: `service/` never imports JAX or `models/`, and `models/` never imports
+`service/`; both import this.
+
+`limits` is the pipeline's `limits` mapping or the service's `ModelLimits` (attributes): size_multiple,
+min_size, max_size, min_steps, max_steps, max_n, schedulers, output_formats, and when present buckets (the only
+sizes), frames ({min_frames, max_frames, step, offset, default, served}: a video model), max_sequence_length (a
+model with a text length). Fields absent from the request, or None, are not checked. The rules, as the API's
+422 `code`: int_type, not_multiple, out_of_range, size_not_supported, frames_not_supported, not_supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from numbers import Integral
+
+# Output formats: an image model's, its default first, and a video model's (an animated WebP is either).
+IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
+VIDEO_FORMATS: tuple[str, ...] = ("mp4", "webp")
+
+
+class LimitError(ValueError):
+    """A request field outside the model's limits: `field` (as the caller names it), `rule` (a 422 code)."""
+
+    def __init__(self, field: str, rule: str, message: str):
+        super().__init__(message)
+        self.field, self.rule = field, rule
+
+
+def _get(limits, name: str, default=None):
+    if isinstance(limits, Mapping):
+        value = limits.get(name, default)
+    else:
+        value = getattr(limits, name, default)
+    return default if value is None else value
+
+
+def output_formats(limits) -> list[str]:
+    """The formats a model's outputs can be written in, its default first (by task when limits name none)."""
+    formats = _get(limits, "output_formats")
+    if formats:
+        return list(formats)
+    return list(VIDEO_FORMATS if _get(limits, "frames") is not None else IMAGE_FORMATS)
+
+
+def check_request(
+    limits, request: Mapping, *, model: str = "the model", names: Mapping[str, str] | None = None
+) -> None:
+    """Raises LimitError for the first field of `request` that `limits` refuses. `names` renames fields in the
+    errors (a pipeline call says num_images_per_prompt where the API says n)."""
+    names = names or {}
+
+    def integer(field: str, low: int, high: int) -> int | None:
+        value = request.get(field)
+        if value is None:
+            return None
+        name = names.get(field, field)
+        if not isinstance(value, Integral) or isinstance(value, bool):
+            raise LimitError(name, "int_type", f"{name} must be an integer, got {value!r}")
+        if not low <= value <= high:
+            raise LimitError(
+                name, "out_of_range", f"{name} must be an integer between {low} and {high}, got {value}"
+            )
+        return int(value)
+
+    _check_size(limits, request, model, names)
+    integer("num_inference_steps", _get(limits, "min_steps", 1), _get(limits, "max_steps"))
+    integer("n", 1, _get(limits, "max_n"))
+    scheduler, schedulers = request.get("scheduler"), _get(limits, "schedulers")
+    if scheduler is not None and schedulers and scheduler not in schedulers:
+        raise LimitError(
+            "scheduler",
+            "not_supported",
+            f"scheduler must be one of {list(schedulers)} for {model}, got {scheduler!r}",
+        )
+    fmt = request.get("output_format")
+    if fmt is not None and fmt not in output_formats(limits):
+        raise LimitError(
+            "output_format",
+            "not_supported",
+            f"output_format {fmt!r} is not one of {output_formats(limits)} for {model}",
+        )
+    frames = _get(limits, "frames")
+    if frames is None:
+        for field in ("num_frames", "fps"):
+            if request.get(field) is not None:
+                raise LimitError(field, "not_supported", f"{model} makes images; {field} must be left out")
+    else:
+        count = integer("num_frames", _get(frames, "min_frames"), _get(frames, "max_frames"))
+        step, offset, served = _get(frames, "step", 1), _get(frames, "offset", 0), _get(frames, "served")
+        if count is not None and (count - offset) % step:
+            raise LimitError(
+                "num_frames", "not_multiple", f"num_frames must be {step}k+{offset}, got {count}"
+            )
+        if count is not None and served is not None and count not in served:
+            raise LimitError(
+                "num_frames",
+                "frames_not_supported",
+                f"{count} frames is not a frame count {model} serves; served: "
+                + (", ".join(map(str, served)) or "none (its pools share no frame count)"),
+            )
+    length = _get(limits, "max_sequence_length")
+    if length is None and request.get("max_sequence_length") is not None:
+        raise LimitError("max_sequence_length", "not_supported", f"{model} has no text length; leave it out")
+    if length is not None:
+        integer("max_sequence_length", 1, length)
+
+
+def _check_size(limits, request: Mapping, model: str, names: Mapping[str, str]) -> None:
+    width, height = request.get("width"), request.get("height")
+    for field, value in (("width", width), ("height", height)):
+        if value is not None and (not isinstance(value, Integral) or isinstance(value, bool)):
+            name = names.get(field, field)
+            raise LimitError(name, "int_type", f"{name} must be an integer, got {value!r}")
+    buckets = _get(limits, "buckets")
+    if buckets is not None and width is not None and height is not None:
+        buckets = [tuple(b) for b in buckets]
+        if (width, height) in buckets:
+            return
+        # Name the field at fault: the width when no served size has it, else the height.
+        field = "height" if any(w == width for w, _ in buckets) else "width"
+        sizes = ", ".join(f"{w}x{h}" for w, h in buckets) or "none (its pools share no size)"
+        raise LimitError(
+            field,
+            "size_not_supported",
+            f"{width}x{height} (width x height) is not a size {model} serves; served sizes: {sizes}",
+        )
+    m = _get(limits, "size_multiple", 1)
+    low, high = _get(limits, "min_size", m), _get(limits, "max_size")
+    for field, value in (("width", width), ("height", height)):
+        if value is None:
+            continue
+        name = names.get(field, field)
+        if value % m or value < m:
+            raise LimitError(name, "not_multiple", f"{name} must be a positive multiple of {m}, got {value}")
+        if not low <= value <= high:
+            raise LimitError(
+                name, "out_of_range", f"{name} must be an integer between {low} and {high}, got {value}"
+            )
