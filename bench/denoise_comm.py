@@ -92,11 +92,13 @@ def compile_denoise_step(ckpt: Path, sizes: dict, strategy: str, size: int, weig
         schedule,
         None,  # latents: drawn from the row's key inside the program, as a seeded request does
         batch((1, 2), jnp.uint32),  # key data
-        batch((2, 77, cross), jnp.float32),  # embeds, CFG-interleaved
-        batch((2, pipe.projection_dim), jnp.float32),  # pooled
-        batch((1,), jnp.float32),  # guidance
+        # embeds and pooled, CFG-interleaved
+        (batch((2, 77, cross), jnp.float32), batch((2, pipe.projection_dim), jnp.float32)),
+        {"guidance_scale": batch((1,), jnp.float32)},  # the row fields
+        batch((1,), jnp.bool_),  # the rows that run CFG
+        None,  # no extras
     )
-    static = {"scheduler": sched, "do_cfg": True, "latent_shape": latent_shape}
+    static = {"scheduler": sched, "do_cfg": True, "shape": latent_shape}
     return jax.jit(functools.partial(pipe._denoise, **static)).lower(pipe._states["unet"], *inputs).compile()
 
 

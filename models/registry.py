@@ -1,7 +1,7 @@
 """`load_pipeline`: a diffusers-format folder (or the embedded default model) -> a ready JAX pipeline.
 
-The family comes from `model_index.json`'s `_class_name`; adding Flux or Wan is one more entry in
-`_FAMILIES` and one more pipeline file.
+The family comes from `model_index.json`'s `_class_name`; adding a family is one more entry in `_FAMILIES` and
+one more folder (docs/architecture.md, "Adding a family").
 """
 
 from __future__ import annotations

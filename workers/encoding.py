@@ -3,6 +3,7 @@ for video. Arrays arrive as float in [0, 1] (the pipeline contract's `output_typ
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import numpy as np
@@ -38,9 +39,17 @@ def encode_image(image: np.ndarray, fmt: str) -> tuple[bytes, str]:
     return buf.getvalue(), CONTENT_TYPES[fmt]
 
 
+def can_encode(fmt: str) -> bool:
+    """Whether this install writes `fmt` (an mp4 needs PyAV, a dependency of meshserve: absent only from an
+    install that skipped it)."""
+    if fmt == "mp4":
+        return importlib.util.find_spec("av") is not None
+    return fmt in CONTENT_TYPES
+
+
 def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[bytes, str]:
     """frames [F, H, W, 3] -> (bytes, content type). MP4 is H.264 (yuv420p, so even sizes) through PyAV,
-    imported lazily: it is the optional `video` extra and image-only workers never need it."""
+    imported lazily: image-only workers never load it."""
     fmt = fmt.lower()
     frames = to_uint8(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3:
@@ -63,7 +72,7 @@ def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[b
     try:
         import av
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise RuntimeError("mp4 output needs PyAV: pip install 'meshserve[video]'") from e
+        raise RuntimeError("mp4 output needs PyAV (a meshserve dependency): pip install av") from e
     _, height, width, _ = frames.shape
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as container:

@@ -6,8 +6,8 @@ nothing of JAX; the runner knows nothing of Redis. `run` is blocking and is call
 thread; its `callback(step, total)` fires after every denoise step and stops the batch by returning False.
 
 `PipelineRunner` wraps `meshserve.models.load_pipeline` for every family the models package serves, through
-the pipeline contract alone (models/pipelines/base.py: defaults, limits, batch_fields, batch_key,
-compiled_batch_size, warm_up, __call__); other runners are picked by name (`runner:` in pools.yaml).
+the pipeline contract alone (models/engine/pipeline.py: defaults, limits, row_fields, batch_fields,
+batch_key, compiled_batch_size, warm_up, __call__); other runners are picked by name (`runner:` in pools.yaml).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from meshserve.limits import output_formats
 from meshserve.service.contract import (
     DEFAULT_FPS,
     JobParams,
@@ -30,7 +31,7 @@ from meshserve.service.contract import (
     ModelLimits,
     OutputBlob,
 )
-from meshserve.workers.encoding import encode_output
+from meshserve.workers.encoding import can_encode, encode_output
 
 StepCallback = Callable[[int, int], bool | None]
 
@@ -137,24 +138,23 @@ class PipelineRunner(Runner):
             )
 
     def info(self) -> ModelInfo:
+        limits = dict(self.pipe.limits)
+        # The formats this worker can write (an mp4 needs PyAV): a request for another is refused by the API.
+        limits["output_formats"] = [f for f in output_formats(limits) if can_encode(f)]
         return ModelInfo(
             id=self.name,
             family=self.pipe.family,
             task=self.pipe.task,
             defaults=ModelDefaults(**self.pipe.defaults),
-            limits=ModelLimits(**self.pipe.limits),
+            limits=ModelLimits(**limits),
         )
 
     def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=()) -> float:
+        # One step is enough whatever num_inference_steps says: the step count is traced.
         buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
-        extra = {"num_frames": list(frames)} if frames else {}  # video pipelines only (base.warm_up)
+        batch_sizes = sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes})
         return float(
-            self.pipe.warm_up(
-                buckets=buckets,
-                batch_sizes=sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes}),
-                num_inference_steps=num_inference_steps,
-                **extra,
-            )
+            self.pipe.warm_up(buckets=buckets, batch_sizes=batch_sizes, num_frames=list(frames) or None)
         )
 
     def batch_key(self, params: JobParams) -> tuple:
@@ -168,41 +168,31 @@ class PipelineRunner(Runner):
         from meshserve.models import GenerationCancelled, PipelineError
 
         first = batch[0].params.model_dump()
-        # One output per row: jobs with different n, guidance, seeds and negative prompts share one program.
-        prompts, negatives, guidance, true_cfg, seeds = [], [], [], [], []
+        # One output per row: jobs with different n, prompts, negative prompts, seeds and the pipeline's row
+        # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
+        # empty negative (SDXL: zeros).
+        rows = {name: [] for name in ("prompt", "negative_prompt", *self.pipe.row_fields)}
+        seeds = []
         for req in batch:
-            p = req.params
-            prompts += [p.prompt] * p.n
-            negatives += [p.negative_prompt] * p.n  # None: the family's empty negative (SDXL: zeros)
-            guidance += [float(p.guidance_scale)] * p.n
-            # None (a job queued by an older API, or straight into the store): the model's default, off.
-            scale = (
-                p.true_cfg_scale if p.true_cfg_scale is not None else self.pipe.defaults.get("true_cfg_scale")
-            )
-            true_cfg += [scale] * p.n
+            for name, values in rows.items():
+                values += [getattr(req.params, name)] * req.params.n
             seeds += req.seeds()
         # The pipeline says what batch the rows run as (images: padded to a power of two and a multiple of
         # the data axis; video: the exact size). Padding rows repeat the first row and are dropped after
         # decoding; every row has its own seed's noise, so they change nothing in the real rows.
-        real = len(prompts)
+        real = len(seeds)
         pad = self.pipe.compiled_batch_size(real, self._data) - real
-        prompts, negatives = prompts + prompts[:1] * pad, negatives + negatives[:1] * pad
-        guidance, seeds = guidance + guidance[:1] * pad, seeds + seeds[:1] * pad
+        rows = {name: values + values[:1] * pad for name, values in rows.items()}
         # The per-batch arguments are the ones the pipeline names (size, steps, scheduler, frames...).
         settings = {name: first[name] for name in self.pipe.batch_fields if first.get(name) is not None}
-        # True CFG (Flux) is per row, for a pipeline whose defaults name it: a batch may mix true-CFG jobs
-        # with plain ones (the pipeline runs the negative pass where a row asks for it). Others never get it.
-        if "true_cfg_scale" in self.pipe.defaults:
-            settings["true_cfg_scale"] = true_cfg + true_cfg[:1] * pad
         try:
             out = self.pipe(
-                prompts,
-                negative_prompt=negatives,
-                guidance_scale=guidance,
-                seed=seeds,
+                rows.pop("prompt"),
+                seed=seeds + seeds[:1] * pad,
                 num_images_per_prompt=1,
                 output_type="np",
                 callback=callback,
+                **rows,
                 **settings,
             )
         except GenerationCancelled as e:

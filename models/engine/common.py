@@ -12,24 +12,39 @@ class PipelineError(ValueError):
     """A request the pipeline cannot run (bad size, steps, scheduler...), with the reason."""
 
 
+class UnsupportedArgument(PipelineError, TypeError):
+    """A keyword argument the pipeline does not take (a TypeError too, as Python's own for a bad keyword)."""
+
+
 class GenerationCancelled(RuntimeError):
     """The step callback asked the denoising loop to stop."""
 
 
 @dataclass
 class PipelineOutput:
-    images: list | np.ndarray  # list of PIL images, or np.float32 [B, H, W, 3] in [0, 1]
+    """images: a list of PIL images, or np.float32 [B, H, W, 3] in [0, 1]; a video family's rows are videos
+    ([B, F, H, W, 3], or a list of lists of PIL frames), also under diffusers' name `frames`."""
+
+    images: list | np.ndarray
     seeds: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False
 
-    @classmethod
-    def make(cls, images: np.ndarray, output_type: str, **kw) -> PipelineOutput:
-        if output_type == "pil":
-            from PIL import Image
+    @property
+    def frames(self):
+        return self.images
 
-            images = [Image.fromarray(np.round(im * 255).astype(np.uint8)) for im in images]
-        return cls(images=images, **kw)
+
+def to_pil(rows: np.ndarray) -> list:
+    """[B, H, W, 3] -> B PIL images; [B, F, H, W, 3] -> B lists of F PIL frames (diffusers' layouts)."""
+    from PIL import Image
+
+    def convert(x):
+        if x.ndim == 3:
+            return Image.fromarray(np.round(x * 255).astype(np.uint8))
+        return [convert(frame) for frame in x]
+
+    return [convert(row) for row in rows]
 
 
 def to_list(value: str | Sequence[str], name: str) -> list[str]:
@@ -38,4 +53,16 @@ def to_list(value: str | Sequence[str], name: str) -> list[str]:
     values = list(value)
     if not values or not all(isinstance(v, str) for v in values):
         raise PipelineError(f"{name} must be a string or a non-empty list of strings")
+    return values
+
+
+def per_prompt(value, prompts: int, name: str = "negative_prompt") -> list:
+    """One negative prompt for all prompts, or one per prompt (None: that prompt has none)."""
+    if value is None or isinstance(value, str):
+        return [value] * prompts
+    values = list(value)
+    if len(values) != prompts:
+        raise PipelineError(f"{name}: expected {prompts} entries (one per prompt), got {len(values)}")
+    if not all(v is None or isinstance(v, str) for v in values):
+        raise PipelineError(f"{name} must be a string, None, or a list of strings / None")
     return values

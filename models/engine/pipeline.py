@@ -1,58 +1,84 @@
-"""The pipeline contract every family implements, and the host-side machinery they share.
+"""The pipeline, written once: the contract the serving side reads, and the one `__call__` every family runs.
 
 What the serving side reads (workers/runner.py relies on nothing else):
 
     family, task                     "sdxl", "text-to-image" ("text-to-video" adds frames)
-    defaults                         {"width", "height", "num_inference_steps", "guidance_scale"}
-    limits                           {"size_multiple", "min_size", "max_size", "min_steps", "max_steps", "max_n",
-                                      "schedulers"} + "frames": {min_frames, max_frames, step, offset, default}
-                                      for video (service/contract.py ModelLimits / FrameLimits)
-    batch_fields                     the request fields that are per-batch keyword arguments of __call__
-                                     (size, steps, scheduler; num_frames for video)
-    batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping
-                                     of the job's fields); a family adds its static settings (a text length)
-    compiled_batch_size(rows, data)  the batch the rows run as: images pad to powers of two (few programs),
-                                     video compiles the exact sizes the pool warms up (a padded row would
-                                     cost a whole extra video)
-    warm_up(buckets, batch_sizes,    compile every program those shapes need (video: each frame count)
+    defaults                         {"width", "height", "num_inference_steps", "guidance_scale", ...}
+    limits                           meshserve/limits.py's fields (sizes, steps, max_n, schedulers, output_formats;
+                                     video: frames; a text length: max_sequence_length)
+    row_fields                       the per-row numbers of __call__ (guidance_scale; Flux adds true_cfg_scale):
+                                     one value, one per prompt or one per output row
+    batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
+    batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
+    compiled_batch_size(rows, data)  images pad to powers of two (few programs); video compiles exact sizes
+    warm_up(buckets, batch_sizes,    compile every program those shapes need, with and without CFG
             num_frames=)
-    __call__(prompt, negative_prompt=, guidance_scale=, seed=, num_images_per_prompt=, output_type=,
-             callback=, **{batch_fields}) -> PipelineOutput
+    __call__(prompt, negative_prompt=, seed=, num_images_per_prompt=, latents=, output_type=, callback=,
+             return_dict=, **row_fields, **batch_fields) -> PipelineOutput (`images`; video: also `frames`)
     compilations                     programs compiled so far (each also logged with its shapes and seconds)
 
-Per-row arguments (prompt, negative_prompt, guidance_scale, seed) take one value per output row, so jobs with
-different prompts, guidance and seeds share one program. Errors in a request raise `PipelineError`; anything
-else raised is an engine fault.
+What a family declares (class attributes) and implements (its stages); everything else is here:
 
-Shared here: seeds -> per-row key data placed with the batch sharding, schedules padded to MAX_STEPS and
-cached per (scheduler, steps) on the pool's devices, the compiled-program cache, the step callback's host end,
-request checks. The denoising loop itself is `denoise_loop.py`.
+    denoiser_name                    the module the denoise program takes ("unet", "transformer")
+    cfg_field, cfg_needs_negative    the row field that scales CFG, and whether a row needs a negative prompt
+                                     for it (Flux's true CFG); a row runs CFG when that scale is > 1
+    latents_axes, latents_layout     the loop's latents -> diffusers' layout (`latents=`, output "latent")
+    load(folder) -> modules          read the weights (`load_module`), by name: text encoders, denoiser, "vae"
+    tokenize(texts, settings)        host: token arrays [T, L] for the text encoders
+    encode_prompt(states, *tokens)   traced: the conditioning (a pytree of [T, ...]), one row per text
+    noise_shape(settings)            a row's initial noise, channels-last; `pack` (traced) makes it the loop's
+                                     latents (Flux: 2x2 patches), `prepare_latents` scales it
+    denoiser(state, cond, rows,      traced: model(x, t) for the loop, closing over the conditioning, the
+             extras, shape=, do_cfg=) per-row fields and the extras (`denoise_extras`: RoPE tables...)
+    decode(vae_state, latents,       traced: the VAE -> [B, (F,) H, W, 3] in [0, 1]
+           shape=)
+    optional: make_scheduler(name), schedule_options(scheduler, shape), denoise_extras(shape, text_len)
+
+Three compiled programs run a call: text_encode (prompts and, with CFG, negatives; repeated per image and
+CFG-interleaved), denoise (initial noise from each row's seed, then the one loop of `denoise_loop.py`),
+vae_decode. Everything that varies per request (prompt tokens, seeds, per-row fields, the schedule's arrays,
+the step count) is a traced input, so only a new shape, scheduler or CFG on/off compiles. Errors in a request
+raise `PipelineError` (limits: meshserve/limits.py, the check the API and the pools run too); anything else
+raised is an engine fault.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshserve.models.checkpoints.loading import read_json
-from meshserve.models.engine.common import GenerationCancelled, PipelineError
-from meshserve.models.engine.denoise_loop import StepReporter
+from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.engine.common import (
+    GenerationCancelled,
+    PipelineError,
+    PipelineOutput,
+    UnsupportedArgument,
+    per_prompt,
+    to_list,
+    to_pil,
+)
+from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop, interleave
 from meshserve.models.engine.programs import CompiledPrograms
-from meshserve.models.engine.seeds import key_data
-from meshserve.models.parallel.placement import Placement
+from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
+from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
 from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
 
 # Every schedule is padded to this many steps, so the step count is a traced value and never compiles.
 MAX_STEPS = 200
 MAX_IMAGES = 8
 OUTPUT_TYPES = ("pil", "np", "latent")
+# The keyword arguments every family's __call__ names; a family's other row and batch fields come in **options.
+_COMMON_ARGUMENTS = {"height", "width", "num_inference_steps", "scheduler", "guidance_scale"}
 
 
 # A model folder may carry the settings it was made to be served with (the embedded model's training writes
@@ -83,13 +109,44 @@ def batch_bucket(rows: int, data: int = 1) -> int:
     return -(-size // data) * data
 
 
+def repeat_rows(x, n: int, prompts: int):
+    """Repeats each prompt's rows n times (prompt-major, as diffusers does); negatives follow the prompts."""
+    if n == 1:
+        return x
+    return jnp.repeat(x.reshape(-1, prompts, *x.shape[1:]), n, axis=1).reshape(-1, *x.shape[1:])
+
+
+def positive_without_cfg(model: Callable, cfg_rows) -> Callable:
+    """The model with each CFG-off row's negative prediction replaced by its positive one: the combine
+    neg + s * (pos - neg) then returns the positive prediction exactly, what that row alone (no CFG) computes."""
+
+    def guided(x, t):
+        out = model(x, t)
+        pairs = out.reshape(-1, 2, *out.shape[1:])
+        keep = cfg_rows.reshape(-1, *([1] * (out.ndim - 1)))
+        return interleave(jnp.where(keep, pairs[:, 0], pairs[:, 1]), pairs[:, 1])
+
+    return guided
+
+
 class DiffusionPipeline:
-    """Base of every family's pipeline. A subclass sets `family`, `task`, `scheduler_config` (a diffusers
-    scheduler config dict) and `placement`, and implements `defaults`, `limits` and `__call__`."""
+    """Base of every family's pipeline (module docstring: what a family declares and implements)."""
 
     family: str = ""
     task: str = "text-to-image"
+    row_fields: tuple[str, ...] = ("guidance_scale",)
     batch_fields: tuple[str, ...] = ("width", "height", "num_inference_steps", "scheduler")
+    cfg_field: str = "guidance_scale"
+    cfg_needs_negative: bool = False
+    # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
+    # force_zeros_for_empty_prompt).
+    zeros_for_empty_negative: bool = False
+    denoiser_name: str = "transformer"
+    # The scheduler classes a folder's scheduler_config.json may name (None: any this package implements).
+    scheduler_classes: tuple[str, ...] | None = None
+    latents_axes: tuple[int, ...] | None = None  # None: the loop's layout is diffusers'
+    latents_layout: str = ""
+    default_output_type: str = "pil"
     # Images: pad a batch to a power of two, which bounds a pool to log2(max_batch) + 1 programs per bucket.
     # A padded row is not free: on the tiny SDXL (CPU, 64x48, CFG, 4 steps, median of 5) batch 1 -> 2 took
     # denoise 133 -> 265 ms and decode 14 -> 27 ms, so a padded row costs ~a real row. Cheap for images;
@@ -98,12 +155,65 @@ class DiffusionPipeline:
     pads_batches: bool = True
     scheduler_config: Mapping
     placement: Placement | None = None
+    model_id: str = ""
 
-    def __init__(self, *, max_programs: int | None = None):
+    def __init__(
+        self,
+        folder: Path | None = None,
+        *,
+        dtype=jnp.float32,
+        model_id: str | None = None,
+        attention=None,
+        placement: Placement | None = None,
+        max_programs: int | None = None,
+    ):
         self.programs = CompiledPrograms(type(self).__name__, max_programs)
         self.step_reporter = StepReporter()
         self._schedulers: dict[str | None, object] = {}
         self._schedules = lru_cache(maxsize=256)(self._make_schedule)
+        self._extras = lru_cache(maxsize=64)(self.denoise_extras)
+        if folder is None:  # a stand-in with no weights (the serving side's tests)
+            return
+        from meshserve.models.attention import AttentionSettings
+
+        folder = Path(folder)
+        self.folder, self.model_id, self.dtype = folder, model_id or folder.name, jnp.dtype(dtype)
+        # Only the denoiser (nearly all the FLOPs) runs attention on the mesh; the text encoders and the VAE
+        # run plain kernels, their batch split by whatever sharding it carries, their weights placed by
+        # their own rules tables.
+        self.attention = attention or AttentionSettings()
+        self.plain_attention = dataclasses.replace(self.attention, mesh=None)
+        self.placement = placement
+        self.scheduler_config = read_json(folder / "scheduler" / "scheduler_config.json")
+        name = self.scheduler_config.get("_class_name")
+        if self.scheduler_classes is not None and name not in self.scheduler_classes:
+            raise CheckpointError(
+                f"{folder / 'scheduler'}: a {type(self).__name__} needs one of {list(self.scheduler_classes)}, "
+                f"got {name!r}"
+            )
+        self._rules: dict[str, object] = {}
+        self.split_modules(self.load(folder))
+        self.scheduler(None)  # fail at load time on an unsupported default scheduler
+
+    # ---------------------------------------------------------------------------------------------
+    # Loading
+
+    def load(self, folder: Path) -> dict:
+        """The family's modules by name (text encoders, `denoiser_name`, "vae"), each from `load_module`."""
+        raise NotImplementedError
+
+    def load_module(self, loader: Callable, path: Path, rules, *, dtype=None, attention=None):
+        """One module of the folder onto the pool's devices, split by its sharding rules (kept for `merged`
+        under the folder's name), in the pipeline's dtype unless given; `attention`: the settings of a
+        loader that takes them."""
+        self._rules[Path(path).name] = rules
+        place = self.placement.placer(rules) if self.placement else None
+        kwargs = {} if attention is None else {"settings": attention}
+        return loader(path, dtype=self.dtype if dtype is None else dtype, place=place, **kwargs)
+
+    def validate_heads(self, heads: set[int]) -> None:
+        if self.placement:
+            self.placement.validate_heads(heads, self.attention.context_strategy)
 
     def split_modules(self, modules: Mapping[str, object]) -> None:
         """Split each loaded module into graph + state once (`self._graphs`, `self._states`, by name): the
@@ -114,9 +224,27 @@ class DiffusionPipeline:
         self._graphs, self._states = {}, {}
         for name, module in modules.items():
             self._graphs[name], self._states[name] = nnx.split(module)
+        self._text_states = {k: v for k, v in self._states.items() if k not in (self.denoiser_name, "vae")}
+
+    def merged(self, name: str, state):
+        """The module `name` from its state, inside a program; weights split over shard_over are gathered
+        where used (placement.gather_weights says why)."""
+        from flax import nnx
+
+        return nnx.merge(self._graphs[name], gathered(self.placement, state, self._rules.get(name)))
+
+    def merged_per_step(self, state, x):
+        """The denoiser inside the loop body, and x: FSDP-split weights are gathered per step, tied to this
+        step's x so XLA cannot hoist the gathers out of the loop (which keeps the whole denoiser gathered:
+        docs/weights.md)."""
+        from flax import nnx
+
+        name = self.denoiser_name
+        state, x = gathered_per_step(self.placement, state, x, self._rules.get(name))
+        return nnx.merge(self._graphs[name], state), x
 
     # ---------------------------------------------------------------------------------------------
-    # The contract's generic parts
+    # The stages a family implements (module docstring)
 
     @property
     def defaults(self) -> dict:
@@ -126,11 +254,50 @@ class DiffusionPipeline:
     def limits(self) -> dict:
         raise NotImplementedError
 
-    def __call__(self, prompt, **kwargs):
+    def tokenize(self, texts: list[str], settings: dict) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
+    def encode_prompt(self, states, *tokens):
+        raise NotImplementedError
+
+    def noise_shape(self, settings: dict) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def pack(self, noise):
+        return noise
+
+    def denoiser(self, state, cond, rows, extras, *, shape, do_cfg: bool) -> Callable:
+        raise NotImplementedError
+
+    def decode(self, vae_state, latents, *, shape):
+        raise NotImplementedError
+
+    def denoise_extras(self, shape: tuple[int, ...], text_len: int | None):
+        """Inputs of the denoise program fixed by the shape (RoPE tables), on the devices; cached."""
+        return None
+
+    @property
+    def latent_dtype(self):
+        """The loop's latents: the pipeline dtype (Wan keeps them fp32)."""
+        return self.dtype
+
+    def prepare_latents(self, keys, latents, *, shape, sigma):
+        """Traced: the loop's starting latents, the given ones or each row's noise drawn from its own key (so
+        a seed gives the same output at any batch position and layout), packed, scaled by the schedule's
+        initial sigma, in the latent dtype."""
+        if latents is None:
+            latents = self.pack(initial_noise(keys, shape))
+        return (latents * sigma).astype(self.latent_dtype)
+
+    # ---------------------------------------------------------------------------------------------
+    # The contract's generic parts
+
     def batch_key(self, request: Mapping) -> tuple:
-        return tuple(request.get(name) for name in self.batch_fields)
+        d, limits = self.defaults, self.limits
+        return tuple(
+            request[name] if request.get(name) is not None else _batch_default(name, d, limits)
+            for name in self.batch_fields
+        )
 
     def compiled_batch_size(self, rows: int, data: int = 1) -> int:
         return batch_bucket(rows, data) if self.pads_batches else rows
@@ -143,12 +310,11 @@ class DiffusionPipeline:
         self,
         buckets: Sequence[tuple[int, int]] | None = None,
         batch_sizes: Sequence[int] = (1,),
-        num_inference_steps: int | None = None,
         num_frames: Sequence[int] | None = None,
     ) -> float:
         """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
         video family each of `num_frames` (None: its default frame count; a frame count is a shape).
-        One step is enough: the step count is traced (num_inference_steps is accepted for the old callers)."""
+        One step is enough: the step count is traced."""
         t0 = time.perf_counter()
         d = self.defaults
         if "frames" in self.limits:
@@ -160,40 +326,241 @@ class DiffusionPipeline:
         for width, height in buckets or [(d["width"], d["height"])]:
             for extra in frame_counts:
                 for b in batch_sizes:
-                    for g in sorted({d["guidance_scale"], 1.0}):
+                    for cfg in (False, True):
                         self(
                             [""] * b,
+                            negative_prompt="" if cfg else None,
                             height=height,
                             width=width,
                             num_inference_steps=1,
-                            guidance_scale=g,
                             seed=0,
                             output_type="np",
+                            **{self.cfg_field: 2.0 if cfg else 1.0},
                             **extra,
                         )
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------
+    # The call
+
+    def __call__(
+        self,
+        prompt: str | Sequence[str],
+        *,
+        negative_prompt: str | Sequence[str | None] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | Sequence[float] | None = None,
+        seed: int | Sequence[int] | None = None,
+        latents=None,
+        num_images_per_prompt: int = 1,
+        scheduler: str | None = None,
+        output_type: str | None = None,
+        callback: Callable[[int, int], bool | None] | None = None,
+        return_dict: bool = True,
+        **options,
+    ):
+        """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
+        the family's row fields (guidance_scale; Flux: true_cfg_scale); negative_prompt: one for all or one
+        per prompt (None: that prompt has none). `latents` and output_type "latent" use diffusers' layout
+        (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "pil" PIL
+        images (video: a list of frames per row). `callback(step, total)` after every step; False cancels.
+        The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
+        name is an UnsupportedArgument."""
+        own = (set(self.row_fields) | set(self.batch_fields)) - _COMMON_ARGUMENTS
+        for name in options:
+            if name not in own:
+                raise UnsupportedArgument(
+                    f"unsupported argument {name!r}; {type(self).__name__} takes, besides the common ones, "
+                    f"{sorted(own) or 'none'}"
+                )
+        given = {
+            "height": height,
+            "width": width,
+            "num_inference_steps": num_inference_steps,
+            "scheduler": scheduler,
+            "guidance_scale": guidance_scale,
+            **options,
+        }
+        d, limits = self.defaults, self.limits
+        settings = {
+            name: given[name] if given.get(name) is not None else _batch_default(name, d, limits)
+            for name in self.batch_fields
+        }
+        try:
+            check_request(
+                limits,
+                {**settings, "n": num_images_per_prompt},
+                model=self.model_id or self.family,
+                names={"n": "num_images_per_prompt"},
+            )
+        except LimitError as e:
+            raise PipelineError(str(e)) from None
+        output_type = output_type or self.default_output_type
+        if output_type not in OUTPUT_TYPES:
+            raise PipelineError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
+        prompts, n = to_list(prompt, "prompt"), int(num_images_per_prompt)
+        rows = {}
+        for name in self.row_fields:
+            value = d[name] if given.get(name) is None else given[name]
+            rows[name] = per_row(value, len(prompts), n, name, float)
+            if not np.all(np.isfinite(rows[name])):
+                raise PipelineError(f"{name} must be a finite number")
+        negatives = per_prompt(negative_prompt, len(prompts))
+        # Per row: CFG runs when its scale is > 1 (and, for true CFG, it has a negative prompt). Whether any row
+        # runs it is static (it doubles the denoiser's batch); the others select their positive prediction.
+        cfg_rows = np.asarray(rows[self.cfg_field]) > 1.0
+        if self.cfg_needs_negative:
+            cfg_rows &= np.repeat([neg is not None for neg in negatives], n)
+        do_cfg = bool(cfg_rows.any())
+        shape = self.noise_shape(settings)
+        sched, schedule, steps = self.schedule(settings["scheduler"], settings["num_inference_steps"], shape)
+        seeds = row_seeds(seed, len(prompts), n)
+        if latents is not None:
+            latents = self.put_batch(self._loop_latents(latents, len(seeds), shape))
+        timings = {}
+        compiled_before = self.compilations
+
+        # 1. Text: one call per encoder over the prompts and (with CFG) the negatives.
+        t0 = time.perf_counter()
+        texts = prompts + ([neg or "" for neg in negatives] if do_cfg else [])
+        tokens = tuple(self.put_batch(t) for t in self.tokenize(texts, settings))
+        keep = None
+        if self.zeros_for_empty_negative:
+            keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))
+        cond = self.programs.run(
+            "text_encode",
+            self._text_encode,
+            {"prompts": len(prompts), "n": n, "do_cfg": do_cfg},
+            self._text_states,
+            tokens,
+            keep,
+        )
+        jax.block_until_ready(cond)
+        timings["text_encode"] = time.perf_counter() - t0
+
+        # 2. The denoising loop, initial noise included: one program.
+        t0 = time.perf_counter()
+        static = {"scheduler": sched, "do_cfg": do_cfg, "shape": shape}
+        inputs = (
+            schedule,
+            latents,
+            self.put_keys(seeds),
+            cond,
+            {name: self.put_batch(np.float32(values)) for name, values in rows.items()},
+            self.put_batch(cfg_rows),
+            self._extras(shape, settings.get("max_sequence_length")),
+        )
+        state = self._states[self.denoiser_name]
+        latents = self.run_denoise(
+            steps, callback, lambda: self.programs.run("denoise", self._denoise, static, state, *inputs)
+        )
+        timings["denoise"] = time.perf_counter() - t0
+
+        # 3. Decode (or the latents, in diffusers' layout, before the VAE's scaling).
+        if output_type == "latent":
+            images = to_host(latents).astype(np.float32, copy=False)
+            if self.latents_axes is not None:
+                images = np.transpose(images, self.latents_axes)
+        else:
+            t0 = time.perf_counter()
+            images = self.programs.run(
+                "vae_decode", self.decode, {"shape": shape}, self._states["vae"], latents
+            )
+            images = to_host(images).astype(np.float32, copy=False)
+            timings["vae_decode"] = time.perf_counter() - t0
+            if output_type == "pil":
+                images = to_pil(images)
+        out = PipelineOutput(
+            images=images, seeds=seeds, timings=timings, compiled=self.compilations > compiled_before
+        )
+        return out if return_dict else (out.images,)
+
+    def _loop_latents(self, latents, batch: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Given latents in diffusers' layout -> the loop's layout, checked against the request's shape."""
+        latents = np.asarray(latents, np.float32)
+        loop = jax.eval_shape(self.pack, jax.ShapeDtypeStruct((batch, *shape), jnp.float32)).shape
+        axes = self.latents_axes or tuple(range(len(loop)))
+        expected = tuple(loop[a] for a in axes)
+        if latents.shape != expected:
+            raise PipelineError(
+                f"latents: expected shape {expected} {self.latents_layout}, got {latents.shape}"
+            )
+        return np.ascontiguousarray(np.transpose(latents, np.argsort(axes)))
+
+    # ---------------------------------------------------------------------------------------------
+    # The programs (pure functions of state + traced inputs)
+
+    def _text_encode(self, states, tokens, keep, *, prompts: int, n: int, do_cfg: bool):
+        """tokens [T, ...] (prompts, then negatives with CFG) -> the denoiser's conditioning, each row
+        repeated per image and, with CFG, interleaved [neg0, pos0, neg1, pos1, ...] (keep [B]: whether a
+        row's negative is kept, else zeros)."""
+        cond = jax.tree.map(lambda x: repeat_rows(x, n, prompts), self.encode_prompt(states, *tokens))
+        if not do_cfg:
+            return cond
+        batch = prompts * n
+
+        def pair(x):
+            neg = x[batch:]
+            if keep is not None:
+                neg = jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), neg, 0.0)
+            return interleave(neg, x[:batch])  # each sample's uncond row, then its cond row
+
+        return jax.tree.map(pair, cond)
+
+    def _denoise(
+        self, state, schedule, latents, key_data, cond, rows, cfg_rows, extras, *, scheduler, do_cfg, shape
+    ):
+        """latents in the loop's layout, or None (drawn from each row's key); key_data [B, 2]; cond [2B or B,
+        ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns (latents, steps_done)."""
+        keys = row_keys(key_data)
+        sigma = scheduler.init_noise_sigma(schedule)
+        latents = self.constrain(self.prepare_latents(keys, latents, shape=shape, sigma=sigma))
+        model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg)
+        if do_cfg:
+            model = positive_without_cfg(model, cfg_rows)
+        return denoise_loop(
+            model,
+            scheduler,
+            schedule,
+            latents,
+            keys,
+            rows[self.cfg_field],
+            do_cfg=do_cfg,
+            on_step=self.step_reporter,
+            constrain=self.constrain,
+        )
+
+    # ---------------------------------------------------------------------------------------------
     # Shared host machinery
+
+    def make_scheduler(self, name: str | None):
+        return make_scheduler(name, self.scheduler_config)
 
     def scheduler(self, name: str | None):
         """The scheduler object for a name (None: the folder's own), made once: it is a static argument of
         the denoise program, so reusing the instance keeps the program cache hit."""
         if name not in self._schedulers:
             try:
-                self._schedulers[name] = make_scheduler(name, self.scheduler_config)
+                self._schedulers[name] = self.make_scheduler(name)
             except ValueError as e:
                 raise PipelineError(str(e)) from None
         return self._schedulers[name]
 
-    def schedule(self, name: str | None, steps: int):
-        """(scheduler, padded schedule on the pool's devices, the steps it really runs), cached per
-        (name, steps): a request computes nothing on the host for its schedule."""
-        return self._schedules(name, int(steps))
+    def schedule_options(self, scheduler, shape: tuple[int, ...] | None) -> dict:
+        """Keyword arguments of `scheduler.schedule` for this request (Flux: the shift for its size)."""
+        return {}
 
-    def _make_schedule(self, name, steps):
+    def schedule(self, name: str | None, steps: int, shape: tuple[int, ...] | None = None):
+        """(scheduler, padded schedule on the pool's devices, the steps it really runs), cached per
+        (name, steps, options): a request computes nothing on the host for its schedule."""
+        options = self.schedule_options(self.scheduler(name), shape)
+        return self._schedules(name, int(steps), tuple(sorted(options.items())))
+
+    def _make_schedule(self, name, steps, options):
         sched = self.scheduler(name)
-        schedule = sched.schedule(steps)
+        schedule = sched.schedule(steps, **dict(options))
         real = int(schedule.timesteps.shape[0])  # DPM-Solver's clipped schedules can be shorter
         return sched, self.put_replicated(pad_schedule(schedule, self.limits["max_steps"])), real
 
@@ -228,28 +595,22 @@ class DiffusionPipeline:
             raise GenerationCancelled(f"stopped after {done} of {total} steps")
         return latents
 
-    def check_request(self, height: int, width: int, steps: int, n: int, output_type: str) -> None:
-        limits = self.limits
-        m = limits["size_multiple"]
-        for name, value in (("height", height), ("width", width)):
-            if value % m or value < m:
-                raise PipelineError(f"{name} must be a positive multiple of {m}, got {value}")
-        if not limits["min_steps"] <= steps <= limits["max_steps"]:
-            raise PipelineError(
-                f"num_inference_steps must be between {limits['min_steps']} and {limits['max_steps']}, "
-                f"got {steps}"
-            )
-        if not 1 <= n <= limits["max_n"]:
-            raise PipelineError(f"num_images_per_prompt must be between 1 and {limits['max_n']}, got {n}")
-        if output_type not in OUTPUT_TYPES:
-            raise PipelineError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
+
+def _batch_default(name: str, defaults: Mapping, limits: Mapping):
+    """A batch field's value when a call leaves it out: the model's default, its default frame count, or its
+    longest text."""
+    if name in defaults:
+        return defaults[name]
+    if name == "num_frames":
+        return (limits.get("frames") or {}).get("default")
+    return limits.get(name)
 
 
 def to_host(x) -> np.ndarray:
     """A device array as a numpy array on this host. An array that spans the devices of several processes (a
     multi-host pool: workers/multihost.py) cannot be read by np.asarray; it is all-gathered instead, a
     collective that every process of the group calls (they all run the same pipeline call) and that gives each
-    of them the whole array. Every family turns its outputs into numpy with this."""
+    of them the whole array."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
     from jax.experimental import multihost_utils
@@ -267,4 +628,5 @@ def image_limits(size_multiple: int, default_size: int) -> dict:
         "max_steps": MAX_STEPS,
         "max_n": MAX_IMAGES,
         "schedulers": list(SCHEDULER_NAMES),
+        "output_formats": list(IMAGE_FORMATS),
     }

@@ -163,8 +163,18 @@ def test_images_per_prompt_and_pil(ours):
         (dict(height=60), "multiple of 8"),
         (dict(num_inference_steps=0), "between 1"),
         (dict(scheduler="nope"), "nope"),
+        (dict(num_images_per_prompt=9), "num_images_per_prompt must be an integer between 1 and 8"),
+        (dict(foo=1), "unsupported argument 'foo'"),
+        # diffusers' SDXL takes no text length (its CLIP texts are 77 tokens); neither do we.
+        (dict(max_sequence_length=77), "unsupported argument 'max_sequence_length'"),
+        (dict(num_frames=5), "unsupported argument 'num_frames'"),
     ],
 )
 def test_bad_arguments_are_clear(ours, kw, match):
     with pytest.raises(PipelineError, match=match):
         ours("cat", **{"height": H, "width": W, "num_inference_steps": 1, **kw})
+
+
+def test_an_unsupported_argument_is_a_type_error_too(ours):
+    with pytest.raises(TypeError, match="unsupported argument 'prompt_2'"):
+        ours("cat", prompt_2="a dog")

@@ -240,7 +240,7 @@ def test_contract_fields(wan):
         ({"num_frames": 0}, "between 1 and 81"),
         ({"num_frames": 85}, "between 1 and 81"),
         ({"height": 40}, "multiple of 16"),
-        ({"width": 528}, "at most 512"),
+        ({"width": 528}, "between 16 and 512"),
         ({"scheduler": "euler"}, "scheduler must be one of"),
         ({"guidance_scale": float("nan")}, "finite"),
         ({"negative_prompt": ["a", "b"]}, "one per prompt"),
@@ -251,6 +251,22 @@ def test_bad_requests_raise_pipeline_errors(wan, kwargs, match):
     kw = {"height": H, "width": W, "num_frames": F, "num_inference_steps": 1, **kwargs}
     with pytest.raises(PipelineError, match=match):
         wan(PROMPTS[0], **kw)
+
+
+def test_diffusers_call_frames_and_max_sequence_length(wan, reference):
+    """A call written for diffusers' WanPipeline: `max_sequence_length` (a shorter text than the default 512,
+    equal to diffusers'), the output's `frames`, `return_dict=False`; an argument we do not take is named."""
+    latents = latents_for(1, seed=5)
+    kw = dict(guidance_scale=1.0, num_inference_steps=2, max_sequence_length=64)
+    expected = run_reference(reference, PROMPTS[0], latents, **kw)
+    out = wan(PROMPTS[0], height=H, width=W, num_frames=F, latents=latents, **kw)
+    assert out.frames is out.images and max_abs(out.frames, expected) <= 1e-3
+    (frames,) = wan(PROMPTS[0], height=H, width=W, num_frames=F, latents=latents, return_dict=False, **kw)
+    np.testing.assert_array_equal(frames, out.frames)
+    with pytest.raises(PipelineError, match="unsupported argument 'foo'"):
+        wan(PROMPTS[0], foo=1)
+    with pytest.raises(PipelineError, match="max_sequence_length must be an integer between 1 and 512"):
+        wan(PROMPTS[0], max_sequence_length=513)
 
 
 def test_pil_output_is_a_list_of_frames_per_video(wan):

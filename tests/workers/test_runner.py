@@ -108,7 +108,7 @@ def test_batches_pad_to_power_of_two_buckets():
 # PipelineRunner through the pipeline contract alone, on stand-in pipelines (no weights, no compiling)
 
 
-def _contract_pipeline(video: bool = False, fail: Exception | None = None):
+def _contract_pipeline(video: bool = False, fail: Exception | None = None, row_fields=("guidance_scale",)):
     from meshserve.models.registry import DiffusionPipeline, PipelineOutput
 
     class StandIn(DiffusionPipeline):
@@ -121,6 +121,7 @@ def _contract_pipeline(video: bool = False, fail: Exception | None = None):
         def __init__(self):
             super().__init__()
             self.calls = []
+            self.row_fields = row_fields
 
         @property
         def defaults(self):
@@ -172,6 +173,19 @@ def test_pipeline_runner_passes_only_contract_arguments():
     assert [o.num_frames for o in result.outputs] == [5, 5, 5]
     runner = _pipeline_runner(video)
     assert runner.batch_key(params) != runner.batch_key(params.model_copy(update={"num_frames": 9}))
+
+
+def test_pipeline_runner_passes_the_declared_row_fields_per_row():
+    """A family's own row fields (Flux: true_cfg_scale) go per output row, repeated for a job's n images: jobs
+    with and without true CFG share a batch. The runner knows no field by name."""
+    pipe = _contract_pipeline(row_fields=("guidance_scale", "true_cfg_scale"))
+    a = _req("a", n=2).params.model_copy(update={"true_cfg_scale": 4.0, "negative_prompt": "fog"})
+    b = _req("b").params.model_copy(update={"true_cfg_scale": 1.0, "guidance_scale": 2.0})
+    _pipeline_runner(pipe).run([RunRequest("a", a), RunRequest("b", b)])
+    (call,) = pipe.calls
+    assert call["true_cfg_scale"] == [4.0, 4.0, 1.0, 4.0]  # 3 rows padded to 4 with the first
+    assert call["guidance_scale"] == [5.0, 5.0, 2.0, 5.0]
+    assert call["negative_prompt"] == ["fog", "fog", None, "fog"]
 
 
 def test_only_pipeline_errors_are_the_jobs_fault():
