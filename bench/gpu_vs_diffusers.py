@@ -1,0 +1,983 @@
+"""meshserve (JAX) against diffusers (PyTorch eager and torch.compile) in one process, on any CUDA machine.
+
+    python bench/gpu_vs_diffusers.py --stages flux,sdxl,wan [--rounds 5] [--out results.json] [--tiny]
+                                     [--measures step,program,vae] [--steps N] [--no-compile] [--deadline S]
+
+Per family (FLUX.1-dev, SDXL base, Wan 2.1 T2V 1.3B), at the real configs and shapes with random weights, bf16
+(the VAEs in fp32, as meshserve's pipelines decode; `--vae-dtype` changes both sides):
+
+- step: one call of the denoiser as the family's denoise loop makes it. FLUX.1-dev: batch 1 (guidance
+  distilled, no CFG), 1024x1024 = 4096 image + 512 text tokens. SDXL: the UNet on the CFG batch of 2 at 128x128
+  latents (1024x1024), 77 text tokens. Wan: 480x832, 81 frames (21 x 60 x 104 latents, 32,760 tokens), 512
+  text tokens, CFG: meshserve runs the two rows as one batch of 2, diffusers' WanPipeline two calls of batch 1.
+- program: the whole denoise loop of `--steps` steps (default: the family's, 28 / 30 / 50). meshserve: one
+  jitted program around models/engine/denoise_loop.py's `denoise_loop` (the loop every pipeline runs: a
+  lax.while_loop over a schedule padded to MAX_STEPS, CFG, the family's scheduler from models/schedulers, the
+  per-step host callback) with the model closure its pipeline builds (`denoiser` in models/<family>/pipeline.py:
+  Flux's timestep t / 1000 rounded as diffusers, SDXL's micro-conditioning, Wan's fp32 latents). diffusers: its
+  pipeline's loop written out (set_timesteps as the pipeline calls it, set_begin_index(0), scale_model_input,
+  the model, the CFG combine, scheduler.step), with the model eager or torch.compile'd. Text encoding, latent
+  preparation and decoding are outside both; the initial latents are the same.
+- vae: the VAE decode of one 1024x1024 image (Flux 16-channel, SDXL 4-channel latents) or of the 81-frame video
+  (Wan 2.1's causal 3D VAE).
+
+Weights: diffusers builds each model with its own random initialisation (torch.manual_seed(0)) and saves it
+with save_pretrained to a scratch folder (/dev/shm when it has room); then diffusers' `from_pretrained(...,
+torch_dtype=...)` and meshserve's loader for that folder (load_flux_transformer, load_unet,
+load_autoencoder_kl, load_wan_transformer, load_autoencoder_kl_wan: models/checkpoints/loading.py's conversion)
+read the same files, so both sides hold the same weights, converted as a real checkpoint would be (Wan's
+_keep_in_fp32_modules stay fp32 on both sides). The inputs are the same numpy draws, in each side's layout.
+
+Method: every measure warms both sides up (meshserve's compile and diffusers' torch.compile are timed apart),
+then runs `--rounds` rounds; each round runs every side `--per-round` times (the program once),
+the sides' order rotating from round to round, each call timed between device synchronisations
+(jax.block_until_ready, torch.cuda.synchronize). A time is the median over all calls with the min-max; a
+speed-up (diffusers / meshserve, above 1: meshserve faster) is the median of the per-round ratios of the round
+medians, with their min-max. Same computation: the max relative difference max|ours - diffusers| / max|diffusers|
+of the outputs on the same inputs (step: the model output; program: the final latents; vae: the decoded pixels)
+is printed beside every row, and torch.compile's against eager for scale, so a fast wrong result shows.
+
+`--tiny`: small configs of the same block types and small shapes (3 steps), so the script runs on the CPU: the
+check that it works before a device run (2 minutes on 2 cores with `--no-compile`, 7 with torch.compile's CPU
+compiles). On the CPU both sides share the cores in one process, so its times compare nothing.
+Results: a markdown row per measure as it finishes, the whole table at the end with the device, the versions
+and the date (UTC), and with `--out` a JSON file rewritten after every measure (a killed run keeps what it had).
+bench/README.md "GPU (bench/gpu_vs_diffusers.py)" says how to run it with the device tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+# JAX would take 75 % of the GPU at its start; torch shares the card in this process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+ROOT = Path(__file__).resolve().parent.parent
+# `bench` (bench/ is no package of the install), and `meshserve` where it is not installed (import_meshserve).
+sys.path.insert(0, str(ROOT))
+T0 = time.perf_counter()
+
+# black-forest-labs/FLUX.1-dev transformer/config.json and vae/config.json (as bench/flux_memory.py, which sets
+# XLA flags for 8 CPU devices when imported, so its constants are not imported here).
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=[16, 56, 56],
+)  # fmt: skip
+FLUX_VAE = dict(
+    act_fn="silu", block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+    in_channels=3, latent_channels=16, layers_per_block=2, norm_num_groups=32, out_channels=3,
+    sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, up_block_types=["UpDecoderBlock2D"] * 4,
+    use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=True,
+)  # fmt: skip
+# stabilityai/stable-diffusion-xl-base-1.0 unet/, vae/ (sdxl-vae) and scheduler/ configs.
+SDXL_UNET = dict(
+    act_fn="silu", addition_embed_type="text_time", addition_time_embed_dim=256, attention_head_dim=[5, 10, 20],
+    block_out_channels=[320, 640, 1280], cross_attention_dim=2048,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"], flip_sin_to_cos=True,
+    freq_shift=0, in_channels=4, layers_per_block=2, mid_block_type="UNetMidBlock2DCrossAttn", norm_eps=1e-05,
+    norm_num_groups=32, out_channels=4, projection_class_embeddings_input_dim=2816, sample_size=128,
+    transformer_layers_per_block=[1, 2, 10], up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    use_linear_projection=True,
+)  # fmt: skip
+SDXL_VAE = dict(
+    act_fn="silu", block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+    in_channels=3, latent_channels=4, layers_per_block=2, norm_num_groups=32, out_channels=3, sample_size=1024,
+    scaling_factor=0.13025, up_block_types=["UpDecoderBlock2D"] * 4,
+)  # fmt: skip
+SDXL_SCHEDULER = dict(
+    _class_name="EulerDiscreteScheduler", beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+    interpolation_type="linear", num_train_timesteps=1000, prediction_type="epsilon", steps_offset=1,
+    timestep_spacing="leading", use_karras_sigmas=False,
+)  # fmt: skip
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/ and vae/ configs (bench/wan_memory.py, tests/models/
+# test_autoencoder_kl_wan.py WAN21_VAE).
+WAN_1_3B = dict(
+    patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)  # fmt: skip
+WAN_VAE = dict(
+    base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    temperal_downsample=[False, True, True], dropout=0.0,
+)  # fmt: skip
+
+# Per family: configs, shapes, default steps and guidance; `tiny` overrides (the same block types, small).
+FAMILIES = {
+    "flux": dict(model=FLUX_DEV, vae=FLUX_VAE, latent=(128, 128), text=512, steps=28, guidance=3.5),
+    "sdxl": dict(model=SDXL_UNET, vae=SDXL_VAE, latent=(128, 128), text=77, steps=30, guidance=5.0),
+    "wan": dict(model=WAN_1_3B, vae=WAN_VAE, latent=(21, 60, 104), text=512, steps=50, guidance=5.0),
+}
+_TWO_LEVELS = dict(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
+TINY = {
+    "flux": dict(
+        model=dict(num_layers=1, num_single_layers=1, num_attention_heads=2, attention_head_dim=32,
+                   joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[8, 12, 12]),
+        vae=dict(block_out_channels=[32, 32], layers_per_block=1, **_TWO_LEVELS), latent=(16, 16), text=16,
+    ),
+    "sdxl": dict(
+        model=dict(block_out_channels=[32, 64, 128], attention_head_dim=[1, 2, 4], layers_per_block=1,
+                   transformer_layers_per_block=[1, 1, 1], cross_attention_dim=64, addition_time_embed_dim=8,
+                   projection_class_embeddings_input_dim=32 + 6 * 8),
+        vae=dict(block_out_channels=[32, 32], layers_per_block=1, **_TWO_LEVELS), latent=(16, 16), text=16,
+    ),
+    "wan": dict(
+        model=dict(num_layers=1, num_attention_heads=2, attention_head_dim=32, ffn_dim=128, text_dim=64),
+        vae=dict(base_dim=8, num_res_blocks=1), latent=(3, 8, 8), text=16,
+    ),
+}  # fmt: skip
+TINY_STEPS = 3
+MEASURES = ("step", "program", "vae")
+SIDES = ("meshserve", "diffusers eager", "diffusers torch.compile")
+
+
+def log(*parts) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *parts, file=sys.stderr, flush=True)
+
+
+def import_meshserve() -> None:
+    """`meshserve.models` from this checkout, installed or not (the device machine receives the tree alone): the
+    repository's top-level folders are subpackages of `meshserve` (pyproject's package-dir)."""
+    try:
+        import meshserve.models  # noqa: F401
+    except ModuleNotFoundError:
+        import meshserve
+
+        meshserve.__path__.append(str(ROOT))
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing and comparison
+
+
+class Bench:
+    def __init__(self, args):
+        import torch
+
+        self.args = args
+        self.dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.results: dict = {"env": env_info(), "args": vars(args), "rows": [], "errors": {}}
+        self.compile = not args.no_compile
+
+    def tsync(self, _out=None) -> None:
+        import torch
+
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    @staticmethod
+    def jsync(out) -> None:
+        import jax
+
+        jax.block_until_ready(out)
+
+    def past_deadline(self) -> bool:
+        return bool(self.args.deadline) and time.perf_counter() - T0 > self.args.deadline
+
+    def save(self) -> None:
+        if self.args.out:
+            Path(self.args.out).write_text(json.dumps(self.results, indent=1, default=str))
+
+    def error(self, where: str, e: BaseException) -> None:
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]
+        self.results["errors"][where] = text
+        log(f"ERROR {where}:\n{text}")
+        self.save()
+
+    def compare(
+        self,
+        family: str,
+        measure: str,
+        what: str,
+        ours,
+        ours_compile_s: float,
+        eager: TorchSide,
+        *,
+        channels_last: bool,
+        per_round: int,
+    ) -> None:
+        """ours: () -> meshserve's output (its program compiled in `ours_compile_s`); eager: diffusers' side.
+        channels_last: ours is [B, ..., C] where diffusers' is [B, C, ...]. Checks the outputs, torch.compiles
+        (unless --no-compile), times the sides in alternating rounds, prints and records the row."""
+        import numpy as np
+
+        def to_host(side, out):
+            out = to_numpy(out)
+            return np.moveaxis(out, -1, 1) if channels_last and side == SIDES[0] else out
+
+        sides = {SIDES[0]: (ours, self.jsync), SIDES[1]: (eager, self.tsync)}
+        row = {"family": family, "measure": measure, "what": what, "compile_s": {"meshserve": ours_compile_s}}
+        ref = to_host(SIDES[1], timed(eager, self.tsync)[1])
+        got = to_host(SIDES[0], timed(ours, self.jsync)[1])
+        row["rel_diff"] = rel_diff(got, ref)
+        if self.compile:
+            try:
+                compiled = eager.compiled()
+                seconds, out = timed(compiled, self.tsync)
+                row["compile_s"]["torch.compile"] = seconds
+                row["rel_diff_compile_vs_eager"] = rel_diff(to_host(SIDES[2], out), ref)
+                timed(compiled, self.tsync)
+                sides[SIDES[2]] = (compiled, self.tsync)
+            except Exception as e:  # noqa: BLE001
+                self.error(f"{family} {measure} torch.compile", e)
+        times = alternate(sides, self.args.rounds, per_round)
+        row["ms"] = {name: summary(t["all"]) | {"round_medians": t["rounds"]} for name, t in times.items()}
+        ours_rounds = times[SIDES[0]]["rounds"]
+        row["speedup"] = {
+            name: summary([r / o for r, o in zip(times[name]["rounds"], ours_rounds, strict=True)])
+            for name in sides
+            if name != SIDES[0]
+        }
+        self.results["rows"].append(row)
+        self.save()
+        print(table_row(row), flush=True)
+
+
+class TorchSide:
+    """diffusers' side of a measure: `fn(model)` with the eager model, and `compiled()` the same with
+    torch.compile(model) (compiled on its first call). `model`: a module (torch.compile compiles its forward)
+    or a function (the VAE's decode)."""
+
+    def __init__(self, fn, model):
+        self.fn, self.model = fn, model
+
+    def __call__(self):
+        import torch
+
+        with torch.inference_mode():
+            return self.fn(self.model)
+
+    def compiled(self):
+        import torch
+
+        target = torch.compile(self.model)
+
+        def run():
+            with torch.inference_mode():
+                return self.fn(target)
+
+        return run
+
+
+def timed(fn, sync) -> tuple[float, object]:
+    """(seconds, output) of one call between device synchronisations."""
+    sync(None)
+    t = time.perf_counter()
+    out = fn()
+    sync(out)
+    return time.perf_counter() - t, out
+
+
+def alternate(sides: dict, rounds: int, per_round: int) -> dict:
+    """name -> {"all": ms of every call, "rounds": each round's median}; the sides' order rotates per round."""
+    names = list(sides)
+    times = {name: {"all": [], "rounds": []} for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, sync = sides[name]
+            ms = [timed(fn, sync)[0] * 1e3 for _ in range(per_round)]
+            times[name]["all"] += ms
+            times[name]["rounds"].append(statistics.median(ms))
+    return times
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def rel_diff(got, ref) -> float:
+    """max |got - ref| / max |ref|, in float64."""
+    import numpy as np
+
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if got.shape != ref.shape:
+        raise ValueError(f"outputs of different shapes: {got.shape} vs {ref.shape}")
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def to_numpy(x):
+    """A JAX array or a torch tensor (any float dtype, any device) as float32 numpy."""
+    import numpy as np
+
+    if hasattr(x, "detach"):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x, np.float32)
+
+
+HEADER = (
+    "| family | measure | meshserve | diffusers eager | diffusers torch.compile | eager / meshserve "
+    "| torch.compile / meshserve | max rel diff vs eager: ours, torch.compile |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def _ms(s: dict | None) -> str:
+    if s is None:
+        return "n/a"
+    fmt = ".1f" if s["median"] >= 10 else ".2f"
+    return f"{s['median']:{fmt}} ms ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
+def _ratio(s: dict | None) -> str:
+    return "n/a" if s is None else f"**{s['median']:.2f}x** ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def table_row(row: dict) -> str:
+    ms, up = row["ms"], row["speedup"]
+    diff = f"{row['rel_diff']:.1e}"
+    if "rel_diff_compile_vs_eager" in row:
+        diff += f", {row['rel_diff_compile_vs_eager']:.1e}"
+    cells = [
+        row["family"],
+        f"{row['measure']}: {row['what']}",
+        _ms(ms.get(SIDES[0])),
+        _ms(ms.get(SIDES[1])),
+        _ms(ms.get(SIDES[2])),
+        _ratio(up.get(SIDES[1])),
+        _ratio(up.get(SIDES[2])),
+        diff,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def env_info() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import jax
+    import torch
+
+    info = {
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "python": platform.python_version(),
+    }
+    for name in (
+        "jax",
+        "jaxlib",
+        "jax-cuda12-plugin",
+        "jax-cuda13-plugin",
+        "flax",
+        "torch",
+        "diffusers",
+        "numpy",
+    ):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    info["jax_backend"] = jax.default_backend()
+    info["jax_devices"] = [f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in jax.devices()]
+    info["torch_cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["cudnn_torch"] = torch.backends.cudnn.version()
+        info["torch_tf32"] = {
+            "matmul": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn": torch.backends.cudnn.allow_tf32,
+        }
+    else:
+        from bench.compare_harness import _cpu_name
+
+        info["device"] = f"CPU: {_cpu_name()}, {os.cpu_count()} cores (no GPU)"
+    info["jax_default_matmul_precision"] = str(jax.config.jax_default_matmul_precision)
+    return info
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights: one random checkpoint folder, read by both sides
+
+
+def scratch_dir(nbytes: int) -> Path:
+    """A new folder for a checkpoint of `nbytes`: in /dev/shm (memory) when it has twice that free."""
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        stat = os.statvfs(shm)
+        if stat.f_bavail * stat.f_frsize > 2 * nbytes:
+            return Path(tempfile.mkdtemp(prefix="meshserve-gpu-bench-", dir=shm))
+    return Path(tempfile.mkdtemp(prefix="meshserve-gpu-bench-"))
+
+
+def twin(bench: Bench, torch_cls, config: dict, build_dtype, dtype, load_ours):
+    """(ours, diffusers') copies of one random model: diffusers builds it in `build_dtype` (seed 0) and saves it;
+    diffusers' from_pretrained(torch_dtype=dtype) and our `load_ours(folder, dtype, settings)` read the folder."""
+    import jax.numpy as jnp
+    import torch
+
+    from meshserve.models.attention import AttentionSettings
+
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(build_dtype)  # a 12B model built in fp32 would not fit beside ours
+    try:
+        with torch.device(bench.dev):
+            model = torch_cls(**config)
+    finally:
+        torch.set_default_dtype(default)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    folder = scratch_dir(nbytes)
+    try:
+        model.save_pretrained(str(folder / "model"))
+        del model
+        free_memory(bench)
+        ref = torch_cls.from_pretrained(str(folder / "model"), torch_dtype=dtype)
+        ref = ref.to(bench.dev).eval().requires_grad_(False)
+        settings = AttentionSettings(kernel=bench.args.kernel)
+        ours = load_ours(
+            folder / "model", dtype=jnp.dtype(str(dtype).removeprefix("torch.")), settings=settings
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    log(
+        f"{torch_cls.__name__}: {nbytes / 1e9:.2f} GB random weights, both sides loaded in {time.perf_counter() - t:.0f} s"
+    )
+    return ours, ref
+
+
+def free_memory(bench: Bench) -> None:
+    import torch
+
+    gc.collect()
+    if bench.dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def jit_compiled(fn, *inputs):
+    """(compiled fn, seconds) of jax.jit(fn) for these inputs."""
+    import jax
+
+    t = time.perf_counter()
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    return compiled, time.perf_counter() - t
+
+
+def denoise_program(graph, scheduler, make_model, do_cfg: bool):
+    """meshserve's denoise program: models/engine/denoise_loop.py's loop around `make_model(module, cond)`
+    (the closure the family's pipeline builds), the per-step callback compiled in as the pipelines have it."""
+    from flax import nnx
+
+    from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop
+    from meshserve.models.engine.seeds import row_keys
+
+    reporter = StepReporter()
+
+    def program(state, schedule, latents, key_data, guidance, cond):
+        model = make_model(nnx.merge(graph, state), cond)
+        out, _ = denoise_loop(
+            model, scheduler, schedule, latents, row_keys(key_data), guidance, do_cfg=do_cfg, on_step=reporter
+        )
+        return out
+
+    return program
+
+
+def diffusers_loop(scheduler, latents, predict, guidance: float | None, **timesteps):
+    """A diffusers pipeline's denoising loop, written out: set_timesteps as the pipeline calls it (on the latents'
+    device), set_begin_index(0) (as the pipelines: no device sync at the first step), then per timestep
+    `predict(latents, t)`, the model call or calls (with `guidance`: the pair (uncond, cond), combined as
+    uncond + guidance (cond - uncond)), and scheduler.step."""
+    scheduler.set_timesteps(device=latents.device, **timesteps)
+    scheduler.set_begin_index(0)
+    for t in scheduler.timesteps:
+        out = predict(latents, t)
+        if guidance is not None:
+            uncond, cond = out
+            out = uncond + guidance * (cond - uncond)
+        latents = scheduler.step(out, t, latents, return_dict=False)[0]
+    return latents
+
+
+def padded_schedule(scheduler, steps: int, **options):
+    """The schedule as the pipelines pass it: padded to MAX_STEPS (one program for every step count)."""
+    from meshserve.models.engine.pipeline import MAX_STEPS
+    from meshserve.models.schedulers import pad_schedule
+
+    return pad_schedule(scheduler.schedule(steps, **options), MAX_STEPS)
+
+
+def family_setup(args, name: str) -> dict:
+    spec = dict(FAMILIES[name])
+    if args.tiny:
+        tiny = TINY[name]
+        spec.update(model=dict(spec["model"], **tiny["model"]), vae=dict(spec["vae"], **tiny["vae"]))
+        spec.update(latent=tiny["latent"], text=tiny["text"], steps=TINY_STEPS)
+    if args.steps:
+        spec["steps"] = args.steps
+    return spec
+
+
+def wanted(bench: Bench, family: str, measure: str) -> bool:
+    if measure not in bench.args.measures:
+        return False
+    if bench.past_deadline():
+        bench.results["errors"][f"{family} {measure}"] = "skipped: --deadline passed"
+        log(f"{family} {measure}: skipped, --deadline passed")
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# The families
+
+
+def flux_denoiser(bench: Bench, spec: dict) -> None:
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler as TorchScheduler
+    from diffusers import FluxTransformer2DModel as TorchFlux
+    from flax import nnx
+
+    from meshserve.models.flux.embedded import SCHEDULER  # FLUX.1-dev's scheduler_config.json
+    from meshserve.models.flux.transformer_flux import flux_rope, image_ids, load_flux_transformer, round_to
+    from meshserve.models.schedulers import FlowMatchEulerDiscreteScheduler, flux_mu
+
+    args, dev, bf16 = bench.args, bench.dev, jnp.bfloat16
+    cfg, (lh, lw), text, steps, g = (
+        spec["model"],
+        spec["latent"],
+        spec["text"],
+        spec["steps"],
+        spec["guidance"],
+    )
+    gh, gw = lh // 2, lw // 2  # the 2x2 packing
+    tokens = gh * gw
+    ours, ref = twin(bench, TorchFlux, cfg, torch.bfloat16, torch.bfloat16, load_flux_transformer)
+    graph, state = nnx.split(ours)
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((1, tokens, cfg["in_channels"])).astype(np.float32)
+    emb_np = rng.standard_normal((1, text, cfg["joint_attention_dim"])).astype(np.float32)
+    pooled_np = rng.standard_normal((1, cfg["pooled_projection_dim"])).astype(np.float32)
+    x, emb, pooled = (jnp.asarray(a, bf16) for a in (x_np, emb_np, pooled_np))
+    guidance = jnp.full((1,), g, jnp.float32)
+    ids = np.concatenate([np.zeros((text, 3), np.float32), image_ids(gh, gw)])
+    rope = tuple(jnp.asarray(a) for a in flux_rope(ids, cfg["axes_dims_rope"]))
+    tx, temb, tpooled = (torch.from_numpy(a).to(dev, torch.bfloat16) for a in (x_np, emb_np, pooled_np))
+    tg = torch.full((1,), g, device=dev, dtype=torch.float32)
+    img_ids, txt_ids = torch.from_numpy(image_ids(gh, gw)).to(dev), torch.zeros(text, 3, device=dev)
+
+    def transformer(m, latents, timestep):  # FluxPipeline's call
+        return m(
+            hidden_states=latents,
+            timestep=timestep,
+            guidance=tg,
+            pooled_projections=tpooled,
+            encoder_hidden_states=temb,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+
+    what = f"transformer, batch 1, {tokens} + {text} tokens"
+    if wanted(bench, "flux", "step"):
+        try:
+
+            def fwd(state, x, emb, pooled, t, rope, guidance):
+                return nnx.merge(graph, state)(x, emb, pooled, t, rope, guidance)
+
+            inputs = (state, x, emb, pooled, jnp.full((1,), 0.5, jnp.float32), rope, guidance)
+            step, seconds = jit_compiled(fwd, *inputs)
+            tt = torch.full((1,), 0.5, device=dev, dtype=torch.bfloat16)
+            bench.compare(
+                "flux",
+                "step",
+                what,
+                lambda: step(*inputs),
+                seconds,
+                TorchSide(lambda m: transformer(m, tx, tt), ref),
+                channels_last=False,
+                per_round=args.per_round,
+            )
+        except Exception as e:  # noqa: BLE001
+            bench.error("flux step", e)
+    if wanted(bench, "flux", "program"):
+        try:
+            config = {"_class_name": "FlowMatchEulerDiscreteScheduler", **SCHEDULER}
+            sched = FlowMatchEulerDiscreteScheduler.from_config(config)
+            mu = flux_mu(tokens, config)
+
+            def make_model(module, cond):  # models/flux/pipeline.py FluxPipeline.denoiser
+                emb, pooled, rope, guidance = cond
+
+                def model(x, t):
+                    timestep = jnp.broadcast_to(round_to(round_to(t, bf16) / 1000, bf16), (x.shape[0],))
+                    return module(x, emb, pooled, timestep, rope, guidance)
+
+                return model
+
+            program = denoise_program(graph, sched, make_model, do_cfg=False)
+            inputs = (
+                state,
+                padded_schedule(sched, steps, mu=mu, pipeline_sigmas=True),
+                x,
+                np.zeros((1, 2), np.uint32),
+                jnp.ones((1,)),
+                (emb, pooled, rope, guidance),
+            )
+            compiled, seconds = jit_compiled(program, *inputs)
+            tsched = TorchScheduler(**SCHEDULER)
+            sigmas = np.linspace(1.0, 1 / steps, steps)
+
+            # FluxPipeline: timestep = t.expand(B).to(latents.dtype), the model at timestep / 1000.
+            def predict(m, latents, t):
+                return transformer(m, latents, t.expand(latents.shape[0]).to(latents.dtype) / 1000)
+
+            loop = TorchSide(
+                lambda m: diffusers_loop(tsched, tx, partial(predict, m), None, sigmas=sigmas, mu=mu), ref
+            )
+            bench.compare(
+                "flux",
+                "program",
+                f"{steps} steps flow-match Euler, {what}",
+                lambda: compiled(*inputs),
+                seconds,
+                loop,
+                channels_last=False,
+                per_round=1,
+            )
+        except Exception as e:  # noqa: BLE001
+            bench.error("flux program", e)
+
+
+def sdxl_denoiser(bench: Bench, spec: dict) -> None:
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from diffusers import EulerDiscreteScheduler as TorchScheduler
+    from diffusers import UNet2DConditionModel as TorchUNet
+    from flax import nnx
+
+    from meshserve.models.engine.denoise_loop import interleave
+    from meshserve.models.schedulers import make_scheduler
+    from meshserve.models.sdxl.unet_2d_condition import load_unet
+
+    args, dev, bf16 = bench.args, bench.dev, jnp.bfloat16
+    cfg, (lh, lw), text, steps, g = (
+        spec["model"],
+        spec["latent"],
+        spec["text"],
+        spec["steps"],
+        spec["guidance"],
+    )
+    ours, ref = twin(bench, TorchUNet, cfg, torch.bfloat16, torch.bfloat16, load_unet)
+    graph, state = nnx.split(ours)
+    rng = np.random.default_rng(0)
+    pooled_dim = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+    x_np = rng.standard_normal((1, cfg["in_channels"], lh, lw)).astype(np.float32)
+    # CFG rows [negative, positive]
+    ctx_np = rng.standard_normal((2, text, cfg["cross_attention_dim"])).astype(np.float32)
+    pooled_np = rng.standard_normal((2, pooled_dim)).astype(np.float32)
+    size = (8 * lh, 8 * lw)
+    tids_np = np.tile(np.float32([[*size, 0, 0, *size]]), (2, 1))  # micro-conditioning, as the pipelines
+    # meshserve: NHWC latents in the pipeline dtype; CFG rows interleaved [u0, c0] (for one image: [neg, pos]).
+    x = jnp.asarray(x_np.transpose(0, 2, 3, 1), bf16)
+    ctx, pooled, tids = (jnp.asarray(a, bf16) for a in (ctx_np, pooled_np, tids_np))
+    tx = torch.from_numpy(x_np).to(dev, torch.bfloat16)
+    tctx, tpooled, ttids = (torch.from_numpy(a).to(dev, torch.bfloat16) for a in (ctx_np, pooled_np, tids_np))
+
+    def unet(m, latents, t):  # StableDiffusionXLPipeline's call
+        added = {"text_embeds": tpooled, "time_ids": ttids}
+        return m(latents, t, encoder_hidden_states=tctx, added_cond_kwargs=added, return_dict=False)[0]
+
+    what = f"UNet, CFG batch 2, {lh}x{lw} latents, {text} text tokens"
+    if wanted(bench, "sdxl", "step"):
+        try:
+
+            def fwd(state, x, t, ctx, pooled, tids):
+                return nnx.merge(graph, state)(x, t, ctx, text_embeds=pooled, time_ids=tids)
+
+            inputs = (state, interleave(x, x), jnp.full((2,), 500.0, jnp.float32), ctx, pooled, tids)
+            step, seconds = jit_compiled(fwd, *inputs)
+            tt = torch.tensor(500.0, device=dev)
+            bench.compare(
+                "sdxl",
+                "step",
+                what,
+                lambda: step(*inputs),
+                seconds,
+                TorchSide(lambda m: unet(m, torch.cat([tx, tx]), tt), ref),
+                channels_last=True,
+                per_round=args.per_round,
+            )
+        except Exception as e:  # noqa: BLE001
+            bench.error("sdxl step", e)
+    if wanted(bench, "sdxl", "program"):
+        try:
+            sched = make_scheduler(None, SDXL_SCHEDULER)
+            schedule = padded_schedule(sched, steps)
+            x0 = x * jnp.asarray(sched.init_noise_sigma(schedule), bf16)
+
+            def make_model(module, cond):  # models/sdxl/pipeline.py SDXLPipeline.denoiser
+                ctx, pooled, tids = cond
+
+                def model(x, t):
+                    return module(
+                        x, jnp.broadcast_to(t, (x.shape[0],)), ctx, text_embeds=pooled, time_ids=tids
+                    )
+
+                return model
+
+            program = denoise_program(graph, sched, make_model, do_cfg=True)
+            inputs = (
+                state,
+                schedule,
+                x0,
+                np.zeros((1, 2), np.uint32),
+                jnp.full((1,), g),
+                (ctx, pooled, tids),
+            )
+            compiled, seconds = jit_compiled(program, *inputs)
+            tsched = TorchScheduler.from_config(SDXL_SCHEDULER)
+            tsched.set_timesteps(steps, device=dev)
+            tx0 = tx * tsched.init_noise_sigma  # prepare_latents
+
+            def rows(m, latents, t):  # StableDiffusionXLPipeline: one call on the CFG batch -> (uncond, cond)
+                return unet(m, tsched.scale_model_input(torch.cat([latents] * 2), t), t).chunk(2)
+
+            loop = TorchSide(
+                lambda m: diffusers_loop(tsched, tx0, partial(rows, m), g, num_inference_steps=steps), ref
+            )
+            bench.compare(
+                "sdxl",
+                "program",
+                f"{steps} steps Euler, {what}",
+                lambda: compiled(*inputs),
+                seconds,
+                loop,
+                channels_last=True,
+                per_round=1,
+            )
+        except Exception as e:  # noqa: BLE001
+            bench.error("sdxl program", e)
+
+
+def wan_denoiser(bench: Bench, spec: dict) -> None:
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from diffusers import UniPCMultistepScheduler as TorchScheduler
+    from diffusers import WanTransformer3DModel as TorchWan
+    from flax import nnx
+
+    from meshserve.models.engine.denoise_loop import interleave
+    from meshserve.models.schedulers import make_scheduler
+    from meshserve.models.wan.embedded import SCHEDULER  # Wan 2.1's scheduler_config.json
+    from meshserve.models.wan.transformer_wan import load_wan_transformer
+
+    args, dev, bf16 = bench.args, bench.dev, jnp.bfloat16
+    cfg, (f, h, w), text, steps, g = (
+        spec["model"],
+        spec["latent"],
+        spec["text"],
+        spec["steps"],
+        spec["guidance"],
+    )
+    tokens = f * (h // 2) * (w // 2)
+    # Built and saved fp32 (as the released checkpoint), read in bf16: both keep _keep_in_fp32_modules fp32.
+    ours, ref = twin(bench, TorchWan, cfg, torch.float32, torch.bfloat16, load_wan_transformer)
+    rope = tuple(jnp.asarray(a) for a in ours.rope(f, h, w))
+    graph, state = nnx.split(ours)
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((1, cfg["in_channels"], f, h, w)).astype(np.float32)
+    ctx_np = rng.standard_normal((2, text, cfg["text_dim"])).astype(np.float32)  # [negative, positive]
+    x = jnp.asarray(x_np.transpose(0, 2, 3, 4, 1))  # fp32 latents, as both pipelines keep them
+    ctx = jnp.asarray(ctx_np, bf16)
+    tx = torch.from_numpy(x_np).to(dev)
+    tneg, tpos = (torch.from_numpy(a[None]).to(dev, torch.bfloat16) for a in ctx_np)
+
+    def cfg_calls(m, latents, t):  # WanPipeline: two calls of batch 1 -> (uncond, cond)
+        x_in, timestep = latents.to(torch.bfloat16), t.expand(latents.shape[0])
+        cond = m(hidden_states=x_in, timestep=timestep, encoder_hidden_states=tpos, return_dict=False)[0]
+        uncond = m(hidden_states=x_in, timestep=timestep, encoder_hidden_states=tneg, return_dict=False)[0]
+        return uncond, cond
+
+    def make_model(module, cond):  # models/wan/pipeline.py WanPipeline.denoiser
+        ctx, rope = cond
+
+        def model(x, t):
+            return module(x.astype(bf16), jnp.broadcast_to(t, (x.shape[0],)), ctx, rope)
+
+        return model
+
+    what = f"transformer, CFG (2 rows), {tokens} + {text} tokens"
+    if wanted(bench, "wan", "step"):
+        try:
+
+            def fwd(state, x, t, ctx, rope):
+                return make_model(nnx.merge(graph, state), (ctx, rope))(x, t)
+
+            inputs = (state, interleave(x, x), jnp.float32(500.0), ctx, rope)
+            step, seconds = jit_compiled(fwd, *inputs)
+            tt = torch.tensor(500, device=dev)
+            bench.compare(
+                "wan",
+                "step",
+                what,
+                lambda: step(*inputs),
+                seconds,
+                TorchSide(lambda m: torch.cat(cfg_calls(m, tx, tt)), ref),
+                channels_last=True,
+                per_round=args.per_round,
+            )
+        except Exception as e:  # noqa: BLE001
+            bench.error("wan step", e)
+    if wanted(bench, "wan", "program"):
+        try:
+            sched = make_scheduler(None, {"_class_name": "UniPCMultistepScheduler", **SCHEDULER})
+            program = denoise_program(graph, sched, make_model, do_cfg=True)
+            inputs = (
+                state,
+                padded_schedule(sched, steps),
+                x,
+                np.zeros((1, 2), np.uint32),
+                jnp.full((1,), g),
+                (ctx, rope),
+            )
+            compiled, seconds = jit_compiled(program, *inputs)
+            tsched = TorchScheduler(**SCHEDULER)
+
+            loop = TorchSide(
+                lambda m: diffusers_loop(tsched, tx, partial(cfg_calls, m), g, num_inference_steps=steps), ref
+            )
+            bench.compare(
+                "wan",
+                "program",
+                f"{steps} steps UniPC, {what}",
+                lambda: compiled(*inputs),
+                seconds,
+                loop,
+                channels_last=True,
+                per_round=1,
+            )
+        except Exception as e:  # noqa: BLE001
+            bench.error("wan program", e)
+
+
+def vae_decode(bench: Bench, family: str, spec: dict) -> None:
+    """The VAE decode of one latent image (Flux, SDXL: AutoencoderKL) or video (Wan: AutoencoderKLWan), in
+    --vae-dtype (float32: as meshserve's pipelines decode)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from flax import nnx
+
+    from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
+    from meshserve.models.wan.autoencoder_kl_wan import load_autoencoder_kl_wan
+
+    config, latent, name = spec["vae"], spec["latent"], bench.args.vae_dtype
+    dtype = getattr(torch, name)
+    if family == "wan":
+        ours, ref = twin(bench, AutoencoderKLWan, config, torch.float32, dtype, load_autoencoder_kl_wan)
+        channels, (f, h, w) = config["z_dim"], latent
+        what = f"1x{f}x{h}x{w} -> {1 + 4 * (f - 1)} frames of {8 * h}x{8 * w}, {name}"
+    else:
+        ours, ref = twin(bench, AutoencoderKL, config, torch.float32, dtype, load_autoencoder_kl)
+        channels, factor = config["latent_channels"], 2 ** (len(config["block_out_channels"]) - 1)
+        what = f"1x{latent[0]}x{latent[1]} -> {latent[0] * factor}x{latent[1] * factor}, {name}"
+    graph, state = nnx.split(ours)
+    z_np = np.random.default_rng(1).standard_normal((1, channels, *latent)).astype(np.float32)
+    z = jnp.asarray(np.moveaxis(z_np, 1, -1), jnp.dtype(name))
+    tz = torch.from_numpy(z_np).to(bench.dev, dtype)
+
+    def decode(state, z):
+        return nnx.merge(graph, state).decode(z)
+
+    compiled, seconds = jit_compiled(decode, state, z)
+    bench.compare(
+        family,
+        "vae",
+        what,
+        lambda: compiled(state, z),
+        seconds,
+        TorchSide(lambda decode: decode(tz), lambda z: ref.decode(z, return_dict=False)[0]),
+        channels_last=True,
+        per_round=bench.args.per_round,
+    )
+
+
+DENOISERS = {"flux": flux_denoiser, "sdxl": sdxl_denoiser, "wan": wan_denoiser}
+
+
+def run_family(bench: Bench, family: str) -> None:
+    """The family's step and program on one pair of denoisers, then its VAE (each freed before the next)."""
+    spec = family_setup(bench.args, family)
+    parts = (
+        (("step", "program"), lambda: DENOISERS[family](bench, spec)),
+        (("vae",), lambda: vae_decode(bench, family, spec)),
+    )
+    for measures, run in parts:
+        if not any([wanted(bench, family, m) for m in measures]):
+            continue
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001
+            bench.error(f"{family} {'/'.join(measures)}", e)
+        free_memory(bench)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", default="flux,sdxl,wan", help="families, comma-separated: flux, sdxl, wan")
+    ap.add_argument("--measures", default=",".join(MEASURES), help="comma-separated: step, program, vae")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (median, min-max)")
+    ap.add_argument("--per-round", type=int, default=3, help="calls of each side per round (step, vae)")
+    ap.add_argument(
+        "--steps", type=int, default=0, help="denoise program steps (default: 28 / 30 / 50; tiny 3)"
+    )
+    ap.add_argument("--tiny", action="store_true", help="tiny configs and shapes: a CPU check")
+    ap.add_argument("--no-compile", action="store_true", help="leave diffusers' torch.compile out")
+    ap.add_argument("--vae-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument(
+        "--kernel", default="auto", help="meshserve's attention kernel (AttentionSettings.kernel)"
+    )
+    ap.add_argument("--deadline", type=float, default=0, help="seconds after which no new measure starts")
+    ap.add_argument("--out", help="JSON results file (rewritten after every measure)")
+    args = ap.parse_args()
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    args.measures = [m.strip() for m in args.measures.split(",") if m.strip()]
+    for name, given, known in (("stage", args.stages, DENOISERS), ("measure", args.measures, MEASURES)):
+        if unknown := sorted(set(given) - set(known)):
+            ap.error(f"unknown {name} {unknown}; expected {list(known)}")
+
+    import_meshserve()
+    from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults
+
+    apply_cpu_defaults()  # as meshserve runs, where JAX runs on the CPU (a no-op on a GPU host)
+    bench = Bench(args)
+    env = bench.results["env"]
+    versions = ", ".join(f"{k} {env[k]}" for k in ("jax", "jaxlib", "flax", "torch", "diffusers") if k in env)
+    header = f"{env['date_utc']} UTC, {env['device']}, JAX on {', '.join(env['jax_devices'])}; {versions}"
+    if args.tiny:
+        header += "; --tiny configs"
+    if bench.dev == "cpu":  # bench/compare_harness.py: in one process XLA's and torch's CPU threads compete
+        header += "; no GPU: a check that the script runs, its times compare nothing (both sides share the CPU threads)"
+    print(header + "\n\n" + HEADER, flush=True)
+    bench.save()
+    for family in args.stages:
+        run_family(bench, family)
+    bench.results["elapsed_s"] = time.perf_counter() - T0
+    bench.save()
+    print(
+        f"\n{header}; {args.rounds} alternating rounds, medians (min-max); speed-up: median of per-round ratios"
+    )
+    print(HEADER)
+    for row in bench.results["rows"]:
+        print(table_row(row))
+    for where, text in bench.results["errors"].items():
+        print(f"error: {where}: {text.strip().splitlines()[-1] if text.strip() else text}")
+    print(f"elapsed {bench.results['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
