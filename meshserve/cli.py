@@ -26,26 +26,38 @@ def _generate(args: argparse.Namespace) -> int:
     if out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp", ".mp4"):
         raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg, .webp or .mp4, got {out.name}")
 
+    fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
+
     from tqdm import tqdm
 
+    from meshserve.limits import LimitError, check_request
     from meshserve.models import PipelineError, load_pipeline
     from meshserve.models.engine.compile_cache import enable_compilation_cache
+    from meshserve.workers.encoding import can_encode, encode_output  # numpy, PIL, PyAV: no JAX, no Redis
 
     enable_compilation_cache()
 
     try:
         pipe = load_pipeline(args.model, dtype=args.dtype, variant=args.variant)
-        video = "frames" in pipe.limits
+        # Before generating anything: a format the model's outputs cannot be written in (an image model to
+        # .mp4, a video model to .png), frames or a frame rate for images.
+        video_args = {"output_format": fmt, "fps": args.fps, "num_frames": args.frames}
+        try:
+            check_request(pipe.limits, video_args, model=pipe.model_id)
+        except LimitError as e:
+            raise UsageError(str(e)) from None
+        if not can_encode(fmt):
+            raise UsageError(f"-o/--output {out.name}: this install cannot write {fmt} (pip install av)")
         bar = tqdm(total=args.steps or pipe.defaults["num_inference_steps"], desc="denoise", unit="step")
 
         def on_step(step: int, total: int) -> None:
             bar.total = total
             bar.update(step - bar.n)
 
-        settings = {"num_frames": args.frames} if video and args.frames is not None else {}
+        settings = {"num_frames": args.frames} if args.frames is not None else {}
         if args.true_cfg_scale is not None:
-            # Only a family whose defaults name it takes it (Flux); elsewhere it would be silently ignored.
-            if "true_cfg_scale" not in pipe.defaults:
+            # Only a family with the row field takes it (Flux); elsewhere it would be silently ignored.
+            if "true_cfg_scale" not in pipe.row_fields:
                 raise UsageError(f"--true-cfg-scale: the {pipe.family} model has no true CFG; leave it out")
             settings["true_cfg_scale"] = args.true_cfg_scale
         result = pipe(
@@ -65,8 +77,6 @@ def _generate(args: argparse.Namespace) -> int:
         bar.close()
     except PipelineError as e:
         raise UsageError(str(e)) from None
-    from meshserve.workers.encoding import encode_output  # numpy + PIL (+ PyAV for mp4): no JAX, no Redis
-
     out.parent.mkdir(parents=True, exist_ok=True)
     outputs = list(result.images)  # each [H, W, 3] (image) or [F, H, W, 3] (video) in [0, 1]
     paths = (
@@ -74,12 +84,8 @@ def _generate(args: argparse.Namespace) -> int:
         if len(outputs) == 1
         else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(outputs))]
     )
-    fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
     for output, path in zip(outputs, paths, strict=True):
-        try:
-            data, _ = encode_output(output, fmt, fps=args.fps or pipe.defaults.get("fps", 16))
-        except ValueError as e:  # e.g. a video to .png
-            raise UsageError(str(e)) from None
+        data, _ = encode_output(output, fmt, fps=args.fps or pipe.defaults.get("fps", 16))
         path.write_bytes(data)
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
     print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages})")

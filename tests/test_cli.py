@@ -68,6 +68,20 @@ def test_generate_with_flux_folder_and_true_cfg(tmp_path, tiny_flux_dev_path):
     assert Image.open(out).size == (32, 64) and "seed 4" in r.stdout
 
 
+def test_generate_video_with_embedded_wan(tmp_path):
+    """Video is a core family: the base install writes an MP4 (PyAV is a dependency)."""
+    import av
+
+    out = tmp_path / "clip.mp4"
+    r = _run(
+        "generate", "--model", "tiny-wan", "--prompt", "a cat", "-o", str(out), "--steps", "1", "--seed", "2"
+    )
+    assert r.returncode == 0, r.stderr
+    with av.open(str(out)) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 5 and (frames[0].width, frames[0].height) == (48, 32) and "seed 2" in r.stdout
+
+
 def _not_diffusers(tmp_path):
     (tmp_path / "x").mkdir()
     return str(tmp_path / "x")
@@ -88,6 +102,10 @@ def _unsupported(tmp_path):
         (lambda p: ["--height", "60"], "multiple of 8"),
         (lambda p: ["--steps", "0"], "at least 1"),
         (lambda p: ["--true-cfg-scale", "2"], "the sdxl model has no true CFG"),
+        # A format the model's outputs cannot be written in is refused before generating anything.
+        (lambda p: ["-o", str(p / "o.mp4")], "output_format 'mp4' is not one of ['png', 'jpeg', 'webp']"),
+        (lambda p: ["--model", "tiny-wan"], "output_format 'png' is not one of ['mp4', 'webp'] for tiny-wan"),
+        (lambda p: ["--frames", "5"], "tiny-sdxl makes images; num_frames must be left out"),
     ],
 )
 def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
