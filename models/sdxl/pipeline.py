@@ -24,18 +24,12 @@ from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
 from meshserve.models.components.clip import load_clip_text_model
 from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
-from meshserve.models.engine.pipeline import (
-    MAX_IMAGES,
-    MAX_STEPS,
-    DiffusionPipeline,
-    folder_serving_defaults,
-    image_limits,
-)
+from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
 from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
 from meshserve.models.sdxl.unet_2d_condition import Attention as UNetAttention
 from meshserve.models.sdxl.unet_2d_condition import load_unet
 
-__all__ = ["StableDiffusionXLPipeline", "MAX_STEPS", "MAX_IMAGES"]
+__all__ = ["StableDiffusionXLPipeline"]
 
 _ENCODERS = ("text_encoder", "text_encoder_2")
 
