@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # JAX-free: the same slice parser, mesh-size rules and attention option names the pool's mesh and attention are
 # built with (one parser, one error, one set of names).
 from meshserve.models.attention.options import ContextStrategy, Kernel
-from meshserve.models.hub import is_hub_id, parse_hub_id
+from meshserve.models.checkpoints.hub import is_hub_id, parse_hub_id
 from meshserve.models.parallel.layout_spec import (
     AXES,
     LayoutError,
@@ -57,7 +57,7 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     # A diffusers folder; None: the embedded tiny default model (tiny-sdxl); "tiny-flux" (or "embedded:tiny-flux"):
     # the embedded tiny Flux (meshserve.models.load_pipeline resolves the names); a Hugging Face Hub id
-    # "owner/name" or "owner/name@revision" (models/hub.py; `options: {variant: fp16}` picks a weights variant).
+    # "owner/name" or "owner/name@revision" (models/checkpoints/hub.py; `options: {variant: fp16}` picks a weights variant).
     path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     runner: str = "pipeline"

@@ -66,7 +66,7 @@ class Worker:
         _ensure_host_devices(max(d for p in self.config.pools for d in p.device_ids) + 1)
         if any(p.weights.shard_over for p in self.config.pools):
             _prefer_memory_minimizing_cpu_scheduler()
-        from meshserve.models.compile_cache import enable_compilation_cache
+        from meshserve.models.engine.compile_cache import enable_compilation_cache
 
         # The config's folder, else meshserve's default cache: a restarted worker reads its programs back.
         enable_compilation_cache(self.config.compilation_cache_dir)
@@ -205,7 +205,7 @@ def check_group_config(config: WorkerConfig, spec: GroupSpec) -> None:
 
 def _follow(config: WorkerConfig, group: Group) -> None:
     """A follower: load and warm up the pool's models exactly as the leader does, then run what it sends."""
-    from meshserve.models.compile_cache import enable_compilation_cache
+    from meshserve.models.engine.compile_cache import enable_compilation_cache
 
     enable_compilation_cache(config.compilation_cache_dir)
     (pool,) = config.pools
