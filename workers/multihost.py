@@ -13,7 +13,7 @@ How a group serves (docs/multihost.md has the whole story):
   results. Before each batch it sends the batch's call arguments to the followers over `Group.send`: JSON in
   fixed-size uint8 frames, broadcast with `multihost_utils.broadcast_one_to_all` (a JAX collective over the
   group's devices), so a follower blocks in a collective, never on Redis. Then every process calls the same
-  runner with the same requests; the outputs reach the leader's host whole (`pipelines.base.to_host`).
+  runner with the same requests; the outputs reach the leader's host whole (`models/engine/pipeline.py` `to_host`).
 - Cancel and progress: the denoise loop's step callback is an `io_callback`, which XLA runs on the process
   that owns the mesh's first device (the leader) only; its answer (go on / stop) is an operand of the loop
   condition on every device, so all processes stop at the same step (measured here: with the leader's
