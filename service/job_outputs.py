@@ -116,5 +116,7 @@ class JobOutputs(StoreBase):
     async def _output_urls(self, job_id: str, key: str, outputs: list[tuple[int, str]]) -> list[str]:
         """Client URLs of (index, content type) outputs: `output_url_base` or signed ones, else the API's route."""
         assert self.outputs is not None
-        urls = await asyncio.gather(*(self.outputs.url(job_id, i, EXTENSIONS[ct], key=key) for i, ct in outputs))
+        urls = await asyncio.gather(
+            *(self.outputs.url(job_id, i, EXTENSIONS[ct], key=key) for i, ct in outputs)
+        )
         return [url or f"/v1/jobs/{job_id}/outputs/{i}" for url, (i, _) in zip(urls, outputs, strict=True)]

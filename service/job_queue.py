@@ -45,7 +45,6 @@ def request_hash(body: Any) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-
 class TooManyActiveJobs(Exception):
     """The tenant already has its key's limit of queued + running jobs: answered 429 with `Retry-After`."""
 
@@ -54,7 +53,6 @@ class TooManyActiveJobs(Exception):
             f"tenant {tenant!r} has {active} queued or running jobs (limit {limit}); wait for one to end"
         )
         self.tenant, self.active, self.limit = tenant, active, limit
-
 
 
 class JobQueue(JobReads):

@@ -66,7 +66,9 @@ async def deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
 
 def _block_seconds(args: tuple) -> float | None:
     """The BLOCK time of an XREAD/XREADGROUP command, in seconds (0: none); None for BLOCK 0 (for ever)."""
-    words = [(a.decode() if isinstance(a, bytes) else a).upper() if isinstance(a, str | bytes) else a for a in args]
+    words = [
+        (a.decode() if isinstance(a, bytes) else a).upper() if isinstance(a, str | bytes) else a for a in args
+    ]
     options = words[: words.index("STREAMS")] if "STREAMS" in words else words  # not a key named "block"
     if words[0] not in ("XREAD", "XREADGROUP") or "BLOCK" not in options:
         return 0.0

@@ -32,7 +32,9 @@ EXTENSIONS = {content_type: fmt for fmt, content_type in CONTENT_TYPES.items()}
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-_SCRIPTS = "SUBMIT ACCEPT RECLAIM GIVE_BACK START HEARTBEAT PROGRESS END RELEASE CANCEL POSITION QUEUE_STATS TRIM"
+_SCRIPTS = (
+    "SUBMIT ACCEPT RECLAIM GIVE_BACK START HEARTBEAT PROGRESS END RELEASE CANCEL POSITION QUEUE_STATS TRIM"
+)
 
 
 def valid_job_id(job_id: str) -> bool:
@@ -94,7 +96,9 @@ class StoreBase:
             decode_responses=False,
             **common,
         )
-        self._scripts = {name: self.redis.register_script(getattr(store_lua, name)) for name in _SCRIPTS.split()}
+        self._scripts = {
+            name: self.redis.register_script(getattr(store_lua, name)) for name in _SCRIPTS.split()
+        }
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -148,7 +148,9 @@ def read_component_weights(folder: Path, variant: str | None = None) -> dict[str
                 for shard in shards:
                     state.update(read_safetensors(folder / shard))
                 return state
-    if variant is None:  # no plain weights: a folder fetched with one variant (models/checkpoints/hub.py) holds its files
+    if (
+        variant is None
+    ):  # no plain weights: a folder fetched with one variant (models/checkpoints/hub.py) holds its files
         variants = {
             m["a"] or m["b"] for p in folder.glob("*.safetensors") if (m := _VARIANT_FILE.match(p.name))
         }

@@ -137,7 +137,9 @@ DECODE_LAYOUTS = {
 def _decode(pipe, latents: np.ndarray):
     """The pipeline's vae_decode program (as __call__ runs it) on latents [B, T, h, w, C]."""
     shape = latents.shape[1:]
-    return pipe.programs.run("vae_decode", pipe.decode, {"shape": shape}, pipe._states["vae"], pipe.put_batch(latents))
+    return pipe.programs.run(
+        "vae_decode", pipe.decode, {"shape": shape}, pipe._states["vae"], pipe.put_batch(latents)
+    )
 
 
 @pytest.mark.parametrize("name", list(DECODE_LAYOUTS))

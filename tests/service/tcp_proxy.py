@@ -1,12 +1,12 @@
 """A TCP proxy on 127.0.0.1 (asyncio, in the test's event loop) that can make its connections half-open.
 
-    proxy = await BlackHoleProxy.start("127.0.0.1", 6379)    # proxy.url: redis://127.0.0.1:<port>/0
-    proxy.stall()      # every open connection stops forwarding, both ways, and is NOT closed (a partition, a NAT
-                       # that forgot the flow): bytes sent into it vanish, no reply, no reset, no EOF
-    proxy.partition()  # the same, and connections opened meanwhile are accepted and black-holed too
-    proxy.heal()       # connections opened from now on forward again (the black-holed ones stay silent)
-    proxy.first_reply_after_stall  # monotonic time of the first bytes the server sent a client after `stall`
-    await proxy.close()
+proxy = await BlackHoleProxy.start("127.0.0.1", 6379)    # proxy.url: redis://127.0.0.1:<port>/0
+proxy.stall()      # every open connection stops forwarding, both ways, and is NOT closed (a partition, a NAT
+                   # that forgot the flow): bytes sent into it vanish, no reply, no reset, no EOF
+proxy.partition()  # the same, and connections opened meanwhile are accepted and black-holed too
+proxy.heal()       # connections opened from now on forward again (the black-holed ones stay silent)
+proxy.first_reply_after_stall  # monotonic time of the first bytes the server sent a client after `stall`
+await proxy.close()
 """
 
 from __future__ import annotations

@@ -57,7 +57,10 @@ def test_a_half_open_redis_connection_mid_job_neither_stalls_the_steps_nor_fails
     cfg = WorkerConfig.model_validate(
         {
             "models": {
-                "fake": {"runner": "tests.workers.test_half_open:TimedRunner", "options": {"step_seconds": STEP_S}}
+                "fake": {
+                    "runner": "tests.workers.test_half_open:TimedRunner",
+                    "options": {"step_seconds": STEP_S},
+                }
             },
             "pools": [{"name": "h", "devices": "0", "models": ["fake"]}],
             "metrics_port": None,
