@@ -67,8 +67,13 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
 
     from meshserve.service.auth import ApiKeyError, KeyStore
 
+    # A short-lived command: redis-py's own socket timeout (the command deadline) is enough here; the
+    # long-running processes use service/redis_client.py's deadlines instead (why: its docstring).
     client = aioredis.Redis.from_url(
-        settings.redis_url, decode_responses=True, socket_connect_timeout=settings.redis_connect_timeout_s
+        settings.redis_url,
+        decode_responses=True,
+        socket_connect_timeout=settings.redis_connect_timeout_s,
+        socket_timeout=settings.redis_command_timeout_s,
     )
     store = KeyStore(client, settings.key_prefix)
     try:
