@@ -394,6 +394,12 @@ def test_two_processes_serve_one_pool_equal_to_one_process_and_lose_no_job_when_
             # One registry entry for the group, the leader's; its mesh spans both processes' devices.
             assert info.pid == leader.pid and info.mesh == {"data": 1, "cfg": 2, "context": 2, "tensor": 1}
             assert "devices [0, 1, 2, 3]" in processes.log("leader")
+            # The leader registers ready once its own warm-up is done; the follower logs its own a little later
+            # (under a loaded machine, seconds later): wait for the line, then require it.
+            for _ in range(120):
+                if "follower of pool group: ready" in processes.log("follower"):
+                    break
+                await asyncio.sleep(0.5)
             assert "follower of pool group: ready" in processes.log("follower")
 
             # 1. Jobs from Redis, end to end.
