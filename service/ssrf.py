@@ -1,0 +1,332 @@
+"""Fetching a URL a client gave us without letting it reach what only we can reach (OWASP API7:2023, SSRF).
+
+Image inputs (`"image": "https://..."`) and webhooks both make the service open a connection to an address a
+tenant chose. Left alone, that tenant could read the cloud's metadata service (instance credentials at
+169.254.169.254), Redis on loopback, or anything on the private network. The rules, in order:
+
+1. The URL: only `http`/`https`, no user-info (`http://trusted@evil`), no control characters or backslashes
+   (parsers disagree on them), a host. A host that is a number in any other form than dotted decimal
+   (`2130706433`, `0x7f.1`, `0177.0.0.1`, `127.1`) is refused: resolvers turn them into addresses
+   (`inet_aton`) that a string check never sees. IPv6 zone ids (`fe80::1%eth0`) are refused.
+2. The address: we resolve the name ourselves (`loop.getaddrinfo`) and every address it gives must be allowed
+   (one bad record refuses the URL: a round-robin answer is not a way around the rules). Refused: loopback,
+   private (RFC 1918, unique-local), shared (100.64/10), link-local, multicast, reserved, unspecified,
+   broadcast, documentation and benchmark ranges - whatever `ipaddress` says is not global, plus multicast,
+   which it calls global. Addresses that carry an IPv4 address (IPv4-mapped `::ffff:a.b.c.d`, 6to4
+   `2002::/16`, NAT64 `64:ff9b::/96` and `64:ff9b:1::/48`) are judged by the IPv4 address they carry;
+   IPv4-compatible `::a.b.c.d` (deprecated) is refused. The cloud metadata endpoints are refused even when
+   private targets are allowed.
+3. The connection goes to the address we checked (pinned: no second lookup a short-TTL DNS answer could
+   rebind), with the original `Host` header and, for https, the original name as SNI and for the certificate
+   check. Proxies from the environment are ignored (`trust_env=False`): a proxy would resolve the name again.
+4. Redirects are not followed by the client: each `Location` goes through 1-3 again, up to `max_redirects`
+   (0: the 3xx is returned as it is, what webhooks want).
+5. Time and size: a connect timeout, a total deadline over everything (resolution included), and a byte cap
+   counted while the body streams (a `Content-Length` over it is refused before reading).
+
+`allow_private=True` (an explicit setting, for on-premise deployments whose image store is on the private
+network) lets loopback, private, shared and unique-local addresses through; link-local (where the metadata
+services live), multicast, reserved and unspecified stay refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Instance metadata and platform endpoints, refused whatever `allow_private` says. AWS/GCP/Azure/OpenStack/
+# DigitalOcean/Oracle answer on 169.254.169.254 (GCP's metadata.google.internal resolves there), AWS's IPv6
+# IMDS on fd00:ec2::254, ECS task credentials on 169.254.170.2, Alibaba on 100.100.100.200 (a shared-space
+# address, so `allow_private` alone would let it through) and Azure's wireserver on 168.63.129.16 (a public
+# address reachable only from inside Azure, so `is_global` alone would let it through).
+METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "168.63.129.16", "fd00:ec2::254")
+)
+
+# Prefixes whose addresses embed an IPv4 address (RFC 6052 NAT64 well-known and local-use, RFC 3056 6to4).
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+# Private targets `allow_private` lets through (loopback, RFC 1918, shared address space, unique-local).
+_PRIVATE_ALLOWED = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "127.0.0.0/8",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "::1/128",
+        "fc00::/7",
+    )
+)
+# A host made only of numbers (decimal, octal 0..., hex 0x...) separated by dots: an IPv4 address in some form.
+_NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+))*\.?$", re.IGNORECASE)
+_REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+
+
+class FetchError(Exception):
+    """A URL that could not be fetched. `reason` is a short machine-readable code, the message says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class BlockedURL(FetchError):
+    """A URL refused by the rules (scheme, form of the host, or an address it resolves to)."""
+
+
+@dataclass(frozen=True)
+class Response:
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+    url: str  # the last URL requested (after redirects)
+    address: str  # the address connected to
+
+
+def address_refusal(ip: IPAddress, *, allow_private: bool) -> str | None:
+    """Why this address may not be connected to (a short phrase), or None when it may."""
+    if ip in METADATA_ADDRESSES:
+        return "a cloud metadata address"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.scope_id:
+            return "an IPv6 address with a zone id"
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            why = address_refusal(embedded, allow_private=allow_private)
+            return None if why is None else f"{why} ({embedded}, carried in {ip})"
+        if ip in _IPV4_COMPATIBLE and not ip.is_unspecified and not ip.is_loopback:
+            return "an IPv4-compatible IPv6 address (deprecated)"
+    if ip.is_unspecified:
+        return "an unspecified address"
+    if ip.is_multicast:  # `is_global` is True for most multicast ranges
+        return "a multicast address"
+    if ip.is_link_local:
+        return "a link-local address"
+    if allow_private and any(ip in net for net in _PRIVATE_ALLOWED):
+        return None
+    if ip.is_loopback:
+        return "a loopback address"
+    if ip.is_private:  # RFC 1918, unique-local, and the special-purpose ranges ipaddress lists with them
+        return "a private address"
+    if ip.is_reserved:
+        return "a reserved address"
+    if not ip.is_global:
+        return "an address that is not globally routable"
+    return None
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in net for net in _NAT64):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def parse_url(url: str) -> httpx.URL:
+    """The URL if its form is allowed (rule 1), else BlockedURL."""
+    if not isinstance(url, str) or any(c in url for c in "\\\t\r\n\x00 ") or any(ord(c) < 32 for c in url):
+        raise BlockedURL("invalid_url", "the URL contains whitespace, control characters or a backslash")
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError) as e:
+        raise BlockedURL("invalid_url", f"the URL does not parse: {e}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise BlockedURL(
+            "scheme_not_allowed", f"only http and https URLs are fetched, not {parsed.scheme or 'none'!r}"
+        )
+    if parsed.userinfo:
+        raise BlockedURL("userinfo_not_allowed", "URLs with a user name or password are refused")
+    host = parsed.raw_host.decode("ascii")  # IDNA-encoded, what DNS, SNI and Host carry
+    if not host:
+        raise BlockedURL("invalid_url", "the URL has no host")
+    if "%" in host:
+        raise BlockedURL("invalid_url", "IPv6 zone ids and percent-encoded hosts are refused")
+    if ":" not in host and _NUMERIC_HOST.match(host):
+        try:
+            canonical = ipaddress.IPv4Address(host.rstrip("."))
+        except ValueError:
+            canonical = None
+        if canonical is None or str(canonical) != host:
+            raise BlockedURL(
+                "numeric_host_form",
+                f"the host {host!r} is a number in a form other than dotted decimal a.b.c.d",
+            )
+    return parsed
+
+
+async def check_url(url: str, *, allow_private: bool = False) -> list[IPAddress]:
+    """The addresses `url`'s host resolves to, all allowed; BlockedURL when the URL or any address is refused."""
+    parsed = parse_url(url)
+    return await _resolve(parsed, allow_private=allow_private)
+
+
+async def _resolve(parsed: httpx.URL, *, allow_private: bool) -> list[IPAddress]:
+    host = parsed.raw_host.decode("ascii")
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if literal is not None:
+        addresses = [literal]
+    else:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise FetchError("dns_error", f"the host {host!r} does not resolve: {e}") from None
+        addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
+        if not addresses:
+            raise FetchError("dns_error", f"the host {host!r} resolves to no address")
+    for ip in addresses:
+        why = address_refusal(ip, allow_private=allow_private)
+        if why is not None:
+            shown = f"{host!r} resolves to {ip}, " if literal is None else f"{ip} is "
+            raise BlockedURL(
+                "address_not_allowed", f"{shown}{why}: refused (server-side request forgery rules)"
+            )
+    return addresses
+
+
+async def fetch(
+    url: str,
+    *,
+    method: Literal["GET", "POST"] = "GET",
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    max_bytes: int,
+    connect_timeout_s: float,
+    total_timeout_s: float,
+    max_redirects: int = 3,
+    allow_private: bool = False,
+) -> Response:
+    """Fetch `url` under the rules above. Raises BlockedURL (refused) or FetchError (failed: timeout, too big,
+    connection refused, too many redirects); any HTTP status is a Response."""
+    try:
+        async with asyncio.timeout(total_timeout_s):
+            return await _fetch(
+                url,
+                method=method,
+                body=body,
+                headers=dict(headers or {}),
+                max_bytes=max_bytes,
+                connect_timeout_s=connect_timeout_s,
+                max_redirects=max_redirects,
+                allow_private=allow_private,
+            )
+    except TimeoutError:
+        raise FetchError("timeout", f"no complete answer within {total_timeout_s:g} s") from None
+
+
+async def _fetch(
+    url: str,
+    *,
+    method: str,
+    body: bytes | None,
+    headers: dict[str, str],
+    max_bytes: int,
+    connect_timeout_s: float,
+    max_redirects: int,
+    allow_private: bool,
+) -> Response:
+    # No pool shared between fetches: every connection is opened to an address checked for this request.
+    timeout = httpx.Timeout(None, connect=connect_timeout_s)
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client:
+        redirects = 0
+        while True:
+            parsed = parse_url(url)
+            addresses = await _resolve(parsed, allow_private=allow_private)
+            response = await _request_pinned(client, parsed, addresses, method, body, headers, max_bytes)
+            location = response.headers.get("location")
+            if response.status_code not in _REDIRECT_CODES or location is None or max_redirects == 0:
+                return response
+            if redirects >= max_redirects:
+                raise FetchError("too_many_redirects", f"more than {max_redirects} redirects")
+            redirects += 1
+            try:
+                next_url = parsed.join(location)
+            except (httpx.InvalidURL, ValueError) as e:
+                raise BlockedURL("invalid_url", f"a redirect to an invalid URL: {e}") from None
+            if response.status_code == 303 or (response.status_code in (301, 302) and method == "POST"):
+                method, body = "GET", None
+            if (next_url.scheme, next_url.host, next_url.port) != (parsed.scheme, parsed.host, parsed.port):
+                # Credentials meant for one origin are not sent to another (what browsers and httpx do).
+                headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "cookie")}
+            url = str(next_url)
+
+
+async def _request_pinned(
+    client: httpx.AsyncClient,
+    parsed: httpx.URL,
+    addresses: list[IPAddress],
+    method: str,
+    body: bytes | None,
+    headers: dict[str, str],
+    max_bytes: int,
+) -> Response:
+    host = parsed.raw_host.decode("ascii")
+    default_port = 443 if parsed.scheme == "https" else 80
+    host_header = host if ":" not in host else f"[{host}]"
+    if parsed.port is not None and parsed.port != default_port:
+        host_header += f":{parsed.port}"
+    last_error: Exception | None = None
+    for ip in addresses:  # each one checked; the next is tried only when a connection cannot be made
+        request = client.build_request(
+            method,
+            parsed.copy_with(host=str(ip)),
+            content=body,
+            headers={**headers, "Host": host_header},
+            # httpcore sends this name as SNI and checks the certificate against it, not the address.
+            extensions={"sni_hostname": host} if parsed.scheme == "https" else {},
+        )
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.ConnectError as e:
+            last_error = e
+            continue
+        except httpx.TimeoutException:
+            last_error = TimeoutError(f"connecting to {ip} timed out")
+            continue
+        except httpx.HTTPError as e:
+            raise FetchError("connection_error", f"{type(e).__name__}: {e}") from None
+        try:
+            declared = response.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                raise FetchError(
+                    "too_large", f"the answer declares {int(declared)} bytes, over the {max_bytes} cap"
+                )
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():  # decoded: a gzip bomb is capped at its expanded size
+                size += len(chunk)
+                if size > max_bytes:
+                    raise FetchError(
+                        "too_large", f"the answer passed the {max_bytes}-byte cap while streaming"
+                    )
+                chunks.append(chunk)
+        except httpx.HTTPError as e:
+            raise FetchError("connection_error", f"{type(e).__name__}: {e}") from None
+        finally:
+            await response.aclose()
+        return Response(
+            status_code=response.status_code,
+            headers=response.headers,
+            content=b"".join(chunks),
+            url=str(parsed),
+            address=str(ip),
+        )
+    raise FetchError("connect_failed", f"could not connect to {host!r}: {last_error}")
