@@ -1,8 +1,10 @@
-"""WanTransformer3DModel (the Wan 2.1 text-to-video denoiser) in Flax NNX, equal to diffusers' on the same weights.
+"""WanTransformer3DModel (the Wan 2.1 text-to-video and image-to-video denoiser) in Flax NNX, equal to diffusers'
+on the same weights.
 
     rope = model.rope(latent_frames, latent_height, latent_width)       # host, float64 -> fp32 tables
     model(hidden_states [B, F, H, W, in_channels], timestep [B], encoder_hidden_states [B, S_txt, text_dim],
-          rope) -> [B, F, H, W, out_channels] in the dtype of `hidden_states`
+          rope, encoder_hidden_states_image [B, S_img, image_dim] (I2V only))
+        -> [B, F, H, W, out_channels] in the dtype of `hidden_states`
 
 Layout: channel-last video latents [B, F, H, W, C] in and out (diffusers' model takes and returns
 [B, C, F, H, W]; the pipeline transposes once at its ends, not every step). `timestep` is the scheduler's
@@ -14,15 +16,18 @@ models.loading's generic rules):
 - patch_embedding: Conv3d with kernel = stride = patch_size (1, 2, 2), computed as patchify + one matmul (the
   same sums; its kernel is stored [pt, ph, pw, C, dim] like any of our convs). Tokens are row-major over the
   (frame, row, column) patch grid, as diffusers' `flatten(2)`.
-- condition_embedder (diffusers' WanTimeTextImageEmbedding, text-to-video part): 256-channel sinusoids
-  (flip_sin_to_cos, shift 0) -> time_embedder MLP -> temb; time_proj(SiLU(temb)) -> [B, 6, dim] modulation;
-  text_embedder (linear_1, tanh-GELU, linear_2) on the UMT5 states.
+- condition_embedder (diffusers' WanTimeTextImageEmbedding): 256-channel sinusoids (flip_sin_to_cos, shift 0)
+  -> time_embedder MLP -> temb; time_proj(SiLU(temb)) -> [B, 6, dim] modulation; text_embedder (linear_1,
+  tanh-GELU, linear_2) on the UMT5 states; image-to-video (config image_dim): image_embedder (FP32 LayerNorm,
+  erf-GELU MLP of width image_dim, FP32 LayerNorm) on the CLIP penultimate states -> the image tokens.
 - `num_layers` blocks: self-attention on AdaLN-modulated LayerNorm(x) (shift, scale, gate), cross-attention
   to the text on norm2(x) (affine LayerNorm, no modulation, no gate, no mask: diffusers passes none, so the
   zero-padded text rows, which text_embedder maps to its bias path, are attended), tanh-GELU feed-forward on
   modulated LayerNorm(x) (c_shift, c_scale, c_gate). Both attentions RMS-normalise q and k over ALL heads
   (the [B, S, heads * head_dim] projection, before the head split); self-attention rotates q and k with the
-  3-axis RoPE.
+  3-axis RoPE. Image-to-video (config added_kv_proj_dim): the cross-attention's normalised queries also attend
+  to the image tokens through add_k_proj (then norm_added_k) / add_v_proj, and the two results are summed
+  before to_out.
 - Output head: (scale_shift_table + temb) chunks are (shift, scale) in that order, LayerNorm, proj_out,
   unpatchify back to [B, F, H, W, out_channels].
 
@@ -55,11 +60,12 @@ Parallelism:
   for K/V shorter than `allgather_max_kv` (1024) and of another length than the queries (the 512 text
   tokens) is to keep them whole on every device: local queries x replicated text, no collective. (Should a
   video have exactly as many tokens as the text, the entry shards the text too: still exact, only slower.)
+  The image tokens of I2V (257) take the same rule.
 
-Not covered: Wan's image-to-video extras (image_embedder, add_k_proj/add_v_proj, norm_added_k; config
-image_dim / added_kv_proj_dim / pos_embed_seq_len), which this text-to-video model rejects; Wan 2.2's
-per-token timesteps (timestep [B, S]); fused q/k/v projections (a runtime option in diffusers, checkpoints store
-them apart). diffusers builds the RMSNorm q/k norms whatever `qk_norm` says (0.42.1), and so does this model.
+Not covered (rejected by the config): Wan 2.1 first-last-frame-to-video's image position embedding
+(pos_embed_seq_len); Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v projections are a runtime
+option in diffusers; checkpoints store them apart. diffusers builds the RMSNorm q/k norms whatever `qk_norm`
+says (0.42.1), and so does this model.
 """
 
 from __future__ import annotations
@@ -94,9 +100,13 @@ SHARDING_RULES: tuple = (
     (r"attn[12]\.to_[qkv]\.weight$", ("embed", "heads")),
     (r"attn[12]\.to_[qkv]\.bias$", ("heads",)),
     (r"attn[12]\.to_out\.0\.weight$", ("heads", "embed")),
+    # Image-to-video's added K/V (cross-attention to the image tokens): split by heads like to_k/to_v; 2 x 5120^2
+    # per block at 14B (2.1 B parameters over 40 blocks, 13 % of the I2V model).
+    (r"attn2\.add_[kv]_proj\.weight$", ("embed", "heads")),
+    (r"attn2\.add_[kv]_proj\.bias$", ("heads",)),
     # The QK RMSNorm weights [heads * head_dim] scale the features q/k are split into (see the module
-    # docstring for the norm's all-reduce).
-    (r"attn[12]\.norm_[qk]\.weight$", ("heads",)),
+    # docstring for the norm's all-reduce); norm_added_k likewise for the image keys.
+    (r"attn[12]\.norm_(q|k|added_k)\.weight$", ("heads",)),
     # Feed-forward hidden units over tensor.
     (r"ffn\.net\.0\.proj\.weight$", ("embed", "mlp")),
     (r"ffn\.net\.0\.proj\.bias$", ("mlp",)),
@@ -106,18 +116,22 @@ SHARDING_RULES: tuple = (
     (r"^patch_embedding\.weight$", (None, None, None, None, "embed")),
     (r"(linear_1|linear_2)\.weight$", (None, "embed")),
     (r"^condition_embedder\.time_proj\.weight$", ("embed", None)),
+    # The image embedder (I2V): 1280 -> 1280 -> 5120 at 14B, once per model.
+    (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.weight$", (None, "embed")),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.2\.weight$", (None, "embed")),
     (r"^proj_out\.weight$", ("embed", None)),
 )
 
 # diffusers' WanTransformer3DModel._keep_in_fp32_modules: a bf16 load keeps these modules' weights in fp32. Our
-# modules hold the same weights in fp32 (norm1, norm3 and rope have no weights: their math is fp32 anyway).
+# modules hold the same weights in fp32 (the blocks' norm1, norm3 and rope have no weights: their math is fp32
+# anyway; the names also match the I2V image embedder's norm1/norm2, whose weights are fp32 too).
 KEEP_IN_FP32 = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
 
 # diffusers' WanRotaryPosEmbed theta (fixed in WanTransformer3DModel.__init__, not a config field).
 ROPE_THETA = 10000.0
 
-# Config fields of Wan's image-to-video models: this text-to-video model has none of their modules.
-_IMAGE_TO_VIDEO_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+# diffusers' FP32LayerNorm default eps, which WanImageEmbedding's two norms keep (the blocks' use config.eps).
+IMAGE_EMBEDDING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,8 @@ class WanTransformer3DConfig:
     @classmethod
     def from_config(cls, config: dict) -> WanTransformer3DConfig:
         """From a diffusers config.json; `_`-prefixed metadata is ignored, any other unknown field raises, and
-        so does an image-to-video config."""
+        so does what this model does not implement (pos_embed_seq_len: Wan 2.1 FLF2V's image position
+        embedding; image_dim without added_kv_proj_dim or the reverse)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in config if not k.startswith("_") and k not in names)
         if unknown:
@@ -153,11 +168,21 @@ class WanTransformer3DConfig:
         if "patch_size" in values:
             values["patch_size"] = tuple(values["patch_size"])
         out = cls(**values)
-        i2v = [name for name in _IMAGE_TO_VIDEO_FIELDS if getattr(out, name) is not None]
-        if i2v:
+        if out.pos_embed_seq_len is not None:
             raise ValueError(
-                f"WanTransformer3DModel config sets {i2v}: image-to-video models are not supported "
-                "(text-to-video only)"
+                f"WanTransformer3DModel config sets pos_embed_seq_len={out.pos_embed_seq_len} (Wan 2.1 "
+                "first-last-frame-to-video's image position embedding): not supported; Wan 2.1 text-to-video and "
+                "image-to-video (image_dim, added_kv_proj_dim) are"
+            )
+        if (out.image_dim is None) != (out.added_kv_proj_dim is None):
+            raise ValueError(
+                f"WanTransformer3DModel config sets image_dim={out.image_dim} and added_kv_proj_dim="
+                f"{out.added_kv_proj_dim}: image-to-video needs both (text-to-video neither)"
+            )
+        if out.added_kv_proj_dim is not None and out.added_kv_proj_dim != out.inner_dim:
+            raise ValueError(
+                f"added_kv_proj_dim {out.added_kv_proj_dim} must be the model's inner dim {out.inner_dim}: the "
+                "added K/V project the image embedder's output, which has that width"
             )
         if len(out.patch_size) != 3:
             raise ValueError(f"patch_size must have 3 entries (t, h, w), got {out.patch_size}")
@@ -173,6 +198,11 @@ class WanTransformer3DConfig:
     @property
     def output_channels(self) -> int:
         return self.out_channels or self.in_channels
+
+    @property
+    def image_to_video(self) -> bool:
+        """Whether the model takes CLIP image states (Wan 2.1 I2V: image_dim and added K/V projections)."""
+        return self.image_dim is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,26 +292,83 @@ class TextProjection(nnx.Module):
         return self.linear_2(_gelu_tanh(self.linear_1(x)))
 
 
-class WanTimeTextEmbedding(nnx.Module):
-    """diffusers' WanTimeTextImageEmbedding without its image embedder (text-to-video).
+class ExactGELU(nnx.Module):
+    """diffusers' GELU (approximate="none"): the projection, then the erf GELU in fp32, rounded."""
 
-    timestep [B] -> sinusoids [B, freq_dim] fp32 -> time_embedder (fp32 weights: KEEP_IN_FP32) -> temb, cast to
-    `dtype`; time_proj(SiLU(temb)) -> the blocks' modulation [B, 6 dim]; text_embedder(text states).
+    def __init__(self, dim_in: int, dim_out: int, *, dtype, rngs: nnx.Rngs):
+        self.proj = linear(dim_in, dim_out, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.proj(x)
+        return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
+
+
+class WanImageFeedForward(nnx.Module):
+    """diffusers' FeedForward(in, out, mult=1, activation_fn="gelu"): net.0.proj, erf GELU, net.2."""
+
+    def __init__(self, dim: int, dim_out: int, *, dtype, rngs: nnx.Rngs):
+        # Dropout (rate 0: the identity) keeps index 1 so the output Linear keeps its key `net.2`.
+        self.net = nnx.List(
+            [
+                ExactGELU(dim, dim, dtype=dtype, rngs=rngs),
+                nnx.Dropout(0.0),
+                linear(dim, dim_out, dtype=dtype, rngs=rngs),
+            ]
+        )
+
+    def __call__(self, x):
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class WanImageEmbedding(nnx.Module):
+    """diffusers' WanImageEmbedding (Wan 2.1 I2V; no pos_embed): norm1 -> FeedForward(mult=1, erf GELU) -> norm2.
+
+    The CLIP states [B, 257, image_dim] become [B, 257, dim] image tokens for the blocks' added K/V. norm1/norm2
+    are diffusers' FP32LayerNorm (eps 1e-5, affine): fp32 statistics and weights (their names are in
+    KEEP_IN_FP32, so a bf16 load keeps them fp32), output in the input's dtype; the FF runs in `dtype`.
     """
 
-    def __init__(self, dim: int, freq_dim: int, text_dim: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+        self.norm1 = LayerNorm(in_features, IMAGE_EMBEDDING_EPS, dtype=jnp.float32, rngs=rngs)
+        self.ff = WanImageFeedForward(in_features, out_features, dtype=dtype, rngs=rngs)
+        self.norm2 = LayerNorm(out_features, IMAGE_EMBEDDING_EPS, dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):  # [B, S_img, image_dim] -> [B, S_img, dim], x's dtype
+        return self.norm2(self.ff(self.norm1(x)))
+
+
+class WanTimeTextImageEmbedding(nnx.Module):
+    """diffusers' WanTimeTextImageEmbedding.
+
+    timestep [B] -> sinusoids [B, freq_dim] fp32 -> time_embedder (fp32 weights: KEEP_IN_FP32) -> temb, cast to
+    `dtype`; time_proj(SiLU(temb)) -> the blocks' modulation [B, 6 dim]; text_embedder(text states); with
+    `image_dim` (image-to-video) image_embedder(CLIP states).
+    """
+
+    def __init__(
+        self, dim: int, freq_dim: int, text_dim: int, image_dim: int | None, *, dtype, rngs: nnx.Rngs
+    ):
         self.freq_dim, self.dtype = freq_dim, dtype
         self.time_embedder = TimestepEmbedding(freq_dim, dim, dtype=jnp.float32, rngs=rngs)
         self.time_proj = linear(dim, 6 * dim, dtype=dtype, rngs=rngs)
         self.text_embedder = TextProjection(text_dim, dim, dtype=dtype, rngs=rngs)
+        self.image_embedder = (
+            WanImageEmbedding(image_dim, dim, dtype=dtype, rngs=rngs) if image_dim is not None else None
+        )
 
-    def __call__(self, timestep, encoder_hidden_states):
-        """-> (temb [B, dim], timestep_proj [B, 6 dim], text [B, S_txt, dim]), all in `dtype`."""
+    def __call__(self, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
+        """-> (temb [B, dim], timestep_proj [B, 6 dim], text [B, S_txt, dim], image [B, S_img, dim] or None),
+        all in `dtype`."""
         sinusoids = timestep_embedding(
             jnp.asarray(timestep), self.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0
         )
         temb = self.time_embedder(sinusoids).astype(self.dtype)
-        return temb, self.time_proj(_silu(temb)), self.text_embedder(encoder_hidden_states)
+        image = None
+        if encoder_hidden_states_image is not None:
+            image = self.image_embedder(encoder_hidden_states_image)
+        return temb, self.time_proj(_silu(temb)), self.text_embedder(encoder_hidden_states), image
 
 
 class WanFeedForward(nnx.Module):
@@ -308,14 +395,31 @@ class WanFeedForward(nnx.Module):
 
 
 class WanAttention(nnx.Module):
-    """diffusers' WanAttention with WanAttnProcessor (text-to-video: no added image K/V).
+    """diffusers' WanAttention with WanAttnProcessor.
 
     q from x, k/v from `context` (cross-attention) or x (self-attention); q and k RMS-normalised over all heads
     ([B, S, heads * head_dim], before the head split); RoPE on q and k when tables are given (self-attention);
     attention with the default 1/sqrt(head_dim) scale and no mask; to_out.0.
+
+    With `added_kv_proj_dim` (Wan 2.1 I2V's cross-attention) the same normalised queries also attend to the
+    image tokens through their own projections (add_k_proj, add_v_proj; norm_added_k over all heads, no norm
+    on the values), and the two attention outputs are summed (in the activation dtype, as diffusers' two
+    `type_as(query)` results) before to_out. diffusers passes the image tokens as the first
+    `S - 512` rows of one context; they come apart here, so any text length works.
     """
 
-    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, *, settings, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        eps: float,
+        *,
+        added_kv_proj_dim: int | None = None,
+        settings,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
         inner = heads * head_dim
         self.heads, self.head_dim, self.settings = heads, head_dim, settings
         self.to_q = linear(dim, inner, dtype=dtype, rngs=rngs)
@@ -324,12 +428,19 @@ class WanAttention(nnx.Module):
         self.to_out = nnx.List([linear(inner, dim, dtype=dtype, rngs=rngs)])
         self.norm_q = RMSNorm(inner, eps, dtype=dtype)
         self.norm_k = RMSNorm(inner, eps, dtype=dtype)
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = linear(added_kv_proj_dim, inner, dtype=dtype, rngs=rngs)
+            self.add_v_proj = linear(added_kv_proj_dim, inner, dtype=dtype, rngs=rngs)
+            self.norm_added_k = RMSNorm(inner, eps, dtype=dtype)
+        else:
+            self.add_k_proj = self.add_v_proj = self.norm_added_k = None
 
     def _heads(self, x):  # [B, S, H * D] -> [B, S, H, D]
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
 
-    def __call__(self, x, context=None, rope=None):
-        """x [B, S, dim]; context [B, S_txt, dim] or None (self-attention); rope (cos, sin) [S, head_dim]."""
+    def __call__(self, x, context=None, rope=None, image=None):
+        """x [B, S, dim]; context [B, S_txt, dim] or None (self-attention); rope (cos, sin) [S, head_dim];
+        image [B, S_img, dim] (the image embedder's tokens; a model with added K/V only)."""
         source = x if context is None else context
         q = self._heads(self.norm_q(self.to_q(x)))
         k = self._heads(self.norm_k(self.to_k(source)))
@@ -338,6 +449,12 @@ class WanAttention(nnx.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(q, k, v, settings=self.settings).astype(x.dtype)
+        if image is not None:
+            # The image tokens (257 for ViT-H/14) are short K/V: the attention entry keeps them whole on every
+            # device, as the text (module docstring, Parallelism).
+            k_img = self._heads(self.norm_added_k(self.add_k_proj(image)))
+            v_img = self._heads(self.add_v_proj(image))
+            out = out + attention(q, k_img, v_img, settings=self.settings).astype(x.dtype)
         return self.to_out[0](out.reshape(*out.shape[:2], -1))
 
 
@@ -350,7 +467,7 @@ class WanTransformerBlock(nnx.Module):
         self.eps = c.eps
         kw = dict(settings=settings, dtype=dtype, rngs=rngs)
         self.attn1 = WanAttention(dim, heads, head_dim, c.eps, **kw)
-        self.attn2 = WanAttention(dim, heads, head_dim, c.eps, **kw)
+        self.attn2 = WanAttention(dim, heads, head_dim, c.eps, added_kv_proj_dim=c.added_kv_proj_dim, **kw)
         # norm2 is in KEEP_IN_FP32: an affine fp32 LayerNorm with fp32 weights; diffusers' Identity without
         # cross_attn_norm. norm1 and norm3 have no weights (functional layer_norm below).
         self.norm2 = LayerNorm(dim, c.eps, dtype=jnp.float32, rngs=rngs) if c.cross_attn_norm else None
@@ -359,8 +476,9 @@ class WanTransformerBlock(nnx.Module):
             jax.random.normal(rngs.params(), (1, 6, dim), jnp.float32) / dim**0.5
         )
 
-    def __call__(self, x, context, timestep_proj, rope):
-        """x [B, S, dim], context [B, S_txt, dim], timestep_proj [B, 6, dim] -> [B, S, dim] (x's dtype)."""
+    def __call__(self, x, context, timestep_proj, rope, image=None):
+        """x [B, S, dim], context [B, S_txt, dim], timestep_proj [B, 6, dim], image [B, S_img, dim] or None
+        -> [B, S, dim] (x's dtype)."""
         dtype = x.dtype
         modulation = self.scale_shift_table[...] + timestep_proj.astype(jnp.float32)  # [B, 6, dim] fp32
         shift, scale, gate, c_shift, c_scale, c_gate = jnp.split(modulation, 6, axis=1)
@@ -369,7 +487,7 @@ class WanTransformerBlock(nnx.Module):
         x = (x.astype(jnp.float32) + self.attn1(h, rope=rope).astype(jnp.float32) * gate).astype(dtype)
 
         h = x if self.norm2 is None else self.norm2(x.astype(jnp.float32)).astype(dtype)
-        x = x + self.attn2(h, context)
+        x = x + self.attn2(h, context, image=image)
 
         h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + c_scale) + c_shift).astype(dtype)
         return (x.astype(jnp.float32) + self.ffn(h).astype(jnp.float32) * c_gate).astype(dtype)
@@ -393,7 +511,7 @@ class WanTransformer3DModel(nnx.Module):
         dim = c.inner_dim
         kw = dict(dtype=dtype, rngs=rngs)
         self.patch_embedding = PatchEmbed3D(c.in_channels, dim, c.patch_size, **kw)
-        self.condition_embedder = WanTimeTextEmbedding(dim, c.freq_dim, c.text_dim, **kw)
+        self.condition_embedder = WanTimeTextImageEmbedding(dim, c.freq_dim, c.text_dim, c.image_dim, **kw)
         self.blocks = nnx.List([WanTransformerBlock(c, settings=settings, **kw) for _ in range(c.num_layers)])
         self.proj_out = linear(dim, c.output_channels * math.prod(c.patch_size), **kw)
         self.scale_shift_table = nnx.Param(
@@ -417,24 +535,36 @@ class WanTransformer3DModel(nnx.Module):
             self.config.rope_max_seq_len,
         )
 
-    def __call__(self, hidden_states, timestep, encoder_hidden_states, rope):
+    def __call__(
+        self, hidden_states, timestep, encoder_hidden_states, rope, encoder_hidden_states_image=None
+    ):
         """hidden_states [B, F, H, W, in_channels], timestep [B], encoder_hidden_states [B, S_txt, text_dim],
-        rope (cos, sin) [tokens, head_dim] fp32 (`rope(F, H, W)`) -> [B, F, H, W, out_channels] in
-        hidden_states' dtype."""
+        rope (cos, sin) [tokens, head_dim] fp32 (`rope(F, H, W)`), encoder_hidden_states_image
+        [B, S_img, image_dim] (image-to-video models only: the CLIP penultimate states) -> [B, F, H, W,
+        out_channels] in hidden_states' dtype."""
         c, dtype = self.config, self.dtype
         b, frames, height, width, channels = hidden_states.shape
         if channels != c.in_channels:
             raise ValueError(f"hidden_states has {channels} channels, the model takes {c.in_channels}")
+        if (encoder_hidden_states_image is None) == c.image_to_video:
+            raise ValueError(
+                "an image-to-video model (image_dim) needs encoder_hidden_states_image"
+                if c.image_to_video
+                else "encoder_hidden_states_image given to a text-to-video model (no image_dim)"
+            )
         grid = self.patch_grid(frames, height, width)
         rope = tuple(jnp.asarray(t, jnp.float32) for t in rope)
         if rope[0].shape != (math.prod(grid), c.attention_head_dim):
             raise ValueError(f"rope tables {rope[0].shape} do not fit the {grid} patch grid")
 
         x = self.patch_embedding(hidden_states.astype(dtype))
-        temb, timestep_proj, context = self.condition_embedder(timestep, encoder_hidden_states.astype(dtype))
+        image = encoder_hidden_states_image
+        temb, timestep_proj, context, image = self.condition_embedder(
+            timestep, encoder_hidden_states.astype(dtype), None if image is None else image.astype(dtype)
+        )
         timestep_proj = timestep_proj.reshape(b, 6, -1)
         for block in self.blocks:
-            x = block(x, context, timestep_proj, rope)
+            x = block(x, context, timestep_proj, rope, image)
 
         # Output head: the chunks are (shift, scale), fp32 (the fp32 table promotes temb).
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None].astype(jnp.float32), 2, axis=1)
