@@ -51,6 +51,11 @@ def test_wheel_installs_only_the_meshserve_package(wheel):
         if path.is_file():
             rel = path.relative_to(ROOT).as_posix()
             assert f"meshserve/{rel}" in names, f"{rel} is not in the wheel: see pyproject's package-data"
+    # So does the playground page (service/static: no build step, served from the package).
+    static = sorted(p.name for p in (ROOT / "service" / "static").iterdir() if p.is_file())
+    assert "playground.html" in static
+    for name in static:
+        assert f"meshserve/service/static/{name}" in names, f"{name} is not in the wheel: see package-data"
 
 
 def test_installed_wheel_imports_from_outside_the_repository(wheel, tmp_path):
@@ -66,6 +71,8 @@ def test_installed_wheel_imports_from_outside_the_repository(wheel, tmp_path):
         "import meshserve.models, meshserve.service.app, meshserve.workers.main, meshserve.cli\n"
         "from meshserve.models.sdxl.embedded import embedded_model_path\n"
         "assert (embedded_model_path() / 'model_index.json').is_file()\n"
+        "from meshserve.service.api.routes.playground import FILES, STATIC\n"
+        "assert all((STATIC / name).is_file() for name, _ in FILES.values())\n"
         "import importlib.util\n"
         f"assert meshserve.models.__file__.startswith({str(target)!r}), meshserve.models.__file__\n"
         "assert importlib.util.find_spec('models') is None and importlib.util.find_spec('workers') is None\n"

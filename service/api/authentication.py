@@ -4,8 +4,9 @@ A pure ASGI middleware, so the rule is default-deny: a route added later is cove
 dependency, an unknown path answers 401 to a caller without a key (no route discovery), and the check runs
 before the body is read or parsed (an unauthenticated caller cannot make the API buffer or validate anything).
 
-- Open: `/livez`, `/readyz`, `/metrics` (no tenant data; restrict them at the ingress, docs/security.md) and the
-  API's own schema and docs pages.
+- Open: `/livez`, `/readyz`, `/metrics` (no tenant data; restrict them at the ingress, docs/security.md), the
+  API's own schema and docs pages, and the playground's static page (`/`, `/playground`: it holds no data, and a
+  browser's navigation cannot send a key; the page sends the one a person types with each API call).
 - Missing, malformed, unknown or revoked key: 401 with `WWW-Authenticate: Bearer` and the one error shape.
 - Past the key's requests-per-minute: 429 with `Retry-After` and the IETF draft's `RateLimit` headers
   (`service/rate_limit.py`); every authenticated answer carries them.
@@ -24,12 +25,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshserve.service import metrics
 from meshserve.service.api.errors import error_response
+from meshserve.service.api.routes.playground import PATHS as PLAYGROUND_PATHS
 from meshserve.service.auth import Tenant, parse_bearer, well_formed
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset(
     {"/livez", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    | PLAYGROUND_PATHS
 )
 _CHALLENGE = 'Bearer realm="meshserve"'
 _SUBMIT_PATHS = ("/v1/generate", "/v1/images")

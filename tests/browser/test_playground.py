@@ -1,0 +1,268 @@
+"""The playground page in a real browser: Playwright driving Debian's Chromium against a running `meshserve serve`.
+
+One module-wide set-up, reused by every case (compiling the embedded model dominates): a private redis-server,
+`meshserve serve --redis-url` on it (API with keys off + a worker on the embedded tiny SDXL), and a second front
+end, `meshserve api` with keys on, over the same Redis (so the same worker serves both). Chromium is the system's
+(`/usr/bin/chromium`, installed by .ci/run when missing); Playwright's own browser downloads are never used. The
+only reason to skip is that no Chromium can be found.
+
+MESHSERVE_PLAYGROUND_SCREENSHOT=docs/images/playground.png writes the README's screenshot after the generation.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from playwright.sync_api import sync_playwright
+
+from meshserve.service.api.routes.playground import CONTENT_SECURITY_POLICY, STATIC
+from meshserve.training.shape_score import read_picture
+from meshserve.workers.local_redis import free_port, start_redis_server, stop_redis_server
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on PATH (.ci/run installs Debian's package)"
+)
+
+README_PROMPT = "a red circle on a blue background"  # README's curl example, with its seed
+README_SEED = 7
+ADMIN_KEY = "msk_" + secrets.token_urlsafe(32)  # 43 characters: the key format
+# The answers the API gives a page that asks it something wrong (expected, so not a failure of the page).
+EXPECTED_CONSOLE = re.compile(r"Failed to load resource: the server responded with a status of (401|422)")
+
+
+def _wait_until(proc: subprocess.Popen, log: Path, url: str, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} never answered 200:\n{log.read_text()[-4000:]}"
+        time.sleep(0.25)
+
+
+def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshserve.cli", *args], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """{"open": URL of `meshserve serve` (keys off), "keys": URL of `meshserve api` (keys on)}."""
+    folder = tmp_path_factory.mktemp("playground")
+    redis_port = free_port()
+    redis = start_redis_server(redis_port, folder)
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_") or k == "MESHSERVE_CACHE"}
+    serve_port, api_port = free_port(), free_port()
+    procs = []
+    try:
+        procs.append(
+            serve := _start(
+                ["serve", "--port", str(serve_port), "--redis-url", redis_url], env, folder / "serve.log"
+            )
+        )
+        keyed_env = {
+            **env,
+            "MESHSERVE_AUTH": "keys",
+            "MESHSERVE_ADMIN_KEY": ADMIN_KEY,
+            "MESHSERVE_REDIS_URL": redis_url,
+        }
+        procs.append(
+            api := _start(
+                ["api", "--host", "127.0.0.1", "--port", str(api_port)], keyed_env, folder / "api.log"
+            )
+        )
+        urls = {"open": f"http://127.0.0.1:{serve_port}", "keys": f"http://127.0.0.1:{api_port}"}
+        _wait_until(serve, folder / "serve.log", urls["open"] + "/readyz", 300)  # the pool compiled
+        _wait_until(api, folder / "api.log", urls["keys"] + "/readyz", 60)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        stop_redis_server(redis)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        # Playwright passes --no-sandbox by default (chromium_sandbox=False): the CI runs as root.
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh tab (its own sessionStorage) that fails the test on a script error or a CSP violation."""
+    context = browser.new_context(viewport={"width": 900, "height": 560})
+    page = context.new_page()
+    problems = []
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on(
+        "console",
+        lambda m: (
+            problems.append(f"console {m.type}: {m.text}")
+            if m.type == "error" and not EXPECTED_CONSOLE.search(m.text)
+            else None
+        ),
+    )
+    yield page
+    context.close()
+    assert not problems, problems
+
+
+def _ready(page, url: str) -> None:
+    page.goto(url + "/")  # `/` redirects to the page
+    assert page.url == url + "/playground"
+    page.wait_for_selector("#model option", state="attached")
+
+
+def _generate(page) -> None:
+    page.click("#generate")
+    page.wait_for_selector("#result img.output, #error:not([hidden])")
+
+
+def _shown_image(page) -> tuple[bytes, str]:
+    """The bytes behind the page's output <img> (read back from its blob: URL), once the browser decoded it."""
+    page.wait_for_function(
+        "(img => img.complete && img.naturalWidth > 0)(document.querySelector('img.output'))"
+    )
+    encoded = page.evaluate(
+        """async () => {
+            const bytes = new Uint8Array(await (await fetch(document.querySelector('img.output').src)).arrayBuffer());
+            let s = ''; for (const b of bytes) s += String.fromCharCode(b); return btoa(s);
+        }"""
+    )
+    return base64.b64decode(encoded), page.get_attribute("img.output", "src")
+
+
+def test_the_page_is_served_self_contained(servers):
+    """`/` redirects; the page, its script and style are open (even with keys on) and locked to this origin."""
+    with httpx.Client(base_url=servers["keys"]) as client:
+        r = client.get("/")
+        assert (r.status_code, r.headers["location"]) == (307, "/playground")
+        for path, kind in (
+            ("/playground", "text/html"),
+            ("/playground/playground.js", "text/javascript"),
+            ("/playground/playground.css", "text/css"),
+        ):
+            r = client.get(path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind), (path, r.headers)
+            assert r.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+            assert r.headers["x-content-type-options"] == "nosniff"
+        assert client.get("/v1/models").status_code == 401  # the API behind it still needs a key
+    # No build step, no CDN: every file is the plain one in service/static, and none names another origin.
+    for path in STATIC.iterdir():
+        text = path.read_text()
+        assert not re.search(r"(src|href)=\"(https?:)?//|url\((https?:)?//|import\s", text), path
+        assert "http://" not in text and "https://" not in text, path
+
+
+def test_generate_the_readme_prompt(page, servers):
+    _ready(page, servers["open"])
+    assert page.is_hidden("#key-box")  # keys off: no key field
+    page.fill("#prompt", README_PROMPT)
+    page.fill("#seed", str(README_SEED))
+    _generate(page)
+    data, src = _shown_image(page)
+    assert page.is_hidden("#error")
+
+    # The picture shows what was asked, read by the pixel scorer from the bytes the browser displayed.
+    image = Image.open(io.BytesIO(data))
+    assert (image.format, image.size) == ("PNG", (64, 64))
+    reading = read_picture(np.asarray(image.convert("RGB")))
+    assert (reading.colour, reading.shape, reading.background) == ("red", "circle", "blue"), reading
+    # ... and they are the job's output, byte for byte.
+    job_id = page.inner_text("#job-id")
+    assert httpx.get(f"{servers['open']}/v1/jobs/{job_id}/outputs/0").content == data
+
+    # Progress came over SSE (step by step), the seed and timings are shown, the download link is the image.
+    assert int(page.get_attribute("#progress", "data-events")) >= 1
+    assert page.evaluate(
+        "[document.querySelector('#progress').value, document.querySelector('#progress').max]"
+    ) == [
+        20,
+        20,
+    ]
+    assert page.inner_text("#seed-used") == str(README_SEED)
+    assert re.fullmatch(
+        r"queue \d+\.\d\d s, inference \d+\.\d\d s, total \d+\.\d\d s", page.inner_text("#timings")
+    )
+    link = page.locator("#result a[download]")
+    assert link.get_attribute("href") == src and link.get_attribute("download") == f"{job_id}-0.png"
+    with page.expect_download() as download:
+        link.click()
+    assert Path(download.value.path()).read_bytes() == data
+
+    if shot := os.environ.get("MESHSERVE_PLAYGROUND_SCREENSHOT"):
+        page.screenshot(path=shot)
+
+
+@pytest.mark.parametrize(
+    "fields,body",
+    [
+        ({"#prompt": ""}, {"prompt": ""}),
+        (
+            {"#prompt": README_PROMPT, "#width": "128", "#height": "128"},
+            {"prompt": README_PROMPT, "width": 128, "height": 128},
+        ),
+    ],
+    ids=["empty-prompt", "size-not-served"],
+)
+def test_a_refused_request_shows_the_api_message(page, servers, fields, body):
+    r = httpx.post(servers["open"] + "/v1/generate", json=body)
+    assert r.status_code == 422
+    message = r.json()["error"]["message"]
+    _ready(page, servers["open"])
+    for selector, value in fields.items():
+        page.fill(selector, value)
+    _generate(page)
+    assert page.inner_text("#error") == message
+    assert page.locator("#result img").count() == 0
+
+
+def test_with_keys_on_the_page_asks_for_one(page, servers):
+    page.goto(servers["keys"] + "/playground")
+    page.wait_for_selector("#key-box:not([hidden])")
+    assert page.inner_text("#server-status") == "send Authorization: Bearer <API key>"
+    assert page.locator("#model option").count() == 0
+    page.fill("#api-key", ADMIN_KEY)
+    page.click("#key-use")
+    page.wait_for_selector("#model option", state="attached")
+    page.fill("#prompt", README_PROMPT)
+    page.fill("#seed", str(README_SEED))
+    _generate(page)
+    data, _ = _shown_image(page)
+    reading = read_picture(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+    assert (reading.colour, reading.background) == ("red", "blue"), reading
+    # The key lives in this tab's sessionStorage only: not in localStorage, cookies or the address.
+    assert page.evaluate("sessionStorage.getItem('meshserve.apiKey')") == ADMIN_KEY
+    assert page.evaluate("localStorage.length") == 0
+    assert page.context.cookies() == [] and ADMIN_KEY not in page.url
