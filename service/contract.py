@@ -120,6 +120,15 @@ class FrameLimits(_Frozen):
     served: list[int] | None = None
 
 
+class StrengthLimits(_Frozen):
+    """Image inputs: `strength` in (min, max] (how much of the schedule runs from the noised image), and the
+    strength each task uses when a request gives none (diffusers' pipeline defaults: SDXL img2img 0.3)."""
+
+    min: float = 0.0  # exclusive
+    max: float = 1.0
+    defaults: dict[str, float] = Field(default_factory=dict)
+
+
 class ModelLimits(_Frozen):
     """What a request may ask of a model (the pipeline's `limits`). `buckets`, when given, are the only sizes."""
 
@@ -135,12 +144,18 @@ class ModelLimits(_Frozen):
     # VIDEO_FORMATS for a video model).
     output_formats: list[str] = Field(default_factory=lambda: list(IMAGE_FORMATS))
     frames: FrameLimits | None = None  # None: an image model (num_frames must be absent)
+    # The inputs a model takes (text-to-image, image-to-image, inpaint; text-to-video, image-to-video; left
+    # out: text-to-image, or text-to-video for a video model) and, when one takes a strength, its range.
+    tasks: list[str] = Field(default_factory=list)
+    strength: StrengthLimits | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _video_formats_by_default(cls, data):
         if isinstance(data, dict) and data.get("output_formats") is None and data.get("frames") is not None:
             data = {**data, "output_formats": list(VIDEO_FORMATS)}
+        if isinstance(data, dict) and not data.get("tasks"):
+            data = {**data, "tasks": ["text-to-video" if data.get("frames") is not None else "text-to-image"]}
         return data
 
 
@@ -190,6 +205,11 @@ class JobParams(_Frozen):
     n: int = 1
     output_format: str = "png"
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Image inputs: references to the stored, re-encoded input (`redis:<token>` / `store:<token>`,
+    # service/input_store.py), never the bytes; the strength used (the task's default when none was asked).
+    image: str | None = None
+    mask: str | None = None
+    strength: float | None = None
 
 
 class Output(_Frozen):

@@ -36,6 +36,15 @@ MetadataValue = str | int | float | bool | None
 MAX_METADATA_KEY = 64
 MAX_METADATA_STRING = 1024
 MAX_METADATA_INT = 2**53
+# An 8 x 8 red PNG and an all-white mask of its size, as data URLs: the schema's examples (the fuzzer sends them).
+EXAMPLE_IMAGE = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAFUlEQVR42mM8ISfHgA0wMeAAg1MCANDKARQfGKMRA"
+    "AAAAElFTkSuQmCC"
+)
+EXAMPLE_MASK = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAAAAADhZOFXAAAAEElEQVR42mP8zwABTAwUMQBJQQEPkWFcdwAAAABJR"
+    "U5ErkJggg=="
+)
 
 
 def _check_metadata(metadata: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
@@ -105,6 +114,29 @@ class GenerateRequest(BaseModel):
     priority: Priority = Priority.NORMAL
     metadata: Annotated[dict[str, MetadataValue], AfterValidator(_check_metadata)] = Field(
         default_factory=dict, max_length=32
+    )
+    # Image inputs (docs/security.md, "Image inputs"): the bytes are checked, re-encoded and stored by the API
+    # before the job is accepted; the job carries a reference (service/input_store.py).
+    image: str | None = Field(
+        None,
+        description="An input image: a data URL (`data:image/png;base64,...`) or an http(s) URL the API fetches "
+        "(public addresses only). PNG, JPEG or WebP, one still frame, at most `max_image_bytes` and "
+        "`max_image_pixels`; resized to the job's width x height. With it the job is image-to-image, or "
+        "image-to-video for such a model (the model's `tasks` in /v1/models).",
+        examples=[EXAMPLE_IMAGE, "https://example.com/photo.jpg"],
+    )
+    mask: str | None = Field(
+        None,
+        description="Inpainting mask, in the same forms as `image` and of its size: white is repainted, black "
+        "kept (read as grayscale). Needs `image`; the model must list the `inpaint` task.",
+        examples=[EXAMPLE_MASK],
+    )
+    strength: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="How much of the schedule runs from the noised image, in (0, 1]: 1 repaints from noise. "
+        "Needs `image`; left out: the task's default (the model's `limits.strength.defaults`).",
     )
 
 
@@ -190,6 +222,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     family: str
     task: str
+    tasks: list[str] = Field(
+        description="The inputs the model takes: text-to-image, image-to-image (`image`), inpaint (`image` and "
+        "`mask`), text-to-video, image-to-video (`image`)."
+    )
     defaults: ModelDefaults
     limits: ModelLimits
     pools: list[PoolSummary]
@@ -200,6 +236,7 @@ class ModelCard(BaseModel):
             id=info.id,
             family=info.family,
             task=info.task,
+            tasks=list(info.limits.tasks),
             defaults=info.defaults,
             limits=info.limits,
             pools=[PoolSummary.from_pool(p) for p in pools],

@@ -88,6 +88,19 @@ class Settings(BaseSettings):
     openai_timeout_s: float = Field(300.0, gt=0)  # /v1/images/generations waits this long for the result
     max_prompt_chars: int = Field(4000, ge=1)
     sse_keepalive_s: float = Field(15.0, gt=0)
+    # Image inputs (docs/security.md, "Image inputs"). Routes that take images (/v1/generate, /v1/images/edits)
+    # accept bodies up to `max_image_body_bytes` (an image and a mask as base64 data URLs: 4/3 of their bytes);
+    # every other route keeps `max_body_bytes`. One image (decoded from base64 or fetched) is at most
+    # `max_image_bytes` and `max_image_pixels` (checked from its header before it is decoded: 4096 x 4096).
+    # Image URLs are fetched by the API before the job is accepted, under the SSRF rules of service/ssrf.py:
+    # public addresses only unless `image_fetch_allow_private` (on-premise image stores), metadata never.
+    max_image_body_bytes: int = Field(24 << 20, ge=1024)
+    max_image_bytes: int = Field(10 << 20, ge=1024)
+    max_image_pixels: int = Field(4096 * 4096, ge=64)
+    image_fetch_allow_private: bool = False
+    image_fetch_connect_timeout_s: float = Field(3.0, gt=0)
+    image_fetch_timeout_s: float = Field(10.0, gt=0)
+    image_fetch_max_redirects: int = Field(3, ge=0, le=10)
     # The tenant of every request when no API key identifies the caller (MESHSERVE_AUTH=none), and of jobs
     # submitted without one.
     default_owner: str = "public"

@@ -1,4 +1,6 @@
-"""Request bodies over `Settings.max_body_bytes` (1 MiB by default) are refused with 413 before they are parsed.
+"""Request bodies over `Settings.max_body_bytes` (1 MiB by default) are refused with 413 before they are parsed;
+the routes that take images (`IMAGE_ROUTES`) have their own limit, `max_image_body_bytes` (24 MiB by default: an
+image and a mask of up to `max_image_bytes` as base64).
 
 A pure ASGI middleware: a declared `Content-Length` over the limit is refused before a byte of the body is read;
 a body without one (chunked) is read up to the limit and refused as soon as it passes it. Bodies within the limit
@@ -13,6 +15,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshserve.service.api.errors import error_response
 
 _NO_BODY = frozenset({"GET", "HEAD", "OPTIONS"})
+IMAGE_ROUTES = frozenset({"/v1/generate", "/v1/images/edits"})
+
+
+def body_limit(path: str, settings) -> int:
+    """The largest body a route takes."""
+    return settings.max_image_body_bytes if path.rstrip("/") in IMAGE_ROUTES else settings.max_body_bytes
 
 
 class BodySizeLimit:
@@ -23,7 +31,7 @@ class BodySizeLimit:
         if scope["type"] != "http" or scope["method"] in _NO_BODY:
             await self.app(scope, receive, send)
             return
-        limit = scope["app"].state.settings.max_body_bytes
+        limit = body_limit(scope["path"], scope["app"].state.settings)
         declared = dict(scope["headers"]).get(b"content-length")
         # (The server already refused a Content-Length that is not a number.)
         if declared is not None and declared.isdigit() and int(declared) > limit:

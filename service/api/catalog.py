@@ -156,6 +156,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             f"{info.id} ({info.family}) has no true CFG; true_cfg_scale must be left out "
             "(guidance_scale is its guidance)",
         )
+    strength = _image_task_strength(req, info)
     return JobParams(
         model=info.id,
         prompt=req.prompt,
@@ -172,7 +173,55 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         n=req.n,
         output_format=fmt,
         metadata=req.metadata,
+        strength=strength,
+        # `previews: true` alone: about ten previews over the run (models/engine/previews.py's default_every).
+        preview_every=req.preview_every or (max(1, steps // 10) if req.previews else 0),
     )
+
+
+def image_task(has_image: bool, has_mask: bool, tasks: list[str]) -> str:
+    """The task a request's inputs ask for: inpaint (image and mask), image-to-image, or image-to-video for a
+    model that takes that; without an image the model's text task."""
+    if has_mask:
+        return "inpaint"
+    if has_image:
+        return "image-to-video" if "image-to-video" in tasks else "image-to-image"
+    return "text-to-video" if "text-to-video" in tasks or "image-to-video" in tasks else "text-to-image"
+
+
+def _image_task_strength(req: GenerateRequest, info: ModelInfo) -> float | None:
+    """Check the image inputs against the model's tasks (422 naming the field); the strength the job runs with
+    (the task's default when none was asked), None for a task without one."""
+    tasks, lim = list(info.limits.tasks), info.limits
+    if req.mask is not None and req.image is None:
+        raise FieldError("mask", "mask_without_image", "mask needs an image to inpaint: give image too")
+    if req.strength is not None and req.image is None:
+        raise FieldError(
+            "strength", "strength_without_image", "strength applies to an image input: give image"
+        )
+    task = image_task(req.image is not None, req.mask is not None, tasks)
+    if task not in tasks:
+        if req.image is None:
+            raise FieldError("image", "missing", f"{info.id} needs an image: it takes {tasks}")
+        field = "mask" if req.mask is not None else "image"
+        raise FieldError(
+            field, "task_not_supported", f"{info.id} does not take {task} ({field} given); it takes {tasks}"
+        )
+    defaults = lim.strength.defaults if lim.strength is not None else {}
+    if task not in defaults:
+        if req.strength is not None:
+            raise FieldError("strength", "not_supported", f"{info.id} takes no strength for {task}")
+        return None
+    if req.strength is None:
+        return defaults[task]
+    low, high = lim.strength.min, lim.strength.max
+    if not low < req.strength <= high:
+        raise FieldError(
+            "strength",
+            "out_of_range",
+            f"strength must be in ({low:g}, {high:g}] for {info.id}, got {req.strength}",
+        )
+    return req.strength
 
 
 def normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> JobParams:

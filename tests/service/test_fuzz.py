@@ -21,15 +21,29 @@ from schemathesis.checks import positive_data_acceptance
 
 from meshserve.service.app import create_app
 from meshserve.service.auth import KeyStore
+from meshserve.service.contract import StrengthLimits
 from meshserve.service.openapi_export import DEFAULT_PATH
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
 from tests.private_redis import free_port
-from tests.service.conftest import REDIS_URL, FakeWorker, drop_keys
+from tests.service.conftest import REDIS_URL, TOY, FakeWorker, drop_keys
 
-# 10 operations x 60 examples: >= 500 cases; about a minute on the 2-core CI machine.
+# 11 operations x 60 examples: >= 500 cases; about a minute on the 2-core CI machine.
 EXAMPLES = 60
 CALLS = {"count": 0}
+# The fake worker's model takes every image task, so the image fields are fuzzed past the task check: `image`,
+# `mask` and `strength` on /v1/generate (data URLs, the schema's example PNGs, any string), and the uploads of
+# the multipart /v1/images/edits.
+TOY_IMAGES = TOY.model_copy(
+    update={
+        "limits": TOY.limits.model_copy(
+            update={
+                "tasks": ["text-to-image", "image-to-image", "inpaint"],
+                "strength": StrengthLimits(defaults={"image-to-image": 0.3, "inpaint": 0.9999}),
+            }
+        )
+    }
+)
 
 schema = schemathesis.openapi.from_dict(yaml.safe_load(DEFAULT_PATH.read_text()))
 
@@ -51,7 +65,7 @@ class LiveServer:
         while not self.server.started:
             await asyncio.sleep(0.01)
         store = self.app.state.store
-        worker = FakeWorker(store, step_s=0.0, max_jobs=4)
+        worker = FakeWorker(store, models=(TOY_IMAGES,), step_s=0.0, max_jobs=4)
         await worker.register()
         worker.start()
         self.key = await KeyStore(store.redis, store.prefix).create("fuzz", rate_per_minute=0, max_active=0)
@@ -90,6 +104,9 @@ def live_api():
         pool_stale_s=300,
         max_wait_s=1,  # `Prefer: wait=N` from the fuzzer: at most a second each
         openai_timeout_s=10,
+        # An `image` URL the fuzzer makes up is refused or fails fast (no network here anyway).
+        image_fetch_connect_timeout_s=0.5,
+        image_fetch_timeout_s=1.0,
     )
     with LiveServer(settings) as server:
         yield server

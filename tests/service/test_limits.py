@@ -97,7 +97,8 @@ async def test_active_jobs_per_tenant_are_limited_and_freed_when_jobs_end(make_s
 
 
 async def test_a_body_over_the_limit_is_413_before_it_is_parsed(make_settings):
-    async with api_client(make_settings(max_body_bytes=4096)) as (client, store):
+    # (/v1/generate takes images: its limit is max_image_body_bytes, set to the same here.)
+    async with api_client(make_settings(max_body_bytes=4096, max_image_body_bytes=4096)) as (client, store):
         await FakeWorker(store).register()
         big = b'{"prompt": "' + b"x" * 5000 + b'"}'
         r = await client.post("/v1/generate", content=big, headers={"content-type": "application/json"})
@@ -119,7 +120,10 @@ async def test_a_body_over_the_limit_is_413_before_it_is_parsed(make_settings):
 async def test_the_default_body_limit_is_one_mebibyte(api):
     client, *_ = api
     body = b'{"prompt": "' + b"x" * (1 << 20) + b'"}'
-    r = await client.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+    # A route without images (/v1/generate and /v1/images/edits have max_image_body_bytes: test_image_inputs.py)
+    r = await client.post(
+        "/v1/images/generations", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
 
 

@@ -11,6 +11,7 @@ from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
 from meshserve.service.api.deps import current_tenant
 from meshserve.service.api.errors import FieldError
+from meshserve.service.api.image_requests import drop_unused_inputs, read_image_fields, with_image_inputs
 from meshserve.service.contract import JobStatus
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, JobResponse
 from meshserve.service.store import request_hash
@@ -94,9 +95,17 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     served = await state.catalog.resolve(body.model)
     params = normalise(body, served.info, settings.max_prompt_chars)
     digest = request_hash(body.model_dump(mode="json", exclude_unset=True)) if key else ""
-    job = await store.submit(
-        params, body.priority, key, request_digest=digest, owner=tenant.name, max_active=tenant.max_active
-    )
+    if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
+        image, mask = await read_image_fields(body.image, body.mask, settings)
+        params = await with_image_inputs(store, settings, params, image, mask)
+    job = None
+    try:
+        job = await store.submit(
+            params, body.priority, key, request_digest=digest, owner=tenant.name, max_active=tenant.max_active
+        )
+    finally:
+        if params.image is not None:
+            await drop_unused_inputs(store, params, job)
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
     wait_s = prefer_wait(request.headers.get("prefer"), settings.max_wait_s)

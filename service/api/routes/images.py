@@ -1,37 +1,69 @@
-"""OpenAI-compatible `POST /v1/images/generations`: the same jobs, answered when they end."""
+"""OpenAI-compatible `POST /v1/images/generations` and `POST /v1/images/edits` (multipart: an uploaded image,
+an optional mask): the same jobs as /v1/generate, answered when they end."""
 
 from __future__ import annotations
 
 import base64
 import time
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, File, Form, Request, UploadFile
 from pydantic import ValidationError
 
 from meshserve.service import metrics
-from meshserve.service.api.catalog import normalise
+from meshserve.service.api.catalog import ServedModel, normalise
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, TenantDep
 from meshserve.service.api.errors import ApiError, FieldError
+from meshserve.service.api.image_requests import drop_unused_inputs, with_image_inputs
 from meshserve.service.api.routes.generate import ERRORS
-from meshserve.service.contract import JobStatus
+from meshserve.service.contract import Job, JobParams, JobStatus
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
 
 router = APIRouter(tags=["openai"])
+
+RESPONSES = {
+    **ERRORS,
+    409: {"model": ErrorResponse, "description": "The job was canceled."},
+    502: {"model": ErrorResponse, "description": "The job failed; `code` is the job's error code."},
+    504: {
+        "model": ErrorResponse,
+        "description": "Not done within the timeout; the job goes on (id in message).",
+    },
+}
+SIZE_PATTERN = r"^\d{1,5}x\d{1,5}$"
+
+
+def _params(served: ServedModel, settings: Settings, size: str | None, **fields) -> JobParams:
+    """The OpenAI fields as a /v1/generate request, normalised (422s name `size`, not width and height)."""
+    width = height = None
+    if size:
+        width, height = (int(v) for v in size.split("x"))
+    try:
+        req = GenerateRequest(model=served.info.id, width=width, height=height, **fields)
+    except ValidationError as e:  # e.g. size "0x0": the pattern admits it, the sizes' rules do not
+        first = e.errors()[0]
+        field = (
+            "size"
+            if first["loc"] and first["loc"][0] in ("width", "height")
+            else ".".join(map(str, first["loc"]))
+        )
+        metrics.JOBS_REJECTED.labels("invalid").inc()
+        raise FieldError(field, first["type"], f"{field}: {first['msg']}") from None
+    try:
+        return normalise(req, served.info, settings.max_prompt_chars)
+    except FieldError as e:
+        if e.field in ("width", "height"):  # this route's clients sent `size`, not width and height
+            e.field = "size"
+        raise
 
 
 @router.post(
     "/v1/images/generations",
     response_model=ImagesResponse,
-    responses={
-        **ERRORS,
-        409: {"model": ErrorResponse, "description": "The job was canceled."},
-        502: {"model": ErrorResponse, "description": "The job failed; `code` is the job's error code."},
-        504: {
-            "model": ErrorResponse,
-            "description": "Not done within the timeout; the job goes on (id in message).",
-        },
-    },
+    responses=RESPONSES,
     summary="Create images (OpenAI shape)",
 )
 async def create_image(
@@ -43,27 +75,75 @@ async def create_image(
     tenant: TenantDep,
 ) -> ImagesResponse:
     served = await catalog.resolve(body.model)
-    width = height = None
-    if body.size:
-        width, height = (int(v) for v in body.size.split("x"))
-    try:
-        req = GenerateRequest(model=served.info.id, prompt=body.prompt, n=body.n, width=width, height=height)
-    except ValidationError as e:  # e.g. size "0x0": the pattern admits it, the sizes' rules do not
-        first = e.errors()[0]
-        field = (
-            "size"
-            if first["loc"] and first["loc"][0] in ("width", "height")
-            else ".".join(map(str, first["loc"]))
-        )
-        metrics.JOBS_REJECTED.labels("invalid").inc()
-        raise FieldError(field, first["type"], f"{field}: {first['msg']}") from None
-    try:
-        params = normalise(req, served.info, settings.max_prompt_chars)
-    except FieldError as e:
-        if e.field in ("width", "height"):  # this route's clients sent `size`, not width and height
-            e.field = "size"
-        raise
+    params = _params(served, settings, body.size, prompt=body.prompt, n=body.n)
     job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+    return await _answer(job, body.response_format, request, store, settings)
+
+
+async def _upload(file: UploadFile, field: str, settings: Settings) -> bytes:
+    data = await file.read(settings.max_image_bytes + 1)
+    if len(data) > settings.max_image_bytes:
+        metrics.JOBS_REJECTED.labels("invalid").inc()
+        raise FieldError(field, "too_large", f"{field} is larger than {settings.max_image_bytes} bytes")
+    return data
+
+
+@router.post(
+    "/v1/images/edits",
+    response_model=ImagesResponse,
+    responses=RESPONSES,
+    summary="Edit an image (OpenAI shape, multipart)",
+    description="Image-to-image, or inpainting with a mask. As OpenAI's: the mask's transparent pixels are "
+    "repainted (a mask without alpha is read as grayscale: white repaints). Bodies up to "
+    "`max_image_body_bytes`; each file up to `max_image_bytes` and `max_image_pixels`; PNG, JPEG or WebP.",
+)
+async def edit_image(
+    request: Request,
+    store: StoreDep,
+    catalog: CatalogDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    image: Annotated[UploadFile, File(description="The image to edit: PNG, JPEG or WebP, one frame.")],
+    prompt: Annotated[str, Form(min_length=1, description="At most `max_prompt_chars` characters.")],
+    mask: Annotated[
+        UploadFile | None, File(description="Where to repaint (transparent), the image's size.")
+    ] = None,
+    model: Annotated[str | None, Form()] = None,
+    n: Annotated[int, Form(ge=1)] = 1,
+    size: Annotated[str | None, Form(pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT".')] = None,
+    response_format: Annotated[Literal["url", "b64_json"], Form()] = "url",
+    strength: Annotated[
+        float | None, Form(gt=0, le=1, description="As /v1/generate's (an extension).")
+    ] = None,
+) -> ImagesResponse:
+    served = await catalog.resolve(model)
+    # The task and strength are checked on the fields' presence; the bytes come next.
+    marker = "uploaded"
+    params = _params(
+        served,
+        settings,
+        size,
+        prompt=prompt,
+        n=n,
+        strength=strength,
+        image=marker,
+        mask=marker if mask is not None else None,
+    )
+    image_bytes = await _upload(image, "image", settings)
+    mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
+    params = await with_image_inputs(store, settings, params, image_bytes, mask_bytes, mask_from_alpha=True)
+    job = None
+    try:
+        job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+    finally:
+        await drop_unused_inputs(store, params, job)
+    return await _answer(job, response_format, request, store, settings)
+
+
+async def _answer(
+    job: Job, response_format: str, request: Request, store: Store, settings: Settings
+) -> ImagesResponse:
+    """Wait for the job and answer in OpenAI's shape (urls or base64), or the error its end calls for."""
     metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
     job = await store.wait(job.id, settings.openai_timeout_s) or job
     if job.status == JobStatus.FAILED:
@@ -80,7 +160,7 @@ async def create_image(
         )
     data = []
     for out in job.outputs:
-        if body.response_format == "b64_json":
+        if response_format == "b64_json":
             blob = await store.output(job.id, out.index)
             if blob is None:
                 raise ApiError(410, "output_expired", f"output {out.index} of job {job.id} has expired")

@@ -1,0 +1,81 @@
+"""A request's image inputs, between the route and the job: read (data URL or fetched URL), decoded under the
+rules of service/image_inputs.py, re-encoded, stored (service/input_store.py), and referenced by the job.
+
+Everything here happens before the job is accepted: a URL that cannot be fetched, bytes that are not an image,
+a mask of another size are 422s naming the field and the rule, never a job that fails later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshserve.service import metrics
+from meshserve.service.api.errors import FieldError
+from meshserve.service.contract import Job, JobParams
+from meshserve.service.image_inputs import ImageInputError, decode_image, read_image_field
+from meshserve.service.input_store import InputStore
+from meshserve.service.settings import Settings
+from meshserve.service.store import Store
+
+
+def _refused(e: ImageInputError) -> FieldError:
+    metrics.JOBS_REJECTED.labels("invalid").inc()
+    return FieldError(e.field, e.rule, e.message)
+
+
+async def read_image_fields(
+    image: str | None, mask: str | None, settings: Settings
+) -> tuple[bytes | None, bytes | None]:
+    """The bytes of a request's `image` and `mask` fields (data URLs, or http(s) URLs fetched now)."""
+    try:
+        image_bytes = await read_image_field(image, field="image", settings=settings) if image else None
+        mask_bytes = await read_image_field(mask, field="mask", settings=settings) if mask else None
+    except ImageInputError as e:
+        raise _refused(e) from None
+    return image_bytes, mask_bytes
+
+
+async def with_image_inputs(
+    store: Store,
+    settings: Settings,
+    params: JobParams,
+    image: bytes,
+    mask: bytes | None,
+    *,
+    mask_from_alpha: bool = False,
+) -> JobParams:
+    """Decode the image (and mask), store the re-encoded PNGs and return the params carrying their
+    references. Decoding runs in a thread: a 4096 x 4096 JPEG takes a few tenths of a second, which the event
+    loop must not wait on."""
+    try:
+        decoded = await asyncio.to_thread(
+            decode_image, image, field="image", max_pixels=settings.max_image_pixels
+        )
+        decoded_mask = None
+        if mask is not None:
+            decoded_mask = await asyncio.to_thread(
+                decode_image,
+                mask,
+                field="mask",
+                max_pixels=settings.max_image_pixels,
+                mode="L",
+                size=decoded.image.size,
+                from_alpha=mask_from_alpha,
+            )
+    except ImageInputError as e:
+        raise _refused(e) from None
+    inputs = InputStore.of(store)
+    refs = {"image": await inputs.put(decoded.png)}
+    if decoded_mask is not None:
+        refs["mask"] = await inputs.put(decoded_mask.png)
+    return params.model_copy(update=refs)
+
+
+async def drop_unused_inputs(store: Store, params: JobParams, job: Job | None) -> None:
+    """Delete the inputs stored for a submit that did not make a job with them (refused: queue full, too many
+    active jobs; or an idempotent replay answered with the earlier job)."""
+    inputs = InputStore.of(store)
+    for name in ("image", "mask"):
+        ref = getattr(params, name)
+        if ref is not None and (job is None or getattr(job.params, name) != ref):
+            await inputs.delete(ref)

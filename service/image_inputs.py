@@ -1,0 +1,220 @@
+"""Image inputs from clients: where the bytes come from, and decoding them safely.
+
+    data = await read_image_field(value, field="image", settings=settings)   # a data: URL or an http(s) URL
+    still = decode_image(data, field="image", max_pixels=settings.max_image_pixels)          # RGB, clean PNG
+    mask = decode_image(data, field="mask", max_pixels=..., mode="L", size=still.image.size)
+
+A decoder is an attack surface (OWASP API4/API8): a 100-byte PNG can claim 20,000 x 20,000 pixels (1.2 GB
+decoded), a GIF or animated WebP holds frames we would silently drop, and EXIF/XMP/ICC metadata can carry
+anything. So:
+
+- The format is sniffed from the bytes (the Content-Type of a URL or a data URL is not trusted), and only PNG,
+  JPEG and WebP reach a decoder: Pillow is opened with `formats=[that one]`, so no other plugin ever parses a
+  client's bytes. A known other format (GIF, BMP, TIFF, AVIF/HEIC, SVG...) is `unsupported_format`; anything
+  else `not_an_image`.
+- The pixel count is read from the header and checked against `max_pixels` before a pixel is decoded; Pillow's
+  own decompression-bomb warning is an error here too.
+- More than one frame (APNG, animated WebP, MPO's second picture) is refused: a still is expected.
+- EXIF orientation is applied (a phone's portrait JPEG is stored landscape), then the pixels are copied into a
+  fresh image and re-encoded as PNG: nothing of the original file (metadata, ICC profile, trailing bytes) is
+  kept or handed on to the workers.
+
+Every refusal is an `ImageInputError(field, rule, message)`: the API answers it with a 422 naming both.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from meshserve.service import ssrf
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
+
+# Magic numbers: the allowed formats, then formats we recognise only to name them in the refusal.
+_SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+    (b"\xff\xd8\xff", 0, "JPEG"),
+    (b"WEBP", 8, "WEBP"),  # RIFF....WEBP
+    (b"GIF87a", 0, "GIF"),
+    (b"GIF89a", 0, "GIF"),
+    (b"BM", 0, "BMP"),
+    (b"II*\x00", 0, "TIFF"),
+    (b"MM\x00*", 0, "TIFF"),
+    (b"\x00\x00\x00\x0cjP  ", 0, "JPEG 2000"),
+    (b"ftypavif", 4, "AVIF"),
+    (b"ftypheic", 4, "HEIC"),
+    (b"ftypmif1", 4, "HEIF"),
+    (b"\x00\x00\x01\x00", 0, "ICO"),
+    (b"8BPS", 0, "PSD"),
+    (b"%PDF", 0, "PDF"),
+    (b"%!PS", 0, "PostScript"),
+    (b"\xff\x0a", 0, "JPEG XL"),
+    (b"qoif", 0, "QOI"),
+)
+_SVG = re.compile(rb"^\s*(<\?xml[^>]*>\s*)?(<!--.*?-->\s*)*<svg[\s>]", re.IGNORECASE | re.DOTALL)
+_DATA_URL = re.compile(r"^data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
+
+
+class ImageInputError(ValueError):
+    """A client's image input broke a rule: `field` (image, mask), `rule` (the 422 code), a message."""
+
+    def __init__(self, field: str, rule: str, message: str):
+        super().__init__(message)
+        self.field, self.rule, self.message = field, rule, message
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    image: Image.Image  # a fresh image (RGB, or L for a mask): no metadata, orientation applied
+    png: bytes  # the same pixels, re-encoded: what is stored and handed to the workers
+    source_format: str  # PNG, JPEG or WEBP
+
+
+def sniff_format(data: bytes) -> str | None:
+    """The format the bytes start like (one of ALLOWED_FORMATS or a name to refuse), or None."""
+    for magic, offset, name in _SIGNATURES:
+        if data[offset : offset + len(magic)] == magic:
+            if name == "WEBP" and data[:4] != b"RIFF":
+                continue
+            return name
+    if _SVG.match(data[:4096]):
+        return "SVG"
+    return None
+
+
+def decode_image(
+    data: bytes,
+    *,
+    field: str,
+    max_pixels: int,
+    mode: Literal["RGB", "L"] = "RGB",
+    size: tuple[int, int] | None = None,
+    from_alpha: bool = False,
+) -> DecodedImage:
+    """Decode a client's still image under the rules above; `size` (width, height), when given, must match
+    (a mask must be the size of its image). `from_alpha` (OpenAI's edits masks): an image with an alpha
+    channel becomes the mask "repaint where transparent" (255 - alpha); one without is read as grayscale."""
+    fmt = sniff_format(data)
+    if fmt is None:
+        raise ImageInputError(
+            field, "not_an_image", f"{field} is not an image (no PNG, JPEG or WebP signature)"
+        )
+    if fmt not in ALLOWED_FORMATS:
+        raise ImageInputError(
+            field, "unsupported_format", f"{field} is a {fmt} image; supported formats: PNG, JPEG, WebP"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=[fmt])  # reads the header only
+            width, height = img.size
+            if width < 1 or height < 1 or width * height > max_pixels:
+                raise ImageInputError(
+                    field,
+                    "too_many_pixels",
+                    f"{field} is {width}x{height} = {width * height} pixels; at most {max_pixels} are decoded",
+                )
+            frames = getattr(img, "n_frames", 1)
+            if frames != 1 or getattr(img, "is_animated", False):
+                raise ImageInputError(
+                    field, "animated_not_allowed", f"{field} has {frames} frames; a still image is expected"
+                )
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            if from_alpha and mode == "L" and (img.has_transparency_data or "A" in img.getbands()):
+                pixels = ImageOps.invert(img.convert("RGBA").getchannel("A"))
+            else:
+                pixels = img.convert(mode)
+    except ImageInputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageInputError(
+            field, "too_many_pixels", f"{field}: {e}; at most {max_pixels} pixels are decoded"
+        ) from None
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        EOFError,
+        struct.error,
+        MemoryError,
+    ) as e:
+        raise ImageInputError(field, "not_an_image", f"{field} could not be decoded as {fmt}: {e}") from None
+    if size is not None and pixels.size != tuple(size):
+        raise ImageInputError(
+            field,
+            "size_mismatch",
+            f"{field} is {pixels.size[0]}x{pixels.size[1]}; it must be the image's size, {size[0]}x{size[1]}",
+        )
+    clean = Image.frombytes(mode, pixels.size, pixels.tobytes())  # no info, no ICC, no EXIF
+    buf = io.BytesIO()
+    clean.save(buf, format="PNG", compress_level=1)  # fast: it is read once by a worker, then expires
+    return DecodedImage(clean, buf.getvalue(), fmt)
+
+
+def decode_data_url(value: str, *, field: str, max_bytes: int) -> bytes:
+    """The bytes of a `data:[type][;base64],...` URL (base64 required; its type is not trusted)."""
+    m = _DATA_URL.match(value)
+    if m is None:
+        raise ImageInputError(
+            field, "invalid_data_url", f"{field} is not a data URL (data:image/png;base64,...)"
+        )
+    if ";base64" not in m["params"].lower():
+        raise ImageInputError(field, "invalid_data_url", f"{field}: a data URL must be base64 (;base64,)")
+    payload = value[m.end() :]
+    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+        raise ImageInputError(field, "too_large", f"{field} is larger than {max_bytes} bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageInputError(field, "invalid_base64", f"{field} is not valid base64: {e}") from None
+    if len(data) > max_bytes:
+        raise ImageInputError(
+            field, "too_large", f"{field} is {len(data)} bytes, over the {max_bytes}-byte limit"
+        )
+    if not data:
+        raise ImageInputError(field, "not_an_image", f"{field} is empty")
+    return data
+
+
+async def read_image_field(value: str, *, field: str, settings) -> bytes:
+    """The bytes a request's image field names: a data URL, or an http(s) URL fetched under the SSRF rules
+    (service/ssrf.py) with the `image_fetch_*` settings. Raises ImageInputError (a 422)."""
+    scheme = value.split(":", 1)[0].lower() if ":" in value else ""
+    if scheme == "data":
+        return decode_data_url(value, field=field, max_bytes=settings.max_image_bytes)
+    if scheme not in ("http", "https"):
+        raise ImageInputError(
+            field, "invalid_image_reference", f"{field} must be a data: URL (base64) or an http(s) URL"
+        )
+    try:
+        response = await ssrf.fetch(
+            value,
+            max_bytes=settings.max_image_bytes,
+            connect_timeout_s=settings.image_fetch_connect_timeout_s,
+            total_timeout_s=settings.image_fetch_timeout_s,
+            max_redirects=settings.image_fetch_max_redirects,
+            allow_private=settings.image_fetch_allow_private,
+        )
+    except ssrf.BlockedURL as e:
+        raise ImageInputError(field, "url_not_allowed", f"{field}: {e.message}") from None
+    except ssrf.FetchError as e:
+        rule = "too_large" if e.reason == "too_large" else "fetch_failed"
+        raise ImageInputError(field, rule, f"{field}: fetching the URL failed: {e.message}") from None
+    if response.status_code != 200:
+        raise ImageInputError(
+            field, "fetch_failed", f"{field}: the URL answered HTTP {response.status_code}, not 200"
+        )
+    if not response.content:
+        raise ImageInputError(field, "not_an_image", f"{field}: the URL answered an empty body")
+    return response.content

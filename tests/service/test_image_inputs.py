@@ -1,0 +1,462 @@
+"""Image inputs on the serving side: the decoding rules (service/image_inputs.py), the stored input and the
+job's reference (service/input_store.py), and every refusal of `POST /v1/generate` and `POST /v1/images/edits`
+as a 422 naming the field and the rule (a fake worker; no JAX)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import io
+import os
+import struct
+import zlib
+
+import pytest
+from PIL import Image, PngImagePlugin
+
+from meshserve.service.contract import StrengthLimits
+from meshserve.service.image_inputs import ImageInputError, decode_data_url, decode_image, sniff_format
+from meshserve.service.input_store import InputStore
+from tests.service.conftest import TOY, FakeWorker, api_client
+from tests.service.test_ssrf import answer, http_server
+
+pytestmark = pytest.mark.anyio
+
+# A model taking every image task, and one taking image-to-image only.
+TOY_IMG = TOY.model_copy(
+    update={
+        "id": "toy-img",
+        "limits": TOY.limits.model_copy(
+            update={
+                "tasks": ["text-to-image", "image-to-image", "inpaint"],
+                "strength": StrengthLimits(defaults={"image-to-image": 0.3, "inpaint": 0.9999}),
+            }
+        ),
+    }
+)
+TOY_I2I = TOY.model_copy(
+    update={
+        "id": "toy-i2i",
+        "limits": TOY.limits.model_copy(
+            update={
+                "tasks": ["text-to-image", "image-to-image"],
+                "strength": StrengthLimits(min=0.0, max=1.0, defaults={"image-to-image": 0.3}),
+            }
+        ),
+    }
+)
+MAX_PIXELS = 4096 * 4096
+
+
+def encode(img: Image.Image, fmt: str, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kwargs)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+RED = Image.new("RGB", (40, 24), (200, 10, 10))
+FRAMES = [Image.new("RGB", (16, 16), (i * 60, 0, 0)) for i in range(3)]
+
+
+def _png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+@functools.cache
+def _bomb() -> bytes:
+    """A 100-byte PNG whose header claims 20,000 x 20,000 RGB pixels (1.2 GB decoded); its data is a stub: the
+    header alone must refuse it."""
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", header)
+        + _png_chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + _png_chunk(b"IEND", b"")
+    )
+
+
+# (name, bytes, rule) - each refused by decode_image with that rule, before or while decoding.
+REFUSED_BYTES = [
+    ("text", b"hello, not an image", "not_an_image"),
+    ("empty", b"", "not_an_image"),
+    ("truncated png", encode(RED, "PNG")[:60], "not_an_image"),
+    ("truncated jpeg", encode(RED, "JPEG")[:200], "not_an_image"),
+    ("png signature then garbage", b"\x89PNG\r\n\x1a\n" + os.urandom(64), "not_an_image"),
+    ("gif", encode(RED, "GIF"), "unsupported_format"),
+    ("bmp", encode(RED, "BMP"), "unsupported_format"),
+    ("tiff", encode(RED, "TIFF"), "unsupported_format"),
+    ("svg", b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"/>', "unsupported_format"),
+    ("pdf", b"%PDF-1.7\n...", "unsupported_format"),
+    ("apng", encode(FRAMES[0], "PNG", save_all=True, append_images=FRAMES[1:]), "animated_not_allowed"),
+    (
+        "animated webp",
+        encode(FRAMES[0], "WEBP", save_all=True, append_images=FRAMES[1:]),
+        "animated_not_allowed",
+    ),
+    ("mpo", encode(FRAMES[0], "MPO", save_all=True, append_images=FRAMES[1:]), "animated_not_allowed"),
+    ("pixel bomb png", _bomb(), "too_many_pixels"),
+    ("over max_pixels", encode(Image.new("L", (5000, 4000)), "PNG"), "too_many_pixels"),
+]
+
+
+@pytest.mark.parametrize("name,data,rule", REFUSED_BYTES, ids=[r[0] for r in REFUSED_BYTES])
+def test_refused_bytes(name, data, rule):
+    with pytest.raises(ImageInputError) as e:
+        decode_image(data, field="image", max_pixels=MAX_PIXELS)
+    assert (e.value.field, e.value.rule) == ("image", rule), e.value.message
+
+
+def test_pixel_cap_is_checked_before_decoding(monkeypatch):
+    """The 20,000 x 20,000 PNG is refused from its header: no pixel is decoded."""
+    bomb = _bomb()
+    assert len(bomb) < 120
+    loads = []
+    monkeypatch.setattr(Image.Image, "load", lambda self: loads.append(self) or None)
+    for limit in (MAX_PIXELS, 10**9):  # our cap, and Pillow's own bomb check past it (an error here)
+        with pytest.raises(ImageInputError, match="pixels") as e:
+            decode_image(bomb, field="image", max_pixels=limit)
+        assert e.value.rule == "too_many_pixels"
+    assert loads == []
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_allowed_formats_decode_to_a_clean_png(fmt):
+    exif = Image.Exif()
+    exif[0x010F] = "a camera maker"
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Comment", "secret")
+    extra = {"pnginfo": info} if fmt == "PNG" else {"exif": exif.tobytes()}
+    out = decode_image(encode(RED, fmt, **extra), field="image", max_pixels=MAX_PIXELS)
+    assert out.source_format == fmt and out.image.size == (40, 24) and out.image.mode == "RGB"
+    clean = Image.open(io.BytesIO(out.png))
+    assert clean.format == "PNG" and clean.size == (40, 24)
+    assert not clean.info and not clean.getexif()  # no text chunk, no EXIF, no ICC profile
+    assert b"secret" not in out.png and b"camera" not in out.png
+
+
+def test_exif_orientation_is_applied_then_dropped():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    out = decode_image(encode(RED, "JPEG", exif=exif.tobytes()), field="image", max_pixels=MAX_PIXELS)
+    assert out.image.size == (24, 40)
+    assert not Image.open(io.BytesIO(out.png)).getexif()
+
+
+def test_mask_rules():
+    mask = decode_image(
+        encode(Image.new("RGB", (40, 24), "white"), "PNG"),
+        field="mask",
+        max_pixels=100_000,
+        mode="L",
+        size=(40, 24),
+    )
+    assert mask.image.mode == "L" and mask.image.getextrema() == (255, 255)
+    with pytest.raises(ImageInputError) as e:
+        decode_image(
+            encode(Image.new("L", (41, 24)), "PNG"),
+            field="mask",
+            max_pixels=MAX_PIXELS,
+            mode="L",
+            size=(40, 24),
+        )
+    assert (e.value.field, e.value.rule) == ("mask", "size_mismatch")
+    # OpenAI's edits masks: transparent is repainted (white), opaque kept (black).
+    rgba = Image.new("RGBA", (2, 1), (0, 0, 0, 255))
+    rgba.putpixel((1, 0), (0, 0, 0, 0))
+    alpha = decode_image(encode(rgba, "PNG"), field="mask", max_pixels=100, mode="L", from_alpha=True)
+    assert [alpha.image.getpixel((0, 0)), alpha.image.getpixel((1, 0))] == [0, 255]
+
+
+@pytest.mark.parametrize(
+    "value,rule",
+    [
+        ("data:image/png,iVBORw0KGgo=", "invalid_data_url"),  # not base64
+        ("data:image/png;base64,@@@@", "invalid_base64"),
+        ("data:image/png;base64,iVBORw0KGgo", "invalid_base64"),  # bad padding
+        ("data:;base64,", "not_an_image"),
+        ("data:image/png;base64," + "A" * 4000, "too_large"),
+        ("datum", "invalid_data_url"),
+    ],
+    ids=["not-base64", "bad-characters", "bad-padding", "empty", "too-large", "not-a-data-url"],
+)
+def test_data_url_rules(value, rule):
+    with pytest.raises(ImageInputError) as e:
+        decode_data_url(value, field="image", max_bytes=2048)
+    assert e.value.rule == rule
+
+
+def test_the_declared_type_is_not_trusted():
+    """A data URL saying image/png around a GIF is a GIF; around text, not an image."""
+    assert sniff_format(encode(RED, "GIF")) == "GIF"
+    data = decode_data_url(data_url(b"plain text", "image/png"), field="image", max_bytes=1 << 20)
+    with pytest.raises(ImageInputError, match="not an image"):
+        decode_image(data, field="image", max_pixels=MAX_PIXELS)
+
+
+# ---- the API ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def api_img(make_settings):
+    """The API with a fake worker serving toy (text only), toy-img (every image task) and toy-i2i."""
+    settings = make_settings(max_image_bytes=2 << 20, max_image_pixels=1 << 20, image_fetch_timeout_s=2.0)
+    async with api_client(settings) as (client, store):
+        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I))
+        await worker.register()
+        yield client, store, worker
+        await worker.stop()
+
+
+PNG = encode(RED, "PNG")
+MASK = encode(Image.new("L", (40, 24), 255), "PNG")
+
+
+async def test_an_image_job_carries_a_reference_not_bytes(api_img):
+    client, store, worker = api_img
+    noisy = encode(Image.frombytes("RGB", (700, 700), os.urandom(700 * 700 * 3)), "PNG")  # ~1.4 MB
+    body = {"model": "toy-img", "prompt": "p", "image": data_url(noisy), "mask": None, "strength": 0.6}
+    assert len(str(body)) > 1 << 20  # over the 1 MiB of routes without images
+    r = await client.post("/v1/generate", json=body)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    ref = job["params"]["image"]
+    assert ref.startswith("redis:") and job["params"]["strength"] == 0.6 and job["params"]["mask"] is None
+    stored = await InputStore.of(store).get(ref)
+    assert Image.open(io.BytesIO(stored)).size == (700, 700)
+    key = InputStore.of(store).key(ref.split(":", 1)[1])
+    assert 0 < await store.redis.ttl(key) <= store.settings.job_ttl_s
+    # The job hash and its stream entry stay small: the reference, not the megabytes.
+    job_hash = await store.redis.hgetall(store.job_key(job["id"]))
+    assert sum(len(v) for v in job_hash.values()) < 4096
+    # A mask and the task's default strength; the worker runs it like any job.
+    r = await client.post(
+        "/v1/generate",
+        json={"model": "toy-img", "prompt": "p", "image": data_url(PNG), "mask": data_url(MASK)},
+    )
+    assert r.status_code == 202, r.text
+    params = r.json()["params"]
+    assert params["strength"] == 0.9999 and params["mask"].startswith("redis:")
+    worker.start()
+    r = await client.post(
+        "/v1/generate",
+        json={"model": "toy-img", "prompt": "p", "image": data_url(PNG)},
+        headers={"Prefer": "wait=10"},
+    )
+    assert r.json()["status"] == "succeeded" and r.json()["params"]["strength"] == 0.3
+
+
+def _bad(**fields):
+    return {"model": "toy-img", "prompt": "p", "image": data_url(PNG), **fields}
+
+
+# (request body, field, rule): every refusal of /v1/generate's image fields.
+REFUSED_REQUESTS = [
+    (_bad(image="data:image/png;base64,not base64!"), "image", "invalid_base64"),
+    (_bad(image="data:image/png,abc"), "image", "invalid_data_url"),
+    (_bad(image="just a string"), "image", "invalid_image_reference"),
+    (_bad(image="ftp://example.com/a.png"), "image", "invalid_image_reference"),
+    (_bad(image=data_url(b"GIF89a not really")), "image", "unsupported_format"),
+    (_bad(image=data_url(encode(RED, "GIF"))), "image", "unsupported_format"),
+    (_bad(image=data_url(b"\x00" * 100)), "image", "not_an_image"),
+    (_bad(image=data_url(REFUSED_BYTES[10][1])), "image", "animated_not_allowed"),
+    (_bad(image=data_url(_bomb())), "image", "too_many_pixels"),
+    (_bad(image=data_url(b"x" * (3 << 20))), "image", "too_large"),
+    (_bad(mask=data_url(encode(Image.new("L", (8, 8)), "PNG"))), "mask", "size_mismatch"),
+    (_bad(mask="data:,x"), "mask", "invalid_data_url"),
+    (_bad(strength=0), "strength", "greater_than"),
+    (_bad(strength=1.5), "strength", "less_than_equal"),
+    (_bad(strength=-0.1), "strength", "greater_than"),
+    ({"model": "toy-img", "prompt": "p", "mask": data_url(MASK)}, "mask", "mask_without_image"),
+    ({"model": "toy-img", "prompt": "p", "strength": 0.5}, "strength", "strength_without_image"),
+    (_bad(model="toy"), "image", "task_not_supported"),
+    (_bad(model="toy-i2i", mask=data_url(MASK)), "mask", "task_not_supported"),
+    (_bad(image="http://127.0.0.1:6379/"), "image", "url_not_allowed"),
+    (_bad(image="http://169.254.169.254/latest/meta-data/"), "image", "url_not_allowed"),
+    (_bad(image="http://2130706433/a.png"), "image", "url_not_allowed"),
+    (_bad(image="http://[::ffff:10.0.0.1]/a.png"), "image", "url_not_allowed"),
+]
+
+
+@pytest.mark.parametrize(
+    "body,field,rule", REFUSED_REQUESTS, ids=[f"{f}-{r}-{i}" for i, (_, f, r) in enumerate(REFUSED_REQUESTS)]
+)
+async def test_refused_requests_are_422s(api_img, body, field, rule):
+    client, store, _ = api_img
+    r = await client.post("/v1/generate", json=body)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert (error["field"], error["code"]) == (field, rule), error
+    # Nothing was queued and nothing stored.
+    assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []
+    assert [k async for k in store.redis.scan_iter(f"{store.prefix}:job:*")] == []
+
+
+async def test_image_urls_are_fetched_before_the_job_is_accepted(make_settings):
+    async def routes(path, headers, reader, writer):
+        if path == "/red.png":
+            writer.write(answer(200, PNG, {"content-type": "image/png"}))
+        elif path == "/lies.png":  # says image/png, is HTML
+            writer.write(answer(200, b"<html>hi</html>", {"content-type": "image/png"}))
+        elif path == "/to-metadata":
+            writer.write(answer(302, headers={"location": "http://169.254.169.254/latest/"}))
+        elif path == "/silent":
+            await asyncio.sleep(10)
+        else:
+            writer.write(answer(404))
+        await writer.drain()
+
+    settings = make_settings(
+        image_fetch_allow_private=True, image_fetch_timeout_s=0.5, max_image_pixels=1 << 20
+    )
+    async with api_client(settings) as (client, store), http_server(routes) as (port, seen):
+        await FakeWorker(store, models=(TOY_IMG,)).register()
+        base = f"http://127.0.0.1:{port}"
+        r = await client.post("/v1/generate", json={"prompt": "p", "image": f"{base}/red.png"})
+        assert r.status_code == 202, r.text
+        stored = await InputStore.of(store).get(r.json()["params"]["image"])
+        assert Image.open(io.BytesIO(stored)).size == (40, 24)
+        for path, rule in [
+            ("/lies.png", "not_an_image"),
+            ("/missing.png", "fetch_failed"),
+            ("/to-metadata", "url_not_allowed"),
+            ("/silent", "fetch_failed"),
+        ]:
+            r = await client.post("/v1/generate", json={"prompt": "p", "image": f"{base}{path}"})
+            assert r.status_code == 422, r.text
+            assert (r.json()["error"]["field"], r.json()["error"]["code"]) == ("image", rule), r.text
+        assert ("timed out" in r.json()["error"]["message"]) or (
+            "no complete answer" in r.json()["error"]["message"]
+        )
+
+
+async def test_body_limits(make_settings):
+    """/v1/generate and /v1/images/edits take max_image_body_bytes; other routes keep max_body_bytes."""
+    settings = make_settings(max_body_bytes=4096, max_image_body_bytes=64 * 1024, max_image_pixels=1 << 20)
+    async with api_client(settings) as (client, store):
+        await FakeWorker(store, models=(TOY_IMG,)).register()
+        r = await client.post(
+            "/v1/generate",
+            json={
+                "prompt": "p",
+                "image": data_url(PNG),
+                "metadata": {"a": "x" * 1000, "b": "x" * 1000, "c": "x" * 1000, "d": "x" * 1000},
+            },
+        )
+        assert r.status_code == 202, r.text  # over 4 KiB, under 64 KiB
+        big = {"prompt": "p", "image": data_url(b"x" * 70_000)}
+        assert (await client.post("/v1/generate", json=big)).status_code == 413
+        r = await client.post("/v1/images/generations", json={"prompt": "x" * 5000})
+        assert r.status_code == 413
+
+
+async def test_refused_submit_and_replay_leave_no_input(make_settings):
+    settings = make_settings(queue_max_length=1, max_image_pixels=1 << 20)
+    async with api_client(settings) as (client, store):
+        await FakeWorker(store, models=(TOY_IMG,)).register()
+        body = {"prompt": "p", "image": data_url(PNG)}
+        first = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "k1"})
+        replay = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "k1"})
+        assert first.json()["id"] == replay.json()["id"]
+        full = await client.post("/v1/generate", json=body)
+        assert full.status_code == 429
+        inputs = [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")]
+        assert len(inputs) == 1  # the first job's only
+
+
+async def test_models_list_tasks_and_strength(api_img):
+    client, *_ = api_img
+    cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert cards["toy"]["tasks"] == ["text-to-image"] and cards["toy"]["limits"]["strength"] is None
+    assert cards["toy-img"]["tasks"] == ["text-to-image", "image-to-image", "inpaint"]
+    assert cards["toy-img"]["limits"]["strength"] == {
+        "min": 0.0,
+        "max": 1.0,
+        "defaults": {"image-to-image": 0.3, "inpaint": 0.9999},
+    }
+
+
+# ---- /v1/images/edits (multipart, OpenAI's shape) ---------------------------------------------------------
+
+
+async def test_images_edits(api_img):
+    client, store, worker = api_img
+    worker.start()
+    rgba = Image.new("RGBA", (40, 24), (0, 0, 0, 255))
+    for x in range(20):
+        for y in range(24):
+            rgba.putpixel((x, y), (0, 0, 0, 0))  # the left half transparent: repainted
+    files = {"image": ("in.png", PNG, "image/png"), "mask": ("mask.png", encode(rgba, "PNG"), "image/png")}
+    data = {"prompt": "a cat", "model": "toy-img", "n": "2", "size": "64x48", "response_format": "b64_json"}
+    r = await client.post("/v1/images/edits", files=files, data=data)
+    assert r.status_code == 200, r.text
+    images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in r.json()["data"]]
+    assert [im.size for im in images] == [(64, 48), (64, 48)]
+    jobs = [k async for k in store.redis.scan_iter(f"{store.prefix}:job:*")]
+    (job,) = [await store.get(k.rsplit(":", 1)[1]) for k in jobs]
+    mask = Image.open(io.BytesIO(await InputStore.of(store).get(job.params.mask)))
+    assert mask.getpixel((0, 0)) == 255 and mask.getpixel((39, 0)) == 0
+    # Without a mask: image-to-image, answered with URLs.
+    r = await client.post(
+        "/v1/images/edits",
+        files={"image": ("in.png", PNG, "image/png")},
+        data={"prompt": "a cat", "model": "toy-i2i"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["data"][0]["url"].startswith("http://testserver/v1/jobs/")
+
+
+@pytest.mark.parametrize(
+    "files,data,field,rule",
+    [
+        ({}, {"prompt": "p"}, "image", "missing"),
+        ({"image": ("a.png", PNG, "image/png")}, {}, "prompt", "missing"),
+        ({"image": ("a.txt", b"hello", "text/plain")}, {"prompt": "p"}, "image", "not_an_image"),
+        (
+            {"image": ("a.gif", encode(RED, "GIF"), "image/png")},
+            {"prompt": "p"},
+            "image",
+            "unsupported_format",
+        ),
+        (
+            {
+                "image": ("a.png", PNG, "image/png"),
+                "mask": ("m.png", encode(Image.new("L", (8, 8)), "PNG"), "image/png"),
+            },
+            {"prompt": "p"},
+            "mask",
+            "size_mismatch",
+        ),
+        (
+            {"image": ("a.png", PNG, "image/png")},
+            {"prompt": "p", "model": "toy"},
+            "image",
+            "task_not_supported",
+        ),
+        ({"image": ("a.png", PNG, "image/png")}, {"prompt": "p", "size": "65x48"}, "size", "not_multiple"),
+        (
+            {"image": ("a.png", PNG, "image/png")},
+            {"prompt": "p", "strength": "2"},
+            "strength",
+            "less_than_equal",
+        ),
+        (
+            {"image": ("a.png", PNG, "image/png")},
+            {"prompt": "p", "response_format": "gif"},
+            "response_format",
+            "literal_error",
+        ),
+        ({"image": ("a.png", b"x" * (3 << 20), "image/png")}, {"prompt": "p"}, "image", "too_large"),
+    ],
+)
+async def test_images_edits_refusals(api_img, files, data, field, rule):
+    client, store, _ = api_img
+    data = {"model": "toy-img", **data}
+    r = await client.post("/v1/images/edits", files=files or {"x": ("x", b"", "text/plain")}, data=data)
+    assert r.status_code == 422, r.text
+    assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, rule), r.text
+    assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []
