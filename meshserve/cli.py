@@ -1,4 +1,4 @@
-"""The `meshserve` command: generate | serve | api | worker | keys.
+"""The `meshserve` command: generate | serve | api | worker | keys | webhooks.
 
 Each subcommand imports only what it needs, so `meshserve api` never loads JAX. Errors a user can fix are
 printed as one line (exit code 2), never as a traceback.
@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshserve.service.keys_cli import add_keys_parser  # argparse only: Redis is imported when it runs
 
     add_keys_parser(sub, UsageError)
+    from meshserve.service.webhooks.cli import add_webhooks_parser  # argparse only
+
+    add_webhooks_parser(sub)
     return parser
 
 

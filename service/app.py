@@ -16,6 +16,7 @@ from meshserve.service.api.routes import generate, health, images, jobs, models,
 from meshserve.service.auth import KeyStore
 from meshserve.service.settings import Settings, get_settings
 from meshserve.service.store import Store
+from meshserve.service.webhooks.deliverer import deliver_in_background
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         if settings.auth == "keys" and settings.admin_key is not None:
             await _install_admin_key(app.state.keys, settings)
         try:
-            yield
+            async with deliver_in_background(app.state.store, settings):  # webhooks, deadlines
+                yield
         finally:
             if own:
                 await app.state.store.close()

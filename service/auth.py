@@ -6,10 +6,15 @@ created (`meshserve keys create`), and stored only as its SHA-256 digest, in Red
 
 | key                    | type | holds |
 |------------------------|------|-------|
-| `P:apikey:{sha256 hex}` | hash | name, tenant, admin (0/1), rate_per_minute, max_active (0: no limit), digest, created_at, last_used_at |
+| `P:apikey:{sha256 hex}` | hash | name, tenant, admin (0/1), rate_per_minute, max_active (0: no limit), digest, created_at, last_used_at, webhook_secret, webhook_secret_prev + webhook_secret_prev_until (a rotation's grace) |
 | `P:apikeys`            | hash | key name -> digest (for `list` and `revoke`) |
 | `P:ratelimit:{tenant}` | hash | the tenant's token bucket (`service/rate_limit.py`) |
 | `P:active:{tenant}`    | set  | the tenant's queued and running job ids, pruned on read (`service/store_lua.py` SUBMIT) |
+
+Each key created has its own webhook signing secret (`whsec_...`, service/webhooks/signing.py), shown once with the
+key and kept in the record in the clear (an HMAC key must be: it signs, it is not compared). `rotate_webhook_secret`
+replaces it and keeps the previous one for `ROTATION_GRACE_S`, during which deliveries carry both signatures
+(Standard Webhooks' rotation), so receivers can switch without dropping a retry signed the old way.
 
 Lookup is by digest (a preimage-resistant index: timing tells an attacker nothing about a valid key), and the
 stored digest is compared again with `hmac.compare_digest`. Several keys may name one tenant (`--tenant`): that is
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from meshserve.service.rate_limit import TOKEN_BUCKET_LUA, RateLimitState
+from meshserve.service.webhooks.signing import new_secret
 
 KEY_PREFIX = "msk_"
 _KEY_FORMAT = re.compile(r"^msk_[A-Za-z0-9_-]{43}$")
@@ -54,6 +60,15 @@ class Tenant:
     rate_per_minute: int = 0  # 0: no rate limit
     max_active: int = 0  # 0: no limit on queued + running jobs
     key_name: str | None = None
+    key_digest: str = ""  # the key's SHA-256 (what a job records to find its webhook secret); "": open mode
+
+
+@dataclass(frozen=True)
+class NewKey:
+    """A key just created and its webhook secret: the only time either is seen."""
+
+    key: str
+    webhook_secret: str
 
 
 def new_key() -> str:
@@ -137,6 +152,45 @@ return 1
 """
 
 
+# A rotated-out webhook secret keeps signing (beside the new one) this long: as long as a delivery is retried.
+ROTATION_GRACE_S = 24 * 3600
+
+# ARGV: P, name, new secret, now, grace s. Returns 1, or 0 when no key has that name.
+ROTATE_WEBHOOK_SECRET = r"""
+local P = ARGV[1]
+local digest = redis.call('HGET', P .. ':apikeys', ARGV[2])
+if not digest then return 0 end
+local rk = P .. ':apikey:' .. digest
+local old = redis.call('HGET', rk, 'webhook_secret')
+if old then
+  redis.call('HSET', rk, 'webhook_secret_prev', old, 'webhook_secret_prev_until', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+end
+redis.call('HSET', rk, 'webhook_secret', ARGV[3])
+return 1
+"""
+
+
+async def webhook_secrets(redis: aioredis.Redis, prefix: str, digest: str, settings) -> list[str]:
+    """The secrets that sign a webhook of a job submitted with the key of this digest, the current one first: its
+    own (and its previous one during a rotation's grace), else `settings.webhook_secret`; for a job submitted in
+    open mode (digest ""), `settings.webhook_secret`. Empty: nothing may sign (the key was revoked, or no secret
+    is configured)."""
+    fallback = [settings.webhook_secret.get_secret_value()] if settings.webhook_secret is not None else []
+    if not digest:
+        return fallback
+    name, current, prev, until = await redis.hmget(
+        f"{prefix}:apikey:{digest}",
+        ["name", "webhook_secret", "webhook_secret_prev", "webhook_secret_prev_until"],
+    )
+    if name is None:
+        return []
+    if not current:
+        return fallback
+    if prev and until and time.time() < float(until):
+        return [current, prev]
+    return [current]
+
+
 class KeyStore:
     """API keys in Redis: create / list / revoke (the `meshserve keys` command) and `authenticate` (the API)."""
 
@@ -146,6 +200,7 @@ class KeyStore:
         self._create = redis.register_script(CREATE)
         self._revoke = redis.register_script(REVOKE)
         self._install = redis.register_script(INSTALL)
+        self._rotate = redis.register_script(ROTATE_WEBHOOK_SECRET)
 
     async def create(
         self,
@@ -157,6 +212,21 @@ class KeyStore:
         admin: bool = False,
     ) -> str:
         """Store a new key for `tenant` (default: `name`) and return it: the only time it is ever seen."""
+        new = await self.create_key(
+            name, tenant=tenant, rate_per_minute=rate_per_minute, max_active=max_active, admin=admin
+        )
+        return new.key
+
+    async def create_key(
+        self,
+        name: str,
+        *,
+        tenant: str | None = None,
+        rate_per_minute: int,
+        max_active: int,
+        admin: bool = False,
+    ) -> NewKey:
+        """`create`, returning the key's webhook secret too."""
         tenant = tenant or name
         for what, value in (("name", name), ("tenant", tenant)):
             if not NAME_FORMAT.match(value):
@@ -165,7 +235,7 @@ class KeyStore:
                 )
         if rate_per_minute < 0 or max_active < 0:
             raise ApiKeyError("--rate-per-minute and --max-active must be >= 0 (0: no limit)")
-        key = new_key()
+        key, secret = new_key(), new_secret()
         digest = key_digest(key)
         record = {
             "name": name,
@@ -175,11 +245,21 @@ class KeyStore:
             "max_active": str(max_active),
             "digest": digest,
             "created_at": f"{time.time():.3f}",
+            "webhook_secret": secret,
         }
         args = [self.prefix, name, digest, *(x for kv in record.items() for x in kv)]
         if not int(await self._create(keys=[], args=args)):
             raise ApiKeyError(f"a key named {name!r} exists; revoke it first or pick another name")
-        return key
+        return NewKey(key, secret)
+
+    async def rotate_webhook_secret(self, name: str) -> str:
+        """Give the key named `name` a new webhook secret and return it (shown this once); the previous one keeps
+        signing beside it for `ROTATION_GRACE_S`. Raises ApiKeyError for an unknown name."""
+        secret = new_secret()
+        args = [self.prefix, name, secret, f"{time.time():.3f}", ROTATION_GRACE_S]
+        if not int(await self._rotate(keys=[], args=args)):
+            raise ApiKeyError(f"no key named {name!r}")
+        return secret
 
     async def install(self, name: str, key: str, *, tenant: str, admin: bool) -> bool:
         """Make `key` (given, e.g. from a Secret) the key named `name`, without limits, replacing a previous key of
@@ -210,7 +290,8 @@ class KeyStore:
         for name, digest in sorted(index.items()):
             rec = await self.redis.hgetall(f"{self.prefix}:apikey:{digest}")
             if rec:
-                rec.pop("digest", None)
+                for secret in ("digest", "webhook_secret", "webhook_secret_prev"):
+                    rec.pop(secret, None)
                 out.append({"name": name, **rec})
         return out
 
@@ -231,6 +312,7 @@ class KeyStore:
             rate_per_minute=rate,
             max_active=int(max_active or 0),
             key_name=name,
+            key_digest=digest,
         )
         state = None
         if rate > 0:

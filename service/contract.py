@@ -14,7 +14,7 @@ What crosses each boundary:
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -22,17 +22,24 @@ from meshserve.limits import IMAGE_FORMATS, VIDEO_FORMATS
 
 
 class JobStatus(StrEnum):
-    """A job's life: queued -> running -> succeeded | failed | canceled (queued may also go straight to an end)."""
+    """A job's life: queued -> running -> succeeded | failed | canceled (queued may also go straight to an end).
+
+    `expired`: the job had a deadline (`Cancel-After`, `deadline_s`) and had not started by then (Replicate's
+    "aborted"); one that was running at its deadline ends `canceled` with error code `deadline_exceeded`."""
 
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELED = "canceled"
+    EXPIRED = "expired"
 
     @property
     def terminal(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+        return self in _TERMINAL_STATUSES
+
+
+_TERMINAL_STATUSES = frozenset((JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.EXPIRED))
 
 
 class Priority(StrEnum):
@@ -56,10 +63,11 @@ class EventType(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELED = "canceled"
+    EXPIRED = "expired"
 
     @property
     def terminal(self) -> bool:
-        return self in (EventType.SUCCEEDED, EventType.FAILED, EventType.CANCELED)
+        return self in (EventType.SUCCEEDED, EventType.FAILED, EventType.CANCELED, EventType.EXPIRED)
 
 
 # Output format -> content type, for images and video alike (an animated WebP is image/webp): the one map the
@@ -248,6 +256,16 @@ class Progress(_Frozen):
     total_steps: int = 0
 
 
+class WebhookState(_Frozen):
+    """Where the job's webhook stands (service/webhooks/): `pending` (queued, or retrying after a failure),
+    `delivered` (a 2xx), `failed` (gave up: 410, a refused address, or `webhook_max_attempts` /
+    `webhook_max_age_s` spent). `attempts` counts POSTs begun; `last_error` says why the last one failed."""
+
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int = 0
+    last_error: str | None = None
+
+
 class Timings(_Frozen):
     """Seconds: queued -> started, started -> finished, created -> finished; `stages` as the worker measured them
     (text_encode, denoise, vae_decode, encode)."""
@@ -276,6 +294,11 @@ class Job(BaseModel):
     attempt: int = 0
     worker: str | None = None
     cancel_requested: bool = False
+    # Unix seconds after which the job may no longer start (queued: ends `expired`; running: canceled between
+    # steps); None: no deadline.
+    deadline_at: float | None = None
+    # Present once a webhook was asked for and the job ended with an event it subscribes to.
+    webhook: WebhookState | None = None
     # Not stored: jobs ahead of this one while queued, filled by `Store.submit` / `Store.queue_position`.
     queue_position: int | None = None
 

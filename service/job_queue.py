@@ -36,6 +36,7 @@ from meshserve.service.contract import (
 from meshserve.service.job_reads import JobReads
 from meshserve.service.redis_client import MAX_BLOCK_MS
 from meshserve.service.store_base import job_from_hash, pairs, valid_job_id
+from meshserve.service.webhooks.spec import WebhookSpec
 
 GROUP = "pools"
 
@@ -43,6 +44,18 @@ GROUP = "pools"
 def request_hash(body: Any) -> str:
     """The hash an Idempotency-Key is bound to: SHA-256 of the body as canonical JSON."""
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# What tells a running job's worker to stop between steps: a client's cancel, the job gone or canceled, or its
+# deadline passed.
+_STOP_FIELDS = ["cancel", "status", "deadline"]
+
+
+def _stop(fields: list[str | None], now: float) -> bool:
+    flag, status, deadline = fields
+    if flag == "1" or status is None or status in (JobStatus.CANCELED.value, JobStatus.EXPIRED.value):
+        return True
+    return bool(deadline) and now >= float(deadline)
 
 
 class TooManyActiveJobs(Exception):
@@ -70,6 +83,8 @@ class JobQueue(JobReads):
         request_digest: str = "",
         owner: str | None = None,
         max_active: int = 0,
+        deadline_at: float | None = None,
+        webhook: WebhookSpec | None = None,
     ) -> Job:
         """Queue a job for tenant `owner` (default `Settings.default_owner`): its hash, its stream entry (XADD)
         and its `queued` event, in one script.
@@ -78,7 +93,9 @@ class JobQueue(JobReads):
         `QueueFull`; when `max_active` > 0 and the tenant has that many queued or running jobs, it raises
         `TooManyActiveJobs`. With an `idempotency_key` (scoped to the tenant), a second submit with the same key and
         `request_digest` returns the first job (its current state); another digest raises `IdempotencyConflict`.
-        The returned job carries `queue_position` (jobs ahead of it)."""
+        The returned job carries `queue_position` (jobs ahead of it). `deadline_at` (unix seconds): a job not
+        started by then ends `expired`, one running then is canceled. `webhook`: POSTed (signed, retried) when the
+        job ends with one of its statuses, queued by the same script as the end (service/webhooks/)."""
         s = self.settings
         job_id = uuid.uuid4().hex
         now = time.time()
@@ -95,6 +112,8 @@ class JobQueue(JobReads):
             params.model_dump_json(),
         ]
         args += [repr(now), tenant, max_active, s.job_ttl_s, secrets.token_urlsafe(16)]
+        args += [repr(deadline_at) if deadline_at is not None else ""]
+        args += [webhook.model_dump_json(), webhook.fires_on()] if webhook is not None else ["", ""]
         res = await self._run("SUBMIT", [self.job_key(job_id), idem_key, *streams, active_key], args)
         if res[0] == "full":
             raise QueueFull(params.model, int(res[1]), s.queue_max_length)
@@ -114,6 +133,8 @@ class JobQueue(JobReads):
                     request_digest=request_digest,
                     owner=owner,
                     max_active=max_active,
+                    deadline_at=deadline_at,
+                    webhook=webhook,
                 )
             prev.queue_position = await self.queue_position(prev)
             return prev
@@ -124,6 +145,7 @@ class JobQueue(JobReads):
             status=JobStatus.QUEUED,
             params=params,
             created_at=now,
+            deadline_at=deadline_at,
         )
         job.queue_position = int(res[2])
         return job
@@ -268,23 +290,22 @@ class JobQueue(JobReads):
         return bool(await self._run("PROGRESS", [], args))
 
     async def cancel_requested(self, job_id: str) -> bool:
-        """True when a client asked to cancel the job (or it no longer exists): stop between steps and call
-        `mark_canceled`."""
-        flag, status = await self.redis.hmget(self.job_key(job_id), ["cancel", "status"])
-        return flag == "1" or status is None or status == JobStatus.CANCELED.value
+        """True when a client asked to cancel the job, its deadline passed, or it no longer exists: stop between
+        steps and call `mark_canceled`."""
+        return _stop(await self.redis.hmget(self.job_key(job_id), _STOP_FIELDS), time.time())
 
     async def poll_running(
         self, deliveries: list[Delivery], step: int | None = None, total: int = 0
     ) -> list[tuple[bool, bool]]:
         """For the jobs of a running batch, in one round trip: (cancel requested, progress recorded) each. The
-        first is `cancel_requested`; the second, with `step`, is `progress(delivery, step, total)` (False: fenced
+        first is `cancel_requested` (a cancel, or the job's deadline passed); the second, with `step`, is `progress(delivery, step, total)` (False: fenced
         or no longer running), without `step` always True. A worker's progress task calls this a few times a
         second, off the denoise loop (workers/job_loop.py)."""
         s, sha = self.settings, self._scripts["PROGRESS"].sha
         data = json.dumps({"status": "running", "step": step, "total_steps": total})
         async with self.redis.pipeline(transaction=False) as pipe:
             for d in deliveries:
-                pipe.hmget(self.job_key(d.job.id), ["cancel", "status"])
+                pipe.hmget(self.job_key(d.job.id), _STOP_FIELDS)
                 if step is not None:
                     args = [self.prefix, d.job.id, d.attempt, step, total, s.events_max_length, data]
                     pipe.evalsha(sha, 0, *args)
@@ -295,11 +316,10 @@ class JobQueue(JobReads):
         for r in res:
             if isinstance(r, Exception):
                 raise r
-        per_job = 1 if step is None else 2
+        per_job, now = (1 if step is None else 2), time.time()
         out = []
         for i in range(len(deliveries)):
-            flag, status = res[i * per_job]
-            canceled = flag == "1" or status is None or status == JobStatus.CANCELED.value
+            canceled = _stop(res[i * per_job], now)
             out.append((canceled, step is None or bool(res[i * per_job + 1])))
         return out
 
@@ -382,8 +402,23 @@ class JobQueue(JobReads):
         return await self._end(delivery, JobStatus.FAILED, {"error": err.model_dump_json()}, data)
 
     async def mark_canceled(self, delivery: Delivery) -> bool:
-        """End the job canceled after the worker stopped it on `cancel_requested`; emit `canceled`, XACK. Fenced."""
+        """End the job canceled after the worker stopped it on `cancel_requested`; emit `canceled`, XACK. Fenced.
+        Stopped by its deadline (no client cancel): with error `deadline_exceeded`."""
+        flag, deadline = await self.redis.hmget(self.job_key(delivery.job.id), ["cancel", "deadline"])
+        if flag != "1" and deadline and time.time() >= float(deadline):
+            err = JobError(code="deadline_exceeded", message="the job was still running at its deadline")
+            data = {"status": "canceled", "error": err.model_dump()}
+            return await self._end(delivery, JobStatus.CANCELED, {"error": err.model_dump_json()}, data)
         return await self._end(delivery, JobStatus.CANCELED, {}, {"status": "canceled"})
+
+    async def expire_due(self, limit: int = 100) -> list[str]:
+        """The deadline sweep: end `expired` the queued jobs whose deadline has passed (up to `limit`); running
+        ones are left to their workers (`poll_running`). Returns the ids expired. A deliverer runs it every
+        `webhook_poll_s` (service/webhooks/deliverer.py)."""
+        s = self.settings
+        return list(
+            await self._run("EXPIRE_DUE", [], [repr(time.time()), s.job_ttl_s, s.events_max_length, limit])
+        )
 
     async def release(self, delivery: Delivery) -> bool:
         """Give the job back without finishing it (SIGTERM): back to `queued` at its place in the stream, reclaimed

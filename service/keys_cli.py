@@ -3,9 +3,12 @@
     meshserve keys create NAME [--tenant T] [--rate-per-minute N] [--max-active N] [--admin] [--redis-url URL]
     meshserve keys list [--redis-url URL]
     meshserve keys revoke NAME [--redis-url URL]
+    meshserve keys rotate-webhook-secret NAME [--redis-url URL]
 
-`create` prints the new key alone on its last stdout line (scripts take `| tail -n 1`): it is shown this once and
-stored only as its SHA-256. `list` shows names, tenants, limits and times, never a key. `revoke` deletes the key;
+`create` prints the key's webhook signing secret (`webhook secret: whsec_...`) and then the new key alone on its
+last stdout line (scripts take `| tail -n 1`): both are shown this once, and the key is stored only as its SHA-256.
+`rotate-webhook-secret` prints a new secret alone on its last line; the old one signs beside it for a day
+(service/auth.py). `list` shows names, tenants, limits and times, never a key. `revoke` deletes the key;
 every API replica refuses it from its next request (nothing caches a lookup). The key prefix (`MESHSERVE_KEY_PREFIX`)
 and the default limits (`MESHSERVE_KEY_RATE_PER_MINUTE`, `MESHSERVE_KEY_MAX_ACTIVE`) come from the environment like
 the API's. Imports no JAX.
@@ -44,6 +47,12 @@ def add_keys_parser(sub: argparse._SubParsersAction, on_error: type[Exception]) 
     revoke = keys_sub.add_parser("revoke", help="delete a key: refused everywhere from the next request")
     revoke.add_argument("name")
     common(revoke)
+    rotate = keys_sub.add_parser(
+        "rotate-webhook-secret",
+        help="a new webhook signing secret (printed once); the old one signs for a day more",
+    )
+    rotate.add_argument("name")
+    common(rotate)
     keys.set_defaults(func=lambda args: run_keys(args, on_error))
 
 
@@ -80,15 +89,21 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         if args.keys_command == "create":
             rate = settings.key_rate_per_minute if args.rate_per_minute is None else args.rate_per_minute
             active = settings.key_max_active if args.max_active is None else args.max_active
-            key = await store.create(
+            new = await store.create_key(
                 args.name, tenant=args.tenant, rate_per_minute=rate, max_active=active, admin=args.admin
             )
             limits = f"{rate or 'unlimited'} requests/min, {active or 'unlimited'} active jobs"
             _out(
                 f"created key {args.name!r} for tenant {args.tenant or args.name!r}"
-                f"{' (admin)' if args.admin else ''}: {limits}. It is shown once; store it now:"
+                f"{' (admin)' if args.admin else ''}: {limits}. It and its webhook secret are shown once; "
+                "store them now:"
             )
-            _out(key)
+            _out(f"webhook secret: {new.webhook_secret}")
+            _out(new.key)
+        elif args.keys_command == "rotate-webhook-secret":
+            secret = await store.rotate_webhook_secret(args.name)
+            _out(f"new webhook secret for key {args.name!r} (the old one signs beside it for a day):")
+            _out(secret)
         elif args.keys_command == "list":
             rows = await store.list()
             header = ("NAME", "TENANT", "ADMIN", "RATE/MIN", "MAX_ACTIVE", "CREATED", "LAST_USED")

@@ -71,6 +71,30 @@ AUTH_REFUSED = Counter(
 )
 BUILD_INFO = Info("meshserve_build", "API build information.")
 
+# Webhooks (service/webhooks/deliverer.py), counted by the process that delivers them: the API's background task
+# or `meshserve webhooks` (its own --metrics-port). A POST takes one round trip to the receiver; the slowest a
+# deliverer allows is `webhook_timeout_s` (10 s by default).
+_WEBHOOK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+WEBHOOK_DELIVERIES = Counter(
+    "meshserve_webhook_deliveries_total",
+    "Webhooks settled for good: delivered (a 2xx) or failed (410, a refused address, or retries spent).",
+    ["outcome"],
+)
+WEBHOOK_RETRIES = Counter(
+    "meshserve_webhook_retries_total", "Webhook POSTs that failed and were scheduled again."
+)
+WEBHOOK_ATTEMPT_SECONDS = Histogram(
+    "meshserve_webhook_attempt_duration_seconds",
+    "Seconds per webhook POST, by result (2xx, 4xx, 5xx, error: no answer, refused: address rules).",
+    ["result"],
+    buckets=_WEBHOOK_BUCKETS,
+)
+WEBHOOK_DELIVERY_SECONDS = Histogram(
+    "meshserve_webhook_delivery_latency_seconds",
+    "Seconds from a job's end to its webhook's successful delivery (retries included).",
+    buckets=(*_WEBHOOK_BUCKETS, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600),
+)
+
 
 def set_build_info() -> None:
     from importlib.metadata import PackageNotFoundError, version
@@ -90,6 +114,7 @@ class StoreCollector(Collector):
         self.queues: dict = {}
         self.stats: dict = {}
         self.pools: list = []
+        self.webhooks_pending = 0
 
     def collect(self):
         depth = GaugeMetricFamily(
@@ -144,6 +169,11 @@ class StoreCollector(Collector):
         pools.add_metric(["true"], ready)
         pools.add_metric(["false"], len(self.pools) - ready)
         yield pools
+        yield GaugeMetricFamily(
+            "meshserve_webhooks_pending",
+            "Webhooks queued or waiting for a retry (all deliverers).",
+            value=self.webhooks_pending,
+        )
 
 
 STORE_COLLECTOR = StoreCollector()
@@ -157,6 +187,7 @@ async def refresh_from_store(store) -> None:
         STORE_COLLECTOR.queues = await store.queue_depths()
         STORE_COLLECTOR.stats = await store.stats()
         STORE_COLLECTOR.pools = await store.list_pools()
+        STORE_COLLECTOR.webhooks_pending = int(await store.redis.zcard(f"{store.prefix}:webhooks:due"))
     except Exception as e:  # a scrape must not fail because Redis is away
         log.warning("metrics: could not read the store: %s", e)
 

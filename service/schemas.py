@@ -24,7 +24,9 @@ from meshserve.service.contract import (
     PoolInfo,
     Priority,
     Progress,
+    WebhookState,
 )
+from meshserve.service.webhooks.spec import WebhookRequest
 
 MAX_SEED = 2**32 - 1
 # Every format some model may produce (which ones a model takes is its `limits.output_formats`).
@@ -138,6 +140,16 @@ class GenerateRequest(BaseModel):
         description="How much of the schedule runs from the noised image, in (0, 1]: 1 repaints from noise. "
         "Needs `image`; left out: the task's default (the model's `limits.strength.defaults`).",
     )
+    webhook: WebhookRequest | None = Field(
+        None, description="POST the job's end here, signed (Standard Webhooks; docs/webhooks.md)."
+    )
+    deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds from submission: a job not started by then ends `expired`, one still running is "
+        "canceled (error `deadline_exceeded`). The `Cancel-After` header says the same (it wins when both are "
+        "given).",
+    )
 
 
 class ImagesRequest(BaseModel):
@@ -181,6 +193,12 @@ class JobResponse(BaseModel):
     outputs: list[Output] = Field(default_factory=list)
     error: JobError | None = None
     timings: TimingsOut
+    deadline_at: float | None = Field(
+        None, description="Unix seconds; set by `Cancel-After` or `deadline_s`."
+    )
+    webhook: WebhookState | None = Field(
+        None, description="The webhook's delivery, once the job ended with an event it subscribes to."
+    )
 
     @classmethod
     def from_job(cls, job: Job) -> JobResponse:
@@ -200,6 +218,8 @@ class JobResponse(BaseModel):
             timings=TimingsOut(
                 queue_s=job.timings.queue_s, inference_s=job.timings.inference_s, total_s=job.timings.total_s
             ),
+            deadline_at=job.deadline_at,
+            webhook=job.webhook,
         )
 
 

@@ -105,6 +105,31 @@ class Settings(BaseSettings):
     # submitted without one.
     default_owner: str = "public"
 
+    # Webhooks (docs/webhooks.md, service/webhooks/). Signed per Standard Webhooks with the submitting key's own
+    # secret; `webhook_secret` (`whsec_<base64>`) signs for keys that have none and in open mode (MESHSERVE_AUTH=
+    # none), where a request with a webhook is refused (422) unless it is set. Targets must resolve to public
+    # addresses (service/ssrf.py) unless `webhook_allow_private` (on-premise receivers, tests); cloud metadata
+    # addresses never. Retries: exponential from `webhook_retry_base_s` (doubling, capped at
+    # `webhook_retry_max_s`, times a random 0.5-1.5 jitter) until `webhook_max_attempts` POSTs or
+    # `webhook_max_age_s` after the job ended (the defaults: 2 s first, about 36 attempts over a day). A claimed
+    # delivery is hidden from other deliverers for `webhook_lease_s` (more than the POST's timeout): a deliverer
+    # killed mid-POST is retried by another after it. The API process runs a deliverer (and the deadline sweep)
+    # as a background task unless `webhook_deliver_in_api` is false; `meshserve webhooks` runs one alone.
+    webhook_secret: SecretStr | None = None
+    webhook_allow_private: bool = False
+    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_retry_base_s: float = Field(2.0, gt=0)
+    webhook_retry_max_s: float = Field(3600.0, gt=0)
+    webhook_max_attempts: int = Field(40, ge=1)
+    webhook_max_age_s: float = Field(24 * 3600.0, gt=0)
+    webhook_lease_s: float = Field(30.0, gt=0)
+    webhook_concurrency: int = Field(16, ge=1)
+    webhook_deliver_in_api: bool = True
+    # How often a deliverer looks for due deliveries and expired deadlines (both are one Redis script each).
+    webhook_poll_s: float = Field(0.5, gt=0)
+    # A deadline (`Cancel-After` header or `deadline_s`) may be at most this far from submission.
+    max_deadline_s: float = Field(7 * 24 * 3600.0, gt=0)
+
 
 @lru_cache
 def get_settings() -> Settings:

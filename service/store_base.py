@@ -22,6 +22,7 @@ from meshserve.service.contract import (
     Priority,
     Progress,
     Timings,
+    WebhookState,
 )
 from meshserve.service.output_store import OutputStore
 from meshserve.service.redis_client import connect
@@ -34,6 +35,7 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 _SCRIPTS = (
     "SUBMIT ACCEPT RECLAIM GIVE_BACK START HEARTBEAT PROGRESS END RELEASE CANCEL POSITION QUEUE_STATS TRIM"
+    " EXPIRE_DUE"
 )
 
 
@@ -64,6 +66,18 @@ def job_from_hash(h: dict[str, str]) -> Job:
         attempt=int(h.get("attempt") or 0),
         worker=h.get("worker") or None,
         cancel_requested=h.get("cancel") == "1",
+        deadline_at=_f(h.get("deadline")),
+        webhook=_webhook_state(h),
+    )
+
+
+def _webhook_state(h: dict[str, str]) -> WebhookState | None:
+    """The delivery state the webhook scripts keep in the job hash (service/webhooks/queue.py), once queued."""
+    if not h.get("wh_status"):
+        return None
+    status = "pending" if h["wh_status"] == "delivering" else h["wh_status"]
+    return WebhookState(
+        status=status, attempts=int(h.get("wh_attempts") or 0), last_error=h.get("wh_error") or None
     )
 
 

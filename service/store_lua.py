@@ -45,6 +45,9 @@ local function bump(model, name)
 end
 
 -- End a job: status, finish time, terminal event, TTLs on its hash and events, ack its stream entry, drop lease.
+-- Every end of a job passes here, so its webhook is queued here too, in the same script as the transition: a
+-- crash cannot end a job and lose its webhook (service/webhooks/). `webhook_on` lists the statuses the request
+-- subscribed to, space-separated and padded (" succeeded failed ... "); the delivery is due at once.
 local function finish(job_id, model, status, now, ttl, maxlen, stream, msg_id, fields, data)
   local jk = P .. ':job:' .. job_id
   redis.call('HSET', jk, 'status', status, 'finished_at', now, unpack(fields))
@@ -54,6 +57,33 @@ local function finish(job_id, model, status, now, ttl, maxlen, stream, msg_id, f
   redis.call('DEL', P .. ':lease:' .. job_id)
   if stream and stream ~= '' then redis.call('XACK', stream, 'pools', msg_id) end
   bump(model, 'finished|' .. status)
+  redis.call('ZREM', P .. ':deadlines', job_id)
+  local on = redis.call('HGET', jk, 'webhook_on')
+  if on and string.find(on, ' ' .. status .. ' ', 1, true) then
+    redis.call('HSET', jk, 'wh_status', 'pending', 'wh_attempts', 0, 'wh_first', now)
+    redis.call('ZADD', P .. ':webhooks:due', now, job_id)
+  end
+end
+
+-- The error of a job that reached its deadline (`deadline` in its hash, unix seconds).
+local function deadline_error(started)
+  local msg = 'the job had not started by its deadline'
+  if started then msg = 'the job was still running at its deadline' end
+  return cjson.encode({code = 'deadline_exceeded', message = msg})
+end
+
+-- End a job past its deadline that a pool met (claim, start): never started -> expired, started -> canceled.
+-- Returns true when it ended the job.
+local function past_deadline(job_id, model, now, ttl, maxlen, stream, msg_id)
+  local deadline = tonumber(redis.call('HGET', P .. ':job:' .. job_id, 'deadline') or '')
+  if not deadline or tonumber(now) < deadline then return false end
+  local started = redis.call('HEXISTS', P .. ':job:' .. job_id, 'started_at') == 1
+  local err = deadline_error(started)
+  local ending = 'expired'
+  if started then ending = 'canceled' end
+  finish(job_id, model, ending, now, ttl, maxlen, stream, msg_id, {'error', err},
+    '{"status":"' .. ending .. '","error":' .. err .. '}')
+  return true
 end
 
 -- Take one delivered stream entry for `consumer`: skip ended/canceled/missing jobs (acked), dead-letter a job
@@ -74,6 +104,7 @@ local function accept(stream, msg_id, job_id, count, consumer, lease_ms, max_del
     finish(job_id, st[3], 'canceled', now, ttl, maxlen, stream, msg_id, {}, '{"status":"canceled"}')
     return {'canceled'}
   end
+  if past_deadline(job_id, st[3], now, ttl, maxlen, stream, msg_id) then return {'expired'} end
   if count > max_deliv then
     local msg = 'job was delivered ' .. count .. ' times (limit ' .. max_deliv .. ') without finishing'
     redis.call('XADD', P .. ':dlq:' .. st[3], 'MAXLEN', '~', 10000, '*', 'job', job_id, 'stream', stream,
@@ -103,8 +134,9 @@ end
 
 # KEYS: job, idem (or ''), stream high, normal, low, the tenant's active set (or ''). ARGV: P, job id, target
 # priority index (1-3), queue limit, idem value, idem ttl, events maxlen, model, priority, params JSON, created_at,
-# tenant, the tenant's active-job limit (0: none), the active set's ttl, the output token. (Few arguments: redis-py packs each one in
-# Python, a measurable share of a submit.)
+# tenant, the tenant's active-job limit (0: none), the active set's ttl, the output token, the deadline (unix
+# seconds, '' for none), the webhook (JSON, '' for none) and the statuses it fires on (' succeeded failed '). (Few
+# arguments: redis-py packs each one in Python, a measurable share of a submit.)
 #
 # Active jobs: the set holds the ids of the tenant's jobs submitted while it had a limit; members that are no
 # longer queued or running (succeeded, failed, canceled, dead-lettered, expired) are pruned here, when the set is
@@ -140,6 +172,11 @@ local msg_id = redis.call('XADD', stream, '*', 'job', ARGV[2])
 redis.call('HSET', KEYS[1], 'id', ARGV[2], 'model', ARGV[8], 'priority', ARGV[9], 'status', 'queued',
   'params', ARGV[10], 'created_at', ARGV[11], 'attempt', 0, 'stream', stream, 'msg_id', msg_id, 'tenant', ARGV[12],
   'out_token', ARGV[15])
+if ARGV[16] and ARGV[16] ~= '' then
+  redis.call('HSET', KEYS[1], 'deadline', ARGV[16])
+  redis.call('ZADD', P .. ':deadlines', ARGV[16], ARGV[2])
+end
+if ARGV[17] and ARGV[17] ~= '' then redis.call('HSET', KEYS[1], 'webhook', ARGV[17], 'webhook_on', ARGV[18]) end
 if KEYS[6] ~= '' and max_active > 0 then
   redis.call('SADD', KEYS[6], ARGV[2])
   redis.call('EXPIRE', KEYS[6], ARGV[14])
@@ -232,6 +269,7 @@ if st[4] == '1' then
   finish(ARGV[2], st[3], 'canceled', ARGV[5], ARGV[8], ARGV[7], st[5], st[6], {}, '{"status":"canceled"}')
   return 0
 end
+if past_deadline(ARGV[2], st[3], ARGV[5], ARGV[8], ARGV[7], st[5], st[6]) then return 0 end
 redis.call('HSET', jk, 'status', 'running', 'started_at', ARGV[5], 'worker', ARGV[4], 'step', 0)
 redis.call('SET', P .. ':lease:' .. ARGV[2], ARGV[3], 'PX', ARGV[6])
 event(ARGV[2], 'started', ARGV[9], ARGV[7])
@@ -392,5 +430,26 @@ else
   minid = string.sub(last, 1, dash - 1) .. '-' .. (tonumber(string.sub(last, dash + 1)) + 1)
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', minid)
+"""
+)
+
+# The deadline sweep (service/webhooks/deliverer.py runs it every `webhook_poll_s`): jobs whose deadline passed
+# while queued end `expired` now, not when a pool next reads their stream; a running one is left to its worker,
+# which cancels it between steps (`poll_running`). ARGV: P, now, ttl, events maxlen, max jobs. Returns the ids
+# expired.
+EXPIRE_DUE = (
+    _COMMON
+    + r"""
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':deadlines', '-inf', ARGV[2], 'LIMIT', 0, ARGV[5])) do
+  local jk = P .. ':job:' .. id
+  local st = redis.call('HMGET', jk, 'status', 'model', 'stream', 'msg_id')
+  redis.call('ZREM', P .. ':deadlines', id)
+  -- A queued job a pool holds (claimed, waiting for its batch: it has a lease) is left to that pool's `start`.
+  if st[1] == 'queued' and redis.call('EXISTS', P .. ':lease:' .. id) == 0 then
+    if past_deadline(id, st[2], ARGV[2], ARGV[3], ARGV[4], st[3], st[4]) then table.insert(out, id) end
+  end
+end
+return out
 """
 )

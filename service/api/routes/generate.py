@@ -12,6 +12,7 @@ from meshserve.service.api.catalog import normalise
 from meshserve.service.api.deps import current_tenant
 from meshserve.service.api.errors import FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, read_image_fields, with_image_inputs
+from meshserve.service.api.job_options import deadline_at, webhook_spec
 from meshserve.service.contract import JobStatus
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, JobResponse
 from meshserve.service.store import request_hash
@@ -64,6 +65,14 @@ HEADERS = [
         "schema": {"type": "string"},
         "description": "RFC 7240. `wait=N` (N <= 60): wait up to N seconds and answer 200 with the ended job.",
     },
+    {
+        "name": "Cancel-After",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "maxLength": 64},
+        "description": "A deadline, as Replicate's: seconds (`90`) or a duration (`45s`, `5m`, `1h30m`). A job "
+        "not started by then ends `expired`; one still running is canceled. Wins over `deadline_s`.",
+    },
 ]
 
 
@@ -94,6 +103,8 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     key = idempotency_key(request)
     served = await state.catalog.resolve(body.model)
     params = normalise(body, served.info, settings.max_prompt_chars)
+    deadline = deadline_at(request.headers.get("cancel-after"), body.deadline_s, settings)
+    webhook = await webhook_spec(body.webhook, tenant, settings, store.redis, store.prefix)
     digest = request_hash(body.model_dump(mode="json", exclude_unset=True)) if key else ""
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
         image, mask = await read_image_fields(body.image, body.mask, settings)
@@ -101,7 +112,14 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     job = None
     try:
         job = await store.submit(
-            params, body.priority, key, request_digest=digest, owner=tenant.name, max_active=tenant.max_active
+            params,
+            body.priority,
+            key,
+            request_digest=digest,
+            owner=tenant.name,
+            max_active=tenant.max_active,
+            deadline_at=deadline,
+            webhook=webhook,
         )
     finally:
         if params.image is not None:

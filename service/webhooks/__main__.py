@@ -1,0 +1,5 @@
+import sys
+
+from meshserve.service.webhooks.cli import main
+
+sys.exit(main())
