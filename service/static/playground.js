@@ -72,7 +72,7 @@ async function loadModels() {
   }
   const select = $("model");
   const previous = select.value;
-  select.replaceChildren(...cards.map((c) => new Option(`${c.id} (${c.task})`, c.id)));
+  select.replaceChildren(...cards.map((c) => new Option(c.id, c.id)));
   if (cards.some((c) => c.id === previous)) select.value = previous;
   $("server-status").textContent = `${cards.length} model${cards.length > 1 ? "s" : ""} served`;
   selectModel();
@@ -105,6 +105,10 @@ function selectModel() {
   $("image-inputs").hidden = !takesImage;
   $("mask-row").hidden = !(takesImage && requestFields.has("mask") && /inpaint/.test(tasks));
   $("strength-row").hidden = !(takesImage && requestFields.has("strength"));
+  const strength = l.strength; // {min (exclusive), max, defaults: {task: value}}: the placeholder is img2img's
+  $("strength").max = strength ? strength.max : 1;
+  $("strength").placeholder = strength && strength.defaults["image-to-image"] != null
+    ? `${strength.defaults["image-to-image"]} (default)` : "default";
 }
 
 // -- one generation -----------------------------------------------------------------------------------------
@@ -155,6 +159,7 @@ function resetOutput() {
   $("details").hidden = true;
   $("preview").hidden = true;
   $("preview").removeAttribute("src");
+  $("preview").dataset.shown = "0";
   const bar = $("progress");
   bar.hidden = true; bar.value = 0; bar.max = 1; bar.dataset.events = "0";
 }
@@ -227,7 +232,10 @@ function onEvent(type, data) {
     setStatus(`step ${data.step} of ${data.total_steps}`);
   } else if (type === "preview") {
     const src = previewSource(data);
-    if (src) { $("preview").src = src; $("preview").hidden = false; }
+    if (src) {
+      $("preview").src = src; $("preview").hidden = false;
+      $("preview").dataset.shown = String(Number($("preview").dataset.shown || 0) + 1);
+    }
   } else if (type === "error") {
     showError(data.message || "the event stream broke");
   } else {
@@ -235,12 +243,16 @@ function onEvent(type, data) {
   }
 }
 
-// A preview event's picture: a data: URL, or base64 with its content type.
+// A preview event's picture: the first data:image/ URL in it (a field, or the first of a list of them, one per
+// output), so the page keeps working whatever the event's other fields are.
 function previewSource(data) {
-  const v = data.image || data.data_url || data.b64_json || data.data;
-  if (typeof v !== "string") return null;
-  if (v.startsWith("data:image/")) return v;
-  return `data:${data.content_type || "image/jpeg"};base64,${v}`;
+  for (const v of Object.values(data)) {
+    for (const item of Array.isArray(v) ? v : [v]) {
+      const url = typeof item === "string" ? item : item && typeof item === "object" ? previewSource(item) : null;
+      if (url && url.startsWith("data:image/")) return url;
+    }
+  }
+  return null;
 }
 
 // Polls until the job ends (the stream may have ended early: a dropped connection, an expired stream).
