@@ -64,6 +64,7 @@ class EventType(StrEnum):
     FAILED = "failed"
     CANCELED = "canceled"
     EXPIRED = "expired"
+    PREVIEW = "preview"  # a running job's live preview, among its progress events (docs/previews.md)
 
     @property
     def terminal(self) -> bool:
@@ -213,6 +214,7 @@ class JobParams(_Frozen):
     n: int = 1
     output_format: str = "png"
     metadata: dict[str, Any] = Field(default_factory=dict)
+    preview_every: int = 0  # live previews every this many steps (0: none; docs/previews.md)
     # Image inputs: references to the stored, re-encoded input (`redis:<token>` / `store:<token>`,
     # service/input_store.py), never the bytes; the strength used (the task's default when none was asked).
     image: str | None = None

@@ -117,6 +117,14 @@ class GenerateRequest(BaseModel):
     metadata: Annotated[dict[str, MetadataValue], AfterValidator(_check_metadata)] = Field(
         default_factory=dict, max_length=32
     )
+    previews: bool = Field(
+        False,
+        description="Live previews: the job's SSE stream gets `preview` events (a small WebP data URL of the "
+        "current latents, per output) about ten times over the run (docs/previews.md).",
+    )
+    preview_every: int | None = Field(
+        None, ge=1, le=1000, description="Live previews every this many steps (implies `previews`)."
+    )
     # Image inputs (docs/security.md, "Image inputs"): the bytes are checked, re-encoded and stored by the API
     # before the job is accepted; the job carries a reference (service/input_store.py).
     image: str | None = Field(

@@ -61,3 +61,13 @@ def tiny_wan_path(tmp_path_factory) -> Path:
     from tests.fixtures.tiny_wan import build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan"))
+
+
+@pytest.fixture(scope="session")
+def embedded_sdxl():
+    """The embedded tiny SDXL (a trained VAE: previews look like its pictures), loaded once per session so its
+    compiled programs are shared: a program with a host callback (the denoise loop's) is never in JAX's
+    persistent cache. Tests that set `prompt_cache` on it reset it."""
+    from meshserve.models import load_pipeline
+
+    return load_pipeline(None)

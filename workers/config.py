@@ -130,6 +130,9 @@ class PoolConfig(_Strict):
     max_programs: int | None = Field(None, ge=1)
     warm_up_batch_sizes: list[int] = Field(default_factory=lambda: [1])
     warm_up_steps: int | None = None  # None: the model's default step count
+    # The prompt-embedding cache's bound per model, in MiB of device memory (models/engine/prompt_cache.py;
+    # 0: none). 64 MiB holds ~200 SDXL text rows or ~16 of Flux's or Wan's (bf16).
+    prompt_cache_mb: float = Field(64.0, ge=0)
 
     @field_validator("devices")
     @classmethod

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from meshserve.service.contract import PRIORITY_ORDER, Delivery, JobParams
+from meshserve.service.job_previews import MAX_PREVIEW_CHARS, publish_previews
 from meshserve.service.output_store import OutputStoreError
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -95,6 +98,27 @@ class _StepHandoff:
         self.latest: tuple[int, int] | None = None  # (step, total) of the newest step, from the pool thread
         self.wake = asyncio.Event()  # set (on the loop) after each step, and by close
         self.closed = False
+        self.model = ""
+        # Live previews (docs/previews.md): the newest per (job, output) until the task publishes it. The lock
+        # guards two dict operations, never anything slow.
+        self.previews: dict[tuple[str, int], tuple[int, int, object]] = {}
+        self.skipped_previews = 0
+        self._previews_lock = threading.Lock()
+
+    def add_preview(self, job_id: str, index: int, step: int, total: int, pixels) -> None:
+        """From the pool thread: keep the newest preview of an output (an older unpublished one is skipped)."""
+        with self._previews_lock:
+            if (job_id, index) in self.previews:
+                self.skipped_previews += 1
+            self.previews[(job_id, index)] = (step, total, pixels)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the worker exited past its deadline
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    def take_previews(self) -> tuple[dict[tuple[str, int], tuple[int, int, object]], int]:
+        with self._previews_lock:
+            taken, skipped = self.previews, self.skipped_previews
+            self.previews, self.skipped_previews = {}, 0
+        return taken, skipped
 
     def close(self) -> None:
         """The batch is over (on the event loop): the task ends after the round in flight."""
@@ -229,10 +253,14 @@ class JobLoop:
         compiled_before = runner.compilations
         t0 = self._last_step = time.perf_counter()
         handoff = _StepHandoff(asyncio.get_running_loop(), self._active)
+        handoff.model = model
         progress = asyncio.create_task(self._progress_task(handoff), name=f"{self.pool}-progress")
+        run = runner.run
+        if runner.takes_previews and any(w.delivery.job.params.preview_every for w in batch):
+            run = functools.partial(runner.run, previews=handoff.add_preview)
         try:
             try:
-                results = await self._in_thread(runner.run, requests, self._step_callback(model, handoff))
+                results = await self._in_thread(run, requests, self._step_callback(model, handoff))
             finally:
                 # Before any job of the batch is ended here: the task's last round (a cancel it saw) completes.
                 handoff.close()
@@ -388,6 +416,44 @@ class JobLoop:
                         metrics.CANCELLED.labels(w.key.model).inc()
                 elif not recorded:
                     self._drop(w)
+            await self._publish_previews(handoff)
+
+    async def _publish_previews(self, handoff: _StepHandoff) -> None:
+        """The newest preview of each output still computed: encoded to a WebP data URL off the event loop (and
+        off the pool thread), then written in one round trip. Best effort: a failure drops them (the next ones
+        come a few steps later)."""
+        taken, skipped = handoff.take_previews()
+        model = handoff.model
+        if skipped:
+            metrics.PREVIEWS.labels(model, "superseded").inc(skipped)
+        due = [(handoff.active[job], index, *v) for (job, index), v in taken.items() if job in handoff.active]
+        if not due:
+            return
+
+        def encode() -> list[str]:
+            # Imported here: only a pipeline runner (JAX loaded) makes previews.
+            from meshserve.models.engine.previews import encode_preview
+
+            urls = []
+            for *_, pixels in due:
+                t0 = time.perf_counter()
+                urls.append(encode_preview(pixels))
+                metrics.PREVIEW_ENCODE_SECONDS.labels(model).observe(time.perf_counter() - t0)
+            return urls
+
+        urls = await asyncio.to_thread(encode)
+        items = []
+        for (w, index, step, total, _), url in zip(due, urls, strict=True):
+            if len(url) > MAX_PREVIEW_CHARS:
+                metrics.PREVIEWS.labels(model, "too_large").inc()
+                continue
+            items.append((w.delivery, index, step, total, url))
+        try:
+            written = await publish_previews(self.store, items)
+        except RedisError as e:
+            log.warning("pool %s: previews not published: %s", self.pool, e)
+            return
+        metrics.PREVIEWS.labels(model, "published").inc(sum(written))
 
     # -- helpers ---------------------------------------------------------------------------------------------
 

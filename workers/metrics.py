@@ -92,6 +92,58 @@ CANCELLED = Counter(
     "meshserve_worker_cancelled_total", "Running jobs stopped by a cancel request.", ["model"]
 )
 BUILD_INFO = Info("meshserve_worker_build", "Worker build information.")
+PREVIEWS = Counter(
+    "meshserve_worker_previews_total",
+    "Live previews published (SSE `preview` events), or skipped: a newer one came first, or too large.",
+    ["model", "outcome"],
+)
+PREVIEW_ENCODE_SECONDS = Histogram(
+    "meshserve_worker_preview_encode_seconds",
+    "Seconds to encode one preview to a WebP data URL (off the pool thread).",
+    ["model"],
+    buckets=_STEP_BUCKETS,
+)
+
+
+class PromptCacheCollector:
+    """The pools' prompt-embedding caches (models/engine/prompt_cache.py), read at scrape time: hits, misses,
+    evictions (text rows), bytes and entries held, per model."""
+
+    def __init__(self):
+        self.caches: dict[str, object] = {}
+
+    def watch(self, model: str, cache) -> None:
+        self.caches[model] = cache
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        name = "meshserve_worker_prompt_cache"
+        families = {
+            "hits": CounterMetricFamily(
+                f"{name}_hits", "Text rows found in the prompt cache.", labels=["model"]
+            ),
+            "misses": CounterMetricFamily(
+                f"{name}_misses", "Text rows encoded (not cached).", labels=["model"]
+            ),
+            "evictions": CounterMetricFamily(
+                f"{name}_evictions", "Text rows dropped past the byte bound.", labels=["model"]
+            ),
+            "bytes": GaugeMetricFamily(
+                f"{name}_bytes", "Device bytes the prompt cache holds.", labels=["model"]
+            ),
+            "entries": GaugeMetricFamily(
+                f"{name}_entries", "Text rows the prompt cache holds.", labels=["model"]
+            ),
+        }
+        for model, cache in list(self.caches.items()):
+            for attr, family in families.items():
+                family.add_metric([model], float(getattr(cache, attr)))
+        yield from families.values()
+
+
+PROMPT_CACHES = PromptCacheCollector()
+REGISTRY.register(PROMPT_CACHES)
 
 
 def set_build_info() -> None:

@@ -363,10 +363,14 @@ class LeaderRunner(Runner):
     def batch_key(self, params: JobParams) -> tuple:
         return self.inner.batch_key(params)
 
-    def run(self, batch, callback=None):
+    @property
+    def takes_previews(self) -> bool:
+        return self.inner.takes_previews
+
+    def run(self, batch, callback=None, **previews):
         self.group.send(run_message(batch, self.name))  # GroupFailed when a member is gone
         try:
-            return self.inner.run(batch, callback)
+            return self.inner.run(batch, callback, **previews)
         except (Cancelled, InvalidRequest):
             raise  # the same on every process: the loop stopped everywhere / the request failed its checks
         except Exception as e:

@@ -137,6 +137,8 @@ def load_runners(
             options=runner_options(cfg, spec),
         )
         runner.load()
+        if cfg.prompt_cache_mb:  # before the warm-up, which compiles the cache's programs too
+            runner.keep_prompt_cache(int(cfg.prompt_cache_mb * 2**20))
         info = served_info(runner.info(), cfg)
         # Warm up exactly the sizes published as served (any_size: the configured buckets, if any).
         buckets = info.limits.buckets or list(cfg.buckets)

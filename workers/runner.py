@@ -34,6 +34,8 @@ from meshserve.service.contract import (
 from meshserve.workers.encoding import can_encode, encode_output
 
 StepCallback = Callable[[int, int], bool | None]
+# Live previews: (job id, output index, step, total steps, uint8 [h, w, 3]) from the pool thread, when due.
+PreviewCallback = Callable[[str, int, int, int, np.ndarray], None]
 
 # Pools of one process load their models one at a time. transformers 5's lazy top-level module is not
 # thread-safe: four threads doing `from transformers import CLIPTokenizer` at once raised ImportError in 3 of 3
@@ -99,6 +101,12 @@ class Runner(ABC):
         """The job fields that must match for two jobs to share a batch (one compiled program)."""
         return (params.width, params.height, params.num_frames, params.num_inference_steps, params.scheduler)
 
+    # Whether `run` takes `previews=` (live previews: the jobs' `preview_every`, docs/previews.md).
+    takes_previews = False
+
+    def keep_prompt_cache(self, max_bytes: int) -> None:  # noqa: B027 - optional: a runner with text encoders
+        """Keep up to `max_bytes` of text-encoder outputs on the devices (the pool's `prompt_cache_mb`)."""
+
     @abstractmethod
     def run(self, batch: Sequence[RunRequest], callback: StepCallback | None = None) -> list[RunResult]:
         """Generate every request of a compatible batch (equal `batch_key`s) together.
@@ -153,9 +161,10 @@ class PipelineRunner(Runner):
         # One step is enough whatever num_inference_steps says: the step count is traced.
         buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
         batch_sizes = sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes})
-        return float(
-            self.pipe.warm_up(buckets=buckets, batch_sizes=batch_sizes, num_frames=list(frames) or None)
-        )
+        seconds = self.pipe.warm_up(buckets=buckets, batch_sizes=batch_sizes, num_frames=list(frames) or None)
+        # The live previews' latent-to-RGB map, fitted on the folder's VAE once per load (docs/previews.md).
+        self.pipe.previews.prepare()
+        return float(seconds + self.pipe.previews.fit_seconds)
 
     def batch_key(self, params: JobParams) -> tuple:
         return self.pipe.batch_key(params.model_dump())
@@ -164,7 +173,16 @@ class PipelineRunner(Runner):
     def _data(self) -> int:
         return (self.mesh or {}).get("data", 1)
 
-    def run(self, batch, callback=None) -> list[RunResult]:
+    takes_previews = True
+
+    def keep_prompt_cache(self, max_bytes: int) -> None:
+        from meshserve.models.engine.prompt_cache import PromptCache
+        from meshserve.workers import metrics
+
+        self.pipe.prompt_cache = PromptCache(max_bytes)
+        metrics.PROMPT_CACHES.watch(self.name, self.pipe.prompt_cache)
+
+    def run(self, batch, callback=None, previews: PreviewCallback | None = None) -> list[RunResult]:
         from meshserve.models import GenerationCancelled, PipelineError
 
         first = batch[0].params.model_dump()
@@ -192,6 +210,7 @@ class PipelineRunner(Runner):
                 num_images_per_prompt=1,
                 output_type="np",
                 callback=callback,
+                **self._previews(batch, pad, previews),
                 **rows,
                 **settings,
             )
@@ -203,6 +222,21 @@ class PipelineRunner(Runner):
             raise InvalidRequest(str(e)) from e
         images = np.asarray(out.images)[:real]  # [B, H, W, 3] or [B, F, H, W, 3]
         return split_and_encode(batch, images, list(out.seeds)[:real], dict(out.timings), bool(out.compiled))
+
+    def _previews(self, batch, pad: int, previews: PreviewCallback | None) -> dict:
+        """The pipeline's preview arguments: each row's period (from the jobs: the same on every process of a
+        multi-host pool, so all run one program) and a callback naming each due row's job and output."""
+        every = [req.params.preview_every for req in batch for _ in range(req.params.n)]
+        if not any(every):
+            return {}
+        owners = [(req.job_id, i) for req in batch for i in range(req.params.n)]
+
+        def on_preview(step: int, total: int, rows: dict) -> None:
+            for row, pixels in rows.items():
+                if row < len(owners):  # padding rows have no job
+                    previews(*owners[row], step, total, pixels)
+
+        return {"preview_every": every + [0] * pad, "preview_callback": on_preview if previews else None}
 
     def shutdown(self) -> None:
         self.pipe = None

@@ -16,6 +16,7 @@ denoise program, with classifier-free guidance, per-row step noise and a host ca
 - `on_step(step, _) -> bool` runs on the host after every step (an io_callback): progress, and False
   stops the loop (cancel). Always compiled in, so a call with and one without a callback share one program;
   it costs one host round trip per step.
+- `preview(steps_done, latents) -> bool` (optional, traced): live previews, models/engine/previews.py.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def denoise_loop(
     do_cfg: bool,
     on_step: Callable[[int, jax.Array], np.bool_],
     constrain: Callable = lambda x: x,
+    preview: Callable | None = None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma); keys [B]; guidance [B].
     Returns (latents, steps_done): steps_done < schedule.num_steps when on_step stopped the loop."""
@@ -75,6 +77,8 @@ def denoise_loop(
         go = io_callback(
             on_step, jax.ShapeDtypeStruct((), jnp.bool_), i + 1, latents.ravel()[0], ordered=False
         )
+        if preview is not None:  # live previews (models/engine/previews.py): pixels leave only when due
+            go = go & preview(i + 1, latents)
         return i + 1, go, latents, sched_state
 
     carry = (jnp.int32(0), jnp.bool_(True), latents, scheduler.init_state(latents))

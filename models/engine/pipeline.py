@@ -68,6 +68,7 @@ from meshserve.models.engine.common import (
     to_pil,
 )
 from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop, interleave
+from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
@@ -156,6 +157,8 @@ class DiffusionPipeline:
     scheduler_config: Mapping
     placement: Placement | None = None
     model_id: str = ""
+    # An LRU of text-encoder outputs (models/engine/prompt_cache.py) when set; a serving pool sets one.
+    prompt_cache = None
 
     def __init__(
         self,
@@ -169,6 +172,7 @@ class DiffusionPipeline:
     ):
         self.programs = CompiledPrograms(type(self).__name__, max_programs)
         self.step_reporter = StepReporter()
+        self.previews = LatentPreviews(self)  # live previews: models/engine/previews.py
         self._schedulers: dict[str | None, object] = {}
         self._schedules = lru_cache(maxsize=256)(self._make_schedule)
         self._extras = lru_cache(maxsize=64)(self.denoise_extras)
@@ -338,6 +342,9 @@ class DiffusionPipeline:
                             **{self.cfg_field: 2.0 if cfg else 1.0},
                             **extra,
                         )
+        if self.prompt_cache is not None:  # the programs encoding a call's misses: 1, 2, 4... texts
+            settings = {name: _batch_default(name, d, self.limits) for name in self.batch_fields}
+            self.prompt_cache.warm_up(self, settings, 2 * max(batch_sizes))
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------------------
@@ -359,6 +366,8 @@ class DiffusionPipeline:
         output_type: str | None = None,
         callback: Callable[[int, int], bool | None] | None = None,
         return_dict: bool = True,
+        preview_every: int | Sequence[int] | None = None,
+        preview_callback: PreviewCallback | None = None,
         **options,
     ):
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
@@ -425,18 +434,16 @@ class DiffusionPipeline:
         # 1. Text: one call per encoder over the prompts and (with CFG) the negatives.
         t0 = time.perf_counter()
         texts = prompts + ([neg or "" for neg in negatives] if do_cfg else [])
-        tokens = tuple(self.put_batch(t) for t in self.tokenize(texts, settings))
+        tokens = self.tokenize(texts, settings)
         keep = None
         if self.zeros_for_empty_negative:
             keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))
-        cond = self.programs.run(
-            "text_encode",
-            self._text_encode,
-            {"prompts": len(prompts), "n": n, "do_cfg": do_cfg},
-            self._text_states,
-            tokens,
-            keep,
-        )
+        text = {"prompts": len(prompts), "n": n, "do_cfg": do_cfg}
+        if self.prompt_cache is not None:  # cached rows reused, only the misses encoded
+            cond = self.prompt_cache.encode(self, tokens, keep, **text)
+        else:
+            tokens = tuple(self.put_batch(t) for t in tokens)
+            cond = self.programs.run("text_encode", self._text_encode, text, self._text_states, tokens, keep)
         jax.block_until_ready(cond)
         timings["text_encode"] = time.perf_counter() - t0
 
@@ -451,11 +458,13 @@ class DiffusionPipeline:
             {name: self.put_batch(np.float32(values)) for name, values in rows.items()},
             self.put_batch(cfg_rows),
             self._extras(shape, settings.get("max_sequence_length")),
+            self.previews.inputs(preview_every, len(seeds), shape[-1]),
         )
         state = self._states[self.denoiser_name]
-        latents = self.run_denoise(
-            steps, callback, lambda: self.programs.run("denoise", self._denoise, static, state, *inputs)
-        )
+        with self.previews.listening(preview_callback, steps):
+            latents = self.run_denoise(
+                steps, callback, lambda: self.programs.run("denoise", self._denoise, static, state, *inputs)
+            )
         timings["denoise"] = time.perf_counter() - t0
 
         # 3. Decode (or the latents, in diffusers' layout, before the VAE's scaling).
@@ -496,7 +505,12 @@ class DiffusionPipeline:
         """tokens [T, ...] (prompts, then negatives with CFG) -> the denoiser's conditioning, each row
         repeated per image and, with CFG, interleaved [neg0, pos0, neg1, pos1, ...] (keep [B]: whether a
         row's negative is kept, else zeros)."""
-        cond = jax.tree.map(lambda x: repeat_rows(x, n, prompts), self.encode_prompt(states, *tokens))
+        encoded = self.encode_prompt(states, *tokens)
+        return self.assemble_text(encoded, keep, prompts=prompts, n=n, do_cfg=do_cfg)
+
+    def assemble_text(self, encoded, keep, *, prompts: int, n: int, do_cfg: bool):
+        """Traced: the encoders' rows (a pytree of [T, ...]) -> the conditioning (the prompt cache's too)."""
+        cond = jax.tree.map(lambda x: repeat_rows(x, n, prompts), encoded)
         if not do_cfg:
             return cond
         batch = prompts * n
@@ -510,7 +524,20 @@ class DiffusionPipeline:
         return jax.tree.map(pair, cond)
 
     def _denoise(
-        self, state, schedule, latents, key_data, cond, rows, cfg_rows, extras, *, scheduler, do_cfg, shape
+        self,
+        state,
+        schedule,
+        latents,
+        key_data,
+        cond,
+        rows,
+        cfg_rows,
+        extras,
+        preview,
+        *,
+        scheduler,
+        do_cfg,
+        shape,
     ):
         """latents in the loop's layout, or None (drawn from each row's key); key_data [B, 2]; cond [2B or B,
         ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns (latents, steps_done)."""
@@ -530,6 +557,7 @@ class DiffusionPipeline:
             do_cfg=do_cfg,
             on_step=self.step_reporter,
             constrain=self.constrain,
+            preview=self.previews.in_loop(preview, shape),
         )
 
     # ---------------------------------------------------------------------------------------------

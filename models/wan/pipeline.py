@@ -101,6 +101,14 @@ class WanPipeline(DiffusionPipeline):
         transformer = self.load_module(
             load_wan_transformer, folder / "transformer", WAN_RULES, attention=self.attention
         )
+        if transformer.config.image_to_video != (self.task == "image-to-video"):
+            raise CheckpointError(
+                f"{folder / 'transformer'}: an image-to-video transformer (image_dim) in a {type(self).__name__} "
+                "folder; its model_index.json should name WanImageToVideoPipeline"
+                if transformer.config.image_to_video
+                else f"{folder / 'transformer'}: no image_dim: a text-to-video transformer, which "
+                f"{type(self).__name__} cannot condition on an image"
+            )
         self.validate_heads({transformer.config.num_attention_heads})
         # fp32 whatever the pipeline dtype: diffusers' Wan examples load the VAE in fp32, and it runs once per
         # video, not once per step. Its decode is split by `decode_sharding` (its mid-block attention is over
@@ -116,12 +124,17 @@ class WanPipeline(DiffusionPipeline):
         self._check_geometry(folder)
         return {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
 
+    @property
+    def transformer_in_channels(self) -> int:
+        """The transformer's input channels this pipeline feeds it: the latents (image-to-video adds more)."""
+        return self.vae_config.z_dim
+
     def _check_geometry(self, folder: Path) -> None:
         t, v = self.transformer_config, self.vae_config
-        if t.in_channels != v.z_dim or t.output_channels != v.z_dim:
+        if t.in_channels != self.transformer_in_channels or t.output_channels != v.z_dim:
             raise CheckpointError(
-                f"{folder}: transformer channels in {t.in_channels} / out {t.output_channels} differ from the "
-                f"VAE's z_dim {v.z_dim}"
+                f"{folder}: transformer channels in {t.in_channels} / out {t.output_channels}; with the VAE's "
+                f"z_dim {v.z_dim} it should take {self.transformer_in_channels} and give {v.z_dim}"
             )
         if t.patch_size[0] != 1:
             raise CheckpointError(f"{folder}: temporal patch size {t.patch_size[0]}; Wan 2.1's is 1")
@@ -235,7 +248,7 @@ class WanPipeline(DiffusionPipeline):
 
     def noise_shape(self, settings):
         f, frames = self.spatial_factor, (settings["num_frames"] - 1) // self.temporal_factor + 1
-        return (frames, settings["height"] // f, settings["width"] // f, self.transformer_config.in_channels)
+        return (frames, settings["height"] // f, settings["width"] // f, self.vae_config.z_dim)
 
     @property
     def latent_dtype(self):
