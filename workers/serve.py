@@ -54,7 +54,13 @@ async def _serve(host: str, port: int, redis_url: str, model: str | None) -> Non
     api = asyncio.create_task(server.serve(), name="api")
     work = asyncio.create_task(worker.run(), name="worker")
     log.info(
-        "meshserve serve: API on http://%s:%d, Redis %s, model %s", host, port, redis_url, model or "embedded"
+        "meshserve serve: API on http://%s:%d (playground: http://%s:%d/playground), Redis %s, model %s",
+        host,
+        port,
+        host,
+        port,
+        redis_url,
+        model or "embedded",
     )
     try:
         done, _ = await asyncio.wait([api, work], return_when=asyncio.FIRST_COMPLETED)
