@@ -42,6 +42,8 @@ async def publish_previews(store, previews: Sequence[tuple[Delivery, int, int, i
     async with store.redis.pipeline(transaction=False) as pipe:
         for delivery, index, step, total, url in previews:
             data = json.dumps({"step": step, "total_steps": total, "index": index, "image": url})
-            await script(keys=[], args=[store.prefix, delivery.job.id, delivery.attempt, maxlen, data], client=pipe)
+            await script(
+                keys=[], args=[store.prefix, delivery.job.id, delivery.attempt, maxlen, data], client=pipe
+            )
         res = await pipe.execute()
     return [bool(r) for r in res]
