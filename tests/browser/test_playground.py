@@ -306,6 +306,8 @@ def test_with_keys_on_the_page_asks_for_one(page, servers):
     page.wait_for_selector("#key-box:not([hidden])")
     assert page.inner_text("#server-status") == "send Authorization: Bearer <API key>"
     assert page.locator("#model option").count() == 0
+    answers = []
+    page.on("response", lambda r: answers.append((r.status, r.url)) if "/v1/" in r.url else None)
     page.fill("#api-key", ADMIN_KEY)
     page.click("#key-use")
     page.wait_for_selector("#model option", state="attached")
@@ -315,6 +317,10 @@ def test_with_keys_on_the_page_asks_for_one(page, servers):
     data, _ = _shown_image(page)
     reading = read_picture(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
     assert (reading.colour, reading.background) == ("red", "blue"), reading
+    # Every API call from then on carried the key: the models, the submission, the SSE stream, the output.
+    called = {re.sub(r"/v1/jobs/\w+", "/v1/jobs/ID", url.split(servers["keys"])[1]) for _, url in answers}
+    assert {"/v1/models", "/v1/generate", "/v1/jobs/ID/events", "/v1/jobs/ID/outputs/0"} <= called, called
+    assert all(200 <= status < 300 for status, _ in answers), answers
     # The key lives in this tab's sessionStorage only: not in localStorage, cookies or the address.
     assert page.evaluate("sessionStorage.getItem('meshserve.apiKey')") == ADMIN_KEY
     assert page.evaluate("localStorage.length") == 0
