@@ -50,9 +50,11 @@ async def cancel_job(job: JobDep, store: StoreDep) -> Response:
 async def stream_job_events(
     job: JobDep, store: StoreDep, settings: SettingsDep, last_event_id: LastEventId = None
 ) -> StreamingResponse:
-    """Events `queued`, `started`, `progress`, then one of `succeeded`, `failed`, `canceled`, after which the
-    stream ends. Each has an `id:`; reconnecting with `Last-Event-ID` resumes after it. A comment line is sent
-    every `sse_keepalive_s` while nothing happens."""
+    """Events `queued`, `started`, `progress` (and, for a job asked with `previews` / `preview_every`,
+    `preview`: `{step, total_steps, index, image}`, the image a small WebP data URL; docs/previews.md), then one
+    of `succeeded`, `failed`, `canceled`, `expired`, after which the stream ends. Each has an `id:`;
+    reconnecting with `Last-Event-ID` resumes after it. A comment line is sent every `sse_keepalive_s` while
+    nothing happens."""
     start = last_event_id if last_event_id and _valid_stream_id(last_event_id) else "0-0"
 
     async def body() -> AsyncIterator[str]:
