@@ -185,7 +185,7 @@ async function generate(event) {
     $("job-id").textContent = job.id;
     setStatus(`${job.status}`);
     if (!TERMINAL.has(job.status)) {
-      await followEvents(job.id);
+      await followEvents(job.id).catch(() => {}); // no stream, or a broken one: polling below still ends it
       job = await waitForEnd(job.id);
     }
     await showJob(job);
@@ -203,7 +203,13 @@ async function followEvents(jobId) {
   const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    let chunk;
+    try {
+      chunk = await reader.read();
+    } catch (e) {
+      return; // the connection broke: the caller polls the job instead
+    }
+    const { value, done } = chunk;
     if (done) return;
     buffer += value.replace(/\r\n?/g, "\n");
     let cut;
@@ -275,6 +281,7 @@ async function showJob(job) {
     showError(job.error ? job.error.message : `the job ended ${job.status}`);
     return;
   }
+  showError(""); // a stream error on the way (the job went on and succeeded)
   const bar = $("progress");
   bar.hidden = false; bar.max = job.progress.total_steps || 1; bar.value = bar.max;
   $("preview").hidden = true;

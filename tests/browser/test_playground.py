@@ -43,8 +43,11 @@ pytestmark = pytest.mark.skipif(
 README_PROMPT = "a red circle on a blue background"  # README's curl example, with its seed
 README_SEED = 7
 ADMIN_KEY = "msk_" + secrets.token_urlsafe(32)  # 43 characters: the key format
-# The answers the API gives a page that asks it something wrong (expected, so not a failure of the page).
-EXPECTED_CONSOLE = re.compile(r"Failed to load resource: the server responded with a status of (401|422)")
+# The answers the API gives a page that asks it something wrong, and the event stream the polling case refuses
+# (expected, so not failures of the page).
+EXPECTED_CONSOLE = re.compile(
+    r"Failed to load resource: (the server responded with a status of (401|422)|net::ERR_FAILED)"
+)
 
 
 def _wait_until(proc: subprocess.Popen, log: Path, url: str, deadline_s: float) -> None:
@@ -242,6 +245,19 @@ def test_progress_and_previews_arrive_over_sse(page, servers):
     shown = int(page.get_attribute("#preview", "data-shown") or 0)
     assert shown >= 1 if "previews" in schema["GenerateRequest"]["properties"] else shown == 0
     assert page.is_hidden("#preview")  # replaced by the output
+
+
+def test_without_the_event_stream_the_page_polls_the_job(page, servers):
+    """A proxy that drops SSE (here: the browser refuses the request) costs the live progress, not the result."""
+    page.route("**/v1/jobs/*/events", lambda route: route.abort())
+    _ready(page, servers["open"])
+    page.fill("#prompt", README_PROMPT)
+    page.fill("#seed", str(README_SEED))
+    _generate(page)
+    data, _ = _shown_image(page)
+    assert page.is_hidden("#error")
+    reading = read_picture(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+    assert (reading.colour, reading.background) == ("red", "blue"), reading
 
 
 @pytest.mark.parametrize(
