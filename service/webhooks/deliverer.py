@@ -81,6 +81,7 @@ class Deliverer:
     async def run(self) -> None:
         """Rounds every `webhook_poll_s` until stopped; then waits for the POSTs in flight (each bounded by
         `webhook_timeout_s`). A round that fails (Redis away) is logged once per outage and tried again."""
+        await asyncio.to_thread(ssrf.ssl_context)  # built once, off the event loop (service/ssrf.py)
         failing = False
         while not self._stop.is_set():
             try:

@@ -498,3 +498,28 @@ async def test_the_job_end_and_its_webhook_are_one_write(make_settings):
         assert statuses == [JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED]
         for i in ids:
             assert (await store.get(i)).webhook.status == "pending"
+
+
+async def test_slow_receivers_do_not_hold_up_the_api(make_settings, receiver_factory):
+    """The API process's deliverer POSTs beside the request handlers: with every POST of its concurrency held open
+    by the receiver, reads and submits answer as fast as ever."""
+    rx = receiver_factory([200], hold=tuple(range(1, 5)))
+    settings = make_settings(**FAST, webhook_concurrency=4)
+    async with api_client(settings) as (client, store):
+        await FakeWorker(store).register()
+        ids = []
+        for _ in range(4):
+            r = await client.post("/v1/generate", json={"prompt": "a", "webhook": {"url": rx.url}})
+            ids.append(r.json()["id"])
+            await client.post(f"/v1/jobs/{ids[-1]}/cancel")
+        await _until(lambda: asyncio.sleep(0, len(rx.requests) == 4), what="four held POSTs")
+        t0 = time.perf_counter()
+        for i in ids:
+            assert (await client.get(f"/v1/jobs/{i}")).json()["webhook"]["status"] == "pending"
+        r = await client.post("/v1/generate", json={"prompt": "b"})
+        elapsed = time.perf_counter() - t0
+        assert r.status_code == 202 and elapsed < 0.5, elapsed  # ~10 ms here; a held POST lasts 5 s
+        rx.release()  # the held POSTs end without an answer: each is retried, and delivered
+        for i in ids:
+            job = await _webhook_settled(store, i)
+            assert job.webhook.status == "delivered" and job.webhook.attempts == 2
