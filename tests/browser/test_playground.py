@@ -32,6 +32,7 @@ from playwright.sync_api import sync_playwright
 from meshserve.service.api.routes.playground import CONTENT_SECURITY_POLICY, STATIC
 from meshserve.training.shape_score import read_picture
 from meshserve.training.shapes import Scene, render
+from meshserve.workers.encoding import encode_video
 from meshserve.workers.local_redis import free_port, start_redis_server, stop_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -315,6 +316,49 @@ def test_an_input_image_is_sent_once_the_model_takes_one(page, servers, tmp_path
     assert body["image"] == "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
     assert (body["strength"], body["prompt"], body["model"]) == (0.3, README_PROMPT, card["id"])
     assert "mask" not in body  # no mask chosen
+
+
+def test_a_video_model_gets_a_frames_field_and_a_video(page, servers):
+    """The video branch, with the API answered in the browser (serving tiny-wan too would cost a second pool's
+    compile): a video model's card shows the Frames field at its default, the request carries num_frames, and
+    the MP4 output plays in a <video> with a download link."""
+    (card,) = httpx.get(servers["open"] + "/v1/models").json()["data"]
+    frames = {"min_frames": 1, "max_frames": 81, "step": 4, "offset": 1, "default": 5}
+    video_card = {
+        **card,
+        "id": "tiny-wan",
+        "family": "wan",
+        "task": "text-to-video",
+        "tasks": ["text-to-video"],
+        "limits": {**card["limits"], "frames": frames, "output_formats": ["mp4", "webp"]},
+    }
+    mp4, _ = encode_video(np.tile(render(Scene("red", "circle", "blue"))[None], (5, 1, 1, 1)), "mp4")
+    output = {"index": 0, "url": "/v1/jobs/video/outputs/0", "content_type": "video/mp4", "width": 64}
+    job = {  # the fields the page reads of a finished job
+        "id": "video",
+        "status": "succeeded",
+        "progress": {"step": 4, "total_steps": 4},
+        "params": {"prompt": README_PROMPT, "seed": 3},
+        "outputs": [{**output, "height": 64, "seed": 3, "num_frames": 5}],
+        "timings": {"queue_s": 0.0, "inference_s": 1.0, "total_s": 1.0},
+    }
+    sent = []
+
+    def submit(route):
+        sent.append(route.request.post_data_json)
+        route.fulfill(json=job)
+
+    page.route("**/v1/models", lambda route: route.fulfill(json={"object": "list", "data": [video_card]}))
+    page.route("**/v1/generate", submit)
+    page.route("**/v1/jobs/video/outputs/0", lambda r: r.fulfill(body=mp4, content_type="video/mp4"))
+    _ready(page, servers["open"])
+    assert page.is_visible("#num-frames") and page.input_value("#num-frames") == "5"
+    page.fill("#prompt", README_PROMPT)
+    page.click("#generate")
+    page.wait_for_selector("#result video.output", state="attached")
+    assert sent[0]["num_frames"] == 5 and sent[0]["model"] == "tiny-wan"
+    assert page.locator("#result a[download]").get_attribute("download").endswith("-0.mp4")
+    assert page.get_attribute("video.output", "src").startswith("blob:")
 
 
 def test_with_keys_on_the_page_asks_for_one(page, servers):
