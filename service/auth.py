@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from meshserve.service.rate_limit import TOKEN_BUCKET_LUA, RateLimitState
+from meshserve.service.settings import Settings
 from meshserve.service.webhooks.signing import new_secret
 
 KEY_PREFIX = "msk_"
@@ -170,7 +171,7 @@ return 1
 """
 
 
-async def webhook_secrets(redis: aioredis.Redis, prefix: str, digest: str, settings) -> list[str]:
+async def webhook_secrets(redis: aioredis.Redis, prefix: str, digest: str, settings: Settings) -> list[str]:
     """The secrets that sign a webhook of a job submitted with the key of this digest, the current one first: its
     own (and its previous one during a rotation's grace), else `settings.webhook_secret`; for a job submitted in
     open mode (digest ""), `settings.webhook_secret`. Empty: nothing may sign (the key was revoked, or no secret

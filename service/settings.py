@@ -111,7 +111,7 @@ class Settings(BaseSettings):
     # addresses (service/ssrf.py) unless `webhook_allow_private` (on-premise receivers, tests); cloud metadata
     # addresses never. Retries: exponential from `webhook_retry_base_s` (doubling, capped at
     # `webhook_retry_max_s`, times a random 0.5-1.5 jitter) until `webhook_max_attempts` POSTs or
-    # `webhook_max_age_s` after the job ended (the defaults: 2 s first, about 36 attempts over a day). A claimed
+    # `webhook_max_age_s` after the job ended (the defaults: 2 s first, about 34 attempts over a day). A claimed
     # delivery is hidden from other deliverers for `webhook_lease_s` (more than the POST's timeout): a deliverer
     # killed mid-POST is retried by another after it. The API process runs a deliverer (and the deadline sweep)
     # as a background task unless `webhook_deliver_in_api` is false; `meshserve webhooks` runs one alone.

@@ -5,7 +5,7 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | key                          | type   | holds |
 |------------------------------|--------|-------|
 | `P:stream:{model}:{priority}` | stream, group `pools` | one entry `job=<id>` per job to run |
-| `P:job:{id}`                 | hash   | status, tenant, out_token, out_key, params (JSON), times, attempt, worker, progress, outputs/error/timings (JSON), cancel flag, stream + message id; TTL once ended |
+| `P:job:{id}`                 | hash   | status, tenant, out_token, out_key, params (JSON), times, attempt, worker, progress, outputs/error/timings (JSON), cancel flag, stream + message id, deadline, webhook + its delivery state (`wh_*`); TTL once ended |
 | `P:events:{id}`              | stream | `type` + `data` (JSON) per event, capped; TTL once ended. SSE ids are its entry ids |
 | `P:out:{id}:{i}`             | string | encoded output bytes, TTL (or an object `<output_dir>/<id>/<out_key>/<i>.<ext>` when set) |
 | `P:staged:{id}:{attempt}:{i}` | string | output bytes written by one attempt, renamed to `P:out:{id}:{i}` by its fenced commit (else they expire) |
@@ -15,6 +15,8 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | `P:dlq:{model}`              | stream | dead-lettered jobs with the reason |
 | `P:pools`                    | hash   | pool name -> `PoolInfo` JSON |
 | `P:models`, `P:stats`        | set, hash | models ever submitted (for queue metrics); cluster-wide counters `{model}\\|{name}` |
+| `P:deadlines`                | sorted set | job id -> its deadline (unix s) while it may still expire; the sweep (`expire_due`) reads it |
+| `P:webhooks:due`             | sorted set | job id -> when its webhook is due (service/webhooks/queue.py; the job hash keeps its state) |
 
 API keys and rate buckets (`P:apikey:*`, `P:apikeys`, `P:ratelimit:*`) are `service/auth.py`'s.
 

@@ -32,7 +32,6 @@ from redis.exceptions import RedisError
 
 from meshserve.service import metrics, ssrf
 from meshserve.service.auth import webhook_secrets
-from meshserve.service.contract import JobStatus
 from meshserve.service.schemas import JobResponse
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -206,7 +205,7 @@ class Deliverer:
             return None
         ended = datetime.fromtimestamp(job.finished_at or time.time(), UTC)
         payload = {
-            "type": EVENT_TYPES[JobStatus(job.status)],
+            "type": EVENT_TYPES[job.status],
             "timestamp": ended.isoformat().replace("+00:00", "Z"),
             "data": json.loads(JobResponse.from_job(job).model_dump_json()),
         }
