@@ -11,14 +11,23 @@ PipelineError). Pure Python, no imports: `service/` never imports JAX or `models
 `limits` is the pipeline's `limits` mapping or the service's `ModelLimits` (attributes): size_multiple,
 min_size, max_size, min_steps, max_steps, max_n, schedulers, output_formats, and when present buckets (the only
 sizes), frames ({min_frames, max_frames, step, offset, default, served}: a video model), max_sequence_length (a
-model with a text length). Fields absent from the request, or None, are not checked. The rules, as the API's
-422 `code`: int_type, not_multiple, out_of_range, size_not_supported, frames_not_supported, not_supported.
+model with a text length), tasks (what inputs the model takes: text-to-image, image-to-image, inpaint,
+text-to-video, image-to-video; absent: its text task) and strength ({min (exclusive), max, defaults: {task:
+strength}}: a model with an image-to-image or inpaint task). Fields absent from the request, or None, are not
+checked. The rules, as the API's 422 `code`: int_type, number_type, not_multiple, out_of_range,
+size_not_supported, frames_not_supported, not_supported.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from numbers import Integral
+from numbers import Integral, Real
+
+# What a model may take as inputs (limits["tasks"]); a model that names none takes text only.
+TASKS: tuple[str, ...] = ("text-to-image", "image-to-image", "inpaint", "text-to-video", "image-to-video")
+# The tasks that take a `strength` (how much of the schedule runs from the noised image).
+STRENGTH_TASKS: tuple[str, ...] = ("image-to-image", "inpaint")
 
 # Output formats: an image model's, its default first, and a video model's (an animated WebP is either).
 IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
@@ -49,6 +58,14 @@ def output_formats(limits) -> list[str]:
     return list(VIDEO_FORMATS if _get(limits, "frames") is not None else IMAGE_FORMATS)
 
 
+def tasks(limits) -> list[str]:
+    """The tasks a model takes: its limits' `tasks`, else its text task (text-to-video with frames)."""
+    named = _get(limits, "tasks")
+    if named:
+        return list(named)
+    return ["text-to-video" if _get(limits, "frames") is not None else "text-to-image"]
+
+
 def check_request(
     limits, request: Mapping, *, model: str = "the model", names: Mapping[str, str] | None = None
 ) -> None:
@@ -69,6 +86,7 @@ def check_request(
             )
         return int(value)
 
+    _check_task(limits, request, model)
     _check_size(limits, request, model, names)
     integer("num_inference_steps", _get(limits, "min_steps", 1), _get(limits, "max_steps"))
     integer("n", 1, _get(limits, "max_n"))
@@ -110,6 +128,30 @@ def check_request(
         raise LimitError("max_sequence_length", "not_supported", f"{model} has no text length; leave it out")
     if length is not None:
         integer("max_sequence_length", 1, length)
+
+
+def _check_task(limits, request: Mapping, model: str) -> None:
+    """`task` among the model's tasks; `strength` a number in (min, max] for a task that takes one."""
+    task = request.get("task")
+    if task is not None and task not in tasks(limits):
+        raise LimitError("task", "not_supported", f"{model} does not take {task}; it takes {tasks(limits)}")
+    strength = request.get("strength")
+    if strength is None:
+        return
+    if task is not None and task not in STRENGTH_TASKS:
+        raise LimitError(
+            "strength", "not_supported", f"strength applies to {list(STRENGTH_TASKS)}, not {task}"
+        )
+    bounds = _get(limits, "strength")
+    if bounds is None:
+        raise LimitError(
+            "strength", "not_supported", f"{model} takes no strength (no image-to-image or inpaint)"
+        )
+    if not isinstance(strength, Real) or isinstance(strength, bool) or not math.isfinite(strength):
+        raise LimitError("strength", "number_type", f"strength must be a number, got {strength!r}")
+    low, high = _get(bounds, "min", 0.0), _get(bounds, "max", 1.0)
+    if not low < strength <= high:
+        raise LimitError("strength", "out_of_range", f"strength must be in ({low}, {high}], got {strength}")
 
 
 def _check_size(limits, request: Mapping, model: str, names: Mapping[str, str]) -> None:

@@ -17,7 +17,21 @@ from meshserve.models.engine.pipeline import DiffusionPipeline
 # diffusers pipeline class -> (family, module, class)
 _FAMILIES = {
     "StableDiffusionXLPipeline": ("sdxl", "meshserve.models.sdxl.pipeline", "StableDiffusionXLPipeline"),
+    # An inpainting checkpoint's folder (a 9-channel UNet) names its diffusers pipeline; the one pipeline class
+    # serves it (tasks: inpaint only), as it serves the img2img and inpaint tasks of a text-to-image folder.
+    "StableDiffusionXLInpaintPipeline": (
+        "sdxl",
+        "meshserve.models.sdxl.pipeline",
+        "StableDiffusionXLPipeline",
+    ),
+    "StableDiffusionXLImg2ImgPipeline": (
+        "sdxl",
+        "meshserve.models.sdxl.pipeline",
+        "StableDiffusionXLPipeline",
+    ),
     "FluxPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
+    "FluxImg2ImgPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
+    "FluxInpaintPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
 }
 _DTYPES = {

@@ -16,6 +16,10 @@ denoise program, with classifier-free guidance, per-row step noise and a host ca
 - `on_step(step, _) -> bool` runs on the host after every step (an io_callback): progress, and False
   stops the loop (cancel). Always compiled in, so a call with and one without a callback share one program;
   it costs one host round trip per step.
+- `start` (traced, default 0): the first step to run, for a loop that starts mid-schedule from a noised
+  image (img2img, inpaint: models/engine/image_inputs.py); steps are then reported as i + 1 - start.
+- `after_step(latents, i) -> latents` (optional, traced): a per-step hook after the scheduler's step and
+  before the callback (4-channel inpainting puts the known region back here).
 - `preview(steps_done, latents) -> bool` (optional, traced): live previews, models/engine/previews.py.
 """
 
@@ -56,9 +60,12 @@ def denoise_loop(
     on_step: Callable[[int, jax.Array], np.bool_],
     constrain: Callable = lambda x: x,
     preview: Callable | None = None,
+    start=0,
+    after_step: Callable | None = None,
 ):
-    """latents [B, ...] (already scaled by the scheduler's init_noise_sigma); keys [B]; guidance [B].
-    Returns (latents, steps_done): steps_done < schedule.num_steps when on_step stopped the loop."""
+    """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
+    [B]; guidance [B]. Returns (latents, steps_done): steps_done < schedule.num_steps - start when on_step
+    stopped the loop."""
     num_steps = schedule.num_steps
 
     def body(carry):
@@ -70,20 +77,22 @@ def denoise_loop(
             out = guide(out, guidance)
         key = step_keys(keys, i) if scheduler.stochastic else None
         latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key)
+        if after_step is not None:
+            latents = after_step(latents, i)
         latents = constrain(latents)
         # The callback takes one element of the new latents so it runs after the step, not beside it; the
         # loop condition waits for its answer, so steps report in order without an ordered effect (whose
         # runtime token is one more host-to-device transfer per call, staged on the default device).
         go = io_callback(
-            on_step, jax.ShapeDtypeStruct((), jnp.bool_), i + 1, latents.ravel()[0], ordered=False
+            on_step, jax.ShapeDtypeStruct((), jnp.bool_), i + 1 - start, latents.ravel()[0], ordered=False
         )
         if preview is not None:  # live previews (models/engine/previews.py): pixels leave only when due
-            go = go & preview(i + 1, latents)
+            go = go & preview(i + 1 - start, latents)
         return i + 1, go, latents, sched_state
 
-    carry = (jnp.int32(0), jnp.bool_(True), latents, scheduler.init_state(latents))
+    carry = (jnp.asarray(start, jnp.int32), jnp.bool_(True), latents, scheduler.init_state(latents))
     i, _, latents, _ = jax.lax.while_loop(lambda c: (c[0] < num_steps) & c[1], body, carry)
-    return latents, i
+    return latents, i - start
 
 
 class StepReporter:

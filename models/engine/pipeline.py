@@ -16,6 +16,22 @@ What the serving side reads (workers/runner.py relies on nothing else):
     __call__(prompt, negative_prompt=, seed=, num_images_per_prompt=, latents=, output_type=, callback=,
              return_dict=, **row_fields, **batch_fields) -> PipelineOutput (`images`; video: also `frames`)
     compilations                     programs compiled so far (each also logged with its shapes and seconds)
+    tasks                            what inputs it takes: ("text-to-image",), with image inputs also
+                                     "image-to-image", "inpaint" (video: "text-to-video", "image-to-video");
+                                     also limits["tasks"], and limits["strength"] ({min (exclusive), max,
+                                     defaults: {task: strength}}) when a task takes a strength
+
+Image inputs (docs/image-inputs.md; models/engine/image_inputs.py): __call__ also takes `image=`,
+`mask_image=` (PIL images or numpy [H, W, 3] / [H, W], uint8 or floats in [0, 1]; one for all, one per prompt
+or one per output row) and `strength=` (one number per call: a batch field, in batch_key with the task). The
+task follows from them: no image -> text-to-image; image -> image-to-image (or image-to-video); image and mask
+-> inpaint. Images are resized to the call's height x width (default: the model's default size, as text-to-
+image) by models/components/image_processor.py (diffusers' VaeImageProcessor). A fourth program,
+image_encode, runs the family's `encode_image` (the VAE posterior's mode, scaled, in the loop's layout)
+and builds the dict the denoise program takes (image_latents, mask, condition: image_inputs.py). The loop then
+starts at step `start_step(steps, strength)` (a traced value) from the image noised to that step with the
+noise of each row's seed, or with `latents=` as that noise (not as the starting latents). Strength and the
+images never compile; a task does (its programs' inputs differ).
 
 What a family declares (class attributes) and implements (its stages); everything else is here:
 
@@ -33,6 +49,15 @@ What a family declares (class attributes) and implements (its stages); everythin
     decode(vae_state, latents,       traced: the VAE -> [B, (F,) H, W, 3] in [0, 1]
            shape=)
     optional: make_scheduler(name), schedule_options(scheduler, shape), denoise_extras(shape, text_len)
+
+    image inputs (optional): tasks, default_strength(task), strength_rule ("int": SDXL, "float": Flux;
+    image_inputs.start_step), encode_image(vae_state, pixels, shape=) (traced: [B, H, W, 3] in [-1, 1] ->
+    latents in the loop's layout), latent_mask(mask, shape=) (traced: [B, H, W, 1] -> the loop's layout),
+    inpaint_condition (True: a 9-channel UNet takes [mask, masked image latents] as a condition), image_inputs
+    (traced, the whole image_encode stage; override it for another kind, e.g. image-to-video's condition),
+    pure_noise_tasks (SDXL: ("inpaint",): strength 1 starts from noise x init sigma, not the noised image).
+    A family whose denoiser needs the image inputs (image-to-video) gets them as `denoiser(..., image=inputs)`;
+    the keyword is passed only when a call has image inputs.
 
 Three compiled programs run a call: text_encode (prompts and, with CFG, negatives; repeated per image and
 CFG-interleaved), denoise (initial noise from each row's seed, then the one loop of `denoise_loop.py`),
@@ -58,6 +83,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
 from meshserve.models.engine.common import (
     GenerationCancelled,
     PipelineError,
@@ -68,6 +94,7 @@ from meshserve.models.engine.common import (
     to_pil,
 )
 from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop, interleave
+from meshserve.models.engine.image_inputs import blend_known, check_scheduler, check_strength, noise_to
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
@@ -130,6 +157,18 @@ def positive_without_cfg(model: Callable, cfg_rows) -> Callable:
     return guided
 
 
+def with_condition(model: Callable, condition, do_cfg: bool) -> Callable:
+    """The model with `condition` [B, ...] concatenated after x on the last (channel) axis of every input
+    (a 9-channel inpainting UNet's mask and masked image; image-to-video's image), CFG-interleaved like x."""
+    if do_cfg:
+        condition = interleave(condition, condition)
+
+    def conditioned(x, t):
+        return model(jnp.concatenate([x, condition.astype(x.dtype)], axis=-1), t)
+
+    return conditioned
+
+
 class DiffusionPipeline:
     """Base of every family's pipeline (module docstring: what a family declares and implements)."""
 
@@ -154,6 +193,10 @@ class DiffusionPipeline:
     # for video that would be a whole extra video, so video families set False and compile the exact
     # batch sizes their pool warms up.
     pads_batches: bool = True
+    # Image inputs (module docstring): how a strength picks the start step, and inpainting's two kinds.
+    strength_rule: str = "int"
+    inpaint_condition: bool = False
+    pure_noise_tasks: tuple[str, ...] = ()
     scheduler_config: Mapping
     placement: Placement | None = None
     model_id: str = ""
@@ -281,6 +324,70 @@ class DiffusionPipeline:
         return None
 
     @property
+    def tasks(self) -> tuple[str, ...]:
+        """The inputs this model takes (module docstring); a family with image inputs adds its tasks."""
+        return (self.task,)
+
+    def default_strength(self, task: str) -> float | None:
+        """A task's strength when a call gives none (diffusers' pipeline default); None: takes no strength."""
+        return None
+
+    def strength_limits(self) -> dict | None:
+        """limits["strength"]: {min (exclusive), max, defaults per task}, or None without such a task."""
+        defaults = {t: self.default_strength(t) for t in self.tasks if self.default_strength(t) is not None}
+        return {"min": 0.0, "max": 1.0, "defaults": defaults} if defaults else None
+
+    def task_of(self, image, mask_image) -> str:
+        """The task a call's inputs ask for; PipelineError when the model does not take it."""
+        if image is None:
+            if mask_image is not None:
+                raise PipelineError("mask_image needs an image to inpaint")
+            if self.task not in self.tasks:
+                raise PipelineError(
+                    f"{self.model_id or self.family} needs an image: it takes {list(self.tasks)}"
+                )
+            return self.task
+        if mask_image is not None:
+            task = "inpaint"
+        else:
+            task = "image-to-video" if "image-to-video" in self.tasks else "image-to-image"
+        if task not in self.tasks:
+            given = "image and mask_image" if mask_image is not None else "image"
+            raise PipelineError(
+                f"{self.model_id or self.family} does not take {given} ({task}); it takes {list(self.tasks)}"
+            )
+        return task
+
+    def encode_image(self, vae_state, pixels, *, shape):
+        raise NotImplementedError
+
+    def latent_mask(self, mask, *, shape):
+        raise NotImplementedError
+
+    def image_inputs(self, vae_state, pixels, mask, *, shape, task):
+        """Traced (the image_encode program): pixels [B, H, W, 3] in [-1, 1], mask [B, H, W, 1] of {0, 1} or
+        None -> the denoise program's image inputs (models/engine/image_inputs.py)."""
+        inputs = {"image_latents": self.encode_image(vae_state, pixels, shape=shape)}
+        if mask is None:
+            return inputs
+        latent_mask = self.latent_mask(mask, shape=shape)
+        if self.inpaint_condition:  # a 9-channel UNet: [mask, masked image latents] after the latents
+            masked = self.encode_image(vae_state, pixels * (mask < 0.5), shape=shape)
+            inputs["condition"] = jnp.concatenate([latent_mask, masked], axis=-1)
+        else:  # the base model: the known region is put back after every step
+            inputs["mask"] = latent_mask
+        return inputs
+
+    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict):
+        """Host: the call's images (and masks) -> [B, H, W, 3] (and [B, H, W, 1]) at the call's size."""
+        height, width = settings["height"], settings["width"]
+        pixels = image_rows(image, prompts, n, "image", preprocess_image, height, width)
+        mask = None
+        if mask_image is not None:
+            mask = image_rows(mask_image, prompts, n, "mask_image", preprocess_mask, height, width)
+        return pixels, mask
+
+    @property
     def latent_dtype(self):
         """The loop's latents: the pipeline dtype (Wan keeps them fp32)."""
         return self.dtype
@@ -297,11 +404,26 @@ class DiffusionPipeline:
     # The contract's generic parts
 
     def batch_key(self, request: Mapping) -> tuple:
+        """With image tasks, (task, strength) lead the key: two jobs share a batch (one program, one start
+        step) only with equal task and strength. The task is the request's `task`, else it follows from
+        whether `image` / `mask_image` are set."""
         d, limits = self.defaults, self.limits
-        return tuple(
+        key = tuple(
             request[name] if request.get(name) is not None else _batch_default(name, d, limits)
             for name in self.batch_fields
         )
+        if len(self.tasks) == 1:
+            return key
+        task = request.get("task")
+        if task is None:
+            has_image, has_mask = request.get("image") is not None, request.get("mask_image") is not None
+            task = "inpaint" if has_mask else ("image-to-image" if has_image else self.task)
+            if task == "image-to-image" and "image-to-video" in self.tasks:
+                task = "image-to-video"
+        strength = request.get("strength")
+        if strength is None:
+            strength = self.default_strength(task)
+        return (task, strength, *key)
 
     def compiled_batch_size(self, rows: int, data: int = 1) -> int:
         return batch_bucket(rows, data) if self.pads_batches else rows
@@ -361,6 +483,9 @@ class DiffusionPipeline:
         guidance_scale: float | Sequence[float] | None = None,
         seed: int | Sequence[int] | None = None,
         latents=None,
+        image=None,
+        mask_image=None,
+        strength: float | None = None,
         num_images_per_prompt: int = 1,
         scheduler: str | None = None,
         output_type: str | None = None,
@@ -397,10 +522,14 @@ class DiffusionPipeline:
             name: given[name] if given.get(name) is not None else _batch_default(name, d, limits)
             for name in self.batch_fields
         }
+        task = self.task_of(image, mask_image)
+        if strength is not None and self.default_strength(task) is None:
+            raise PipelineError(f"strength applies to image-to-image and inpaint, not to {task}")
+        strength = self.default_strength(task) if strength is None else strength
         try:
             check_request(
                 limits,
-                {**settings, "n": num_images_per_prompt},
+                {**settings, "n": num_images_per_prompt, "task": task, "strength": strength},
                 model=self.model_id or self.family,
                 names={"n": "num_images_per_prompt"},
             )
@@ -425,6 +554,14 @@ class DiffusionPipeline:
         do_cfg = bool(cfg_rows.any())
         shape = self.noise_shape(settings)
         sched, schedule, steps = self.schedule(settings["scheduler"], settings["num_inference_steps"], shape)
+        start, full_strength, pixels = 0, False, None
+        if image is not None:
+            if strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
+                start = check_strength(strength, steps, self.strength_rule)
+                full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
+                check_scheduler(sched)
+            pixels, mask_pixels = self.preprocess_images(image, mask_image, len(prompts), n, settings)
+            steps -= start  # the steps this call runs (and reports)
         seeds = row_seeds(seed, len(prompts), n)
         if latents is not None:
             latents = self.put_batch(self._loop_latents(latents, len(seeds), shape))
@@ -447,12 +584,32 @@ class DiffusionPipeline:
         jax.block_until_ready(cond)
         timings["text_encode"] = time.perf_counter() - t0
 
+        # 1b. Images: the image_encode program (VAE encode, mask, condition), once per call.
+        image_inputs = None
+        if pixels is not None:
+            t0 = time.perf_counter()
+            put_mask = None if mask_pixels is None else self.put_batch(mask_pixels)
+            image_inputs = self.programs.run(
+                "image_encode",
+                self.image_inputs,
+                {"shape": shape, "task": task},
+                self._states["vae"],
+                self.put_batch(pixels),
+                put_mask,
+            )
+            jax.block_until_ready(image_inputs)
+            timings["image_encode"] = time.perf_counter() - t0
+        init = {"latents": latents, "start": self.put_replicated(np.int32(start))}
+        if image_inputs is not None:
+            init["image"] = image_inputs
+            init["full_strength"] = self.put_replicated(np.bool_(full_strength))
+
         # 2. The denoising loop, initial noise included: one program.
         t0 = time.perf_counter()
         static = {"scheduler": sched, "do_cfg": do_cfg, "shape": shape}
         inputs = (
             schedule,
-            latents,
+            init,
             self.put_keys(seeds),
             cond,
             {name: self.put_batch(np.float32(values)) for name, values in rows.items()},
@@ -527,7 +684,7 @@ class DiffusionPipeline:
         self,
         state,
         schedule,
-        latents,
+        init,
         key_data,
         cond,
         rows,
@@ -539,12 +696,34 @@ class DiffusionPipeline:
         do_cfg,
         shape,
     ):
-        """latents in the loop's layout, or None (drawn from each row's key); key_data [B, 2]; cond [2B or B,
-        ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns (latents, steps_done)."""
+        """init: {"latents": given latents in the loop's layout or None (drawn from each row's key), "start":
+        [] int32 first step, with image inputs also "image" (image_inputs.py) and "full_strength" [] bool};
+        key_data [B, 2]; cond [2B or B, ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns
+        (latents, steps_done)."""
         keys = row_keys(key_data)
+        latents, start, image = init["latents"], init["start"], init.get("image")
         sigma = scheduler.init_noise_sigma(schedule)
-        latents = self.constrain(self.prepare_latents(keys, latents, shape=shape, sigma=sigma))
-        model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg)
+        after_step = None
+        if image is None:
+            latents = self.constrain(self.prepare_latents(keys, latents, shape=shape, sigma=sigma))
+            model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg)
+        else:
+            noise = self.pack(initial_noise(keys, shape)) if latents is None else latents
+            noise = noise.astype(jnp.float32)
+            if "image_latents" in image:
+                noised = noise_to(scheduler, schedule, image["image_latents"], noise, start)
+                noised = jnp.where(init["full_strength"], noise * sigma, noised)
+                latents = self.constrain(noised.astype(self.latent_dtype))
+            else:  # the image conditions the model only (image-to-video): the loop starts from noise
+                latents = self.constrain((noise * sigma).astype(self.latent_dtype))
+            if "mask" in image:
+
+                def after_step(x, i):
+                    return blend_known(scheduler, schedule, x, image, noise, i)
+
+            model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg, image=image)
+            if "condition" in image:
+                model = with_condition(model, image["condition"], do_cfg)
         if do_cfg:
             model = positive_without_cfg(model, cfg_rows)
         return denoise_loop(
@@ -557,6 +736,8 @@ class DiffusionPipeline:
             do_cfg=do_cfg,
             on_step=self.step_reporter,
             constrain=self.constrain,
+            start=start,
+            after_step=after_step,
             preview=self.previews.in_loop(preview, shape),
         )
 

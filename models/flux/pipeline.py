@@ -21,6 +21,12 @@ Mirrors diffusers' FluxPipeline (the reference it is tested against) on the engi
     denoise      seeds' key data [B, 2] (or packed latents [B, S, 4C]), embeds, pooled, guidance and
                  true_cfg_scale [B], rope tables -> packed latents
     vae_decode   packed latents -> images [B, H, W, 3] in [0, 1] (unpacked, z / scaling + shift, VAE in fp32)
+    image_encode images [B, H, W, 3] (masks [B, H, W, 1]) -> packed image latents (and packed mask)
+
+Image inputs (docs/image-inputs.md), as FluxImg2ImgPipeline and FluxInpaintPipeline: the image's latents are
+(posterior mode - shift_factor) x scaling_factor, packed; strength picks the start step by Flux's float rule
+(image_inputs.start_step; default 0.6) and the image is noised with `scale_noise`; inpainting puts the known
+region back after every step (FluxInpaintPipeline's blend, the mask packed like the latents).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class FluxPipeline(DiffusionPipeline):
     cfg_needs_negative = True
     scheduler_classes = ("FlowMatchEulerDiscreteScheduler",)  # flow matching: velocity prediction
     latents_layout = "[B, (h/2)(w/2), 4C] (packed)"
+    strength_rule = "float"  # FluxImg2ImgPipeline's get_timesteps: int(steps - steps * strength) is the start
 
     def load(self, folder: Path) -> dict:
         self.tokenizer = load_clip_tokenizer(folder / "tokenizer")
@@ -147,12 +154,22 @@ class FluxPipeline(DiffusionPipeline):
         }
 
     @property
+    def tasks(self) -> tuple[str, ...]:
+        return ("text-to-image", "image-to-image", "inpaint")
+
+    def default_strength(self, task):
+        # FluxImg2ImgPipeline's and FluxInpaintPipeline's default.
+        return 0.6 if task in ("image-to-image", "inpaint") else None
+
+    @property
     def limits(self) -> dict:
         d = self.defaults
         # The VAE's factor x the 2x2 packing (16 for FLUX.1).
         limits = image_limits(self.vae_scale_factor * 2, max(d["width"], d["height"]))
         limits["schedulers"] = list(FLUX_SCHEDULER_NAMES)
         limits["max_sequence_length"] = self.max_sequence_length
+        limits["tasks"] = list(self.tasks)
+        limits["strength"] = self.strength_limits()
         return limits
 
     # ----------------------------------------------------------------------------------------------
@@ -189,7 +206,23 @@ class FluxPipeline(DiffusionPipeline):
     def pack(self, noise):
         return pack_latents(noise)
 
-    def denoiser(self, state, cond, rows, rope, *, shape, do_cfg):
+    def encode_image(self, vae_state, pixels, *, shape):
+        """pixels [B, H, W, 3] in [-1, 1] -> packed (mode - shift) x scaling, as diffusers' _encode_vae_image."""
+        cfg = self.vae_config
+        z = self.merged("vae", vae_state).encode(pixels.astype(jnp.float32)).mode()
+        if cfg.shift_factor is not None:
+            z = z - cfg.shift_factor
+        return pack_latents(z * cfg.scaling_factor).astype(self.latent_dtype)
+
+    def latent_mask(self, mask, *, shape):
+        """[B, H, W, 1] -> packed [B, S, 4C]: nearest to the latent size, repeated over the latent channels and
+        packed (diffusers' prepare_mask_latents)."""
+        f = self.vae_scale_factor
+        m = mask[:, ::f, ::f, :]
+        m = jnp.broadcast_to(m, (*m.shape[:3], self.vae_config.latent_channels))
+        return pack_latents(m).astype(self.latent_dtype)
+
+    def denoiser(self, state, cond, rows, rope, *, shape, do_cfg, image=None):
         dtype = self.dtype
         embeds, pooled = (c.astype(dtype) for c in cond)
         # The guidance embedding's input (dev only), the same for a row's two true-CFG passes (diffusers).

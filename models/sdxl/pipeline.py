@@ -4,11 +4,21 @@ Mirrors diffusers' StableDiffusionXLPipeline (the reference it is tested against
 (models/engine/pipeline.py: the call, CFG rows, schedules, programs) and denoising loop. What is here is SDXL's
 own: the two encoders and their pooled projection, the UNet call with its micro-conditioning, the VAE's latent
 scaling, zeros for a missing negative prompt (`force_zeros_for_empty_prompt`). Latents are channels-last
-[B, h, w, C] in the loop, diffusers' [B, C, h, w] at the call's edges. Programs:
+[B, h, w, C] in the loop, diffusers' [B, C, h, w] at the call's edges.
+
+Image inputs (docs/image-inputs.md), as StableDiffusionXLImg2ImgPipeline and StableDiffusionXLInpaintPipeline:
+the image's latents are the VAE posterior's mode x scaling_factor (or (z - mean) x scaling / std when the VAE
+config has latents_mean/std); strength picks the start step by diffusers' int rule (image_inputs.start_step);
+default strength 0.3 (img2img), 0.9999 (inpaint). Inpainting with the base (4-channel) UNet puts the known
+region back after every step, noised to the next step; at strength 1 it starts from noise x init sigma
+(diffusers' is_strength_max). A 9-channel inpainting UNet folder (StableDiffusionXLInpaintPipeline) takes
+[mask, masked image latents] after the latents every step and only inpaints. The micro-conditioning is
+text-to-image's: requires_aesthetics_score (the refiner) is refused at load. Programs:
 
     text_encode  ids [T, 77] x 2 (T = prompts, + negatives with CFG) -> embeds [B or 2B, 77, D1+D2], pooled
     denoise      seeds' key data [B, 2] (or latents [B, h, w, C]), embeds, pooled, guidance -> latents
     vae_decode   latents [B, h, w, C] -> images [B, H, W, 3] in [0, 1]
+    image_encode images [B, H, W, 3] (masks [B, H, W, 1]) -> image latents, mask or condition [B, h, w, ...]
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
-from meshserve.models.checkpoints.loading import read_json
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RULES
 from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
@@ -39,10 +49,16 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     denoiser_name = "unet"
     latents_axes = (0, 3, 1, 2)
     latents_layout = "[B, C, h, w]"
+    strength_rule = "int"  # diffusers' SDXL get_timesteps: int(steps * strength) steps run
+    pure_noise_tasks = ("inpaint",)
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
         self.zeros_for_empty_negative = bool(index.get("force_zeros_for_empty_prompt", True))
+        if index.get("requires_aesthetics_score"):
+            raise CheckpointError(
+                f"{folder}: requires_aesthetics_score (the SDXL refiner's micro-conditioning) is not supported"
+            )
         self.folder_defaults = folder_serving_defaults(folder)
         self.tokenizers = [
             load_clip_tokenizer(folder / "tokenizer"),
@@ -61,6 +77,14 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             load_autoencoder_kl, folder / "vae", VAE_RULES, dtype=jnp.float32, attention=self.plain_attention
         )
         self.unet_config, self.vae_config = unet.config, vae.config
+        latent = vae.config.latent_channels
+        if unet.config.in_channels not in (latent, 2 * latent + 1):
+            raise CheckpointError(
+                f"{folder / 'unet'}: in_channels {unet.config.in_channels} is neither the VAE's {latent} latent "
+                f"channels nor an inpainting UNet's {2 * latent + 1} (latents, mask, masked image)"
+            )
+        # A 9-channel UNet inpaints only: it takes the mask and the masked image's latents every step.
+        self.inpaint_condition = unet.config.in_channels == 2 * latent + 1
         self.projection_dim = modules["text_encoder_2"].config.projection_dim
         return {**modules, "unet": unet, "vae": vae}
 
@@ -89,8 +113,19 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         }
 
     @property
+    def tasks(self) -> tuple[str, ...]:
+        if self.inpaint_condition:
+            return ("inpaint",)
+        return ("text-to-image", "image-to-image", "inpaint")
+
+    def default_strength(self, task):
+        # diffusers' defaults: StableDiffusionXLImg2ImgPipeline 0.3, StableDiffusionXLInpaintPipeline 0.9999.
+        return {"image-to-image": 0.3, "inpaint": 0.9999}.get(task)
+
+    @property
     def limits(self) -> dict:
-        return image_limits(self.size_multiple, self.defaults["width"])
+        limits = image_limits(self.size_multiple, self.defaults["width"])
+        return {**limits, "tasks": list(self.tasks), "strength": self.strength_limits()}
 
     # ----------------------------------------------------------------------------------------------
     # The stages
@@ -107,9 +142,24 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
     def noise_shape(self, settings):
         f = self.vae_scale_factor
-        return (settings["height"] // f, settings["width"] // f, self.unet_config.in_channels)
+        return (settings["height"] // f, settings["width"] // f, self.vae_config.latent_channels)
 
-    def denoiser(self, state, cond, rows, extras, *, shape, do_cfg):
+    def encode_image(self, vae_state, pixels, *, shape):
+        """pixels [B, H, W, 3] in [-1, 1] -> the posterior's mode, scaled as diffusers' _encode_vae_image."""
+        cfg = self.vae_config
+        z = self.merged("vae", vae_state).encode(pixels.astype(jnp.float32)).mode()
+        if getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
+            z = (z - jnp.asarray(cfg.latents_mean)) * cfg.scaling_factor / jnp.asarray(cfg.latents_std)
+        else:
+            z = z * cfg.scaling_factor
+        return z.astype(self.latent_dtype)
+
+    def latent_mask(self, mask, *, shape):
+        """[B, H, W, 1] -> [B, h, w, 1]: torch's nearest interpolate to the latent size (every f-th pixel)."""
+        f = self.vae_scale_factor
+        return mask[:, ::f, ::f, :].astype(self.latent_dtype)
+
+    def denoiser(self, state, cond, rows, extras, *, shape, do_cfg, image=None):
         embeds, pooled = (c.astype(self.dtype) for c in cond)
         # Micro-conditioning: (original size, crop top-left, target size), the same for both CFG halves.
         height, width = (d * self.vae_scale_factor for d in shape[:2])

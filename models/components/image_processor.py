@@ -1,0 +1,127 @@
+"""Image and mask inputs on the host, as diffusers' `VaeImageProcessor` prepares them (pure numpy and PIL).
+
+    pixels = preprocess_image(image, height, width)    # [H, W, 3] float32 in [-1, 1]
+    mask = preprocess_mask(mask_image, height, width)  # [H, W, 1] float32, 0 (keep) or 1 (repaint)
+    rows = image_rows(images, prompts, n, "image", preprocess_image, height, width)   # [B, H, W, C]
+
+What an input may be: a PIL image, or a numpy array [H, W, 3] (a mask: [H, W] or [H, W, 1]) of uint8 (0..255)
+or floats in [0, 1]. Resizing follows diffusers' processor exactly, because the pixels it makes are what
+the parity tests compare: a PIL image is resized with PIL's Lanczos filter (`resample="lanczos"`), a numpy
+array by nearest neighbour as torch's `interpolate(mode="nearest")` picks its source pixels
+(floor(dst * in / out)). A mask is resized first (PIL: in its own mode), then made grayscale, then binarised
+(< 0.5 -> 0, else 1), as the inpainting pipelines' mask processor (do_binarize, do_convert_grayscale) does.
+diffusers' numpy path takes floats only; a uint8 array here is divided by 255 as a PIL image's pixels are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from meshserve.models.engine.common import PipelineError
+
+
+def _is_pil(x) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - Pillow is a base dependency
+        return False
+    return isinstance(x, Image.Image)
+
+
+def _as_float(array: np.ndarray, name: str) -> np.ndarray:
+    """uint8 -> /255; floats must lie in [0, 1] (diffusers' expected range)."""
+    if array.dtype == np.uint8:
+        return array.astype(np.float32) / np.float32(255.0)
+    if array.dtype.kind != "f":
+        raise PipelineError(
+            f"{name}: a numpy image must be uint8 (0..255) or float in [0, 1], got {array.dtype}"
+        )
+    array = array.astype(np.float32)
+    if not np.all(np.isfinite(array)) or array.min() < 0.0 or array.max() > 1.0:
+        raise PipelineError(f"{name}: float pixels must lie in [0, 1]")
+    return array
+
+
+def resize_nearest(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[H, W, C] -> [height, width, C] by torch's nearest rule: source index floor(dst * in / out)."""
+    h, w = array.shape[:2]
+    if (h, w) == (height, width):
+        return array
+    rows = np.minimum(
+        np.floor(np.arange(height, dtype=np.float32) * np.float32(h / height)).astype(np.int64), h - 1
+    )
+    cols = np.minimum(
+        np.floor(np.arange(width, dtype=np.float32) * np.float32(w / width)).astype(np.int64), w - 1
+    )
+    return array[rows][:, cols]
+
+
+def _resize_pil(image, height: int, width: int):
+    from PIL import Image
+
+    return image.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
+
+
+def preprocess_image(image, height: int, width: int, name: str = "image") -> np.ndarray:
+    """One image -> [height, width, 3] float32 in [-1, 1] (diffusers' normalize: 2x - 1)."""
+    if _is_pil(image):
+        image = _resize_pil(image, height, width).convert("RGB")
+        pixels = np.asarray(image).astype(np.float32) / np.float32(255.0)
+    elif isinstance(image, np.ndarray):
+        if image.ndim != 3 or image.shape[-1] != 3:
+            raise PipelineError(f"{name}: a numpy image must be [H, W, 3], got shape {list(image.shape)}")
+        pixels = resize_nearest(_as_float(image, name), height, width)
+    else:
+        raise PipelineError(f"{name} must be a PIL image or a numpy array, got {type(image).__name__}")
+    return 2.0 * pixels - 1.0
+
+
+def preprocess_mask(mask, height: int, width: int, name: str = "mask_image") -> np.ndarray:
+    """One mask -> [height, width, 1] float32 of 0 (keep the image) and 1 (repaint)."""
+    if _is_pil(mask):
+        mask = _resize_pil(mask, height, width).convert("L")
+        values = np.asarray(mask).astype(np.float32)[..., None] / np.float32(255.0)
+    elif isinstance(mask, np.ndarray):
+        if mask.ndim == 2:
+            mask = mask[..., None]
+        if mask.ndim != 3 or mask.shape[-1] != 1:
+            raise PipelineError(
+                f"{name}: a numpy mask must be [H, W] or [H, W, 1], got shape {list(mask.shape)}"
+            )
+        values = resize_nearest(_as_float(mask, name), height, width)
+    else:
+        raise PipelineError(f"{name} must be a PIL image or a numpy array, got {type(mask).__name__}")
+    return np.where(values < 0.5, 0.0, 1.0).astype(np.float32)
+
+
+def as_image_list(images, name: str) -> list:
+    """One image, a list of images, or a numpy batch [N, H, W, (C)] -> a list of single images."""
+    if isinstance(images, np.ndarray) and images.ndim == 4 and name == "image":
+        return list(images)
+    if isinstance(images, Sequence) and not isinstance(images, str | bytes):
+        images = list(images)
+        if not images:
+            raise PipelineError(f"{name} must be an image or a non-empty list of images")
+        return images
+    return [images]
+
+
+def image_rows(
+    images, prompts: int, n: int, name: str, preprocess: Callable, height: int, width: int
+) -> np.ndarray:
+    """The images of a call -> one preprocessed image per output row [prompts * n, H, W, C]: one for all, one
+    per prompt (repeated for its n images, prompt-major as the rows are) or one per output row."""
+    items = as_image_list(images, name)
+    if len(items) not in (1, prompts, prompts * n):
+        raise PipelineError(
+            f"{name}: expected one image, one per prompt ({prompts}) or one per output image ({prompts * n}), "
+            f"got {len(items)}"
+        )
+    processed = [preprocess(item, height, width, name) for item in items]
+    if len(items) == 1:
+        processed = processed * (prompts * n)
+    elif len(items) == prompts and n > 1:
+        processed = [p for p in processed for _ in range(n)]
+    return np.stack(processed)

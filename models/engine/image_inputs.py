@@ -1,0 +1,108 @@
+"""Image inputs in the engine: where an image enters a call (image-to-image, inpainting, image-to-video).
+
+    start = start_step(steps, strength, rule)            # host: the first step a strength runs (get_timesteps)
+    x = noise_to(scheduler, schedule, image_latents, noise, index)   # traced: the image noised to step `index`
+    latents = blend_known(scheduler, schedule, latents, inputs, noise, i)   # traced: 4-channel inpainting
+
+The image's latents come from the family's `encode_image` (the VAE posterior's mode, scaled and shifted as
+the family's VAE wants, in the loop's layout) in the pipeline's `image_encode` program. The denoise program
+then starts at step `start` (a traced value: a new strength compiles nothing) from the image noised to that
+step, as diffusers' img2img and inpaint pipelines do with `scheduler.add_noise` (Flux: `scale_noise`) at
+`timesteps[t_start]`; with a mask, after every step the known region is put back, noised to the next step
+(`blend_known`); a 9-channel inpainting UNet or an image-to-video model instead takes a `condition`
+concatenated to its input every step.
+
+What `image_encode` returns (a dict, each entry [B, ...] in the loop's layout, B = output rows):
+
+    image_latents   the image to noise and start from (absent: the loop starts from pure noise, as Wan i2v)
+    mask            1 where the model repaints, 0 where the image is kept (the 4-channel inpaint blend)
+    condition       concatenated after the latents on the last (channel) axis of every model input
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from meshserve.models.engine.common import PipelineError
+from meshserve.models.schedulers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+)
+from meshserve.models.schedulers.common import at
+
+TASKS = ("text-to-image", "image-to-image", "inpaint", "text-to-video", "image-to-video")
+
+
+def start_step(steps: int, strength: float, rule: str) -> int:
+    """The first step of a `steps`-step schedule that a `strength` runs (diffusers' `get_timesteps`, order 1):
+
+    "int":   SDXL's   t_start = steps - min(int(steps * strength), steps)
+    "float": Flux's   t_start = int(max(steps - steps * strength, 0))   (steps * strength not truncated first)
+
+    so 4 steps at strength 0.6 run 2 steps on SDXL and 3 on Flux, as in diffusers."""
+    if rule == "int":
+        return max(steps - min(int(steps * strength), steps), 0)
+    return int(max(steps - min(steps * strength, steps), 0))
+
+
+def check_strength(strength, steps: int, rule: str) -> int:
+    """PipelineError unless strength is a number in (0, 1] that leaves at least one step; the start step."""
+    if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
+        raise PipelineError(f"strength must be a number in (0, 1], got {strength!r}")
+    if not 0.0 < strength <= 1.0:
+        raise PipelineError(f"strength must be in (0, 1], got {strength}")
+    start = start_step(steps, float(strength), rule)
+    if start >= steps:
+        raise PipelineError(
+            f"strength {strength} of {steps} steps runs no step; raise strength or num_inference_steps "
+            f"(at least {1 / steps:.3g} for {steps} steps)"
+        )
+    return start
+
+
+def noise_to(scheduler, schedule, x, noise, index):
+    """x noised to the level of step `index` (traced), as the scheduler's diffusers `add_noise` /
+    `scale_noise` does at `timesteps[index]`; float32."""
+    x, noise = x.astype(jnp.float32), noise.astype(jnp.float32)
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        sigma = at(schedule.sigmas, index)
+        return sigma * noise + (1.0 - sigma) * x
+    if isinstance(scheduler, EulerDiscreteScheduler | EulerAncestralDiscreteScheduler):
+        return x + noise * at(schedule.sigmas, index)
+    if isinstance(scheduler, DPMSolverMultistepScheduler):
+        sigma = at(schedule.sigmas, index)
+        alpha_t = 1.0 / (sigma**2 + 1.0) ** 0.5
+        return alpha_t * x + (sigma * alpha_t) * noise
+    if isinstance(scheduler, DDIMScheduler):
+        alpha_prod = at(schedule.alpha_prod_t, index)
+        return alpha_prod**0.5 * x + (1.0 - alpha_prod) ** 0.5 * noise
+    raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")
+
+
+def check_scheduler(scheduler) -> None:
+    """Fail on the host, before tracing, for a scheduler that cannot start from an image."""
+    supported = (
+        FlowMatchEulerDiscreteScheduler,
+        EulerDiscreteScheduler,
+        EulerAncestralDiscreteScheduler,
+        DPMSolverMultistepScheduler,
+        DDIMScheduler,
+    )
+    if not isinstance(scheduler, supported):
+        raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")
+
+
+def blend_known(scheduler, schedule, latents, inputs, noise, i):
+    """diffusers' 4-channel inpainting after step i: the known region (mask 0) is the image noised to the
+    next step's level (the clean image after the last step), the masked region keeps the denoised latents."""
+    image = inputs["image_latents"]
+    next_i = i + 1
+    noised = noise_to(scheduler, schedule, image, noise, jnp.minimum(next_i, schedule.num_steps - 1))
+    known = jnp.where(next_i < schedule.num_steps, noised, image.astype(jnp.float32))
+    mask = inputs["mask"].astype(jnp.float32)
+    return ((1.0 - mask) * known + mask * latents.astype(jnp.float32)).astype(latents.dtype)

@@ -1,0 +1,224 @@
+"""SDXL image inputs against diffusers: img2img (StableDiffusionXLImg2ImgPipeline), inpainting with the base
+4-channel UNet and with a 9-channel inpainting UNet (StableDiffusionXLInpaintPipeline), same weights, fp32.
+
+Both sides get the same noise: diffusers' `randn_tensor` is replaced by the test's array (its `latents=` means
+the starting latents, ours the noise the image is noised with), and its posterior `sample()` by `mode()`
+(ours encodes deterministically). One diffusers run per pipeline covers most points: a batch of 2 prompts
+with different images, non-square, CFG with negatives, strength < 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshserve.models import PipelineError, load_pipeline
+
+H, W = 64, 48  # non-square; latents 32 x 24
+PROMPTS = ["a photo of a cat", "a red car"]
+NEGATIVE = ["blurry", "low quality"]
+STEPS = 4
+
+
+def _images(seed: int, height: int = H, width: int = W) -> list[np.ndarray]:
+    """Two different smooth images (a random image's VAE latents are near noise; gradients look like one)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    out = []
+    for _ in range(2):
+        a, b, c = rng.uniform(0.2, 0.8, 3)
+        img = np.stack([a * x + 0.2, b * y + 0.1, c * (1 - x * y)], axis=-1)
+        img += 0.05 * rng.standard_normal(img.shape)
+        out.append(np.clip(img, 0, 1).astype(np.float32))
+    return out
+
+
+def _masks() -> list[np.ndarray]:
+    """Two different masks (1: repaint): a rectangle and a disc, [H, W] floats."""
+    y, x = np.mgrid[0:H, 0:W]
+    rect = ((y > 16) & (y < 48) & (x > 8) & (x < 32)).astype(np.float32)
+    disc = ((y - 30) ** 2 + (x - 26) ** 2 < 15**2).astype(np.float32)
+    return [rect, disc]
+
+
+@pytest.fixture
+def same_noise(monkeypatch):
+    """Makes diffusers draw `holder["noise"]` and encode to the posterior's mode."""
+    import torch
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.pipelines.stable_diffusion_xl import (
+        pipeline_stable_diffusion_xl_img2img,
+        pipeline_stable_diffusion_xl_inpaint,
+    )
+
+    holder = {}
+
+    def randn(shape, **kw):
+        noise = torch.from_numpy(holder["noise"])
+        assert tuple(noise.shape) == tuple(shape), (noise.shape, shape)
+        return noise.clone()
+
+    for module in (pipeline_stable_diffusion_xl_img2img, pipeline_stable_diffusion_xl_inpaint):
+        monkeypatch.setattr(module, "randn_tensor", randn)
+    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
+    return holder
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_sdxl_path):
+    return load_pipeline(tiny_sdxl_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def base_reference(tiny_sdxl_path):
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    torch.set_num_threads(2)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def inpaint_path(tmp_path_factory):
+    from tests.fixtures.tiny_sdxl import build_tiny_sdxl
+
+    return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl_inpaint"), inpaint=True)
+
+
+def _check(got, expected, what):
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    err = float(np.abs(got - expected).max())
+    assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
+    assert expected.std() > 1e-3  # a real image, not a constant
+
+
+def test_img2img_matches_diffusers_and_never_recompiles(ours, base_reference, same_noise):
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    ref = StableDiffusionXLImg2ImgPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    images, noise = _images(0), np.random.default_rng(1).standard_normal((2, 4, H // 2, W // 2))
+    noise = noise.astype(np.float32)
+    same_noise["noise"] = noise
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=STEPS, guidance_scale=5.0, strength=0.6)
+    expected = ref(
+        PROMPTS, image=[torch.from_numpy(i.transpose(2, 0, 1)) for i in images], output_type="np", **kw
+    )
+    got = ours(PROMPTS, image=images, height=H, width=W, latents=noise, output_type="np", **kw)
+    _check(got.images, expected.images, "img2img")
+    assert "image_encode" in got.timings
+
+    # Another strength, other images and seeds: nothing compiles; the output moves.
+    before = ours.compilations
+    steps = []
+    other = ours(
+        PROMPTS,
+        image=_images(5)[::-1],
+        height=H,
+        width=W,
+        latents=noise[::-1].copy(),
+        negative_prompt=NEGATIVE,
+        num_inference_steps=STEPS,
+        strength=0.3,
+        callback=lambda s, t: steps.append((s, t)),
+        output_type="np",
+    )
+    assert ours.compilations == before and not other.compiled
+    assert steps == [(1, 1)]  # int(4 x 0.3) = 1 step runs, reported as 1 of 1
+    assert not np.allclose(other.images, got.images)
+
+
+def test_inpaint_base_unet_matches_diffusers(ours, base_reference, same_noise):
+    from diffusers import StableDiffusionXLInpaintPipeline
+    from PIL import Image
+
+    ref = StableDiffusionXLInpaintPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    # PIL inputs at another size: both sides resize them (Lanczos) to 64 x 48.
+    images = [Image.fromarray((i * 255).astype(np.uint8)) for i in _images(2, 80, 56)]
+    masks = [Image.fromarray((m * 255).astype(np.uint8)).resize((56, 80)) for m in _masks()]
+    noise = np.random.default_rng(3).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    same_noise["noise"] = noise
+    kw = dict(
+        image=images,
+        mask_image=masks,
+        height=H,
+        width=W,
+        negative_prompt=NEGATIVE,
+        num_inference_steps=STEPS,
+        guidance_scale=5.0,
+        output_type="np",
+    )
+    for strength in (0.6, 1.0):  # 1.0: diffusers starts from pure noise x init sigma
+        expected = ref(PROMPTS, strength=strength, **kw).images
+        got = ours(PROMPTS, strength=strength, latents=noise, **kw).images
+        _check(got, expected, f"inpaint (4-channel UNet) strength {strength}")
+
+
+def test_inpaint_unet_9_channels_matches_diffusers(inpaint_path, same_noise):
+    import torch
+    from diffusers import StableDiffusionXLInpaintPipeline
+
+    pipe = load_pipeline(inpaint_path, dtype="float32")
+    assert pipe.tasks == ("inpaint",) and pipe.limits["tasks"] == ["inpaint"]
+    ref = StableDiffusionXLInpaintPipeline.from_pretrained(str(inpaint_path), torch_dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    images, masks = _images(4), _masks()
+    noise = np.random.default_rng(5).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    same_noise["noise"] = noise
+    kw = dict(
+        negative_prompt=NEGATIVE,
+        num_inference_steps=STEPS,
+        guidance_scale=5.0,
+        strength=0.75,
+        output_type="np",
+    )
+    expected = ref(
+        PROMPTS,
+        image=[torch.from_numpy(i.transpose(2, 0, 1)) for i in images],
+        mask_image=[torch.from_numpy(m[None]) for m in masks],
+        height=H,
+        width=W,
+        **kw,
+    ).images
+    got = pipe(PROMPTS, image=images, mask_image=masks, height=H, width=W, latents=noise, **kw).images
+    _check(got, expected, "inpaint (9-channel UNet)")
+    with pytest.raises(PipelineError, match="needs an image"):
+        pipe("a cat", height=H, width=W, num_inference_steps=1)
+    with pytest.raises(PipelineError, match="image-to-image"):
+        pipe("a cat", image=images[0], height=H, width=W, num_inference_steps=1)
+
+
+def test_tasks_limits_batch_key_and_bad_inputs(ours):
+    assert ours.tasks == ("text-to-image", "image-to-image", "inpaint")
+    limits = ours.limits
+    assert limits["tasks"] == list(ours.tasks)
+    assert limits["strength"] == {
+        "min": 0.0,
+        "max": 1.0,
+        "defaults": {"image-to-image": 0.3, "inpaint": 0.9999},
+    }
+    text = ours.batch_key({"width": W, "height": H})
+    img = ours.batch_key({"width": W, "height": H, "image": "ref"})
+    assert text[:2] == ("text-to-image", None) and img[:2] == ("image-to-image", 0.3)
+    assert ours.batch_key({"image": "ref", "strength": 0.5}) != ours.batch_key({"image": "ref"})
+    image = _images(0)[0]
+    kw = dict(height=H, width=W, num_inference_steps=4)
+    bad = [
+        (dict(image=image, strength=0.0), "strength must be in"),
+        (dict(image=image, strength=1.5), "strength must be in"),
+        (dict(image=image, strength=0.1), "runs no step"),
+        (dict(strength=0.5), "strength applies to image-to-image"),
+        (dict(mask_image=image[..., 0]), "needs an image"),
+        (dict(image=image[..., :2]), r"\[H, W, 3\]"),
+        (dict(image=image * 2), r"in \[0, 1\]"),
+        (dict(image=[image] * 3), "one per prompt"),
+        (dict(image=image, mask_image=image), r"\[H, W\] or \[H, W, 1\]"),
+        (dict(image="a path"), "PIL image or a numpy array"),
+    ]
+    for extra, match in bad:
+        with pytest.raises(PipelineError, match=match):
+            ours("a cat", **kw, **extra)
