@@ -26,11 +26,11 @@ FILES = {
 }
 PATHS = frozenset({"/", *FILES})
 # 'self' only: no inline script or style (an injected <script> does nothing), no other origin to load from or
-# send to. blob: in connect-src lets the page (and the browser test) read back an output it already fetched.
+# send to. data: images are the live previews; blob: images and media are the outputs, which the page fetches
+# with the API key and shows from memory.
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
-    "media-src 'self' blob:; connect-src 'self' blob:; base-uri 'none'; form-action 'none'; "
-    "frame-ancestors 'none'"
+    "media-src 'self' blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
