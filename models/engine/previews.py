@@ -161,13 +161,24 @@ class LatentPreviews:
         loop; returning it keeps the callback alive and ordered before the next step)."""
         every, rgb_map = inputs
         pack = self.pipe.pack
+        placement = self.pipe.placement
+        replicate = lambda x: x  # noqa: E731
+        if placement is not None:
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            whole = NamedSharding(placement.mesh, P())
+            replicate = lambda x: jax.lax.with_sharding_constraint(x, whole)  # noqa: E731
 
         def preview(i, latents):
             due = (every > 0) & (i % jnp.maximum(every, 1) == 0)
 
             def emit(_):
                 pixels = apply_map(to_channels_last(pack, latents, shape), rgb_map)
-                return io_callback(self, jax.ShapeDtypeStruct((), jnp.bool_), i, due, pixels, ordered=False)
+                # On a mesh: gathered whole (a few KB) before the callback, which reads them on one device;
+                # left to the partitioner, it warns of an "involuntary full rematerialization" every compile.
+                due_, pixels = replicate((due, pixels))
+                return io_callback(self, jax.ShapeDtypeStruct((), jnp.bool_), i, due_, pixels, ordered=False)
 
             return jax.lax.cond(due.any(), emit, lambda _: jnp.bool_(True), None)
 
