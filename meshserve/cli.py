@@ -27,6 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg, .webp or .mp4, got {out.name}")
 
     fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
+    images = _image_inputs(args)  # before loading anything: a bad file is a one-line error at once
 
     from tqdm import tqdm
 
@@ -72,6 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
             scheduler=args.scheduler,
             output_type="np",
             callback=on_step,
+            **images,
             **settings,
         )
         bar.close()
@@ -90,6 +92,37 @@ def _generate(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
     print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages})")
     return 0
+
+
+def _image_inputs(args: argparse.Namespace) -> dict:
+    """--image / --mask / --strength as the pipeline's image, mask_image and strength, read under the API's
+    decoding rules (service/image_inputs.py: PNG, JPEG or WebP, one frame, EXIF orientation applied)."""
+    if args.image is None:
+        for flag, value in (("--mask", args.mask), ("--strength", args.strength)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --image")
+        return {}
+    if args.strength is not None and not 0 < args.strength <= 1:
+        raise UsageError(f"--strength must be in (0, 1], got {args.strength}")
+    from meshserve.service.image_inputs import ImageInputError, decode_image  # PIL only
+
+    def read(path: str, field: str, **kw):
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise UsageError(f"--{field} {path}: {e.strerror or e}") from None
+        try:
+            return decode_image(data, field=f"--{field} {path}", max_pixels=8192 * 8192, **kw).image
+        except ImageInputError as e:
+            raise UsageError(e.message) from None
+
+    image = read(args.image, "image")
+    inputs = {"image": image}
+    if args.mask is not None:
+        inputs["mask_image"] = read(args.mask, "mask", mode="L", size=image.size)
+    if args.strength is not None:
+        inputs["strength"] = args.strength
+    return inputs
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -175,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="video models: frame rate of the .mp4/.webp (default: the model's)",
     )
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument(
+        "--image",
+        default=None,
+        help="an input image (PNG, JPEG, WebP): image-to-image, or image-to-video for a Wan I2V folder (-o .mp4)",
+    )
+    gen.add_argument(
+        "--mask", default=None, help="inpainting: white is repainted, black kept; the image's size"
+    )
+    gen.add_argument(
+        "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"
+    )
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="API + one worker (+ a local redis-server when no URL is given)")

@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -112,3 +114,103 @@ def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
     r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *make_args(tmp_path))
     assert r.returncode == 2
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+class _RecordingPipe:
+    """Stands in for a loaded pipeline: records the call, returns grey pictures (no compiling: the real image
+    path is served end to end in tests/workers/test_image_serving.py)."""
+
+    def __init__(self, video: bool):
+        self.video, self.calls = video, []
+        self.model_id, self.family, self.row_fields = "fake", "wan" if video else "sdxl", ("guidance_scale",)
+        self.defaults = {"width": 32, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8}
+        self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
+        if video:
+            self.limits["frames"] = {"min_frames": 1, "max_frames": 9, "default": 5}
+
+    def __call__(self, prompt, **kwargs):
+        self.calls.append(kwargs)
+        shape = (1, 5, 16, 32, 3) if self.video else (1, 16, 32, 3)
+        return types.SimpleNamespace(images=np.full(shape, 0.5), seeds=[kwargs["seed"]], timings={})
+
+
+@pytest.mark.parametrize("video", [False, True], ids=["inpaint-png", "image-to-video-mp4"])
+def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
+    """--image/--mask/--strength reach the pipeline as diffusers' image, mask_image and strength (decoded under
+    the API's rules: RGB, EXIF orientation applied); an image-to-video model (a Wan I2V folder) writes .mp4."""
+    from meshserve import cli
+
+    pipe = _RecordingPipe(video)
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    Image.new("RGBA", (32, 16), (200, 20, 20, 255)).save(tmp_path / "in.png")
+    Image.new("L", (32, 16), 255).save(tmp_path / "mask.png")
+    out = tmp_path / ("clip.mp4" if video else "out.png")
+    args = [
+        "generate",
+        "--prompt",
+        "a cat",
+        "--seed",
+        "3",
+        "--image",
+        str(tmp_path / "in.png"),
+        "-o",
+        str(out),
+    ]
+    if not video:
+        args += ["--mask", str(tmp_path / "mask.png"), "--strength", "0.6"]
+    assert cli.main(args) == 0
+    (call,) = pipe.calls
+    assert call["image"].mode == "RGB" and call["image"].size == (32, 16)
+    assert call["image"].getpixel((0, 0)) == (200, 20, 20)
+    if video:
+        import av
+
+        assert "mask_image" not in call and "strength" not in call
+        with av.open(str(out)) as container:
+            assert len(list(container.decode(video=0))) == 5
+    else:
+        assert call["mask_image"].mode == "L" and call["strength"] == 0.6
+        assert Image.open(out).size == (32, 16)
+
+
+def _file(tmp_path, name, data=None, image=None):
+    path = tmp_path / name
+    if image is not None:
+        image.save(path)
+    else:
+        path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make_args,match",
+    [
+        (lambda p: ["--mask", _file(p, "m.png", image=Image.new("L", (8, 8)))], "--mask needs --image"),
+        (lambda p: ["--strength", "0.5"], "--strength needs --image"),
+        (
+            lambda p: ["--image", _file(p, "i.png", image=Image.new("RGB", (8, 8))), "--strength", "1.5"],
+            "--strength must be in (0, 1]",
+        ),
+        (lambda p: ["--image", str(p / "missing.png")], "No such file"),
+        (lambda p: ["--image", _file(p, "t.png", b"text")], "is not an image"),
+        (lambda p: ["--image", _file(p, "g.gif", image=Image.new("RGB", (8, 8)))], "GIF image; supported"),
+        (
+            lambda p: [
+                "--image",
+                _file(p, "i.png", image=Image.new("RGB", (8, 8))),
+                "--mask",
+                _file(p, "m.png", image=Image.new("L", (9, 8))),
+            ],
+            "it must be the image's size",
+        ),
+    ],
+)
+def test_generate_image_input_errors_are_one_clear_line(tmp_path, make_args, match, capsys):
+    """Refused before any model is loaded (in-process: the command's own error path, no subprocess)."""
+    from meshserve import cli
+
+    assert (
+        cli.main(["generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *make_args(tmp_path)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert match in err and err.startswith("meshserve generate: error:"), err

@@ -1,8 +1,9 @@
 """Batching of compatible jobs: one device batch runs one compiled program, so its jobs must share the model
 and the settings its runner's `batch_key` names (the pipeline's: shape bucket, frames, step count, scheduler,
-and any family-specific static setting, e.g. Flux's text length). Prompts, negative prompts, guidance, Flux's
-`true_cfg_scale`, seeds and n may differ (they are per-row data: a Flux batch mixing true-CFG and plain jobs runs
-the true-CFG program and selects each row's own prediction). A batch holds at most `max_batch` images (the sum of
+and any family-specific static setting, e.g. Flux's text length; with image inputs the task - image-to-image,
+inpaint - and the strength, which picks the start step of the whole call). Prompts, negative prompts, guidance,
+Flux's `true_cfg_scale`, seeds, input images and n may differ (they are per-row data: a Flux batch mixing true-CFG
+and plain jobs runs the true-CFG program and selects each row's own prediction). A batch holds at most `max_batch` images (the sum of
 the jobs' n); a single job with more images than that runs alone.
 
 `take_batch` is the pure choice; `gather_batch` waits up to `batch_wait_ms` for company after the first job,

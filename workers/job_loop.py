@@ -48,7 +48,7 @@ from meshserve.service.store import Store
 from meshserve.workers import metrics
 from meshserve.workers.batching import BatchKey, gather_batch
 from meshserve.workers.multihost import GroupFailed
-from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult
+from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult, read_inputs
 from meshserve.workers.threads import PoolThread
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,8 @@ class JobLoop:
             run = functools.partial(runner.run, previews=handoff.add_preview)
         try:
             try:
+                # Image inputs from the store (a job whose input is gone fails; a store error: redelivery)
+                requests = await read_inputs(requests, self.store, self.settings)
                 results = await self._in_thread(run, requests, self._step_callback(model, handoff))
             finally:
                 # Before any job of the batch is ended here: the task's last round (a cancel it saw) completes.

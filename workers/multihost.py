@@ -39,6 +39,8 @@ or mixes data. The job's delivery count still rises, so a job that kills its gro
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import os
@@ -331,16 +333,47 @@ class Group:
 
 
 def run_message(requests: Sequence[RunRequest], model: str) -> dict:
-    """The message that tells followers to run `requests` on `model` (their RunRequests, as JSON)."""
+    """The message that tells followers to run `requests` on `model` (their RunRequests, as JSON). Image
+    inputs, which the leader read from the store, travel with them (PNG, base64): every process must make the
+    same call, and followers do not read the store."""
     return {
         "op": "run",
         "model": model,
-        "jobs": [[r.job_id, r.params.model_dump(mode="json")] for r in requests],
+        "jobs": [[r.job_id, r.params.model_dump(mode="json"), _inputs_of(r)] for r in requests],
     }
 
 
 def requests_of(message: Mapping) -> list[RunRequest]:
-    return [RunRequest(job_id, JobParams.model_validate(p)) for job_id, p in message["jobs"]]
+    return [
+        RunRequest(job_id, JobParams.model_validate(p), **_inputs_from(inputs))
+        for job_id, p, inputs in message["jobs"]
+    ]
+
+
+def _inputs_of(request: RunRequest) -> dict:
+    inputs: dict = {"missing": request.missing} if request.missing is not None else {}
+    for name in ("image", "mask"):
+        image = getattr(request, name)
+        if image is not None:
+            buf = io.BytesIO()
+            image.save(buf, format="PNG", compress_level=1)
+            inputs[name] = base64.b64encode(buf.getvalue()).decode()
+    return inputs
+
+
+def _inputs_from(inputs: Mapping) -> dict:
+    from PIL import Image
+
+    out = {
+        name: Image.open(io.BytesIO(base64.b64decode(inputs[name])))
+        for name in ("image", "mask")
+        if name in inputs
+    }
+    for image in out.values():
+        image.load()
+    if "missing" in inputs:
+        out["missing"] = inputs["missing"]
+    return out
 
 
 class LeaderRunner(Runner):

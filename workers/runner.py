@@ -12,6 +12,8 @@ batch_key, compiled_batch_size, warm_up, __call__); other runners are picked by 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import importlib
 import threading
 import time
@@ -31,6 +33,8 @@ from meshserve.service.contract import (
     ModelLimits,
     OutputBlob,
 )
+from meshserve.service.image_inputs import ImageInputError, decode_image
+from meshserve.service.input_store import InputStore
 from meshserve.workers.encoding import can_encode, encode_output
 
 StepCallback = Callable[[int, int], bool | None]
@@ -54,10 +58,15 @@ class InvalidRequest(Exception):
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One job as the runner sees it: its id and its normalised parameters (every field set by the service)."""
+    """One job as the runner sees it: its id and its normalised parameters (every field set by the service),
+    and for a job with image inputs the decoded image and mask (`read_inputs`), or why they could not be read
+    (`missing`: the runner fails that job with it)."""
 
     job_id: str
     params: JobParams
+    image: Any = None  # PIL RGB image
+    mask: Any = None  # PIL L image, the image's size: white repaints
+    missing: str | None = None
 
     def seeds(self) -> list[int]:
         # Image i of a job uses seed + i: a client that re-submits with a returned seed and n=1 gets that image.
@@ -98,8 +107,16 @@ class Runner(ABC):
         return 0.0
 
     def batch_key(self, params: JobParams) -> tuple:
-        """The job fields that must match for two jobs to share a batch (one compiled program)."""
-        return (params.width, params.height, params.num_frames, params.num_inference_steps, params.scheduler)
+        """The job fields that must match for two jobs to share a batch (one compiled program; with image
+        inputs one task and one strength: one image_encode program, one start step)."""
+        return (
+            *image_key(params),
+            params.width,
+            params.height,
+            params.num_frames,
+            params.num_inference_steps,
+            params.scheduler,
+        )
 
     # Whether `run` takes `previews=` (live previews: the jobs' `preview_every`, docs/previews.md).
     takes_previews = False
@@ -167,7 +184,11 @@ class PipelineRunner(Runner):
         return float(seconds + self.pipe.previews.fit_seconds)
 
     def batch_key(self, params: JobParams) -> tuple:
-        return self.pipe.batch_key(params.model_dump())
+        # The pipeline's key (its batch fields; with image tasks, task and strength), read from the job in
+        # diffusers' names; ours in front, so that jobs of different tasks or strengths never share a call
+        # whatever the pipeline's key leaves out (a one-task model's leaves out the strength).
+        request = {**params.model_dump(), "mask_image": params.mask}
+        return (*image_key(params), *self.pipe.batch_key(request))
 
     @property
     def _data(self) -> int:
@@ -185,6 +206,9 @@ class PipelineRunner(Runner):
     def run(self, batch, callback=None, previews: PreviewCallback | None = None) -> list[RunResult]:
         from meshserve.models import GenerationCancelled, PipelineError
 
+        for req in batch:  # an input gone from the store: that job fails (alone: the loop retries the rest)
+            if req.missing is not None:
+                raise InvalidRequest(req.missing)
         first = batch[0].params.model_dump()
         # One output per row: jobs with different n, prompts, negative prompts, seeds and the pipeline's row
         # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
@@ -210,6 +234,7 @@ class PipelineRunner(Runner):
                 num_images_per_prompt=1,
                 output_type="np",
                 callback=callback,
+                **image_arguments(batch, pad),
                 **self._previews(batch, pad, previews),
                 **rows,
                 **settings,
@@ -244,6 +269,63 @@ class PipelineRunner(Runner):
     @property
     def compilations(self) -> int:
         return int(getattr(self.pipe, "compilations", 0) or 0)
+
+
+def image_key(params: JobParams) -> tuple:
+    """What image inputs add to a batch key: the task they ask for (image? mask?) and the strength."""
+    return (params.image is not None, params.mask is not None, params.strength)
+
+
+def image_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
+    """The pipeline's image arguments for a batch (one task, one strength: `image_key`): one image (and mask)
+    per output row in diffusers' names, the padding rows repeating the first."""
+    if batch[0].image is None:
+        return {}
+    images = [req.image for req in batch for _ in range(req.params.n)]
+    args = {"image": images + images[:1] * pad}
+    if batch[0].mask is not None:
+        masks = [req.mask for req in batch for _ in range(req.params.n)]
+        args["mask_image"] = masks + masks[:1] * pad
+    if batch[0].params.strength is not None:
+        args["strength"] = batch[0].params.strength
+    return args
+
+
+async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[RunRequest]:
+    """The requests with their jobs' stored image inputs read (service/input_store.py) and decoded (in a
+    thread: a 4096 x 4096 PNG takes a few tenths of a second). An input that is gone (its TTL, `job_ttl_s`,
+    passed while the job was queued) sets `missing`, and the job fails with that reason, never silently runs
+    without it. A Redis or object-store error propagates: the batch is left for redelivery."""
+    inputs = InputStore.of(store)
+    out = []
+    for req in requests:
+        p = req.params
+        if p.image is None:
+            out.append(req)
+            continue
+        decoded = {}
+        for name, mode in (("image", "RGB"), ("mask", "L")):
+            ref = getattr(p, name)
+            if ref is None:
+                continue
+            data = await inputs.get(ref)
+            if data is None:
+                decoded = f"the job's {name} input has expired or was deleted ({ref}); submit the job again"
+                break
+            try:
+                decoded[name] = (
+                    await asyncio.to_thread(
+                        decode_image, data, field=name, max_pixels=settings.max_image_pixels, mode=mode
+                    )
+                ).image
+            except ImageInputError as e:  # stored by the API after the same checks: not expected
+                decoded = f"the job's stored {name} input does not decode: {e}"
+                break
+        if isinstance(decoded, str):
+            out.append(dataclasses.replace(req, missing=decoded))
+        else:
+            out.append(dataclasses.replace(req, image=decoded["image"], mask=decoded.get("mask")))
+    return out
 
 
 def split_and_encode(
