@@ -136,6 +136,9 @@ class StrengthLimits(_Frozen):
     min: float = 0.0  # exclusive
     max: float = 1.0
     defaults: dict[str, float] = Field(default_factory=dict)
+    # How a strength picks the first step (models/engine/image_inputs.py, start_step): "int" (SDXL's
+    # get_timesteps runs int(steps * strength) steps, so it must be >= 1) or "float" (Flux's); None: unknown.
+    rule: Literal["int", "float"] | None = None
 
 
 class ModelLimits(_Frozen):

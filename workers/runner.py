@@ -166,6 +166,8 @@ class PipelineRunner(Runner):
         limits = dict(self.pipe.limits)
         # The formats this worker can write (an mp4 needs PyAV): a request for another is refused by the API.
         limits["output_formats"] = [f for f in output_formats(limits) if can_encode(f)]
+        if limits.get("strength"):  # so that the API refuses a strength that would run no step (422)
+            limits["strength"] = {**limits["strength"], "rule": getattr(self.pipe, "strength_rule", None)}
         return ModelInfo(
             id=self.name,
             family=self.pipe.family,

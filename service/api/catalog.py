@@ -156,7 +156,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             f"{info.id} ({info.family}) has no true CFG; true_cfg_scale must be left out "
             "(guidance_scale is its guidance)",
         )
-    strength = _image_task_strength(req, info)
+    strength = _image_task_strength(req, info, steps)
     return JobParams(
         model=info.id,
         prompt=req.prompt,
@@ -189,7 +189,7 @@ def image_task(has_image: bool, has_mask: bool, tasks: list[str]) -> str:
     return "text-to-video" if "text-to-video" in tasks or "image-to-video" in tasks else "text-to-image"
 
 
-def _image_task_strength(req: GenerateRequest, info: ModelInfo) -> float | None:
+def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> float | None:
     """Check the image inputs against the model's tasks (422 naming the field); the strength the job runs with
     (the task's default when none was asked), None for a task without one."""
     tasks, lim = list(info.limits.tasks), info.limits
@@ -220,6 +220,14 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo) -> float | None:
             "strength",
             "out_of_range",
             f"strength must be in ({low:g}, {high:g}] for {info.id}, got {req.strength}",
+        )
+    if lim.strength.rule == "int" and int(steps * req.strength) < 1:
+        # SDXL's rule (diffusers' get_timesteps) runs int(steps * strength) steps: none is not a generation.
+        raise FieldError(
+            "strength",
+            "no_steps",
+            f"strength {req.strength} of {steps} steps runs no step on {info.id}: "
+            f"at least {1 / steps:.3g} (or more num_inference_steps)",
         )
     return req.strength
 

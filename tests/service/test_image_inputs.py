@@ -18,7 +18,8 @@ from PIL import Image, PngImagePlugin
 from meshserve.service.contract import StrengthLimits
 from meshserve.service.image_inputs import ImageInputError, decode_data_url, decode_image, sniff_format
 from meshserve.service.input_store import InputStore
-from tests.service.conftest import TOY, FakeWorker, api_client
+from meshserve.service.output_store import OutputStore
+from tests.service.conftest import TOY, TOY_VIDEO, FakeWorker, api_client
 from tests.service.test_ssrf import answer, http_server
 
 pytestmark = pytest.mark.anyio
@@ -30,10 +31,14 @@ TOY_IMG = TOY.model_copy(
         "limits": TOY.limits.model_copy(
             update={
                 "tasks": ["text-to-image", "image-to-image", "inpaint"],
-                "strength": StrengthLimits(defaults={"image-to-image": 0.3, "inpaint": 0.9999}),
+                "strength": StrengthLimits(defaults={"image-to-image": 0.3, "inpaint": 0.9999}, rule="int"),
             }
         ),
     }
+)
+# An image-to-video model (a Wan I2V folder): an image is required, no strength.
+TOY_I2V = TOY_VIDEO.model_copy(
+    update={"id": "toy-i2v", "limits": TOY_VIDEO.limits.model_copy(update={"tasks": ["image-to-video"]})}
 )
 TOY_I2I = TOY.model_copy(
     update={
@@ -206,7 +211,7 @@ async def api_img(make_settings):
     """The API with a fake worker serving toy (text only), toy-img (every image task) and toy-i2i."""
     settings = make_settings(max_image_bytes=2 << 20, max_image_pixels=1 << 20, image_fetch_timeout_s=2.0)
     async with api_client(settings) as (client, store):
-        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I))
+        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I, TOY_I2V))
         await worker.register()
         yield client, store, worker
         await worker.stop()
@@ -275,6 +280,10 @@ REFUSED_REQUESTS = [
     ({"model": "toy-img", "prompt": "p", "strength": 0.5}, "strength", "strength_without_image"),
     (_bad(model="toy"), "image", "task_not_supported"),
     (_bad(model="toy-i2i", mask=data_url(MASK)), "mask", "task_not_supported"),
+    (_bad(strength=0.2, num_inference_steps=4), "strength", "no_steps"),  # SDXL's rule: int(4 * 0.2) = 0
+    ({"model": "toy-i2v", "prompt": "p"}, "image", "missing"),
+    (_bad(model="toy-i2v", strength=0.5), "strength", "not_supported"),
+    (_bad(model="toy-i2v", mask=data_url(MASK)), "mask", "task_not_supported"),
     (_bad(image="http://127.0.0.1:6379/"), "image", "url_not_allowed"),
     (_bad(image="http://169.254.169.254/latest/meta-data/"), "image", "url_not_allowed"),
     (_bad(image="http://2130706433/a.png"), "image", "url_not_allowed"),
@@ -294,6 +303,26 @@ async def test_refused_requests_are_422s(api_img, body, field, rule):
     # Nothing was queued and nothing stored.
     assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []
     assert [k async for k in store.redis.scan_iter(f"{store.prefix}:job:*")] == []
+
+
+async def test_strength_and_video_tasks_admitted(api_img):
+    client, *_ = api_img
+    r = await client.post("/v1/generate", json=_bad(strength=0.25, num_inference_steps=4))
+    assert r.status_code == 202 and r.json()["params"]["strength"] == 0.25, r.text
+    r = await client.post("/v1/generate", json=_bad(model="toy-i2v"))
+    assert r.status_code == 202, r.text
+    assert r.json()["params"]["strength"] is None and r.json()["params"]["num_frames"] == 9
+
+
+async def test_inputs_in_an_object_store():
+    """With `output_dir` set, inputs go to the object store beside the outputs (memory:// here)."""
+    inputs = InputStore(None, "p", 60, OutputStore("memory://"))
+    ref = await inputs.put(PNG)
+    assert ref.startswith("store:") and await inputs.get(ref) == PNG
+    await inputs.delete(ref)
+    assert await inputs.get(ref) is None
+    for bad in ("store:../../etc/passwd", "redis:x", "", "store:" + "A" * 21):
+        assert await inputs.get(bad) is None
 
 
 async def test_image_urls_are_fetched_before_the_job_is_accepted(make_settings):
@@ -377,7 +406,9 @@ async def test_models_list_tasks_and_strength(api_img):
         "min": 0.0,
         "max": 1.0,
         "defaults": {"image-to-image": 0.3, "inpaint": 0.9999},
+        "rule": "int",
     }
+    assert cards["toy-i2v"]["tasks"] == ["image-to-video"] and cards["toy-i2v"]["limits"]["strength"] is None
 
 
 # ---- /v1/images/edits (multipart, OpenAI's shape) ---------------------------------------------------------

@@ -77,6 +77,7 @@ def test_img2img_and_inpaint_served_end_to_end(embedded_sdxl, monkeypatch):
             async with api_client(settings) as (client, _):
                 cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
                 assert cards["tiny-sdxl"]["tasks"] == ["text-to-image", "image-to-image", "inpaint"]
+                assert cards["tiny-sdxl"]["limits"]["strength"]["rule"] == "int"
                 assert cards["tiny-sdxl"]["limits"]["strength"]["defaults"] == {
                     "image-to-image": 0.3,
                     "inpaint": 0.9999,
