@@ -437,12 +437,22 @@ class DiffusionPipeline:
         buckets: Sequence[tuple[int, int]] | None = None,
         batch_sizes: Sequence[int] = (1,),
         num_frames: Sequence[int] | None = None,
+        tasks: Sequence[str] | None = None,
     ) -> float:
         """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
-        video family each of `num_frames` (None: its default frame count; a frame count is a shape).
-        One step is enough: the step count is traced."""
+        video family each of `num_frames` (None: its default frame count; a frame count is a shape), for each
+        of `tasks` (None: the text task, or every task of a model without one; an image task compiles its own
+        image_encode and denoise programs). One step is enough: the step count is traced (an image task warms
+        up at strength 1; the strength is traced too)."""
         t0 = time.perf_counter()
         d = self.defaults
+        if tasks is None:
+            tasks = [self.task] if self.task in self.tasks else list(self.tasks)
+        for task in tasks:
+            if task not in self.tasks:
+                raise PipelineError(
+                    f"{self.model_id or self.family} does not take {task}: {list(self.tasks)}"
+                )
         if "frames" in self.limits:
             frame_counts = [{"num_frames": int(n)} for n in num_frames or [self.limits["frames"]["default"]]]
         elif num_frames:
@@ -451,23 +461,38 @@ class DiffusionPipeline:
             frame_counts = [{}]
         for width, height in buckets or [(d["width"], d["height"])]:
             for extra in frame_counts:
-                for b in batch_sizes:
-                    for cfg in (False, True):
-                        self(
-                            [""] * b,
-                            negative_prompt="" if cfg else None,
-                            height=height,
-                            width=width,
-                            num_inference_steps=1,
-                            seed=0,
-                            output_type="np",
-                            **{self.cfg_field: 2.0 if cfg else 1.0},
-                            **extra,
-                        )
+                for task in tasks:
+                    inputs = self._warm_up_task_inputs(task, width, height)
+                    for b in batch_sizes:
+                        for cfg in (False, True):
+                            self(
+                                [""] * b,
+                                negative_prompt="" if cfg else None,
+                                height=height,
+                                width=width,
+                                num_inference_steps=1,
+                                seed=0,
+                                output_type="np",
+                                **{self.cfg_field: 2.0 if cfg else 1.0},
+                                **extra,
+                                **inputs,
+                            )
         if self.prompt_cache is not None:  # the programs encoding a call's misses: 1, 2, 4... texts
             settings = {name: _batch_default(name, d, self.limits) for name in self.batch_fields}
             self.prompt_cache.warm_up(self, settings, 2 * max(batch_sizes))
         return time.perf_counter() - t0
+
+    def _warm_up_task_inputs(self, task: str, width: int, height: int) -> dict:
+        """A task's image arguments for warm_up: for an image task a gray image (and a mask that repaints
+        all) at strength 1."""
+        if task in ("text-to-image", "text-to-video"):
+            return {}
+        inputs = {"image": np.full((height, width, 3), 128, np.uint8)}
+        if task == "inpaint":
+            inputs["mask_image"] = np.full((height, width), 255, np.uint8)
+        if self.default_strength(task) is not None:
+            inputs["strength"] = 1.0
+        return inputs
 
     # ---------------------------------------------------------------------------------------------
     # The call

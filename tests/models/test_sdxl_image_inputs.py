@@ -222,3 +222,20 @@ def test_tasks_limits_batch_key_and_bad_inputs(ours):
     for extra, match in bad:
         with pytest.raises(PipelineError, match=match):
             ours("a cat", **kw, **extra)
+
+
+def test_warm_up_runs_each_task_with_an_image(ours, monkeypatch):
+    calls = []
+    monkeypatch.setattr(type(ours), "__call__", lambda self, prompt, **kw: calls.append(kw))
+    ours.warm_up(batch_sizes=(1,), tasks=["image-to-image", "inpaint"])
+    assert len(calls) == 4  # 2 tasks x CFG off/on
+    img2img, inpaint = calls[0], calls[2]
+    assert (
+        img2img["image"].shape == (64, 64, 3) and img2img["strength"] == 1.0 and "mask_image" not in img2img
+    )
+    assert inpaint["mask_image"].shape == (64, 64) and inpaint["strength"] == 1.0
+    calls.clear()
+    ours.warm_up(batch_sizes=(1,))  # the text task only, as before
+    assert len(calls) == 2 and all("image" not in kw for kw in calls)
+    with pytest.raises(PipelineError, match="does not take"):
+        ours.warm_up(tasks=["image-to-video"])
