@@ -8,7 +8,8 @@ Per model, on the pipeline as served (one program whatever `preview_every` is):
 - denoise seconds for `--steps` steps with previews off (the cond's branch never taken), every 5 steps and
   every step, in alternating rounds (medians and min-max), and the same program built without the preview
   hook (`no hook`: what the cond itself costs when off); per-step cost = (with - off) / steps, per-preview
-  cost = (with - off) / previews made;
+  cost = (with - off) / previews made, in CPU seconds of the process over whole calls (medians over rounds:
+  on a loaded shared machine wall-time differences of a few ms drown in the noise, CPU time far less);
 - the preview map's fit (seconds, once per load) and encoding one preview to a WebP data URL on the host;
 - text_encode seconds per request: no cache, a cache whose rows all miss (prompt and negative new), and a
   cache whose rows all hit (the same request again); the saving on a hit = no cache - all hit.
@@ -40,6 +41,10 @@ from meshserve.models.engine.prompt_cache import PromptCache  # noqa: E402
 
 def load(name: str):
     if name == "fixture-sdxl":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for tests.fixtures
         from tests.fixtures.tiny_sdxl import build_tiny_sdxl
 
         return load_pipeline(build_tiny_sdxl(tempfile.mkdtemp(prefix="tiny_sdxl_")))
@@ -51,8 +56,11 @@ def med(xs: list[float]) -> str:
 
 
 def run(pipe, steps: int, every: int, prompt: str = "a red circle on a blue background", **kw) -> dict:
+    """The call's stage timings (wall seconds), plus `cpu`: the process's CPU seconds for the whole call (all
+    threads), which a loaded machine disturbs far less than wall time."""
     cfg = {pipe.cfg_field: 2.0}
     negative = "blurry" if pipe.cfg_needs_negative else None
+    cpu = time.process_time()
     out = pipe(
         prompt,
         negative_prompt=negative,
@@ -64,27 +72,51 @@ def run(pipe, steps: int, every: int, prompt: str = "a red circle on a blue back
         **cfg,
         **kw,
     )
-    return out.timings
+    return {**out.timings, "cpu": time.process_time() - cpu}
 
 
-def bench_previews(pipe, steps: int, rounds: int) -> dict:
+def bench_map(pipe) -> tuple[float, float]:
+    """Seconds to fit the map (a fresh decode program each time: its compile, from JAX's persistent cache
+    when warm, included) and to read it back from its cache file."""
+    t0 = time.perf_counter()
+    pipe.previews.fit()
+    fit = time.perf_counter() - t0
+    pipe.previews.prepare()  # writes the file when missing
+    pipe.previews.rgb_map = None
     pipe.previews.prepare()
-    modes = {"off": 0, "every 5": 5, "every step": 1}
-    for every in modes.values():  # compile (one program) and warm
-        run(pipe, steps, every)
+    assert not pipe.previews.fitted
+    return fit, pipe.previews.fit_seconds
+
+
+def bench_previews(pipe, steps: int, rounds: int) -> tuple[dict, dict]:
+    """Alternating rounds of: previews off, every 5 steps, every step (one program), and `no hook`: the denoise
+    program built without the preview hook (its own CompiledPrograms, so the two never share a program)."""
+    from meshserve.models.engine.programs import CompiledPrograms
+
+    pipe.previews.prepare()
+    hooked, bare = pipe.programs, CompiledPrograms("no-hook")
+    in_loop = pipe.previews.in_loop
+
+    def call(mode: str, every: int) -> dict:
+        no_hook = mode == "no hook"
+        pipe.programs = bare if no_hook else hooked
+        pipe.previews.in_loop = (lambda *a, **kw: None) if no_hook else in_loop
+        try:
+            return run(pipe, steps, every)
+        finally:
+            pipe.programs, pipe.previews.in_loop = hooked, in_loop
+
+    modes = {"off": 0, "every 5": 5, "every step": 1, "no hook": 0}
+    for mode, every in modes.items():  # compile and warm
+        call(mode, every)
     times = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
     for _ in range(rounds):
         for mode, every in modes.items():
-            times[mode].append(run(pipe, steps, every)["denoise"])
-    # The same program without the preview hook: a second pipeline object is not needed, the hook is dropped.
-    in_loop = pipe.previews.in_loop
-    pipe.previews.in_loop = lambda *a, **kw: None
-    try:
-        run(pipe, steps, 0)
-        times["no hook"] = [run(pipe, steps, 0)["denoise"] for _ in range(rounds)]
-    finally:
-        pipe.previews.in_loop = in_loop
-    return times
+            t = call(mode, every)
+            times[mode].append(t["denoise"])
+            cpu[mode].append(t["cpu"])
+    return times, cpu
 
 
 def bench_encode(pipe, rounds: int) -> tuple[list[float], int, tuple[int, int]]:
@@ -133,29 +165,31 @@ def main() -> None:
     for name in args.models:
         pipe = load(name)
         steps = args.steps
-        t = bench_previews(pipe, steps, args.rounds)
+        fit_s, read_s = bench_map(pipe)
+        t, cpu = bench_previews(pipe, steps, args.rounds)
         enc, size, hw = bench_encode(pipe, max(args.rounds, 20))
         pc = bench_prompt_cache(pipe, args.rounds)
-        off = statistics.median(t["off"])
-        every1 = (statistics.median(t["every step"]) - off) / steps
-        every5 = (statistics.median(t["every 5"]) - off) / (steps // 5)
-        hook = (off - statistics.median(t["no hook"])) / steps
-        saved = statistics.median(pc["no cache"]) - statistics.median(pc["all hit"])
-        print(f"\n== {name}: latents {hw}, {steps} steps, fit {pipe.previews.fit_seconds:.2f} s")
+        # Differences of minima: on a shared machine the fastest round is the one least disturbed.
+        off = statistics.median(cpu["off"])  # CPU seconds of whole calls: medians
+        every1 = (statistics.median(cpu["every step"]) - off) / steps
+        every5 = (statistics.median(cpu["every 5"]) - off) / (steps // 5)
+        hook = (off - statistics.median(cpu["no hook"])) / steps
+        saved = min(pc["no cache"]) - min(pc["all hit"])
+        print(f"\n== {name}: latents {hw}, {steps} steps, map fit {fit_s:.2f} s, read {read_s * 1e3:.1f} ms")
         for mode, xs in t.items():
-            print(f"  denoise {mode:>10}: {med(xs)}")
+            print(f"  denoise {mode:>10}: wall {med(xs)}, whole call CPU {med(cpu[mode])}")
         print(f"  encode one preview: {med(enc)}, {size} chars")
         for mode, xs in pc.items():
             print(f"  text_encode {mode:>8}: {med(xs)}")
         rows.append(
             f"| {name} | {hw[0]}x{hw[1]} | {med(t['off'])} | {every1 * 1e3:+.2f} ms | {every5 * 1e3:+.2f} ms | "
-            f"{hook * 1e3:+.2f} ms | {pipe.previews.fit_seconds:.2f} s | {med(enc)}, {size / 1024:.1f} KiB | "
+            f"{hook * 1e3:+.2f} ms | {fit_s:.2f} s / {read_s * 1e3:.1f} ms | {med(enc)}, {size / 1024:.1f} KiB | "
             f"{med(pc['no cache'])} | {med(pc['all miss'])} | {med(pc['all hit'])} | {saved * 1e3:.1f} ms |"
         )
     print("\nload after", os.getloadavg())
     print(
-        "\n| model | latents | denoise, previews off | + per step, every step | + per preview, every 5 | "
-        "hook when off, per step | map fit | encode one | text: no cache | all miss | all hit | saved on a hit |"
+        "\n| model | latents | denoise wall, previews off | CPU + per step, every step | CPU + per preview, every 5 | "
+        "CPU of the hook when off, per step | map fit / read | encode one | text: no cache | all miss | all hit | saved on a hit |"
     )
     print("|" + "---|" * 12)
     print("\n".join(rows))

@@ -8,9 +8,10 @@ family and per VAE: the classic "latent to RGB factors" trick, fitted here by le
 own VAE rather than copied from somewhere, so it holds for any checkpoint (the embedded models and random test
 weights included). The fit decodes a few blocky random latents (Gaussian on a coarse grid, each value
 repeated over 2x2 or 4x4 latent pixels, so most of the picture is flat colour, the way real latents are
-locally smooth) and solves M against the decoded pictures average-pooled to the latent resolution. It runs
-once per load (`LatentPreviews.prepare`, which a serving pool calls at warm-up; measured in docs/previews.md)
-and is kept in memory; the map is 15-65 numbers and costs nothing to keep.
+locally smooth) and solves M against the decoded pictures average-pooled to the latent resolution. The map
+(15-65 numbers) is stored with the model's cache, `$MESHSERVE_CACHE/previews/<key>.json`, keyed by the VAE's
+files: the fit runs once per VAE, a later load reads it (`LatentPreviews.prepare`, which a serving pool calls
+at warm-up; both costs measured in docs/previews.md).
 
 In the loop (`denoise_loop(preview=...)`): each row has its own period (`preview_every` [B] int32, 0: none) as a
 traced input, so turning previews on or changing N compiles nothing. At a step where some row is due, a
@@ -24,9 +25,13 @@ own formula), so early previews are noisy and sharpen towards the last step.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +46,8 @@ FIT_SAMPLES = 4
 FIT_MAX_SIDE = 256
 # A preview's period when a request asks for previews without naming one: about ten per generation.
 PREVIEWS_PER_RUN = 10
+# Bumped when the fit changes, so that cached maps of the old recipe are not read.
+FIT_VERSION = 1
 
 PreviewCallback = Callable[[int, int, dict[int, np.ndarray]], None]
 
@@ -99,19 +106,56 @@ class LatentPreviews:
         self.pipe = pipe
         self.rgb_map: np.ndarray | None = None
         self.fit_seconds: float | None = None
+        self.fitted = False
         self.listener: PreviewCallback | None = None
         self.total = 0
 
     # -- the map ---------------------------------------------------------------------------------------------
 
     def prepare(self) -> np.ndarray:
-        """The map, fitted on first use (seconds in `fit_seconds`)."""
+        """The map: read from the cache file of this VAE, else fitted and written there (seconds, either way,
+        in `fit_seconds`; `fitted` says which)."""
         if self.rgb_map is None:
             t0 = time.perf_counter()
-            self.rgb_map = self.fit()
+            path = self.cache_path()
+            try:
+                self.rgb_map = np.asarray(json.loads(path.read_text())["latent_rgb"], np.float32)
+                self.fitted = False
+            except (OSError, ValueError, KeyError, TypeError):
+                self.rgb_map = self.fit()
+                self.fitted = True
+                with contextlib.suppress(OSError):  # a read-only cache only costs the next load a fit
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    tmp.write_text(json.dumps({"latent_rgb": self.rgb_map.tolist()}))
+                    tmp.replace(path)
             self.fit_seconds = time.perf_counter() - t0
-            log.info("%s: fitted the preview map in %.2f s", self.pipe.model_id, self.fit_seconds)
+            log.info(
+                "%s: preview map %s in %.2f s",
+                self.pipe.model_id,
+                "fitted" if self.fitted else f"read from {path}",
+                self.fit_seconds,
+            )
         return self.rgb_map
+
+    def cache_path(self) -> Path:
+        """$MESHSERVE_CACHE/previews/<key>.json; the key hashes what the map depends on: the family, the VAE's
+        config and weights files (names, sizes, modification times), the latent dtype and the fit's recipe."""
+        from meshserve.models.checkpoints.embedded_folder import cache_root
+
+        pipe = self.pipe
+        vae = Path(pipe.folder) / "vae"
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in vae.iterdir() if f.is_file())
+        recipe = (
+            pipe.family,
+            files,
+            str(jnp.dtype(pipe.latent_dtype)),
+            FIT_SAMPLES,
+            FIT_MAX_SIDE,
+            FIT_VERSION,
+        )
+        key = hashlib.sha256(repr(recipe).encode()).hexdigest()[:32]
+        return cache_root() / "previews" / f"{key}.json"
 
     def fit_settings(self) -> dict:
         d, limits = self.pipe.defaults, self.pipe.limits

@@ -50,8 +50,10 @@ def test_flux_patches_and_video_frames_are_undone():
 
 
 def test_preview_of_the_last_step_resembles_the_picture(pipe):
-    rgb_map = pipe.previews.prepare()
+    rgb_map = pipe.previews.prepare()  # fitted, or read from the cache file an earlier fit wrote
     assert rgb_map.shape == (5, 3) and np.isfinite(rgb_map).all() and pipe.previews.fit_seconds > 0
+    assert pipe.previews.cache_path().is_file()
+    np.testing.assert_allclose(pipe.previews.fit(), rgb_map, atol=1e-6)  # the fit is deterministic
     seen = []
     out = pipe(
         [PROMPT, PROMPT],  # the batch of the next test: one compiled program for both
