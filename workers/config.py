@@ -130,6 +130,10 @@ class PoolConfig(_Strict):
     max_programs: int | None = Field(None, ge=1)
     warm_up_batch_sizes: list[int] = Field(default_factory=lambda: [1])
     warm_up_steps: int | None = None  # None: the model's default step count
+    # The tasks compiled at start (an image task has its own image_encode and denoise programs): None, the
+    # model's text task (every task of a model without one, e.g. Wan I2V); list image-to-image and inpaint so
+    # that no image job compiles on the request path (each adds a denoise program per bucket and batch size).
+    warm_up_tasks: list[str] | None = None
     # The prompt-embedding cache's bound per model, in MiB of device memory (models/engine/prompt_cache.py;
     # 0: none). 64 MiB holds ~200 SDXL text rows or ~16 of Flux's or Wan's (bf16).
     prompt_cache_mb: float = Field(64.0, ge=0)

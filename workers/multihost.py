@@ -390,8 +390,8 @@ class LeaderRunner(Runner):
     def info(self):
         return self.inner.info()
 
-    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=()) -> float:
-        return self.inner.warm_up(buckets, batch_sizes, num_inference_steps, frames)
+    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=(), **tasks) -> float:
+        return self.inner.warm_up(buckets, batch_sizes, num_inference_steps, frames, **tasks)
 
     def batch_key(self, params: JobParams) -> tuple:
         return self.inner.batch_key(params)

@@ -146,6 +146,13 @@ def load_runners(
         before, t0 = runner.compilations, time.perf_counter()
         # `frames` only for a video model: an image model's runner need not take the argument.
         extra = {"frames": frames} if frames else {}
+        if cfg.warm_up_tasks:  # image tasks too (only then: a runner without image inputs need not take it)
+            unknown = sorted(set(cfg.warm_up_tasks) - set(info.limits.tasks))
+            if unknown:
+                raise ValueError(
+                    f"pool {cfg.name!r}: warm_up_tasks {unknown} are not tasks of {name} ({info.limits.tasks})"
+                )
+            extra["tasks"] = list(cfg.warm_up_tasks)
         seconds = runner.warm_up(buckets, cfg.warm_up_batch_sizes, cfg.warm_up_steps, **extra)
         compiled = runner.compilations - before
         if compiled:

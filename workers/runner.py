@@ -101,9 +101,11 @@ class Runner(ABC):
         batch_sizes: Sequence[int],
         num_inference_steps: int | None,
         frames: Sequence[int] = (),
+        tasks: Sequence[str] | None = None,
     ) -> float:
         """Compile the programs for these (width, height) buckets and batch sizes (a video model: with each of
-        these frame counts; none: its default); returns seconds spent."""
+        these frame counts; none: its default), for each of `tasks` (None: the text task); returns seconds
+        spent."""
         return 0.0
 
     def batch_key(self, params: JobParams) -> tuple:
@@ -176,11 +178,16 @@ class PipelineRunner(Runner):
             limits=ModelLimits(**limits),
         )
 
-    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=()) -> float:
+    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=(), tasks=None) -> float:
         # One step is enough whatever num_inference_steps says: the step count is traced.
         buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
         batch_sizes = sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes})
-        seconds = self.pipe.warm_up(buckets=buckets, batch_sizes=batch_sizes, num_frames=list(frames) or None)
+        seconds = self.pipe.warm_up(
+            buckets=buckets,
+            batch_sizes=batch_sizes,
+            num_frames=list(frames) or None,
+            **({"tasks": list(tasks)} if tasks else {}),
+        )
         # The live previews' latent-to-RGB map, fitted on the folder's VAE once per load (docs/previews.md).
         self.pipe.previews.prepare()
         return float(seconds + self.pipe.previews.fit_seconds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import types
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -194,3 +195,28 @@ def test_a_multihost_batch_message_carries_the_image_inputs():
     assert np.array_equal(np.asarray(first.image), np.asarray(img))
     assert np.array_equal(np.asarray(first.mask), np.asarray(mask))
     assert (second.image, second.missing) == (None, "gone")
+
+
+def test_pools_warm_up_the_image_tasks_they_are_told_to():
+    """`warm_up_tasks` reaches the pipeline's warm_up (so no image job compiles on the request path); a task
+    the model does not take stops the pool at start."""
+    import pytest
+
+    from meshserve.workers.pool import load_runners
+    from meshserve.workers.runner import PipelineRunner
+
+    calls = []
+    runner = PipelineRunner("m", None, "float32", None, None)
+    runner.pipe = types.SimpleNamespace(
+        defaults={"width": 64, "height": 64},
+        compiled_batch_size=lambda b, data: b,
+        warm_up=lambda **kw: calls.append(kw) or 1.0,
+        previews=types.SimpleNamespace(prepare=lambda: None, fit_seconds=0.0),
+    )
+    runner.warm_up([(64, 64)], [1], None, tasks=["image-to-image", "inpaint"])
+    runner.warm_up([(64, 64)], [1], None)
+    assert calls[0]["tasks"] == ["image-to-image", "inpaint"] and "tasks" not in calls[1]
+
+    pool = PoolConfig(name="p", models=["toy"], devices="0", warm_up_tasks=["inpaint"])
+    with pytest.raises(ValueError, match=r"warm_up_tasks \['inpaint'\] are not tasks of toy"):
+        load_runners(pool, {"toy": ModelSpec(runner="fake")})
