@@ -282,6 +282,25 @@ def test_without_the_event_stream_the_page_polls_the_job(page, servers):
     assert (reading.colour, reading.background) == ("red", "blue"), reading
 
 
+def test_a_page_opened_while_the_pool_compiles_waits_for_it(page, servers):
+    """`meshserve serve` answers before its pool is ready: the page says so and retries until a model is listed
+    (here the first /v1/models answer is made empty in the browser)."""
+    answers = []
+
+    def models(route):
+        answers.append(route.request.url)
+        if len(answers) == 1:
+            route.fulfill(json={"object": "list", "data": []})
+        else:
+            route.continue_()
+
+    page.route("**/v1/models", models)
+    page.goto(servers["open"] + "/playground")
+    page.wait_for_selector("#server-status:text('no model is ready yet; retrying')")
+    page.wait_for_selector("#model option", state="attached")  # the retry, 2 s later
+    assert len(answers) == 2 and page.inner_text("#server-status") == "1 model served"
+
+
 @pytest.mark.parametrize(
     "fields,body",
     [
