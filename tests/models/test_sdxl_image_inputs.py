@@ -239,3 +239,45 @@ def test_warm_up_runs_each_task_with_an_image(ours, monkeypatch):
     assert len(calls) == 2 and all("image" not in kw for kw in calls)
     with pytest.raises(PipelineError, match="does not take"):
         ours.warm_up(tasks=["image-to-video"])
+
+
+@pytest.mark.parametrize("name", ["euler", "euler_ancestral", "ddim", "dpmpp_2m"])
+def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
+    """The image noised to the start step (each scheduler's add_noise at its begin index) and the start step
+    of a strength (diffusers' SDXL and Flux get_timesteps), for the schedulers the parity runs above do not
+    use; no model involved."""
+    import json
+    import types
+
+    import diffusers
+    import torch
+    from diffusers import FluxImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline
+
+    from meshserve.models.engine.image_inputs import noise_to, start_step
+    from meshserve.models.schedulers import make_scheduler
+
+    config = json.loads((tiny_sdxl_path / "scheduler" / "scheduler_config.json").read_text())
+    classes = {
+        "euler": "EulerDiscreteScheduler",
+        "euler_ancestral": "EulerAncestralDiscreteScheduler",
+        "ddim": "DDIMScheduler",
+        "dpmpp_2m": "DPMSolverMultistepScheduler",
+    }
+    ref = getattr(diffusers, classes[name]).from_config(config)
+    ours = make_scheduler(name, config)
+    rng = np.random.default_rng(0)
+    x, noise = rng.standard_normal((2, 4, 6, 5)).astype(np.float32), rng.standard_normal((2, 4, 6, 5))
+    noise = noise.astype(np.float32)
+    for steps, strength in ((10, 0.3), (7, 0.75), (4, 0.6), (25, 1.0)):
+        holder = types.SimpleNamespace(scheduler=ref)
+        ref.set_timesteps(steps)
+        timesteps, _ = StableDiffusionXLImg2ImgPipeline.get_timesteps(holder, steps, strength, "cpu")
+        start = start_step(steps, strength, "int")
+        assert start == steps - len(timesteps)
+        expected = ref.add_noise(
+            torch.from_numpy(x), torch.from_numpy(noise), timesteps[:1].repeat(2)
+        ).numpy()
+        got = np.asarray(noise_to(ours, ours.schedule(steps), x, noise, start))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        flux_timesteps, _ = FluxImg2ImgPipeline.get_timesteps(holder, steps, strength, "cpu")
+        assert start_step(steps, strength, "float") == steps - len(flux_timesteps)
