@@ -64,6 +64,15 @@ def tiny_wan_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_i2v_path(tmp_path_factory) -> Path:
+    """A tiny random Wan 2.1 image-to-video diffusers folder (UMT5, I2V transformer, VAE, UniPC, CLIP vision
+    encoder and its image processor) written by diffusers' save_pretrained."""
+    from tests.fixtures.tiny_wan_i2v import build_tiny_wan_i2v
+
+    return build_tiny_wan_i2v(tmp_path_factory.mktemp("tiny_wan_i2v"))
+
+
+@pytest.fixture(scope="session")
 def embedded_sdxl():
     """The embedded tiny SDXL (a trained VAE: previews look like its pictures), loaded once per session so its
     compiled programs are shared: a program with a host callback (the denoise loop's) is never in JAX's

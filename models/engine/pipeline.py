@@ -57,7 +57,10 @@ What a family declares (class attributes) and implements (its stages); everythin
     (traced, the whole image_encode stage; override it for another kind, e.g. image-to-video's condition),
     pure_noise_tasks (SDXL: ("inpaint",): strength 1 starts from noise x init sigma, not the noised image).
     A family whose denoiser needs the image inputs (image-to-video) gets them as `denoiser(..., image=inputs)`;
-    the keyword is passed only when a call has image inputs.
+    the keyword is passed only when a call has image inputs. image_encode_states (the states image_inputs
+    takes: the VAE's, image-to-video adds its image encoder's), preprocess_images may return a pytree of
+    pixel arrays (image-to-video: the VAE's and CLIP's), warm_up_inputs(width, height) (the image a model
+    that requires one warms up with).
 
 Three compiled programs run a call: text_encode (prompts and, with CFG, negatives; repeated per image and
 CFG-interleaved), denoise (initial noise from each row's seed, then the one loop of `denoise_loop.py`),
@@ -358,6 +361,16 @@ class DiffusionPipeline:
             )
         return task
 
+    @property
+    def image_encode_states(self):
+        """The module states the image_encode program takes (its `image_inputs`' first argument): the VAE's;
+        image-to-video also takes its image encoder's (models/wan/pipeline_i2v.py)."""
+        return self._states["vae"]
+
+    def warm_up_inputs(self, width: int, height: int) -> dict:
+        """Extra arguments of the warm-up calls: none, or the image a model that needs one warms up with."""
+        return {}
+
     def encode_image(self, vae_state, pixels, *, shape):
         raise NotImplementedError
 
@@ -483,11 +496,12 @@ class DiffusionPipeline:
         return time.perf_counter() - t0
 
     def _warm_up_task_inputs(self, task: str, width: int, height: int) -> dict:
-        """A task's image arguments for warm_up: for an image task a gray image (and a mask that repaints
-        all) at strength 1."""
-        if task in ("text-to-image", "text-to-video"):
-            return {}
-        inputs = {"image": np.full((height, width, 3), 128, np.uint8)}
+        """A task's image arguments for warm_up: the family's `warm_up_inputs`, else for an image task a gray
+        image (and a mask that repaints all) at strength 1."""
+        inputs = self.warm_up_inputs(width, height)
+        if task in ("text-to-image", "text-to-video") or "image" in inputs:
+            return inputs
+        inputs = {**inputs, "image": np.full((height, width, 3), 128, np.uint8)}
         if task == "inpaint":
             inputs["mask_image"] = np.full((height, width), 255, np.uint8)
         if self.default_strength(task) is not None:
@@ -618,8 +632,8 @@ class DiffusionPipeline:
                 "image_encode",
                 self.image_inputs,
                 {"shape": shape, "task": task},
-                self._states["vae"],
-                self.put_batch(pixels),
+                self.image_encode_states,
+                jax.tree.map(self.put_batch, pixels),
                 put_mask,
             )
             jax.block_until_ready(image_inputs)

@@ -27,7 +27,7 @@ from meshserve.models.wan.transformer_wan import (
     WanTransformer3DModel,
     load_wan_transformer,
 )
-from tests.fixtures.tiny_wan_i2v import CLIP_VISION, I2V_TRANSFORMER, build_tiny_wan_i2v_transformer
+from tests.fixtures.tiny_wan_i2v import CLIP_VISION, I2V_TRANSFORMER
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ def zero_strided(shape) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def i2v_transformer_folder(tmp_path_factory):
-    return build_tiny_wan_i2v_transformer(tmp_path_factory.mktemp("wan_i2v") / "transformer")
+def i2v_transformer_folder(tiny_wan_i2v_path):
+    """The tiny I2V folder's transformer (tests/fixtures/tiny_wan_i2v.py: build_tiny_wan_i2v_transformer)."""
+    return tiny_wan_i2v_path / "transformer"
 
 
 def make_inputs(batch: int = 2, seed: int = 0) -> dict:
@@ -210,3 +211,134 @@ def test_real_image_encoder_keys_and_shapes_map():
     # The hidden size is what the transformer's image_dim takes (1280 real, 32 tiny).
     assert config.hidden_size == WAN_I2V_14B["image_dim"]
     assert CLIP_VISION["hidden_size"] == I2V_TRANSFORMER["image_dim"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The pipeline against diffusers' WanImageToVideoPipeline
+
+# 32 x 48 px (non-square), 5 frames -> latents 2 x 4 x 6 (a 2 x 2 x 3 patch grid), 2 UniPC steps.
+PIPE = dict(height=32, width=48, num_frames=5, num_inference_steps=2)
+NOISE = (4, 2, 4, 6)  # diffusers' [C, T, h, w] of one row
+PROMPTS = ["a cat", "the dog and the cat"]
+
+
+def two_images() -> list:
+    """Two different images of sizes that are neither the video's nor CLIP's (both get resized)."""
+    from PIL import Image
+
+    rs = np.random.RandomState(3)
+    return [
+        Image.fromarray(rs.randint(0, 256, (50, 70, 3), np.uint8)),
+        Image.fromarray(rs.randint(0, 256, (64, 40, 3), np.uint8)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def i2v(tiny_wan_i2v_path):
+    from meshserve.models import load_pipeline
+
+    return load_pipeline(tiny_wan_i2v_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_wan_i2v_path, monkeypatch_module):
+    """diffusers' WanImageToVideoPipeline on the same folder, fp32."""
+    import diffusers.pipelines.wan.pipeline_wan as t2v
+    import diffusers.pipelines.wan.pipeline_wan_i2v as i2v_module
+    from diffusers import WanImageToVideoPipeline
+
+    # diffusers 0.42's I2V calls ftfy.fix_text unconditionally (an import guarded by is_ftfy_available): ftfy
+    # is not installed, so its prompt cleaning is the T2V one, which skips ftfy then (models/wan/text.py).
+    monkeypatch_module.setattr(i2v_module, "basic_clean", t2v.basic_clean)
+    pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_i2v_path), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def diffusers_video(pipe, image, prompt, noise, **kw) -> np.ndarray:
+    """diffusers' I2V for one image (its I2V takes one image for a call)."""
+    with torch.no_grad():
+        out = pipe(
+            image=image, prompt=prompt, latents=torch.from_numpy(noise), output_type="np", **PIPE, **kw
+        )
+    return out.frames
+
+
+def test_i2v_pipeline_equals_diffusers(i2v, reference):
+    """A batch of two prompts with two different images, the first with CFG (guidance 4, a negative prompt),
+    the second without (guidance 1), non-square, `latents=` as each row's noise: each video equals diffusers'
+    I2V called for that image alone, fp32 <= 1e-3 per pixel."""
+    images = two_images()
+    noise = np.random.default_rng(0).standard_normal((2, *NOISE)).astype(np.float32)
+    got = i2v(
+        PROMPTS,
+        image=images,
+        negative_prompt=["blurry", None],
+        guidance_scale=[4.0, 1.0],
+        latents=noise,
+        **PIPE,
+    ).images
+    assert got.shape == (2, 5, 32, 48, 3)
+    errors = []
+    for row, guidance in enumerate((4.0, 1.0)):
+        negative = {"negative_prompt": "blurry"} if guidance > 1 else {}
+        want = diffusers_video(
+            reference,
+            images[row],
+            PROMPTS[row],
+            noise[row : row + 1],
+            guidance_scale=guidance,
+            **negative,
+        )
+        errors.append(float(np.abs(got[row : row + 1] - want).max()))
+        assert want.std() > 1e-2  # a real video, not a blank
+    log.info("Wan I2V pipeline fp32 (CFG row, no-CFG row): max abs frame error %s", errors)
+    assert max(errors) <= 1e-3
+    # The image conditions every row: the same prompts and noise with the images swapped give other videos.
+    swapped = i2v(
+        PROMPTS,
+        image=images[::-1],
+        negative_prompt=["blurry", None],
+        guidance_scale=[4.0, 1.0],
+        latents=noise,
+        **PIPE,
+    ).images
+    assert min(float(np.abs(swapped[r] - got[r]).max()) for r in range(2)) > 1e-2
+    # The videos are what a worker writes as .mp4, as text-to-video's (workers/encoding.py).
+    from meshserve.workers.encoding import encode_video
+
+    data, content_type = encode_video(got[0], "mp4", fps=16)
+    assert content_type == "video/mp4" and data[4:8] == b"ftyp"
+
+
+def test_i2v_contract_and_errors(i2v, tiny_wan_i2v_path, tiny_wan_path):
+    """An I2V folder loads as an image-to-video pipeline that requires `image=`; a mask, a strength, or an
+    image given to the text-to-video Wan are clear errors (before anything compiles)."""
+    from meshserve.models import PipelineError, load_pipeline
+    from meshserve.models.wan.pipeline_i2v import WanImageToVideoPipeline
+
+    assert isinstance(i2v, WanImageToVideoPipeline)
+    assert i2v.task == "image-to-video" and list(i2v.tasks) == ["image-to-video"]
+    assert i2v.limits["tasks"] == ["image-to-video"] and "frames" in i2v.limits
+    image = two_images()[0]
+    compiled = i2v.compilations
+    with pytest.raises(PipelineError, match="needs an image"):
+        i2v("a cat", **PIPE)
+    with pytest.raises(PipelineError, match="mask_image|inpaint"):
+        i2v("a cat", image=image, mask_image=image, **PIPE)
+    with pytest.raises(PipelineError, match="strength"):
+        i2v("a cat", image=image, strength=0.5, **PIPE)
+    with pytest.raises(PipelineError, match="image"):
+        i2v(["a", "b"], image=[image] * 3, **PIPE)  # neither one, one per prompt nor one per row
+    with pytest.raises(PipelineError, match="multiple of 16"):
+        i2v("a cat", image=image, **{**PIPE, "width": 40})
+    assert i2v.compilations == compiled
+    t2v = load_pipeline(tiny_wan_path)
+    with pytest.raises(PipelineError, match="image"):
+        t2v("a cat", image=image, **PIPE)

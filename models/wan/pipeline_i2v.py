@@ -1,0 +1,204 @@
+"""The Wan 2.1 image-to-video pipeline: WanPipeline plus a first frame that conditions every step.
+
+Mirrors diffusers' WanImageToVideoPipeline (`pipelines/wan/pipeline_wan_i2v.py`, the reference it is tested
+against) on the engine's image hook (models/engine/pipeline.py, models/engine/image_inputs.py): the call's
+`image=` (one for all, one per prompt or one per output row) makes the task "image-to-video", and the
+`image_encode` program turns it into two inputs of the denoise program:
+
+- condition [B, T, h, w, 4 + z]: the mask channels (the VAE's temporal factor of them: 1 on the first latent
+  frame, 0 on the others; diffusers' `mask_lat_size`) then the VAE posterior's MODE (deterministic: diffusers'
+  `sample_mode="argmax"`) of the video [image, 0, 0, ...] (num_frames frames, the image resized to the call's
+  height x width by diffusers' VaeImageProcessor rules: models/components/image_processor.py), normalised
+  `(z - latents_mean) * (1 / latents_std)` in fp32. The engine concatenates it after the noisy latents on the
+  channel axis at every step (`with_condition`): 16 + 4 + 16 = 36 channels for the real models.
+- image_embeds [B, 257, 1280]: the CLIP vision encoder's PENULTIMATE hidden states (diffusers' `encode_image`:
+  `hidden_states[-2]`) of the image as the folder's CLIPImageProcessor prepares it (shortest side 224, center
+  crop: models/components/clip_vision.py), in the transformer dtype; with CFG both halves take the same
+  embeds (diffusers passes `image_embeds` to the conditional and the unconditional call alike).
+
+The loop starts from pure noise (each row's seed, or `latents=` as that noise) as diffusers' I2V does; the
+image enters only as the condition and the image tokens, so there is no `strength` (an error names it), and
+no `mask_image` (no inpainting). What is Wan's own is otherwise WanPipeline's (text, scheduler, decode,
+limits); the frame count, size and steps follow the same limits.
+
+A folder is image-to-video when its model_index.json names WanImageToVideoPipeline: image_encoder/ (CLIP vision,
+CLIPVisionModel or ...WithProjection), image_processor/ (preprocessor_config.json) and a transformer with
+image_dim / added_kv_proj_dim whose in_channels are 2 z_dim + the VAE's temporal factor. Wan 2.2's I2V folders
+(transformer_2 and boundary_ratio, or expand_timesteps) are refused with the reason.
+
+Deliberate differences from diffusers, none of which changes a number of what both accept:
+- diffusers' attention processor takes the image tokens to be the first `S - 512` rows of one context, so its
+  I2V is only right at max_sequence_length 512 (its default); here they are passed apart, any text length works.
+- diffusers encodes one image for the whole call (`image_embeds.repeat(batch_size, ...)`); here every output
+  row has its own image (and its own CLIP embeds), so a batch may mix images. The parity tests compare a
+  batch of two images with two diffusers calls.
+- a numpy image (diffusers takes PIL images and tensors only) is the PIL image it makes: uint8 as is, floats
+  in [0, 1] scaled by 255 and rounded, for the CLIP preprocessing; the VAE's pixels follow
+  models/components/image_processor.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.components.clip_vision import SHARDING_RULES as CLIP_VISION_RULES
+from meshserve.models.components.clip_vision import CLIPImagePreprocessor, load_clip_vision_model
+from meshserve.models.components.image_processor import image_rows, preprocess_image
+from meshserve.models.engine.common import PipelineError
+from meshserve.models.engine.denoise_loop import interleave
+from meshserve.models.wan.pipeline import WanPipeline
+
+__all__ = ["WanImageToVideoPipeline"]
+
+
+class WanImageToVideoPipeline(WanPipeline):
+    task = "image-to-video"
+
+    def load(self, folder: Path) -> dict:
+        index = read_json(folder / "model_index.json")
+        wan22 = [
+            name
+            for name, value in (
+                ("transformer_2", index.get("transformer_2")),
+                ("boundary_ratio", index.get("boundary_ratio")),
+                ("expand_timesteps", index.get("expand_timesteps")),
+            )
+            if value not in (None, False, [None, None])
+        ]
+        if wan22:
+            raise CheckpointError(
+                f"{folder}: model_index.json sets {wan22} (Wan 2.2's two-expert or TI2V image-to-video): not "
+                "supported; Wan 2.1 image-to-video is"
+            )
+        for part in ("image_encoder", "image_processor"):
+            if not (folder / part).is_dir():
+                raise CheckpointError(f"{folder}: no {part}/ (a Wan 2.1 image-to-video folder has one)")
+        modules = super().load(folder)  # text encoder, transformer (checked: image_dim), VAE
+        self.image_processor = CLIPImagePreprocessor.from_folder(folder / "image_processor")
+        # fp32 whatever the pipeline dtype, as diffusers' Wan I2V example loads it: it runs once per video.
+        image_encoder = self.load_module(
+            load_clip_vision_model,
+            folder / "image_encoder",
+            CLIP_VISION_RULES,
+            dtype=jnp.float32,
+            attention=self.plain_attention,
+        )
+        c = image_encoder.config
+        if c.hidden_size != self.transformer_config.image_dim:
+            raise CheckpointError(
+                f"{folder}: the image encoder's hidden size {c.hidden_size} is not the transformer's image_dim "
+                f"{self.transformer_config.image_dim}"
+            )
+        if self.image_processor.output_size() != (c.image_size, c.image_size):
+            raise CheckpointError(
+                f"{folder / 'image_processor'}: makes {self.image_processor.output_size()} images, the image "
+                f"encoder takes {c.image_size}x{c.image_size}"
+            )
+        modules["image_encoder"] = image_encoder
+        return modules
+
+    def split_modules(self, modules) -> None:
+        super().split_modules(modules)
+        # Not a text encoder: the image_encode program takes it, the text_encode program does not.
+        self._text_states.pop("image_encoder", None)
+
+    @property
+    def transformer_in_channels(self) -> int:
+        # noise (z) + mask (one channel per frame the VAE folds into a latent frame) + the image latents (z)
+        return 2 * self.vae_config.z_dim + self.temporal_factor
+
+    def task_of(self, image, mask_image) -> str:
+        # The engine's rule takes a call without an image as the model's text task; this model has none.
+        if image is None and mask_image is None:
+            raise PipelineError(
+                f"{self.model_id or self.family} needs an image (image=): it takes {list(self.tasks)}"
+            )
+        return super().task_of(image, mask_image)
+
+    @property
+    def limits(self) -> dict:
+        # WanPipeline's (sizes, frames, steps, text length), for the one task an image is required for.
+        return {**super().limits, "tasks": [self.task]}
+
+    # ----------------------------------------------------------------------------------------------
+    # The image inputs
+
+    @property
+    def image_encode_states(self) -> dict:
+        """The image_encode program's modules: the VAE (the condition) and the CLIP vision encoder."""
+        return {"vae": self._states["vae"], "image_encoder": self._states["image_encoder"]}
+
+    def warm_up_inputs(self, width: int, height: int) -> dict:
+        # Any image compiles the same programs (its pixels are traced inputs): a black one of the video's size.
+        return {"image": np.zeros((height, width, 3), np.uint8)}
+
+    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict):
+        """Host: one row per output video of the call's images, twice: for the VAE [B, H, W, 3] in [-1, 1] at
+        the call's size, and for CLIP [B, 224, 224, 3] (the folder's image processor)."""
+        if mask_image is not None:  # the engine's task check refuses it first; kept for direct callers
+            raise PipelineError("mask_image: Wan image-to-video takes no mask")
+        height, width = settings["height"], settings["width"]
+        video = image_rows(image, prompts, n, "image", preprocess_image, height, width)
+        clip = image_rows(image, prompts, n, "image", self._clip_pixels, height, width)
+        return {"video": video, "clip": clip}, None
+
+    def _clip_pixels(self, image, height: int, width: int, name: str) -> np.ndarray:
+        if isinstance(image, np.ndarray):
+            if image.ndim != 3 or image.shape[-1] != 3:
+                raise PipelineError(f"{name}: a numpy image must be [H, W, 3], got shape {list(image.shape)}")
+            if image.dtype != np.uint8:
+                if (
+                    image.dtype.kind != "f"
+                    or not np.all(np.isfinite(image))
+                    or image.min() < 0
+                    or image.max() > 1
+                ):
+                    raise PipelineError(f"{name}: a numpy image must be uint8 or floats in [0, 1]")
+                image = np.round(image * 255.0).astype(np.uint8)
+        try:
+            return self.image_processor([image])[0]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise PipelineError(f"{name}: {e}") from None
+
+    def image_inputs(self, states, pixels, mask, *, shape, task):
+        """Traced (the image_encode program): {"video": [B, H, W, 3] in [-1, 1], "clip": [B, 224, 224, 3]} ->
+        {"condition": [B, T, h, w, tf + z] fp32, "image_embeds": [B, 257, image_dim] in the model dtype}."""
+        b, height, width, _ = pixels["video"].shape
+        frames = (shape[0] - 1) * self.temporal_factor + 1
+        image = pixels["video"].astype(jnp.float32)[:, None]
+        video = jnp.concatenate([image, jnp.zeros((b, frames - 1, height, width, 3), jnp.float32)], axis=1)
+        latents = self.merged("vae", states["vae"]).encode(video).mode()  # [B, T, h, w, z]
+        cfg = self.vae_config
+        # diffusers: (z - mean) * (1 / std), per channel, fp32.
+        inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
+        latents = (latents.astype(jnp.float32) - jnp.asarray(cfg.latents_mean, jnp.float32)) * inv_std
+        mask = jnp.zeros((*latents.shape[:4], self.temporal_factor), jnp.float32).at[:, 0].set(1.0)
+        encoder = self.merged("image_encoder", states["image_encoder"])
+        embeds = encoder(pixels["clip"]).hidden_states[-2].astype(self.dtype)
+        return {
+            "condition": self.constrain(jnp.concatenate([mask, latents], axis=-1)),
+            "image_embeds": self.constrain(embeds),
+        }
+
+    # ----------------------------------------------------------------------------------------------
+    # The denoiser
+
+    def denoiser(self, state, embeds, rows, rope, *, shape, do_cfg, image=None):
+        if image is None:
+            raise PipelineError("Wan image-to-video needs an image")
+        embeds = embeds.astype(self.dtype)
+        image_embeds = image["image_embeds"].astype(self.dtype)
+        if do_cfg:  # the same image states for each row's unconditional and conditional halves
+            image_embeds = interleave(image_embeds, image_embeds)
+
+        def model(x, t):  # x: the latents with the condition after them (the engine's with_condition)
+            transformer, x = self.merged_per_step(state, x)
+            return transformer(
+                x.astype(self.dtype), jnp.broadcast_to(t, (x.shape[0],)), embeds, rope, image_embeds
+            )
+
+        return model
