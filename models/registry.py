@@ -94,6 +94,10 @@ def load_pipeline(
     max_programs: int | None = None,
     revision: str | None = None,
     variant: str | None = None,
+    max_loras: int = 4,
+    max_lora_rank: int = 64,
+    lora_budget_mb: float = 512.0,
+    lora_targets: str | None = None,
 ):
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
     into the Hub cache by models/checkpoints/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
@@ -104,6 +108,9 @@ def load_pipeline(
     `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;
     `weights` (e.g. {"shard_over": ["data", "context"]}) says which mesh axes shard the weights besides tensor;
     `max_programs` bounds the compiled programs kept (least recently used dropped; None: keep all).
+    `max_loras` (adapters per row), `max_lora_rank` and `lora_budget_mb` (the adapter table's bytes on the
+    devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
+    it holds (docs/lora.md).
     """
     import importlib
 
@@ -128,7 +135,13 @@ def load_pipeline(
             raise PipelineError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
     cls = getattr(importlib.import_module(module_name), cls_name)
-    kwargs = {"max_programs": max_programs}
+    kwargs = {
+        "max_programs": max_programs,
+        "max_loras": max_loras,
+        "max_lora_rank": max_lora_rank,
+        "lora_budget_mb": lora_budget_mb,
+        "lora_targets": lora_targets,
+    }
     if mesh is not None or devices is not None or weights is not None:
         from meshserve.models.parallel.placement import pipeline_placement
 

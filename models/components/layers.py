@@ -20,6 +20,7 @@ from flax import nnx
 from jax import lax
 
 from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
+from meshserve.models.lora.apply import adapted
 
 # --------------------------------------------------------------------------------------------------
 # Activations and norms
@@ -177,10 +178,18 @@ def conv2d(
     )
 
 
+class Linear(nnx.Linear):
+    """nnx.Linear (same parameters and keys) that adds its LoRA adapters while a program with adapters is
+    traced (models/lora/apply.py); otherwise exactly nnx.Linear."""
+
+    def __call__(self, inputs):
+        return adapted(self, inputs, super().__call__(inputs))
+
+
 def linear(
     in_features: int, out_features: int, *, use_bias: bool = True, dtype=jnp.float32, rngs: nnx.Rngs
 ) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 # --------------------------------------------------------------------------------------------------

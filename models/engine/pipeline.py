@@ -101,6 +101,9 @@ from meshserve.models.engine.image_inputs import blend_known, check_scheduler, c
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
+from meshserve.models.lora.apply import adapters_active
+from meshserve.models.lora.apply import bind as lora_bind
+from meshserve.models.lora.pool import AdapterPool
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
 from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
 
@@ -215,8 +218,20 @@ class DiffusionPipeline:
         attention=None,
         placement: Placement | None = None,
         max_programs: int | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        lora_budget_mb: float = 512.0,
+        lora_targets: str | None = None,
     ):
         self.programs = CompiledPrograms(type(self).__name__, max_programs)
+        # LoRA adapters per request (docs/lora.md): a fixed-shape table on the pool's devices, made on first load.
+        self.lora = AdapterPool(
+            self,
+            max_per_request=max_loras,
+            max_rank=max_lora_rank,
+            budget_mb=lora_budget_mb,
+            targets=lora_targets,
+        )
         self.step_reporter = StepReporter()
         self.previews = LatentPreviews(self)  # live previews: models/engine/previews.py
         self._schedulers: dict[str | None, object] = {}
@@ -291,7 +306,23 @@ class DiffusionPipeline:
 
         name = self.denoiser_name
         state, x = gathered_per_step(self.placement, state, x, self._rules.get(name))
-        return nnx.merge(self._graphs[name], state), x
+        return lora_bind(nnx.merge(self._graphs[name], state)), x
+
+    # ---------------------------------------------------------------------------------------------
+    # LoRA adapters (docs/lora.md; models/lora/): registered once, then picked per row by name
+
+    def load_lora(self, name: str, source) -> dict:
+        """Registers an adapter (a .safetensors file or folder, or a Hub id) under `name` onto the pool's
+        devices, evicting the least recently used one when the table is full -> {name, rank, targets, bytes}."""
+        return self.lora.load(name, source)
+
+    def unload_lora(self, name: str) -> None:
+        self.lora.unload(name)
+
+    @property
+    def loras(self) -> list[str]:
+        """The registered adapters, least recently used first."""
+        return self.lora.names
 
     # ---------------------------------------------------------------------------------------------
     # The stages a family implements (module docstring)
@@ -532,6 +563,7 @@ class DiffusionPipeline:
         return_dict: bool = True,
         preview_every: int | Sequence[int] | None = None,
         preview_callback: PreviewCallback | None = None,
+        loras=None,
         **options,
     ):
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
@@ -602,6 +634,8 @@ class DiffusionPipeline:
             pixels, mask_pixels = self.preprocess_images(image, mask_image, len(prompts), n, settings)
             steps -= start  # the steps this call runs (and reports)
         seeds = row_seeds(seed, len(prompts), n)
+        # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
+        lora_rows = self.lora.rows(loras, len(prompts), n)
         if latents is not None:
             latents = self.put_batch(self._loop_latents(latents, len(seeds), shape))
         timings = {}
@@ -639,6 +673,8 @@ class DiffusionPipeline:
             jax.block_until_ready(image_inputs)
             timings["image_encode"] = time.perf_counter() - t0
         init = {"latents": latents, "start": self.put_replicated(np.int32(start))}
+        if lora_rows is not None:
+            init["lora"] = {"index": self.put_batch(lora_rows[0]), "scale": self.put_batch(lora_rows[1])}
         if image_inputs is not None:
             init["image"] = image_inputs
             init["full_strength"] = self.put_replicated(np.bool_(full_strength))
@@ -657,6 +693,8 @@ class DiffusionPipeline:
             self.previews.inputs(preview_every, len(seeds), shape[-1]),
         )
         state = self._states[self.denoiser_name]
+        if lora_rows is not None:  # the adapter table rides with the weights: fixed shapes, not in the key
+            state = (state, self.lora.tables())
         with self.previews.listening(preview_callback, steps):
             latents = self.run_denoise(
                 steps, callback, lambda: self.programs.run("denoise", self._denoise, static, state, *inputs)
@@ -739,6 +777,25 @@ class DiffusionPipeline:
         [] int32 first step, with image inputs also "image" (image_inputs.py) and "full_strength" [] bool};
         key_data [B, 2]; cond [2B or B, ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns
         (latents, steps_done)."""
+        lora = init.get("lora")
+        if lora is not None:  # the denoiser's adapted layers add each row's adapters (models/lora/apply.py)
+            state, tables = state
+            with adapters_active(tables, lora["index"], lora["scale"]):
+                init = {k: v for k, v in init.items() if k != "lora"}
+                return self._denoise(
+                    state,
+                    schedule,
+                    init,
+                    key_data,
+                    cond,
+                    rows,
+                    cfg_rows,
+                    extras,
+                    preview,
+                    scheduler=scheduler,
+                    do_cfg=do_cfg,
+                    shape=shape,
+                )
         keys = row_keys(key_data)
         latents, start, image = init["latents"], init["start"], init.get("image")
         sigma = scheduler.init_noise_sigma(schedule)

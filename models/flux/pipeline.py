@@ -170,6 +170,7 @@ class FluxPipeline(DiffusionPipeline):
         limits["max_sequence_length"] = self.max_sequence_length
         limits["tasks"] = list(self.tasks)
         limits["strength"] = self.strength_limits()
+        limits["loras"] = self.lora.limits
         return limits
 
     # ----------------------------------------------------------------------------------------------

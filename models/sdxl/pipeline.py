@@ -125,7 +125,12 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     @property
     def limits(self) -> dict:
         limits = image_limits(self.size_multiple, self.defaults["width"])
-        return {**limits, "tasks": list(self.tasks), "strength": self.strength_limits()}
+        return {
+            **limits,
+            "tasks": list(self.tasks),
+            "strength": self.strength_limits(),
+            "loras": self.lora.limits,
+        }
 
     # ----------------------------------------------------------------------------------------------
     # The stages

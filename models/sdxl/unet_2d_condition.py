@@ -47,6 +47,7 @@ from meshserve.models.components.layers import (
     linear,
     timestep_embedding,
 )
+from meshserve.models.lora.apply import adapted
 
 # Config values we do not implement -> the value that means "not used" (diffusers' default).
 _UNSUPPORTED = {
@@ -223,6 +224,7 @@ class LinearHalves(nnx.Module):
             jnp.einsum("...i,ito->...to", x.astype(self.dtype), self.halves_kernel[...])
             + self.halves_bias[...]
         )
+        y = adapted(self, x, y)  # LoRA on ff.net.0.proj: [value | gate] rows, as the checkpoint's
         return y[..., 0, :], y[..., 1, :]
 
 

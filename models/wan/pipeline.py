@@ -206,6 +206,7 @@ class WanPipeline(DiffusionPipeline):
             "offset": 1,
             "default": SMALL_FRAMES if self._small else DEFAULT_FRAMES,
         }
+        limits["loras"] = self.lora.limits
         return limits
 
     # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""LoRA inside a compiled program: the adapted layers add sum_k s[row, k] (x A_k) B_k to their output.
+
+    with adapters_active(tables, index, scale):        # traced, around the denoiser's calls
+        module = bind(module)                           # after nnx.merge: which layers are adapted
+        y = layer(x)                                    # layers.Linear / LinearHalves call `adapted`
+
+`tables` {module: (A [N, in, r], B [N, r, *out])}: every adapter slot of the pool (models/lora/pool.py),
+padded to the pool's max rank (zero padding is exact). `index` [B, K] int32 picks each row's K adapter slots,
+`scale` [B, K] their scales (0 for an empty slot, whose index is any). A row's factors are gathered and its K
+adapters concatenated along the rank axis with the scales folded into B, so a layer costs two batched matmuls
+[S, in] x [in, K r] x [K r, out] per row, whatever the adapters. With CFG the model batch is [u0, c0, u1, c1...]
+and each row's adapters apply to both halves (as diffusers' do).
+
+The layers find their factors through a context variable set while the program is traced (never at run time):
+the denoiser's modules are merged from their state inside the trace, so `bind` maps the merged modules' ids
+to their names. Outside a trace with adapters, `adapted` returns y unchanged: the program without adapters is
+the plain model, and costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("meshserve_lora", default=None)
+
+
+class _Active:
+    def __init__(self, tables, index, scale):
+        self.tables, self.index, self.scale = tables, index, scale
+        self.names: dict[int, str] = {}
+
+    def delta(self, name: str, x, out_shape):
+        a, b = self.tables[name]  # [N, in, r], [N, r, *out]
+        rows, k = self.index.shape
+        index, scale = self.index, self.scale
+        if x.shape[0] == 2 * rows:  # CFG: the interleaved model batch, each row's pair shares its adapters
+            index, scale = jnp.repeat(index, 2, axis=0), jnp.repeat(scale, 2, axis=0)
+        elif x.shape[0] != rows:
+            raise ValueError(
+                f"LoRA on {name}: input batch {x.shape[0]} is neither {rows} rows nor 2 x {rows}"
+            )
+        batch, n_in, rank = x.shape[0], a.shape[1], a.shape[2]
+        a_rows = jnp.take(a, index, axis=0)  # [b, K, in, r]
+        a_rows = a_rows.transpose(0, 2, 1, 3).reshape(batch, n_in, k * rank)
+        b_rows = jnp.take(b, index, axis=0).reshape(batch, k, rank, -1)
+        b_rows = (b_rows * scale[:, :, None, None].astype(b_rows.dtype)).reshape(batch, k * rank, -1)
+        h = jnp.einsum("bsi,bir->bsr", x.reshape(batch, -1, n_in), a_rows.astype(x.dtype))
+        d = jnp.einsum("bsr,bro->bso", h, b_rows.astype(x.dtype))
+        return d.reshape(*x.shape[:-1], *out_shape)
+
+
+@contextlib.contextmanager
+def adapters_active(tables, index, scale):
+    """While tracing: the denoiser's layers named in `tables` add their adapters (module docstring)."""
+    token = _ACTIVE.set(_Active(tables, index, scale))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def bind(module):
+    """Registers a merged module's adapted layers (by diffusers' dotted names) with the active adapters;
+    the module unchanged, and nothing done without active adapters."""
+    active = _ACTIVE.get()
+    if active is None:
+        return module
+    from flax import nnx
+
+    for path, node in nnx.iter_graph(module):
+        name = ".".join(str(p) for p in path)
+        if name in active.tables:
+            active.names[id(node)] = name
+    return module
+
+
+def adapted(layer, x, y):
+    """A layer's output y with its adapters added (y unchanged when none is active for it). x [B, ..., in],
+    y [B, ..., *out]."""
+    active = _ACTIVE.get()
+    if active is None:
+        return y
+    name = active.names.get(id(layer))
+    if name is None:
+        return y
+    return y + active.delta(name, x, y.shape[x.ndim - 1 :]).astype(y.dtype)

@@ -1,0 +1,286 @@
+"""LoRA files as people publish them -> one adapter: {diffusers module name: (A [in, r], B [r, out])}.
+
+    factors = read_adapter(source, family="sdxl", targets=...)   # alpha / rank already folded into B
+
+Layouts read (the key mapping follows diffusers' loaders/lora_conversion_utils.py; diffusers is not imported):
+
+- diffusers / PEFT (`save_lora_weights`): `unet.<module>.lora_A.weight` / `.lora_B.weight` (Flux and Wan:
+  `transformer.`), the older `.lora.down.weight` / `.lora.up.weight` and attention-processor keys
+  (`attn1.processor.to_q_lora.down.weight`); a module's `.alpha` when present, else alpha = rank (diffusers'
+  `load_lora_weights` on a file without adapter metadata). A `lora_adapter_metadata` entry in the file's
+  safetensors metadata (diffusers >= 0.35 writes it) gives `lora_alpha` (and `alpha_pattern`) per module.
+- kohya / A1111, SDXL: `lora_unet_<module with "_" for ".">.lora_down.weight` / `.lora_up.weight` / `.alpha`
+  (diffusers' `_convert_non_diffusers_lora_to_diffusers` for the diffusers-named UNet). A kohya name is
+  matched against the model's own module names written that way, which is the converter's "_" -> "."
+  undone exactly, without its guesses. The SGM-named layout (`lora_unet_input_blocks_4_1_...`) is refused.
+- kohya, Flux: `lora_unet_double_blocks_<i>_img_attn_qkv...` (`_convert_kohya_flux_lora_to_diffusers`): the
+  fused q/k/v and single blocks' linear1 (q, k, v, proj_mlp) split by output rows, the down matrix shared.
+- Text encoders (`text_encoder.`, `lora_te1_`, `lora_te2_`, `lora_te_`) are not supported yet: refused,
+  naming the first such key.
+
+alpha / rank is folded into B, as diffusers' scaling (lora_alpha / r) multiplies the adapter's output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from meshserve.models.checkpoints.loading import read_safetensors
+from meshserve.models.engine.common import PipelineError
+
+
+class AdapterFormatError(PipelineError):
+    """A LoRA file that does not fit the model: unknown keys, wrong shapes, an unsupported layout."""
+
+
+_PREFIXES = ("unet.", "transformer.")
+_TEXT_PREFIXES = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_source(source) -> tuple[dict[str, np.ndarray], dict]:
+    """A folder holding one .safetensors file (diffusers' `pytorch_lora_weights.safetensors` preferred), a
+    file, or a Hub id `owner/name[/file.safetensors]` -> (tensors as float32, the file's metadata)."""
+    path = Path(str(source)).expanduser()
+    if not path.exists():
+        path = _from_hub(str(source))
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        preferred = [f for f in files if f.name == "pytorch_lora_weights.safetensors"]
+        if not files:
+            raise AdapterFormatError(f"{path}: no .safetensors file in the folder")
+        if len(files) > 1 and not preferred:
+            raise AdapterFormatError(
+                f"{path}: several .safetensors files ({', '.join(f.name for f in files)}); name one"
+            )
+        path = (preferred or files)[0]
+    if path.suffix != ".safetensors":
+        raise AdapterFormatError(f"{path}: LoRA weights must be a .safetensors file")
+    try:
+        tensors = read_safetensors(path)
+        metadata = _metadata(path)
+    except Exception as e:  # a truncated or foreign file
+        raise AdapterFormatError(f"{path}: not a readable safetensors file ({e})") from e
+    return {k: np.asarray(v, np.float32) for k, v in tensors.items()}, metadata
+
+
+def _metadata(path: Path) -> dict:
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)).get("__metadata__", {}) or {}
+
+
+def _from_hub(spec: str) -> Path:
+    """`owner/name` (the repo's one .safetensors file) or `owner/name/file.safetensors`, via the Hub cache."""
+    parts = spec.split("/")
+    if len(parts) < 2 or not all(parts):
+        raise AdapterFormatError(f"{spec!r} is neither a local file or folder nor a Hub id (owner/name)")
+    repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:]) or None
+    try:
+        from huggingface_hub import hf_hub_download, list_repo_files
+
+        if filename is None:
+            names = [n for n in list_repo_files(repo_id) if n.endswith(".safetensors")]
+            if len(names) != 1:
+                raise AdapterFormatError(
+                    f"{spec}: the repo has {len(names)} .safetensors files ({', '.join(names[:5])}); "
+                    "name one as owner/name/file.safetensors"
+                )
+            filename = names[0]
+        return Path(hf_hub_download(repo_id, filename))
+    except AdapterFormatError:
+        raise
+    except Exception as e:
+        raise AdapterFormatError(f"{spec}: could not fetch the LoRA from the Hub ({e})") from e
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts -> {module: (down [r, in], up [out, r], alpha or None)} in diffusers' module names
+
+
+def _pairs_diffusers(tensors: dict) -> dict[str, dict]:
+    modules: dict[str, dict] = {}
+    for key, value in tensors.items():
+        name = key
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        # attention processors of old diffusers files: attn1.processor.to_q_lora.down.weight
+        m = re.match(r"(.*)\.processor\.(to_q|to_k|to_v|to_out)_lora\.(down|up)\.weight$", name)
+        if m:
+            module = m[1] + "." + (m[2] + ".0" if m[2] == "to_out" else m[2])
+            modules.setdefault(module, {})[m[3]] = value
+            continue
+        for suffix, part in (
+            (".lora_A.weight", "down"),
+            (".lora_B.weight", "up"),
+            (".lora.down.weight", "down"),
+            (".lora.up.weight", "up"),
+            (".lora_down.weight", "down"),
+            (".lora_up.weight", "up"),
+            (".alpha", "alpha"),
+        ):
+            if name.endswith(suffix):
+                modules.setdefault(name[: -len(suffix)], {})[part] = value
+                break
+        else:
+            raise AdapterFormatError(
+                f"unknown LoRA key {key!r} (expected lora_A/lora_B or lora.down/up weights)"
+            )
+    return modules
+
+
+# BFL (Flux original) module names in kohya files -> diffusers' modules, each with its share of the output rows
+# (None: all of them). After diffusers' _convert_kohya_flux_lora_to_diffusers.
+def _flux_kohya_targets(name: str, sizes) -> list[tuple[str, slice | None]] | None:
+    m = re.fullmatch(r"double_blocks_(\d+)_(img|txt)_(attn_qkv|attn_proj|mlp_0|mlp_2|mod_lin)", name)
+    if m:
+        i, stream, part = m[1], m[2], m[3]
+        b = f"transformer_blocks.{i}."
+        if part == "attn_qkv":
+            names = (
+                ("attn.to_q", "attn.to_k", "attn.to_v")
+                if stream == "img"
+                else (
+                    "attn.add_q_proj",
+                    "attn.add_k_proj",
+                    "attn.add_v_proj",
+                )
+            )
+            return _split([b + n for n in names], sizes)
+        ff = "ff" if stream == "img" else "ff_context"
+        single = {
+            "attn_proj": "attn.to_out.0" if stream == "img" else "attn.to_add_out",
+            "mlp_0": f"{ff}.net.0.proj",
+            "mlp_2": f"{ff}.net.2",
+            "mod_lin": "norm1.linear" if stream == "img" else "norm1_context.linear",
+        }[part]
+        return [(b + single, None)]
+    m = re.fullmatch(r"single_blocks_(\d+)_(linear1|linear2|modulation_lin)", name)
+    if m:
+        b = f"single_transformer_blocks.{m[1]}."
+        if m[2] == "linear1":
+            return _split([b + n for n in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")], sizes)
+        return [(b + ("proj_out" if m[2] == "linear2" else "norm.linear"), None)]
+    return None
+
+
+def _split(names: list[str], sizes) -> list[tuple[str, slice]] | None:
+    out, start = [], 0
+    for name in names:
+        size = sizes(name)
+        if size is None:
+            return None
+        out.append((name, slice(start, start + size)))
+        start += size
+    return out
+
+
+def _pairs_kohya(tensors: dict, family: str, targets: dict) -> dict[str, dict]:
+    by_kohya = {"lora_unet_" + name.replace(".", "_"): name for name in targets}
+    modules: dict[str, dict] = {}
+    for key, value in tensors.items():
+        stem, _, part = key.partition(".")
+        part = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}.get(part)
+        if part is None:
+            raise AdapterFormatError(
+                f"unknown LoRA key {key!r} (expected lora_down/lora_up weights or alpha)"
+            )
+        if stem in by_kohya:
+            modules.setdefault(by_kohya[stem], {})[part] = value
+            continue
+        if family == "flux" and stem.startswith("lora_unet_"):
+
+            def out_size(name):
+                return targets[name]["out"] if name in targets else None
+
+            split = _flux_kohya_targets(stem.removeprefix("lora_unet_"), out_size)
+            if split is not None:
+                for name, rows in split:
+                    entry = modules.setdefault(name, {})
+                    if part == "up" and rows is not None:
+                        if value.shape[0] != rows.stop and rows.stop > value.shape[0]:
+                            raise AdapterFormatError(
+                                f"{key}: {value.shape[0]} output rows, the model's {stem} has more"
+                            )
+                        entry[part] = value[rows]
+                    else:
+                        entry[part] = value
+                continue
+        raise AdapterFormatError(f"LoRA key {key!r} names no {family} module this model has")
+    return modules
+
+
+# --------------------------------------------------------------------------------------------------
+# The adapter
+
+
+def read_adapter(source, *, family: str, targets: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """source -> {module: (A [in, r], B [r, out] x alpha/r)} for the modules in `targets` ({module: {"in",
+    "out"}}: the model's LoRA-able layers, diffusers' names). AdapterFormatError naming the first bad key."""
+    tensors, metadata = read_source(source)
+    if not tensors:
+        raise AdapterFormatError(f"{source}: the file holds no tensors")
+    for key in tensors:
+        if key.startswith(_TEXT_PREFIXES):
+            raise AdapterFormatError(
+                f"text-encoder LoRA is not supported yet: {key!r} (only the denoiser's layers can be adapted)"
+            )
+    kohya = any(k.startswith("lora_unet_") for k in tensors)
+    modules = _pairs_kohya(tensors, family, targets) if kohya else _pairs_diffusers(tensors)
+    alphas = _metadata_alphas(metadata)
+    factors = {}
+    for name, parts in modules.items():
+        if name not in targets:
+            raise AdapterFormatError(f"LoRA module {name!r} is no adaptable layer of this {family} model")
+        if "down" not in parts or "up" not in parts:
+            raise AdapterFormatError(
+                f"LoRA module {name!r} lacks its {'up' if 'down' in parts else 'down'} weight"
+            )
+        down, up = parts["down"], parts["up"]
+        if down.ndim != 2 or up.ndim != 2:
+            raise AdapterFormatError(
+                f"LoRA module {name!r}: weights of shape {down.shape} / {up.shape} (conv LoRA is not supported)"
+            )
+        rank, want = down.shape[0], targets[name]
+        if down.shape != (rank, want["in"]) or up.shape != (want["out"], rank):
+            raise AdapterFormatError(
+                f"LoRA module {name!r}: down {down.shape} / up {up.shape} do not fit the layer's "
+                f"{want['in']} inputs and {want['out']} outputs at rank {rank}"
+            )
+        alpha = parts.get("alpha")
+        alpha = float(np.asarray(alpha).reshape(())) if alpha is not None else alphas(name, rank)
+        factors[name] = (np.ascontiguousarray(down.T), np.ascontiguousarray(up.T) * np.float32(alpha / rank))
+    return factors
+
+
+def _metadata_alphas(metadata: dict):
+    """diffusers' lora_adapter_metadata ({"unet.lora_alpha": ..., "alpha_pattern": ...}) -> alpha(module,
+    rank); without it alpha = rank (scale 1), as diffusers loads such a file."""
+    raw = metadata.get("lora_adapter_metadata")
+    config = {}
+    if raw:
+        try:
+            config = json.loads(raw)
+        except ValueError:
+            config = {}
+    if config and all(isinstance(v, dict) for v in config.values()):  # per component: {"unet": {...}}
+        config = next(iter(config.values()))
+
+    def alpha(name: str, rank: int) -> float:
+        for pattern, value in (config.get("alpha_pattern") or {}).items():
+            if re.search(rf"(^|\.){re.escape(pattern)}$", name):
+                return float(value)
+        return float(config.get("lora_alpha") or rank)
+
+    return alpha
