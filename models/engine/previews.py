@@ -170,7 +170,11 @@ class LatentPreviews:
         shape = pipe.noise_shape(self.fit_settings())
         z = blocky_latents(shape, FIT_SAMPLES)
         decode = jax.jit(lambda vae, x: pipe.decode(vae, pipe.pack(x).astype(pipe.latent_dtype), shape=shape))
-        images = np.asarray(decode(pipe._states["vae"], jax.device_put(z)), np.float32)
+        # Replicated on the pool's devices and read back by `to_host`: in a multi-host pool every process runs
+        # this (at warm-up, in the same order) as one program over the group.
+        from meshserve.models.engine.pipeline import to_host
+
+        images = to_host(decode(pipe._states["vae"], pipe.put_replicated(z))).astype(np.float32)
         if images.ndim == 5:  # video: one latent frame decodes to one frame
             images = images[:, images.shape[1] // 2]
             z = z[:, z.shape[1] // 2]
