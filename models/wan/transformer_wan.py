@@ -62,8 +62,8 @@ Parallelism:
   video have exactly as many tokens as the text, the entry shards the text too: still exact, only slower.)
   The image tokens of I2V (257) take the same rule.
 
-Not covered (rejected by the config): Wan 2.1 first-last-frame-to-video's image position embedding
-(pos_embed_seq_len); Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v projections are a runtime
+Not covered: Wan 2.1 first-last-frame-to-video's image position embedding (pos_embed_seq_len, which the
+config rejects); Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v projections are a runtime
 option in diffusers; checkpoints store them apart. diffusers builds the RMSNorm q/k norms whatever `qk_norm`
 says (0.42.1), and so does this model.
 """
