@@ -36,19 +36,15 @@ from meshserve.models.checkpoints.loading import (
     read_json,
 )
 from meshserve.models.components.clip import _ACTIVATIONS, CLIPMLP, CLIPAttention, CLIPEncoder, _layer_norm
+from meshserve.models.components.clip import SHARDING_RULES as CLIP_TEXT_RULES
 
 _DEFAULT_SETTINGS = AttentionSettings()
 
-# Parameter path regex -> logical axes, FSDP only as the text CLIP's (models/components/clip.py says why): 257
-# tokens once per video are a small share of a generation (ViT-H/14: 632 M parameters, 2.5 GB in fp32, which the
-# split spreads over the pool's FSDP axes).
-SHARDING_RULES: tuple = (
-    (r"self_attn\.(q_proj|k_proj|v_proj|out_proj)\.weight$", ("embed", None)),
-    (r"mlp\.fc1\.weight$", ("embed", None)),  # [hidden, mlp]
-    (r"mlp\.fc2\.weight$", (None, "embed")),  # [mlp, hidden]
-    (r"position_embedding\.weight$", (None, "embed")),
-    (r"visual_projection\.weight$", ("embed", None)),
-)
+# Parameter path regex -> logical axes: the text CLIP's rules (models/components/clip.py says why FSDP only),
+# which cover the shared encoder layers and the position embedding (their token_embedding and text_projection
+# patterns match nothing here), and the vision tower's projection. 257 tokens once per video are a small share
+# of a generation (ViT-H/14: 632 M parameters, 2.5 GB in fp32, which the split spreads over the FSDP axes).
+SHARDING_RULES: tuple = CLIP_TEXT_RULES + ((r"visual_projection\.weight$", ("embed", None)),)
 
 # transformers' CLIPVisionConfig defaults: a config.json written with only the non-default fields means these.
 _DEFAULTS = dict(
