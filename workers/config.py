@@ -115,6 +115,9 @@ class PoolConfig(_Strict):
     mesh: MeshSizes = Field(default_factory=MeshSizes)
     attention: AttentionOptions = Field(default_factory=AttentionOptions)
     weights: WeightOptions = Field(default_factory=WeightOptions)
+    # The denoiser's Linear weights: int8 (weight-only, per-channel scales) or as the model's dtype; fp8 is
+    # refused at load (models/components/quantize.py, docs/weights.md "Quantization").
+    quantize: Literal["none", "int8", "fp8"] = "none"
     models: list[str] = Field(min_length=1)
     max_batch: int = Field(1, ge=1)  # images per device batch, summed over the jobs in it
     batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company

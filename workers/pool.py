@@ -101,13 +101,15 @@ def pool_devices(cfg: PoolConfig) -> list:
 def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
     """The model's runner options, plus the pool's attention settings for pipeline runners and, for an
     any_size pool, `max_programs` (load_pipeline's bound on the compiled programs it keeps); `weights`
-    (shard_over) when the pool stores its weights split."""
+    (shard_over) when the pool stores its weights split; `quantize` when the pool quantizes them."""
     options = dict(spec.options)
     attention = cfg.attention.model_dump(exclude_none=True)
     if spec.runner == "pipeline" and attention:
         options["attention"] = attention
     if spec.runner == "pipeline" and cfg.weights.shard_over:
         options["weights"] = cfg.weights.model_dump()
+    if spec.runner == "pipeline" and cfg.quantize != "none":
+        options["quantize"] = cfg.quantize
     if cfg.any_size:
         options["max_programs"] = cfg.max_programs
     return options
