@@ -23,8 +23,17 @@ Delivery is at least once (service/store.py): a job is acknowledged only by `com
   deleted): an output is never lost silently, and a job never succeeds without its outputs.
 - A multi-host pool whose process group failed (`GroupFailed`) abandons its batch and stops claiming; the
   worker then exits non-zero so the group restarts (workers/multihost.py).
+- Encoding runs off the pool thread: the runner's `generate` ends with uint8 arrays, which go to the loop's
+  encoder threads; a finishing task per batch encodes each job, stores its outputs and ends it, while the pool
+  thread is already on the next batch (docs/outputs.md). At most `max_encoding` batches wait for or are in
+  encoding (so memory stays bounded); past that the next batch waits. A job still ends succeeded only once its
+  outputs are stored, and its lease is renewed until then; an encoding error fails that job with code
+  "encode_error" (an encoder cannot write what the model made: retrying would fail the same way). A cancel that
+  comes while a job is encoded is too late: the job is done computing and succeeds.
 - Stop (SIGTERM): no new claims; the running batch may finish within `drain_seconds`, else it is stopped at the
-  next step and its jobs are released (requeued without spending a delivery), as are claimed leftovers.
+  next step and its jobs are released (requeued without spending a delivery), as are claimed leftovers. Batches
+  being encoded finish within the same deadline (plus the grace the pool thread gets); a job whose encoding is
+  still running past it is released too: no job is lost.
 """
 
 from __future__ import annotations
@@ -48,8 +57,17 @@ from meshserve.service.store import Store
 from meshserve.workers import metrics
 from meshserve.workers.batching import BatchKey, gather_batch
 from meshserve.workers.multihost import GroupFailed
-from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, RunResult, read_inputs
-from meshserve.workers.threads import PoolThread
+from meshserve.workers.runner import (
+    Cancelled,
+    Generated,
+    InvalidRequest,
+    Runner,
+    RunRequest,
+    RunResult,
+    encode_job,
+    read_inputs,
+)
+from meshserve.workers.threads import EncoderThreads, PoolThread
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +76,13 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.25
 # After a failed round (Redis down or silent: the round took up to its command deadline) the next one waits this.
 _RETRY_S = 0.5
+# Past the drain deadline, the pool thread's batch and the batches being encoded get this much more.
+_GRACE_S = 5.0
+# Encoder threads per pool, and batches that may wait for or be in encoding at once. Two threads: an MP4 (PyAV)
+# and a PNG (Pillow, compress_level 1) release the GIL, so two jobs encode side by side; two batches bound the
+# host memory at two batches' uint8 outputs (an 81-frame 480p video: 97 MB each) beside the one computing.
+ENCODE_THREADS = 2
+MAX_ENCODING = 2
 
 
 @dataclass
@@ -139,7 +164,11 @@ class JobLoop:
         max_batch: int,
         batch_wait_ms: float,
         idle_block_ms: int = 1000,
+        encode_threads: int = ENCODE_THREADS,
+        max_encoding: int = MAX_ENCODING,
     ):
+        """encode_threads 0: the pool thread encodes and the loop stores the outputs before the next batch (the
+        old path, kept for comparison: bench/encode_gap.py)."""
         self.pool, self.consumer, self.runners = pool, consumer, runners
         self.store, self.settings, self.thread = store, settings, thread
         self.max_batch, self.batch_wait_ms, self.idle_block_ms = max_batch, batch_wait_ms, idle_block_ms
@@ -148,6 +177,9 @@ class JobLoop:
         self._active: dict[str, Work] = {}  # the jobs of the running batch still being computed
         self._stop_deadline: float | None = None  # monotonic; set by request_stop
         self._last_step = 0.0
+        self.encoder = EncoderThreads(pool, encode_threads) if encode_threads > 0 else None
+        self._encode_slots = asyncio.Semaphore(max(1, max_encoding))
+        self._finishing: set[asyncio.Task] = set()  # one per batch handed to the encoder
 
     # -- control ---------------------------------------------------------------------------------------------
 
@@ -193,7 +225,10 @@ class JobLoop:
         finally:
             for w in [w for w in pending if w.job_id in self._held]:
                 await self._release(w)
+            await self._drain_encoding()  # the leases of jobs being encoded are renewed until they end
             heartbeats.cancel()
+            if self.encoder is not None:
+                self.encoder.close()
 
     async def _claim(self, max_jobs: int, block_ms: int) -> list[Work]:
         deliveries = await self.store.claim(self.models, self.consumer, max_jobs=max_jobs, block_ms=block_ms)
@@ -255,9 +290,9 @@ class JobLoop:
         handoff = _StepHandoff(asyncio.get_running_loop(), self._active)
         handoff.model = model
         progress = asyncio.create_task(self._progress_task(handoff), name=f"{self.pool}-progress")
-        run = runner.run
+        run = runner.run if self.encoder is None else runner.generate
         if runner.takes_previews and any(w.delivery.job.params.preview_every for w in batch):
-            run = functools.partial(runner.run, previews=handoff.add_preview)
+            run = functools.partial(run, previews=handoff.add_preview)
         try:
             try:
                 # Image inputs from the store (a job whose input is gone fails; a store error: redelivery)
@@ -310,6 +345,9 @@ class JobLoop:
             self._active = {}
             self._count_compilations(runner, compiled_before, batch, time.perf_counter() - t0)
         metrics.INFERENCE_SECONDS.labels(model).observe(time.perf_counter() - t0)
+        if self.encoder is not None:
+            await self._hand_off(model, batch, requests, results)
+            return
         self._observe(model, results)
         by_id = {w.job_id: w for w in batch}
         for result in results:
@@ -321,6 +359,87 @@ class JobLoop:
                 metrics.END_TO_END_SECONDS.labels(model).observe(
                     max(0.0, time.time() - w.delivery.job.created_at)
                 )
+
+    # -- encoding, off the pool thread -----------------------------------------------------------------------
+
+    async def _hand_off(
+        self,
+        model: str,
+        batch: list[Work],
+        requests: list[RunRequest],
+        generated: list[Generated | RunResult],
+    ) -> None:
+        """Give a batch's outputs to the encoder and return (the pool thread is free for the next batch); waits
+        only while `max_encoding` batches are already there."""
+        stages = generated[0].timings if generated else {}
+        for stage, seconds in stages.items():  # batch-wide stages once per batch; encoding is per job
+            if stage != "encode":
+                metrics.STAGE_SECONDS.labels(model, stage).observe(seconds)
+        await self._encode_slots.acquire()
+        task = asyncio.create_task(self._finish(batch, requests, generated), name=f"{self.pool}-finish")
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish(
+        self, batch: list[Work], requests: list[RunRequest], generated: list[Generated | RunResult]
+    ) -> None:
+        try:
+            by_id = {w.job_id: w for w in batch}
+            await asyncio.gather(
+                *(
+                    self._finish_job(by_id[req.job_id], req, g)
+                    for req, g in zip(requests, generated, strict=True)
+                )
+            )
+        finally:
+            self._encode_slots.release()
+
+    async def _finish_job(self, w: Work, req: RunRequest, generated: Generated | RunResult) -> None:
+        """Encode one job's outputs on an encoder thread, then store them and end the job (`_complete`). Cancelled
+        (the drain deadline passed): the job is released for another delivery."""
+        if w.job_id not in self._held:  # canceled or fenced while running
+            return
+        try:
+            try:
+                result = await self.encoder.submit(encode_job, req, generated)
+            except Exception as e:
+                log.exception("pool %s: job %s: its outputs could not be encoded", self.pool, w.job_id)
+                message = f"the job's outputs could not be encoded: {e!r}"
+                await self._end(w, "failed", lambda: self.store.fail(w.delivery, "encode_error", message))
+                return
+            metrics.STAGE_SECONDS.labels(w.key.model, "encode").observe(result.timings.get("encode", 0.0))
+            if w.job_id in self._held and await self._complete(w, result):
+                metrics.END_TO_END_SECONDS.labels(w.key.model).observe(
+                    max(0.0, time.time() - w.delivery.job.created_at)
+                )
+        except Exception:  # a store error past its retries: left for redelivery, as a crashed batch is
+            log.exception(
+                "pool %s: job %s could not be ended; leaving it for redelivery", self.pool, w.job_id
+            )
+            self._abandon(w)
+        except asyncio.CancelledError:
+            if w.job_id in self._held:  # stored or not, a release of an ended job is fenced: nothing is lost
+                await self._release(w)
+            raise
+
+    async def _drain_encoding(self) -> None:
+        """At stop: let the batches being encoded finish until the drain deadline (plus the grace), then cancel
+        what is left (its jobs are released)."""
+        while self._finishing:
+            timeout = None
+            if self._stop_deadline is not None:
+                timeout = max(0.0, self._stop_deadline + _GRACE_S - time.monotonic())
+            done, pending = await asyncio.wait(set(self._finishing), timeout=timeout)
+            if pending and timeout is not None and time.monotonic() >= self._stop_deadline + _GRACE_S:
+                log.warning(
+                    "pool %s: %d batches still encoding at the deadline; releasing their jobs",
+                    self.pool,
+                    len(pending),
+                )
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                return
 
     async def _one_by_one(self, runner: Runner, batch: list[Work]) -> None:
         for w in batch:
@@ -468,7 +587,7 @@ class JobLoop:
             done, _ = await asyncio.wait({fut}, timeout=0.5)
             if done:
                 return fut.result()
-            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline + 5.0:
+            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline + _GRACE_S:
                 raise _Abandoned
 
     async def _end(

@@ -5,6 +5,11 @@ service: every field set) goes in, one `RunResult` per job with encoded bytes co
 nothing of JAX; the runner knows nothing of Redis. `run` is blocking and is called from the pool's own
 thread; its `callback(step, total)` fires after every denoise step and stops the batch by returning False.
 
+The job loop calls `run` in two halves so that encoding never holds the devices: `generate` (on the pool
+thread: the model's part, ending in one uint8 `Generated` per job) and `encode_job` (on an encoder thread:
+PNG / MP4 bytes), so the pool thread starts the next batch while the last one's outputs are encoded
+(docs/outputs.md). A runner that only implements `run` (the fake, a custom one) is run whole by `generate`.
+
 `PipelineRunner` wraps `meshserve.models.load_pipeline` for every family the models package serves, through
 the pipeline contract alone (models/engine/pipeline.py: defaults, limits, row_fields, batch_fields,
 batch_key, compiled_batch_size, warm_up, __call__); other runners are picked by name (`runner:` in pools.yaml).
@@ -74,6 +79,18 @@ class RunRequest:
 
 
 @dataclass
+class Generated:
+    """One job's outputs as they leave the model, before encoding: uint8 [n, H, W, 3] (video [n, F, H, W, 3];
+    float in [0, 1] is accepted too), its seeds, the batch's stage timings."""
+
+    job_id: str
+    arrays: np.ndarray
+    seeds: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
+    compiled: bool = False
+
+
+@dataclass
 class RunResult:
     job_id: str
     outputs: list[OutputBlob]  # encoded bytes, ready for Store.complete
@@ -131,6 +148,11 @@ class Runner(ABC):
         """Generate every request of a compatible batch (equal `batch_key`s) together.
         Raises Cancelled when callback returns False, InvalidRequest for a request it can never serve."""
 
+    def generate(self, batch: Sequence[RunRequest], callback: StepCallback | None = None, **previews):
+        """`run`'s model half, on the pool thread: one `Generated` (not yet encoded) or `RunResult` per job, in
+        the batch's order (`encode_job` makes either a RunResult). Default: `run` whole."""
+        return self.run(batch, callback, **previews)
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook: most runners hold nothing to free
         """Free device memory; the runner is not used again."""
 
@@ -186,6 +208,7 @@ class PipelineRunner(Runner):
             buckets=buckets,
             batch_sizes=batch_sizes,
             num_frames=list(frames) or None,
+            output_type="uint8",  # the decode program `generate` runs: the only one the pool compiles
             **({"tasks": list(tasks)} if tasks else {}),
         )
         # The live previews' latent-to-RGB map, fitted on the folder's VAE once per load (docs/previews.md).
@@ -213,6 +236,11 @@ class PipelineRunner(Runner):
         metrics.PROMPT_CACHES.watch(self.name, self.pipe.prompt_cache)
 
     def run(self, batch, callback=None, previews: PreviewCallback | None = None) -> list[RunResult]:
+        return [
+            encode_job(req, g) for req, g in zip(batch, self.generate(batch, callback, previews), strict=True)
+        ]
+
+    def generate(self, batch, callback=None, previews: PreviewCallback | None = None) -> list[Generated]:
         from meshserve.models import GenerationCancelled, PipelineError
 
         for req in batch:  # an input gone from the store: that job fails (alone: the loop retries the rest)
@@ -241,7 +269,8 @@ class PipelineRunner(Runner):
                 rows.pop("prompt"),
                 seed=seeds + seeds[:1] * pad,
                 num_images_per_prompt=1,
-                output_type="np",
+                # Converted on the device: a quarter of float32's bytes cross to the host (docs/outputs.md).
+                output_type="uint8",
                 callback=callback,
                 **image_arguments(batch, pad),
                 **self._previews(batch, pad, previews),
@@ -255,7 +284,7 @@ class PipelineRunner(Runner):
             # from a layout, a trace or a shape included) is the engine's: retried, then dead-lettered.
             raise InvalidRequest(str(e)) from e
         images = np.asarray(out.images)[:real]  # [B, H, W, 3] or [B, F, H, W, 3]
-        return split_and_encode(batch, images, list(out.seeds)[:real], dict(out.timings), bool(out.compiled))
+        return split_rows(batch, images, list(out.seeds)[:real], dict(out.timings), bool(out.compiled))
 
     def _previews(self, batch, pad: int, previews: PreviewCallback | None) -> dict:
         """The pipeline's preview arguments: each row's period (from the jobs: the same on every process of a
@@ -337,6 +366,51 @@ async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[R
     return out
 
 
+def split_rows(
+    batch: Sequence[RunRequest],
+    images: np.ndarray,
+    seeds: list[int],
+    timings: dict[str, float],
+    compiled: bool,
+) -> list[Generated]:
+    """Cut a batch's rows [B, ...] back into per-job outputs (views: no copy). Batch-wide stage timings are
+    shared by every job of the batch."""
+    out, row = [], 0
+    for req in batch:
+        n = req.params.n
+        out.append(
+            Generated(req.job_id, images[row : row + n], list(seeds[row : row + n]), timings, compiled)
+        )
+        row += n
+    return out
+
+
+def encode_job(req: RunRequest, generated: Generated | RunResult) -> RunResult:
+    """A job's outputs -> its RunResult with the encoded bytes (an already encoded RunResult passes through);
+    `encode` in its timings is this job's own."""
+    if isinstance(generated, RunResult):
+        return generated
+    t0 = time.perf_counter()
+    images, outputs = generated.arrays, []
+    for i in range(req.params.n):
+        data, content_type = encode_output(
+            images[i], req.params.output_format, fps=req.params.fps or DEFAULT_FPS
+        )
+        outputs.append(
+            OutputBlob(
+                index=i,
+                data=data,
+                content_type=content_type,
+                width=images.shape[-2],
+                height=images.shape[-3],
+                seed=int(generated.seeds[i]),
+                num_frames=images.shape[1] if images.ndim == 5 else None,  # [n, F, H, W, 3] for video
+            )
+        )
+    timings = {**generated.timings, "encode": time.perf_counter() - t0}
+    return RunResult(req.job_id, outputs, timings, generated.compiled)
+
+
 def split_and_encode(
     batch: Sequence[RunRequest],
     images: np.ndarray,
@@ -344,34 +418,9 @@ def split_and_encode(
     timings: dict[str, float],
     compiled: bool,
 ) -> list[RunResult]:
-    """Cut a batch's rows back into per-job results and encode each output. Batch-wide stage timings are
-    shared by every job of the batch; `encode` is each job's own."""
-    results, row = [], 0
-    for req in batch:
-        t0 = time.perf_counter()
-        outputs = []
-        for i in range(req.params.n):
-            data, content_type = encode_output(
-                images[row + i], req.params.output_format, fps=req.params.fps or DEFAULT_FPS
-            )
-            frames = images.shape[1] if images.ndim == 5 else None  # [B, F, H, W, 3] for video
-            height, width = images.shape[-3], images.shape[-2]
-            outputs.append(
-                OutputBlob(
-                    index=i,
-                    data=data,
-                    content_type=content_type,
-                    width=width,
-                    height=height,
-                    seed=int(seeds[row + i]),
-                    num_frames=frames,
-                )
-            )
-        row += req.params.n
-        results.append(
-            RunResult(req.job_id, outputs, {**timings, "encode": time.perf_counter() - t0}, compiled)
-        )
-    return results
+    """Cut a batch's rows back into per-job results and encode each output (a runner that encodes in `run`)."""
+    rows = split_rows(batch, images, seeds, timings, compiled)
+    return [encode_job(req, g) for req, g in zip(batch, rows, strict=True)]
 
 
 def make_runner(

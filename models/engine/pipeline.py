@@ -110,7 +110,10 @@ from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_sch
 # Every schedule is padded to this many steps, so the step count is a traced value and never compiles.
 MAX_STEPS = 200
 MAX_IMAGES = 8
-OUTPUT_TYPES = ("pil", "np", "latent")
+# "uint8": the frames as uint8 [B, (F,) H, W, 3], converted on the device at the end of the decode program
+# (what the worker encodes): a quarter of float32's bytes to move to the host (an 81-frame 480p video:
+# 97 MB instead of 388 MB; docs/outputs.md).
+OUTPUT_TYPES = ("pil", "np", "uint8", "latent")
 # The keyword arguments every family's __call__ names; a family's other row and batch fields come in **options.
 _COMMON_ARGUMENTS = {"height", "width", "num_inference_steps", "scheduler", "guidance_scale"}
 
@@ -482,12 +485,14 @@ class DiffusionPipeline:
         batch_sizes: Sequence[int] = (1,),
         num_frames: Sequence[int] | None = None,
         tasks: Sequence[str] | None = None,
+        output_type: str = "np",
     ) -> float:
         """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
         video family each of `num_frames` (None: its default frame count; a frame count is a shape), for each
         of `tasks` (None: the text task, or every task of a model without one; an image task compiles its own
         image_encode and denoise programs). One step is enough: the step count is traced (an image task warms
-        up at strength 1; the strength is traced too)."""
+        up at strength 1; the strength is traced too). `output_type` picks the decode program: "np" (also what
+        "pil" runs) or "uint8" (the worker's: it runs no other)."""
         t0 = time.perf_counter()
         d = self.defaults
         if tasks is None:
@@ -516,7 +521,7 @@ class DiffusionPipeline:
                                 width=width,
                                 num_inference_steps=1,
                                 seed=0,
-                                output_type="np",
+                                output_type="np" if output_type == "pil" else output_type,
                                 **{self.cfg_field: 2.0 if cfg else 1.0},
                                 **extra,
                                 **inputs,
@@ -569,7 +574,8 @@ class DiffusionPipeline:
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
         the family's row fields (guidance_scale; Flux: true_cfg_scale); negative_prompt: one for all or one
         per prompt (None: that prompt has none). `latents` and output_type "latent" use diffusers' layout
-        (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "pil" PIL
+        (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
+        converted to uint8 on the device (workers/encoding.to_uint8's rounding), "pil" PIL
         images (video: a list of frames per row). `callback(step, total)` after every step; False cancels.
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
@@ -608,7 +614,7 @@ class DiffusionPipeline:
             raise PipelineError(str(e)) from None
         output_type = output_type or self.default_output_type
         if output_type not in OUTPUT_TYPES:
-            raise PipelineError(f"output_type must be 'pil', 'np' or 'latent', got {output_type!r}")
+            raise PipelineError(f"output_type must be 'pil', 'np', 'uint8' or 'latent', got {output_type!r}")
         prompts, n = to_list(prompt, "prompt"), int(num_images_per_prompt)
         rows = {}
         for name in self.row_fields:
@@ -708,10 +714,7 @@ class DiffusionPipeline:
                 images = np.transpose(images, self.latents_axes)
         else:
             t0 = time.perf_counter()
-            images = self.programs.run(
-                "vae_decode", self.decode, {"shape": shape}, self._states["vae"], latents
-            )
-            images = to_host(images).astype(np.float32, copy=False)
+            images = self.run_decode(latents, shape, uint8=output_type == "uint8")
             timings["vae_decode"] = time.perf_counter() - t0
             if output_type == "pil":
                 images = to_pil(images)
@@ -719,6 +722,26 @@ class DiffusionPipeline:
             images=images, seeds=seeds, timings=timings, compiled=self.compilations > compiled_before
         )
         return out if return_dict else (out.images,)
+
+    def run_decode(self, latents, shape: tuple[int, ...], *, uint8: bool) -> np.ndarray:
+        """The vae_decode program on the loop's latents -> the host's [B, (F,) H, W, 3]: float32 in [0, 1], or
+        with `uint8` the program that ends in the conversion (a separate program: parity tests read floats, the
+        worker only ever runs and warms up this one)."""
+        if uint8:
+            images = self.programs.run(
+                "vae_decode",
+                self._decode_uint8,
+                {"shape": shape, "uint8": True},
+                self._states["vae"],
+                latents,
+            )
+            return to_host(images)
+        images = self.programs.run("vae_decode", self.decode, {"shape": shape}, self._states["vae"], latents)
+        return to_host(images).astype(np.float32, copy=False)
+
+    def _decode_uint8(self, vae_state, latents, *, shape, uint8: bool = True):
+        """Traced: the family's decode, then [0, 1] -> uint8 on the device (device_uint8)."""
+        return device_uint8(self.decode(vae_state, latents, shape=shape))
 
     def _loop_latents(self, latents, batch: int, shape: tuple[int, ...]) -> np.ndarray:
         """Given latents in diffusers' layout -> the loop's layout, checked against the request's shape."""
@@ -909,6 +932,14 @@ def _batch_default(name: str, defaults: Mapping, limits: Mapping):
     if name == "num_frames":
         return (limits.get("frames") or {}).get("default")
     return limits.get(name)
+
+
+def device_uint8(images):
+    """Traced: [..., 3] in [0, 1] -> uint8, the same operations in the same order as the worker's host
+    conversion (workers/encoding.to_uint8: clip, x 255, + 0.5, floor; diffusers' numpy_to_pil rounds to
+    nearest too), so both give the same bytes (tests/models/test_uint8_outputs.py checks they are equal)."""
+    x = jnp.clip(images.astype(jnp.float32), 0.0, 1.0) * 255.0
+    return jnp.floor(x + 0.5).astype(jnp.uint8)
 
 
 def to_host(x) -> np.ndarray:
