@@ -12,7 +12,7 @@ from meshserve.service.api.authentication import OPEN_PATHS, Authentication
 from meshserve.service.api.body_limit import BodySizeLimit
 from meshserve.service.api.catalog import Catalog
 from meshserve.service.api.errors import install_error_handlers
-from meshserve.service.api.routes import generate, health, images, jobs, models, playground
+from meshserve.service.api.routes import generate, health, images, jobs, loras, models, playground
 from meshserve.service.auth import KeyStore
 from meshserve.service.settings import Settings, get_settings
 from meshserve.service.store import Store
@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app = FastAPI(title="meshserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     install_error_handlers(app)
-    for module in (generate, jobs, models, images, health, playground):
+    for module in (generate, jobs, models, loras, images, health, playground):
         app.include_router(module.router)
     _document_security(app)
     # Outermost first: metrics see every answer; the key is checked before the body is read.

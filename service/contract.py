@@ -141,6 +141,35 @@ class StrengthLimits(_Frozen):
     rule: Literal["int", "float"] | None = None
 
 
+class LoraLimits(_Frozen):
+    """LoRA adapters a request may apply (`loras`): at most `max_per_request`, each scale in [scale_min,
+    scale_max]; `max_rank`: the largest adapter rank the pool's table holds (docs/lora.md)."""
+
+    max_per_request: int
+    max_rank: int
+    scale_min: float
+    scale_max: float
+
+
+class AdapterInfo(_Frozen):
+    """A LoRA adapter a pool registered for a model: `origin` config (pools.yaml) or api (`POST /v1/loras`);
+    `error` set when the pool could not load it (then requests may not name it)."""
+
+    name: str
+    source: str
+    origin: Literal["config", "api"] = "config"
+    rank: int | None = None
+    bytes: int | None = None
+    error: str | None = None
+
+
+class LoraRef(_Frozen):
+    """One adapter a job applies, and its scale."""
+
+    name: str
+    scale: float = 1.0
+
+
 class ModelLimits(_Frozen):
     """What a request may ask of a model (the pipeline's `limits`). `buckets`, when given, are the only sizes."""
 
@@ -160,6 +189,8 @@ class ModelLimits(_Frozen):
     # out: text-to-image, or text-to-video for a video model) and, when one takes a strength, its range.
     tasks: list[str] = Field(default_factory=list)
     strength: StrengthLimits | None = None
+    # LoRA adapters per request (None: the model takes none).
+    loras: LoraLimits | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -179,6 +210,8 @@ class ModelInfo(_Frozen):
     task: str = "text-to-image"
     defaults: ModelDefaults
     limits: ModelLimits
+    # The LoRA adapters this pool holds for the model (requests name them in `loras`).
+    adapters: list[AdapterInfo] = Field(default_factory=list)
 
 
 class PoolInfo(_Frozen):
@@ -223,6 +256,8 @@ class JobParams(_Frozen):
     image: str | None = None
     mask: str | None = None
     strength: float | None = None
+    # LoRA adapters applied to every output of the job, with their scales (the job ran with exactly these).
+    loras: list[LoraRef] = Field(default_factory=list)
 
 
 class Output(_Frozen):

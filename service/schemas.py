@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from meshserve.service.contract import (
@@ -26,6 +26,7 @@ from meshserve.service.contract import (
     Progress,
     WebhookState,
 )
+from meshserve.service.lora_sources import MAX_SOURCE_CHARS, NAME_PATTERN
 from meshserve.service.webhooks.spec import WebhookRequest
 
 MAX_SEED = 2**32 - 1
@@ -73,6 +74,31 @@ def _check_metadata(metadata: dict[str, MetadataValue]) -> dict[str, MetadataVal
 
 
 # -- requests -----------------------------------------------------------------------------------------------
+
+# Adapters in one request whatever the model (each model's own bound, `limits.loras.max_per_request`, is checked
+# against what its pools publish: service/api/catalog.py).
+MAX_LORAS = 16
+
+
+class LoraRequest(BaseModel):
+    """One LoRA adapter to apply to every output of the job."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(pattern=NAME_PATTERN, description="An adapter of the model (`/v1/models`: `adapters`).")
+    scale: float = Field(
+        1.0, description="Its weight, within the model's `limits.loras` [scale_min, scale_max]."
+    )
+
+
+def _unique_loras(loras: list[LoraRequest] | None) -> list[LoraRequest] | None:
+    names = [lora.name for lora in loras or []]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise PydanticCustomError(
+            "not_unique", "loras names each adapter once; repeated: {names}", {"names": ", ".join(repeated)}
+        )
+    return loras
 
 
 class GenerateRequest(BaseModel):
@@ -157,6 +183,13 @@ class GenerateRequest(BaseModel):
         description="Seconds from submission: a job not started by then ends `expired`, one still running is "
         "canceled (error `deadline_exceeded`). The `Cancel-After` header says the same (it wins when both are "
         "given).",
+    )
+    loras: Annotated[list[LoraRequest] | None, AfterValidator(_unique_loras)] = Field(
+        None,
+        max_length=MAX_LORAS,
+        description='LoRA adapters to apply, each once: `[{"name", "scale"}]` (docs/lora.md). The model\'s '
+        "`adapters` and `limits.loras` (how many per request, the scale range) are in /v1/models; an unknown name "
+        "is a 422 listing the available ones.",
     )
 
 
@@ -245,6 +278,11 @@ class PoolSummary(BaseModel):
         )
 
 
+class AdapterSummary(BaseModel):
+    name: str
+    rank: int | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -256,6 +294,10 @@ class ModelCard(BaseModel):
     )
     defaults: ModelDefaults
     limits: ModelLimits
+    adapters: list[AdapterSummary] = Field(
+        default_factory=list,
+        description="The LoRA adapters requests may name in `loras` (loaded by every ready pool of the model).",
+    )
     pools: list[PoolSummary]
 
     @classmethod
@@ -267,6 +309,7 @@ class ModelCard(BaseModel):
             tasks=list(info.limits.tasks),
             defaults=info.defaults,
             limits=info.limits,
+            adapters=[AdapterSummary(name=a.name, rank=a.rank) for a in info.adapters if a.error is None],
             pools=[PoolSummary.from_pool(p) for p in pools],
         )
 
@@ -300,3 +343,54 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+# -- LoRA administration (admin key) ------------------------------------------------------------------------
+
+
+class LoraCreate(BaseModel):
+    """`POST /v1/loras`: register an adapter for a model on every pool serving it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=NAME_PATTERN)
+    source: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_CHARS,
+        description="A file or folder under the LoRA root (`MESHSERVE_LORA_ROOT`; relative to it, or absolute "
+        "inside it) or a Hub id `owner/name[/file.safetensors]`; never a URL.",
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _no_slash(cls, v: str) -> str:
+        if "/" in v:
+            raise PydanticCustomError("invalid_model", "a model id has no '/'")
+        return v
+
+
+class LoraPoolState(BaseModel):
+    pool: str
+    status: Literal["loaded", "failed", "pending"]
+    rank: int | None = None
+    bytes: int | None = None
+    error: str | None = None
+
+
+class LoraEntry(BaseModel):
+    """One adapter of a model and where it stands in each ready pool of the model."""
+
+    model: str
+    name: str
+    source: str
+    origin: Literal["config", "api"]
+    rank: int | None = None
+    bytes: int | None = None
+    usable: bool = Field(description="Loaded by every ready pool of the model: requests may name it.")
+    pools: list[LoraPoolState]
+
+
+class LoraList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LoraEntry]

@@ -130,6 +130,16 @@ class Settings(BaseSettings):
     # A deadline (`Cancel-After` header or `deadline_s`) may be at most this far from submission.
     max_deadline_s: float = Field(7 * 24 * 3600.0, gt=0)
 
+    # LoRA adapters (docs/lora.md, "Served"; service/lora_sources.py): the one folder whose files pools.yaml and
+    # `POST /v1/loras` may name (relative to it, or absolute inside it once symlinks are resolved); None: files
+    # are refused, only Hub ids. `lora_allow_hub`: Hub ids (`owner/name[/file.safetensors]`, never URLs) too.
+    # Pools read their adapter changes every `lora_poll_s`; `POST /v1/loras` waits up to `lora_wait_s` for the
+    # pools' answers before it answers 202 (then `GET /v1/loras` says where it stands).
+    lora_root: str | None = None
+    lora_allow_hub: bool = True
+    lora_poll_s: float = Field(1.0, gt=0)
+    lora_wait_s: float = Field(10.0, ge=0)
+
 
 @lru_cache
 def get_settings() -> Settings:

@@ -47,6 +47,7 @@ from meshserve.models.parallel.layout_spec import (
     parse_device_slice,
     validate_weight_sharding,
 )
+from meshserve.service.lora_sources import NAME_PATTERN, check_form
 
 
 class _Strict(BaseModel):
@@ -62,6 +63,20 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     runner: str = "pipeline"
     options: dict[str, Any] = Field(default_factory=dict)  # passed to the runner as keyword arguments
+    # LoRA adapters requests may name (docs/lora.md, "Served"): name -> a file or folder under the LoRA root
+    # (`lora_root`, else MESHSERVE_LORA_ROOT) or a Hub id owner/name[/file.safetensors]; never a URL. Every
+    # pool of the model loads them at start, before its warm-up (all pools of a model read one stream, so all
+    # hold the same adapters). Checked here for their form, at start against the root (service/lora_sources.py).
+    loras: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("loras")
+    @classmethod
+    def _lora_sources_written_right(cls, loras: dict[str, str]) -> dict[str, str]:
+        for name, source in loras.items():
+            if not re.match(NAME_PATTERN, name):
+                raise ValueError(f"LoRA name {name!r} must match {NAME_PATTERN}")
+            check_form(source)
+        return loras
 
 
 class MeshSizes(_Strict):
@@ -140,6 +155,29 @@ class PoolConfig(_Strict):
     # The prompt-embedding cache's bound per model, in MiB of device memory (models/engine/prompt_cache.py;
     # 0: none). 64 MiB holds ~200 SDXL text rows or ~16 of Flux's or Wan's (bf16).
     prompt_cache_mb: float = Field(64.0, ge=0)
+    # The pool's LoRA table (load_pipeline's max_loras, max_lora_rank, lora_budget_mb, lora_targets; docs/lora.md):
+    # adapters per request, the largest rank, the table's MiB on the devices (its slots: adapters resident at
+    # once, least recently used evicted and loaded again when a request names it), and a regex narrowing the
+    # adapted layers (each adds work to the LoRA program). None: the library's defaults (4, 64, 512, all).
+    max_loras: int | None = Field(None, ge=1)
+    max_lora_rank: int | None = Field(None, ge=1)
+    lora_budget_mb: float | None = Field(None, gt=0)
+    lora_targets: str | None = None
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets_compile(cls, v):
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"lora_targets is not a regular expression: {e}") from None
+        return v
+
+    def lora_options(self) -> dict[str, Any]:
+        """The LoRA table's load_pipeline arguments this pool sets."""
+        names = ("max_loras", "max_lora_rank", "lora_budget_mb", "lora_targets")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @field_validator("devices")
     @classmethod
@@ -192,6 +230,8 @@ class WorkerConfig(_Strict):
     redis_url: str | None = None  # overrides MESHSERVE_REDIS_URL when set
     drain_seconds: float = Field(30.0, ge=0)  # SIGTERM: how long a running batch may take before release
     compilation_cache_dir: str | None = None  # JAX's persistent compilation cache: restarts skip compiling
+    # The folder LoRA files must be under (overrides MESHSERVE_LORA_ROOT; service/lora_sources.py).
+    lora_root: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self):

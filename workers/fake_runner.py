@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from meshserve.service.contract import ModelDefaults, ModelInfo, ModelLimits
+from meshserve.service.contract import LoraLimits, ModelDefaults, ModelInfo, ModelLimits
+from meshserve.service.lora_sources import LoraSource
+from meshserve.workers.adapters import LoraLoadError
 from meshserve.workers.runner import (
     Cancelled,
     InvalidRequest,
@@ -41,18 +43,45 @@ class FakeRunner(Runner):
         raise_marker: str | None = "FAKE_RAISE",
         crash_marker: str | None = "FAKE_CRASH",
         reject_marker: str | None = "FAKE_REJECT",
+        lora_slots: int = 0,
         **_ignored,
     ):
         super().__init__(name)
         self.step_seconds = step_seconds
         self.default_steps, self.default_size, self.max_n = default_steps, default_size, max_n
         self.raise_marker, self.crash_marker, self.reject_marker = raise_marker, crash_marker, reject_marker
+        # LoRA adapters (`lora_slots` > 0): names only, an LRU of that many; an adapter changes the colour.
+        self.slots = lora_slots
+        self.takes_loras = lora_slots > 0
+        self._resident: OrderedDict[str, int] = OrderedDict()
         self.calls: deque[list[str]] = deque(
             maxlen=1000
         )  # job ids of recent run() calls, for in-process tests
 
     def load(self) -> None:
         pass
+
+    def load_lora(self, name: str, source: LoraSource) -> dict:
+        if source.kind != "path" or not os.path.exists(source.value):
+            raise LoraLoadError(f"the fake runner loads LoRA files only; {source.value} is not one")
+        self._resident.pop(name, None)
+        if len(self._resident) >= self.slots:
+            self._resident.popitem(last=False)
+        self._resident[name] = os.path.getsize(source.value)
+        return {"name": name, "rank": 4, "bytes": self._resident[name]}
+
+    def unload_lora(self, name: str) -> None:
+        self._resident.pop(name, None)
+
+    def resident_loras(self) -> list[str]:
+        return list(self._resident)
+
+    def touch_loras(self, names: list[str]) -> None:
+        for name in names:
+            self._resident.move_to_end(name)
+
+    def lora_slots(self) -> int:
+        return self.slots
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -73,6 +102,9 @@ class FakeRunner(Runner):
                 max_steps=100,
                 max_n=self.max_n,
                 schedulers=["euler", "ddim"],
+                loras=LoraLimits(max_per_request=2, max_rank=64, scale_min=-4.0, scale_max=4.0)
+                if self.takes_loras
+                else None,
             ),
         )
 
@@ -81,6 +113,12 @@ class FakeRunner(Runner):
         for req in batch:
             if self.reject_marker and self.reject_marker in req.params.prompt:
                 raise InvalidRequest(f"fake runner rejects prompt with {self.reject_marker!r}")
+        if self.adapters is not None:
+            self.adapters.ensure([[lora.name for lora in req.params.loras] for req in batch])
+        for req in batch:
+            missing = [lora.name for lora in req.params.loras if lora.name not in self._resident]
+            if missing:
+                raise InvalidRequest(f"no LoRA named {missing[0]!r}; loaded: {self.resident_loras()}")
         first = batch[0].params
         total = first.num_inference_steps
         t0 = time.perf_counter()
@@ -99,7 +137,8 @@ class FakeRunner(Runner):
         rows, seeds = [], []
         for req in batch:
             for seed in req.seeds():
-                h = zlib.crc32(f"{req.params.prompt}|{seed}".encode())
+                loras = "".join(f"|{lora.name}:{lora.scale}" for lora in req.params.loras)
+                h = zlib.crc32(f"{req.params.prompt}|{seed}{loras}".encode())
                 colour = np.array([h & 255, (h >> 8) & 255, (h >> 16) & 255], np.float32) / 255.0
                 rows.append(np.broadcast_to(colour, (first.height, first.width, 3)))
                 seeds.append(seed)

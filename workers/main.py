@@ -48,6 +48,8 @@ class Worker:
         settings = settings or get_settings()
         if config.redis_url:
             settings = settings.model_copy(update={"redis_url": config.redis_url})
+        if config.lora_root:
+            settings = settings.model_copy(update={"lora_root": config.lora_root})
         self.config, self.settings, self.group = config, settings, group  # group: this process leads it
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
         self._stop = asyncio.Event()
@@ -210,7 +212,13 @@ def _follow(config: WorkerConfig, group: Group) -> None:
     enable_compilation_cache(config.compilation_cache_dir)
     (pool,) = config.pools
     try:
-        runners, _ = load_runners(pool, {m: config.models[m] for m in pool.models})
+        settings = get_settings()
+        runners, _ = load_runners(
+            pool,
+            {m: config.models[m] for m in pool.models},
+            lora_root=config.lora_root or settings.lora_root,
+            lora_allow_hub=settings.lora_allow_hub,
+        )
     except Exception as e:  # the leader's load runs the same programs: its collectives fail, not hang
         raise GroupFailed(f"follower could not load pool {pool.name!r}: {e!r}") from e
     log.info("follower of pool %s: ready, waiting for the leader's batches", pool.name)

@@ -92,6 +92,23 @@ CANCELLED = Counter(
     "meshserve_worker_cancelled_total", "Running jobs stopped by a cancel request.", ["model"]
 )
 BUILD_INFO = Info("meshserve_worker_build", "Worker build information.")
+# LoRA adapters (docs/lora.md, "Served"; workers/adapters.py), by model.
+LORA_LOADS = Counter(
+    "meshserve_worker_lora_loads_total",
+    "LoRA adapters loaded onto the devices: register (pools.yaml or POST /v1/loras) or reload (a job named one "
+    "evicted from the pool's table).",
+    ["model", "reason"],
+)
+LORA_EVICTIONS = Counter(
+    "meshserve_worker_lora_evictions_total",
+    "LoRA adapters evicted from the pool's table (least recently used) to make room for another.",
+    ["model"],
+)
+LORA_HITS = Counter(
+    "meshserve_worker_lora_hits_total",
+    "Adapters named by a job that were resident when its batch started (one per job and adapter).",
+    ["model"],
+)
 PREVIEWS = Counter(
     "meshserve_worker_previews_total",
     "Live previews published (SSE `preview` events), or skipped: a newer one came first, or too large.",

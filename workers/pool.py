@@ -25,9 +25,11 @@ from redis.exceptions import RedisError
 
 from meshserve.limits import LimitError, check_request
 from meshserve.service.contract import ModelInfo, PoolInfo
+from meshserve.service.lora_requests import LoraRequests
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
 from meshserve.workers import metrics
+from meshserve.workers.adapters import Adapters
 from meshserve.workers.config import ModelSpec, PoolConfig
 from meshserve.workers.job_loop import JobLoop
 from meshserve.workers.multihost import Group, GroupFailed, LeaderRunner
@@ -110,15 +112,23 @@ def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
         options["weights"] = cfg.weights.model_dump()
     if spec.runner == "pipeline" and cfg.quantize != "none":
         options["quantize"] = cfg.quantize
+    if spec.runner == "pipeline":  # the pool's LoRA table (docs/lora.md)
+        options.update(cfg.lora_options())
     if cfg.any_size:
         options["max_programs"] = cfg.max_programs
     return options
 
 
 def load_runners(
-    cfg: PoolConfig, specs: dict[str, ModelSpec]
+    cfg: PoolConfig,
+    specs: dict[str, ModelSpec],
+    *,
+    lora_root: str | None = None,
+    lora_allow_hub: bool = True,
 ) -> tuple[dict[str, Runner], dict[str, ModelInfo]]:
     """Load and warm up every model of the pool, in the config's order: (runners, models as served here).
+    A model's pools.yaml LoRA adapters are loaded before its warm-up (under `lora_root`, or Hub ids); one that
+    cannot be stops the pool at start, as a bucket the model cannot run does.
 
     Every process of a multi-host pool calls this with the same config, so all of them load the same weights
     and compile and run the same warm-up programs in the same order (each is one program over the group)."""
@@ -139,9 +149,12 @@ def load_runners(
             options=runner_options(cfg, spec),
         )
         runner.load()
+        adapters = _declared_adapters(cfg, name, spec, runner, lora_root, lora_allow_hub)
         if cfg.prompt_cache_mb:  # before the warm-up, which compiles the cache's programs too
             runner.keep_prompt_cache(int(cfg.prompt_cache_mb * 2**20))
         info = served_info(runner.info(), cfg)
+        if adapters is not None:
+            info = info.model_copy(update={"adapters": adapters.published()})
         # Warm up exactly the sizes published as served (any_size: the configured buckets, if any).
         buckets = info.limits.buckets or list(cfg.buckets)
         frames = (info.limits.frames.served or list(cfg.frames)) if info.limits.frames else []
@@ -174,6 +187,22 @@ def load_runners(
     return runners, models
 
 
+def _declared_adapters(
+    cfg: PoolConfig, name: str, spec: ModelSpec, runner: Runner, root: str | None, allow_hub: bool
+) -> Adapters | None:
+    """The model's adapter bookkeeping with its pools.yaml adapters loaded (None: a runner without LoRA)."""
+    if not runner.takes_loras:
+        if spec.loras:
+            raise ValueError(f"pool {cfg.name!r}: {name}'s runner takes no LoRA adapters; remove its `loras`")
+        return None
+    runner.adapters = Adapters(runner, model=name, root=root, allow_hub=allow_hub)
+    for lora, source in spec.loras.items():
+        entry = runner.adapters.add(lora, source, origin="config")
+        if entry.error is not None:
+            raise ValueError(f"pool {cfg.name!r}: {name}'s LoRA {lora!r} ({source}): {entry.error}")
+    return runner.adapters
+
+
 class Pool:
     def __init__(
         self,
@@ -202,6 +231,10 @@ class Pool:
         self.info: PoolInfo | None = None
         self.loop: JobLoop | None = None
         self._beat: asyncio.Task | None = None
+        self._loras: asyncio.Task | None = None
+        # Held while the registry entry is rewritten (heartbeat, adapters): a heartbeat reads, changes and
+        # writes the entry, and must not write back one read before the adapters changed.
+        self._registry_lock = asyncio.Lock()
 
     # -- start -----------------------------------------------------------------------------------------------
 
@@ -225,6 +258,10 @@ class Pool:
         # are ready, and a pool that warmed up pool_stale_s before the slowest one would otherwise drop out of
         # /v1/models meanwhile (seen with a Flux pool beside an SDXL pool on the loaded 2-core machine).
         self._beat = asyncio.create_task(self._registry_heartbeat(), name=f"{self.name}-registry")
+        # Adapters added or removed at run time (POST/DELETE /v1/loras): one-process pools only (a multi-host
+        # pool's followers would have to load them in step; they keep their pools.yaml adapters).
+        if self.group is None and any(r.adapters is not None for r in self.runners.values()):
+            self._loras = asyncio.create_task(self._watch_loras(), name=f"{self.name}-loras")
         metrics.POOL_READY.labels(self.name).set(1)
         metrics.POOL_BUSY.labels(self.name).set(0)
         self.loop = JobLoop(
@@ -246,7 +283,12 @@ class Pool:
         )
 
     def _load_all(self) -> None:
-        self.runners, self.models = load_runners(self.cfg, self.specs)
+        self.runners, self.models = load_runners(
+            self.cfg,
+            self.specs,
+            lora_root=self.settings.lora_root,
+            lora_allow_hub=self.settings.lora_allow_hub,
+        )
 
     # -- run -------------------------------------------------------------------------------------------------
 
@@ -287,12 +329,40 @@ class Pool:
         while True:
             await asyncio.sleep(interval)
             try:
-                if not await self.store.heartbeat_pool(self.consumer):
-                    await self.store.register_pool(
-                        self.info
-                    )  # Redis lost the registry (restart): announce again
+                async with self._registry_lock:
+                    if not await self.store.heartbeat_pool(self.consumer):
+                        # Redis lost the registry (restart): announce again
+                        await self.store.register_pool(self.info)
             except RedisError as e:
                 log.warning("pool %s: registry heartbeat failed: %s", self.name, e)
+
+    async def _watch_loras(self) -> None:
+        """Every `lora_poll_s`, read each model's run-time adapters (service/lora_requests.py) and apply what
+        changed on the pool thread, after the batch running now (the thread runs one call at a time), then
+        publish the outcome in the registry entry, where the API reads it."""
+        wanted = LoraRequests(self.store)
+        failing = False
+        while True:
+            await asyncio.sleep(self.settings.lora_poll_s)
+            try:
+                for model, runner in self.runners.items():
+                    if runner.adapters is None:
+                        continue
+                    target = await wanted.get(model)
+                    if target != runner.adapters.by_origin("api"):
+                        await self.thread.submit(_apply_loras, runner.adapters, target)
+                        await self._publish_adapters(model, runner.adapters)
+                failing = False
+            except RedisError as e:
+                if not failing:
+                    log.warning("pool %s: reading LoRA changes failed (%s); retrying", self.name, e)
+                failing = True
+
+    async def _publish_adapters(self, model: str, adapters: Adapters) -> None:
+        self.models[model] = self.models[model].model_copy(update={"adapters": adapters.published()})
+        self.info = self.info.model_copy(update={"models": list(self.models.values())})
+        async with self._registry_lock:
+            await self.store.register_pool(self.info)
 
     def request_stop(self, drain_seconds: float) -> None:
         if self.loop is not None:
@@ -303,8 +373,9 @@ class Pool:
     async def close(self) -> None:
         """Leave the registry and free the devices (runners shut down on the pool thread)."""
         metrics.POOL_READY.labels(self.name).set(0)
-        if self._beat is not None:
-            self._beat.cancel()
+        for task in (self._beat, self._loras):
+            if task is not None:
+                task.cancel()
         try:
             await self.store.unregister_pool(self.consumer)
         except RedisError as e:
@@ -324,3 +395,14 @@ class Pool:
             except TimeoutError:
                 log.warning("pool %s: runner still busy at exit; leaving it to the process exit", self.name)
         self.thread.close()
+
+
+def _apply_loras(adapters: Adapters, target: dict[str, str]) -> None:
+    """Make a model's run-time adapters those of `target` (name -> source); on the pool thread. A name that
+    pools.yaml declares is never replaced from the API (the API refuses it; this is the pool's own guard)."""
+    current, declared = adapters.by_origin("api"), adapters.by_origin("config")
+    for name in current.keys() - target.keys():
+        adapters.remove(name)
+    for name, source in target.items():
+        if current.get(name) != source and name not in declared:
+            adapters.add(name, source, origin="api")

@@ -40,6 +40,8 @@ from meshserve.service.contract import (
 )
 from meshserve.service.image_inputs import ImageInputError, decode_image
 from meshserve.service.input_store import InputStore
+from meshserve.service.lora_sources import LoraSource
+from meshserve.workers.adapters import Adapters, LoraLoadError
 from meshserve.workers.encoding import can_encode, encode_output
 
 StepCallback = Callable[[int, int], bool | None]
@@ -140,6 +142,29 @@ class Runner(ABC):
     # Whether `run` takes `previews=` (live previews: the jobs' `preview_every`, docs/previews.md).
     takes_previews = False
 
+    # LoRA adapters (docs/lora.md, "Served"): the pool's bookkeeping (workers/adapters.py), set by load_runners
+    # for a runner that takes them; the runner's own part is loading, unloading and naming the resident ones.
+    adapters: Adapters | None = None
+    takes_loras = False
+
+    def load_lora(self, name: str, source: LoraSource) -> dict:
+        """Load an adapter onto the devices -> {"rank", "bytes", ...}; LoraLoadError when it cannot."""
+        raise LoraLoadError(f"{self.name} takes no LoRA adapters")
+
+    def unload_lora(self, name: str) -> None:  # noqa: B027 - only runners that take adapters hold any
+        """Forget an adapter."""
+
+    def resident_loras(self) -> list[str]:
+        """The adapters on the devices now, least recently used first."""
+        return []
+
+    def touch_loras(self, names: list[str]) -> None:  # noqa: B027 - no LRU without adapters
+        """Mark these adapters used now (the last to be evicted)."""
+
+    def lora_slots(self) -> int:
+        """How many adapters can be resident at once."""
+        return 0
+
     def keep_prompt_cache(self, max_bytes: int) -> None:  # noqa: B027 - optional: a runner with text encoders
         """Keep up to `max_bytes` of text-encoder outputs on the devices (the pool's `prompt_cache_mb`)."""
 
@@ -185,6 +210,34 @@ class PipelineRunner(Runner):
             self.pipe = load_pipeline(
                 self.path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
             )
+
+    takes_loras = True
+
+    def load_lora(self, name: str, source: LoraSource) -> dict:
+        from meshserve.models import PipelineError
+
+        try:
+            if source.kind == "hub":
+                # Fetched here, so that the library reads exactly this file: given the id, it would first look
+                # for a folder of that name relative to the working directory (outside the LoRA root).
+                from meshserve.models.lora.formats import _from_hub
+
+                return self.pipe.load_lora(name, _from_hub(source.value))
+            return self.pipe.load_lora(name, source.value)
+        except PipelineError as e:
+            raise LoraLoadError(str(e)) from e
+
+    def unload_lora(self, name: str) -> None:
+        self.pipe.unload_lora(name)
+
+    def resident_loras(self) -> list[str]:
+        return list(self.pipe.loras)
+
+    def touch_loras(self, names: list[str]) -> None:
+        self.pipe.lora.rows([{"name": n} for n in names], 1, 1)  # marks them used; nothing runs
+
+    def lora_slots(self) -> int:
+        return int(self.pipe.lora.slots)
 
     def info(self) -> ModelInfo:
         limits = dict(self.pipe.limits)
@@ -246,6 +299,8 @@ class PipelineRunner(Runner):
         for req in batch:  # an input gone from the store: that job fails (alone: the loop retries the rest)
             if req.missing is not None:
                 raise InvalidRequest(req.missing)
+        if self.adapters is not None:  # every adapter the batch names on the devices (workers/adapters.py)
+            self.adapters.ensure([[lora.name for lora in req.params.loras] for req in batch])
         first = batch[0].params.model_dump()
         # One output per row: jobs with different n, prompts, negative prompts, seeds and the pipeline's row
         # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
@@ -273,6 +328,7 @@ class PipelineRunner(Runner):
                 output_type="uint8",
                 callback=callback,
                 **image_arguments(batch, pad),
+                **lora_arguments(batch, pad),
                 **self._previews(batch, pad, previews),
                 **rows,
                 **settings,
@@ -307,6 +363,20 @@ class PipelineRunner(Runner):
     @property
     def compilations(self) -> int:
         return int(getattr(self.pipe, "compilations", 0) or 0)
+
+
+def lora_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
+    """The pipeline's `loras` for a batch: one list of {"name", "scale"} per output row (jobs with different
+    adapters share one call: adapters are per-row inputs of the program, never part of the batch key), the
+    padding rows none; nothing when no job has one (the program without adapters runs)."""
+    if not any(req.params.loras for req in batch):
+        return {}
+    rows = [
+        [{"name": lora.name, "scale": lora.scale} for lora in req.params.loras]
+        for req in batch
+        for _ in range(req.params.n)
+    ]
+    return {"loras": rows + [[] for _ in range(pad)]}
 
 
 def image_key(params: JobParams) -> tuple:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from meshserve.limits import LimitError, check_request
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
-from meshserve.service.contract import DEFAULT_FPS, JobParams, ModelInfo, PoolInfo
+from meshserve.service.contract import DEFAULT_FPS, AdapterInfo, JobParams, LoraRef, ModelInfo, PoolInfo
 from meshserve.service.schemas import MAX_SEED, GenerateRequest
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -105,6 +105,23 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
         if common and (defaults.width, defaults.height) not in common:
             defaults = defaults.model_copy(update={"width": common[0][0], "height": common[0][1]})
         limits = limits.model_copy(update={"buckets": common})
+    adapters = common_adapters(infos)
+    lora_limits = [info.limits.loras for info in infos if info.limits.loras is not None]
+    if len(lora_limits) < len(infos):  # a pool that takes no adapters: the model takes none
+        limits = limits.model_copy(update={"loras": None})
+    elif lora_limits:
+        limits = limits.model_copy(
+            update={
+                "loras": lora_limits[0].model_copy(
+                    update={
+                        "max_per_request": min(x.max_per_request for x in lora_limits),
+                        "max_rank": min(x.max_rank for x in lora_limits),
+                        "scale_min": max(x.scale_min for x in lora_limits),
+                        "scale_max": min(x.scale_max for x in lora_limits),
+                    }
+                )
+            }
+        )
     served = [info.limits.frames.served for info in infos if info.limits.frames is not None]
     served = [s for s in served if s is not None]
     if limits.frames is not None and served:
@@ -113,7 +130,48 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
         limits = limits.model_copy(
             update={"frames": limits.frames.model_copy(update={"served": frames, "default": default})}
         )
-    return first.model_copy(update={"defaults": defaults, "limits": limits})
+    return first.model_copy(update={"defaults": defaults, "limits": limits, "adapters": adapters})
+
+
+def common_adapters(infos: list[ModelInfo]) -> list[AdapterInfo]:
+    """The adapters every one of `infos` loaded (any pool may take the job), in the first's order; an adapter
+    some pool failed to load, or holds from another source, is left out: requests may not name it."""
+    loaded = [{a.name: a.source for a in info.adapters if a.error is None} for info in infos]
+    return [
+        a
+        for a in infos[0].adapters
+        if a.error is None and all(other.get(a.name) == a.source for other in loaded[1:])
+    ]
+
+
+def _check_loras(req: GenerateRequest, info: ModelInfo) -> list[LoraRef]:
+    """The request's adapters against what the model's pools hold (422 naming `loras` and the rule)."""
+    if not req.loras:
+        return []
+    lim = info.limits.loras
+    if lim is None:
+        raise FieldError("loras", "not_supported", f"{info.id} ({info.family}) takes no LoRA adapters")
+    if len(req.loras) > lim.max_per_request:
+        raise FieldError(
+            "loras",
+            "too_many",
+            f"at most {lim.max_per_request} LoRA adapters per request for {info.id}, got {len(req.loras)}",
+        )
+    available = sorted(a.name for a in info.adapters if a.error is None)
+    for i, lora in enumerate(req.loras):
+        if lora.name not in available:
+            raise FieldError(
+                f"loras[{i}].name",
+                "unknown_adapter",
+                f"{info.id} has no LoRA adapter {lora.name!r}; available: {', '.join(available) or 'none'}",
+            )
+        if not lim.scale_min <= lora.scale <= lim.scale_max:
+            raise FieldError(
+                f"loras[{i}].scale",
+                "out_of_range",
+                f"the scale of {lora.name!r} must be in [{lim.scale_min:g}, {lim.scale_max:g}], got {lora.scale}",
+            )
+    return [LoraRef(name=lora.name, scale=lora.scale) for lora in req.loras]
 
 
 def _check_prompts(req: GenerateRequest, max_chars: int) -> None:
@@ -157,6 +215,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             "(guidance_scale is its guidance)",
         )
     strength = _image_task_strength(req, info, steps)
+    loras = _check_loras(req, info)
     return JobParams(
         model=info.id,
         prompt=req.prompt,
@@ -176,6 +235,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         strength=strength,
         # `previews: true` alone: about ten previews over the run (models/engine/previews.py's default_every).
         preview_every=req.preview_every or (max(1, steps // 10) if req.previews else 0),
+        loras=loras,
     )
 
 
