@@ -101,7 +101,7 @@ from meshserve.models.engine.image_inputs import blend_known, check_scheduler, c
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
-from meshserve.models.lora.apply import adapters_active
+from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import AdapterPool
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
@@ -800,65 +800,49 @@ class DiffusionPipeline:
         [] int32 first step, with image inputs also "image" (image_inputs.py) and "full_strength" [] bool};
         key_data [B, 2]; cond [2B or B, ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns
         (latents, steps_done)."""
-        lora = init.get("lora")
-        if lora is not None:  # the denoiser's adapted layers add each row's adapters (models/lora/apply.py)
-            state, tables = state
-            with adapters_active(tables, lora["index"], lora["scale"]):
-                init = {k: v for k, v in init.items() if k != "lora"}
-                return self._denoise(
-                    state,
-                    schedule,
-                    init,
-                    key_data,
-                    cond,
-                    rows,
-                    cfg_rows,
-                    extras,
-                    preview,
-                    scheduler=scheduler,
-                    do_cfg=do_cfg,
-                    shape=shape,
-                )
-        keys = row_keys(key_data)
-        latents, start, image = init["latents"], init["start"], init.get("image")
-        sigma = scheduler.init_noise_sigma(schedule)
-        after_step = None
-        if image is None:
-            latents = self.constrain(self.prepare_latents(keys, latents, shape=shape, sigma=sigma))
-            model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg)
-        else:
-            noise = self.pack(initial_noise(keys, shape)) if latents is None else latents
-            noise = noise.astype(jnp.float32)
-            if "image_latents" in image:
-                noised = noise_to(scheduler, schedule, image["image_latents"], noise, start)
-                noised = jnp.where(init["full_strength"], noise * sigma, noised)
-                latents = self.constrain(noised.astype(self.latent_dtype))
-            else:  # the image conditions the model only (image-to-video): the loop starts from noise
-                latents = self.constrain((noise * sigma).astype(self.latent_dtype))
-            if "mask" in image:
+        # With LoRA inputs the state is (weights, adapter table) and the denoiser's adapted layers add each
+        # row's adapters while this body is traced (models/lora/apply.py); without, the context does nothing.
+        with adapters_from(state, init.get("lora")) as state:
+            keys = row_keys(key_data)
+            latents, start, image = init["latents"], init["start"], init.get("image")
+            sigma = scheduler.init_noise_sigma(schedule)
+            after_step = None
+            if image is None:
+                latents = self.constrain(self.prepare_latents(keys, latents, shape=shape, sigma=sigma))
+                model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg)
+            else:
+                noise = self.pack(initial_noise(keys, shape)) if latents is None else latents
+                noise = noise.astype(jnp.float32)
+                if "image_latents" in image:
+                    noised = noise_to(scheduler, schedule, image["image_latents"], noise, start)
+                    noised = jnp.where(init["full_strength"], noise * sigma, noised)
+                    latents = self.constrain(noised.astype(self.latent_dtype))
+                else:  # the image conditions the model only (image-to-video): the loop starts from noise
+                    latents = self.constrain((noise * sigma).astype(self.latent_dtype))
+                if "mask" in image:
 
-                def after_step(x, i):
-                    return blend_known(scheduler, schedule, x, image, noise, i)
+                    def after_step(x, i):
+                        return blend_known(scheduler, schedule, x, image, noise, i)
 
-            model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg, image=image)
-            if "condition" in image:
-                model = with_condition(model, image["condition"], do_cfg)
-        if do_cfg:
-            model = positive_without_cfg(model, cfg_rows)
-        return denoise_loop(
-            model,
-            scheduler,
-            schedule,
-            latents,
-            keys,
-            rows[self.cfg_field],
-            do_cfg=do_cfg,
-            on_step=self.step_reporter,
-            constrain=self.constrain,
-            start=start,
-            after_step=after_step,
-            preview=self.previews.in_loop(preview, shape),
-        )
+                model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg, image=image)
+                if "condition" in image:
+                    model = with_condition(model, image["condition"], do_cfg)
+            if do_cfg:
+                model = positive_without_cfg(model, cfg_rows)
+            return denoise_loop(
+                model,
+                scheduler,
+                schedule,
+                latents,
+                keys,
+                rows[self.cfg_field],
+                do_cfg=do_cfg,
+                on_step=self.step_reporter,
+                constrain=self.constrain,
+                start=start,
+                after_step=after_step,
+                preview=self.previews.in_loop(preview, shape),
+            )
 
     # ---------------------------------------------------------------------------------------------
     # Shared host machinery

@@ -1,6 +1,7 @@
 """LoRA inside a compiled program: the adapted layers add sum_k s[row, k] (x A_k) B_k to their output.
 
     with adapters_active(tables, index, scale):        # traced, around the denoiser's calls
+                                                        # (adapters_from: the denoise program's form)
         module = bind(module)                           # after nnx.merge: which layers are adapted
         y = layer(x)                                    # layers.Linear / LinearHalves call `adapted`
 
@@ -60,6 +61,19 @@ def adapters_active(tables, index, scale):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def adapters_from(state, lora):
+    """Around the denoise program's body: `lora` None (no row has adapters) yields `state`, the plain model's
+    weights, and changes nothing; else `state` is (weights, tables), `lora` {"index", "scale"} [B, K], and
+    the body runs with those adapters active, yielding the weights."""
+    if lora is None:
+        yield state
+        return
+    weights, tables = state
+    with adapters_active(tables, lora["index"], lora["scale"]):
+        yield weights
 
 
 def bind(module):
