@@ -20,14 +20,19 @@ import pytest  # noqa: E402
 _CACHE = Path(os.environ.get("MESHSERVE_TEST_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
 # The embedded model and the CLI's compilation cache go under the test cache too, not the user's home.
 os.environ.setdefault("MESHSERVE_CACHE", str(_CACHE / "meshserve"))
+# One persistent compilation cache for the test processes and what they start (the CLI, workers, `serve`), so
+# a program compiled by one is read back by the others.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE / "jax"))
 
 
 def pytest_configure(config):
     import jax
 
-    # Compiling dominates on a 2-core machine; a warm cache makes the second run several times faster.
-    jax.config.update("jax_compilation_cache_dir", str(_CACHE / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from meshserve.models.engine.compile_cache import enable_compilation_cache
+
+    # Compiling dominates on a 2-core machine: with the cache, a program (denoise programs, with their host
+    # callback, included) compiled by one test file is read back by the next, and a second run is much faster.
+    enable_compilation_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
@@ -75,8 +80,7 @@ def tiny_wan_i2v_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_sdxl():
     """The embedded tiny SDXL (a trained VAE: previews look like its pictures), loaded once per session so its
-    compiled programs are shared: a program with a host callback (the denoise loop's) is never in JAX's
-    persistent cache. Tests that set `prompt_cache` on it reset it."""
+    compiled programs are shared without even a cache read. Tests that set `prompt_cache` on it reset it."""
     from meshserve.models import load_pipeline
 
     return load_pipeline(None)

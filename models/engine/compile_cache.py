@@ -11,10 +11,13 @@ import os
 import jax
 
 from meshserve.models.checkpoints.embedded_folder import cache_root
+from meshserve.models.engine.host_callback_cache import cache_programs_with_host_callbacks
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
-    """Points JAX's persistent cache at `path`; with no path, at $MESHSERVE_CACHE/jax unless one is already set."""
+    """Points JAX's persistent cache at `path`; with no path, at $MESHSERVE_CACHE/jax unless one is already set.
+    Programs with a host callback (every denoise program) are kept too: models/engine/host_callback_cache.py."""
+    cache_programs_with_host_callbacks()
     current = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if path is None and current:
         return current

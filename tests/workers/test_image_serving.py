@@ -1,6 +1,6 @@
 """Image inputs served end to end: the API (in-process, over ASGI) and a worker pool running the embedded tiny
-SDXL (the session's `embedded_sdxl`, so its compiled programs are shared with the other tests of the process:
-a denoise program has a host callback and is never in JAX's persistent cache), on one Redis. An image-to-image and an inpainting request each give what a direct pipeline call with the
+SDXL (the session's `embedded_sdxl`, so its compiled programs are shared with the other tests of the process),
+on one Redis. An image-to-image and an inpainting request each give what a direct pipeline call with the
 same image, mask, strength and seed gives; an image for a model without that task is a 422; a job whose stored
 input is gone fails with the reason; jobs of different tasks or strengths never share a batch."""
 
