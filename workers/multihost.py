@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from meshserve.service.contract import JobParams
-from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest
+from meshserve.workers.runner import Cancelled, InvalidRequest, Runner, RunRequest, encode_job
 
 log = logging.getLogger(__name__)
 
@@ -401,9 +401,15 @@ class LeaderRunner(Runner):
         return self.inner.takes_previews
 
     def run(self, batch, callback=None, **previews):
+        return [
+            encode_job(r, g) for r, g in zip(batch, self.generate(batch, callback, **previews), strict=True)
+        ]
+
+    def generate(self, batch, callback=None, **previews):
+        """The model's half (the job loop encodes off the pool thread): sent to the followers, then run here."""
         self.group.send(run_message(batch, self.name))  # GroupFailed when a member is gone
         try:
-            return self.inner.run(batch, callback, **previews)
+            return self.inner.generate(batch, callback, **previews)
         except (Cancelled, InvalidRequest):
             raise  # the same on every process: the loop stopped everywhere / the request failed its checks
         except Exception as e:
@@ -442,7 +448,8 @@ def follow(group: Group, runners: Mapping[str, Runner]) -> None:
             raise GroupFailed(f"unknown message from the leader: {op!r}")
         batches += 1
         try:
-            runners[message["model"]].run(requests_of(message), None)  # outputs: the leader writes them
+            # The model's half only: the leader encodes and writes the outputs.
+            runners[message["model"]].generate(requests_of(message), None)
         except (Cancelled, InvalidRequest) as e:
             log.info("follower: batch ended as on the leader: %s", e)
         except Exception as e:
