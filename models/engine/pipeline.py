@@ -73,6 +73,7 @@ raised is an engine fault.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
@@ -103,7 +104,7 @@ from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
-from meshserve.models.lora.pool import AdapterPool
+from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
 from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
 from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
 
@@ -486,13 +487,16 @@ class DiffusionPipeline:
         num_frames: Sequence[int] | None = None,
         tasks: Sequence[str] | None = None,
         output_type: str = "np",
+        loras: bool | None = None,
     ) -> float:
         """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
         video family each of `num_frames` (None: its default frame count; a frame count is a shape), for each
         of `tasks` (None: the text task, or every task of a model without one; an image task compiles its own
         image_encode and denoise programs). One step is enough: the step count is traced (an image task warms
         up at strength 1; the strength is traced too). `output_type` picks the decode program: "np" (also what
-        "pil" runs) or "uint8" (the worker's: it runs no other)."""
+        "pil" runs) or "uint8" (the worker's: it runs no other). `loras` (None: when adapters are registered)
+        also compiles each denoise program's LoRA variant (docs/lora.md), every adapter slot at scale 0: the
+        first call with adapters then compiles nothing."""
         t0 = time.perf_counter()
         d = self.defaults
         if tasks is None:
@@ -508,24 +512,28 @@ class DiffusionPipeline:
             raise PipelineError(f"{self.family} makes images: it takes no num_frames to warm up")
         else:
             frame_counts = [{}]
+        if loras is None:
+            loras = bool(self.lora.names)
+        # The LoRA program differs from the plain one in its denoise program only (text and decode are shared).
+        adapter_calls = [None, ZERO_SCALES] if loras else [None]
         for width, height in buckets or [(d["width"], d["height"])]:
             for extra in frame_counts:
                 for task in tasks:
                     inputs = self._warm_up_task_inputs(task, width, height)
-                    for b in batch_sizes:
-                        for cfg in (False, True):
-                            self(
-                                [""] * b,
-                                negative_prompt="" if cfg else None,
-                                height=height,
-                                width=width,
-                                num_inference_steps=1,
-                                seed=0,
-                                output_type="np" if output_type == "pil" else output_type,
-                                **{self.cfg_field: 2.0 if cfg else 1.0},
-                                **extra,
-                                **inputs,
-                            )
+                    for b, cfg, adapters in itertools.product(batch_sizes, (False, True), adapter_calls):
+                        self(
+                            [""] * b,
+                            negative_prompt="" if cfg else None,
+                            height=height,
+                            width=width,
+                            num_inference_steps=1,
+                            seed=0,
+                            output_type="np" if output_type == "pil" else output_type,
+                            **{self.cfg_field: 2.0 if cfg else 1.0},
+                            **extra,
+                            **inputs,
+                            loras=adapters,
+                        )
         if self.prompt_cache is not None:  # the programs encoding a call's misses: 1, 2, 4... texts
             settings = {name: _batch_default(name, d, self.limits) for name in self.batch_fields}
             self.prompt_cache.warm_up(self, settings, 2 * max(batch_sizes))

@@ -39,6 +39,17 @@ class UnknownAdapter(PipelineError):
     """A call names an adapter the pool has not loaded."""
 
 
+class _ZeroScales:
+    def __repr__(self) -> str:
+        return "ZERO_SCALES"
+
+
+# `loras=ZERO_SCALES`: the LoRA program with every row's slots at scale 0, which computes the plain model's
+# output. warm_up compiles the LoRA program with it, adapters loaded or not (a Python object: no request can
+# send it).
+ZERO_SCALES = _ZeroScales()
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str  # the table's key: our module path (diffusers' name; Flux proj_out's halves add .from_attn/mlp)
@@ -223,9 +234,14 @@ class AdapterPool:
 
     def rows(self, loras, prompts: int, n: int):
         """`loras` (None; a list of {"name", "scale"} for every row; or one such list per prompt or per output
-        row) -> (index [B, K] int32, scale [B, K] float32), or None when no row has an adapter."""
+        row; or ZERO_SCALES) -> (index [B, K] int32, scale [B, K] float32), or None when no row has an adapter."""
         if loras is None:
             return None
+        if loras is ZERO_SCALES:
+            rows = prompts * n
+            return np.zeros((rows, self.max_per_request), np.int32), np.zeros(
+                (rows, self.max_per_request), np.float32
+            )
         if not isinstance(loras, (list, tuple)):
             raise PipelineError("loras must be a list of {'name', 'scale'} (or one such list per prompt)")
         per_row_lists = len(loras) > 0 and all(isinstance(x, (list, tuple)) for x in loras)

@@ -136,6 +136,27 @@ def test_sdxl_switching_adapters_compiles_nothing(sdxl):
     assert ours.compilations == before
 
 
+def test_sdxl_warm_up_compiles_the_lora_program(sdxl):
+    """With adapters registered, warm_up compiles the LoRA denoise programs too: the first call with adapters
+    (here without CFG, a program no other test of this file runs) compiles nothing."""
+    ours, _, _ = sdxl
+    order = ours.loras
+    ours.warm_up([(W, H)], batch_sizes=(1,))
+    assert ours.loras == order  # warming up (every slot at scale 0) marks no adapter used
+    before = ours.compilations
+    for guidance in (1.0, 5.0):
+        ours(
+            PROMPT,
+            height=H,
+            width=W,
+            num_inference_steps=2,
+            guidance_scale=guidance,
+            output_type="np",
+            loras=loras(["b"], [0.6]),
+        )
+    assert ours.compilations == before
+
+
 def test_sdxl_rows_carry_their_own_adapters(sdxl):
     ours, _, _ = sdxl
     rows = [loras(["a"], [0.7]), loras(["b", "a"], [-1.2, 0.3]), []]
