@@ -28,6 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
     images = _image_inputs(args)  # before loading anything: a bad file is a one-line error at once
+    loras = _lora_arguments(args.lora)
 
     from tqdm import tqdm
 
@@ -40,6 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         pipe = load_pipeline(args.model, dtype=args.dtype, variant=args.variant)
+        for name, source, _ in loras:  # a file that does not fit the model: one line naming its first bad key
+            pipe.load_lora(name, source)
         # Before generating anything: a format the model's outputs cannot be written in (an image model to
         # .mp4, a video model to .png), frames or a frame rate for images.
         video_args = {"output_format": fmt, "fps": args.fps, "num_frames": args.frames}
@@ -75,6 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
             callback=on_step,
             **images,
             **settings,
+            **({"loras": [{"name": n, "scale": scale} for n, _, scale in loras]} if loras else {}),
         )
         bar.close()
     except PipelineError as e:
@@ -92,6 +96,28 @@ def _generate(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
     print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages})")
     return 0
+
+
+def _lora_arguments(specs: list[str]) -> list[tuple[str, str, float]]:
+    """--lora NAME=PATH[:SCALE] (repeatable) -> (name, path or Hub id, scale); the scale defaults to 1. A
+    trailing ":<number>" is the scale, so a path holding ":" needs one (NAME=a:b.safetensors:1)."""
+    out = []
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or not rest:
+            raise UsageError(f"--lora {spec!r}: expected NAME=PATH[:SCALE]")
+        source, colon, tail = rest.rpartition(":")
+        try:
+            scale = float(tail) if colon else 1.0
+        except ValueError:
+            colon, scale = "", 1.0
+        source = source if colon else rest
+        if not source:
+            raise UsageError(f"--lora {spec!r}: expected NAME=PATH[:SCALE]")
+        if any(name == other for other, _, _ in out):
+            raise UsageError(f"--lora: the name {name!r} is given twice")
+        out.append((name, source, scale))
+    return out
 
 
 def _image_inputs(args: argparse.Namespace) -> dict:
@@ -218,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"
+    )
+    gen.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH[:SCALE]",
+        help="apply a LoRA adapter (a .safetensors file or folder, or a Hub id owner/name[/file.safetensors]) at "
+        "SCALE (default 1); repeatable (docs/lora.md)",
     )
     gen.set_defaults(func=_generate)
 

@@ -1,0 +1,74 @@
+"""`meshserve generate --lora NAME=PATH[:SCALE]` (repeatable), in-process with a recording pipeline (no model, no
+compiling: the adapters' effect on a real model is tests/models/test_lora.py's and test_lora_serving.py's)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from meshserve import cli
+
+
+class _RecordingPipe:
+    def __init__(self):
+        self.model_id, self.family, self.row_fields = "fake", "sdxl", ("guidance_scale",)
+        self.defaults = {"width": 16, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0}
+        self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
+        self.loaded, self.calls = [], []
+
+    def load_lora(self, name, source):
+        self.loaded.append((name, source))
+
+    def __call__(self, prompt, **kwargs):
+        self.calls.append(kwargs)
+        return types.SimpleNamespace(images=np.full((1, 16, 16, 3), 0.5), seeds=[kwargs["seed"]], timings={})
+
+
+def test_generate_loads_and_applies_each_lora(tmp_path, monkeypatch):
+    pipe = _RecordingPipe()
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    out = tmp_path / "o.png"
+    args = ["generate", "--prompt", "a cat", "--seed", "1", "-o", str(out)]
+    args += [
+        "--lora",
+        "style=/l/style.safetensors:0.8",
+        "--lora",
+        "detail=owner/name",
+        "--lora",
+        "c=a:b.st:-1.5",
+    ]
+    assert cli.main(args) == 0
+    assert pipe.loaded == [("style", "/l/style.safetensors"), ("detail", "owner/name"), ("c", "a:b.st")]
+    (call,) = pipe.calls
+    assert call["loras"] == [
+        {"name": "style", "scale": 0.8},
+        {"name": "detail", "scale": 1.0},
+        {"name": "c", "scale": -1.5},
+    ]
+    pipe.calls.clear()
+    assert cli.main(["generate", "--prompt", "a cat", "--seed", "1", "-o", str(out)]) == 0
+    assert "loras" not in pipe.calls[0]  # none given: the program without adapters
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("style", "expected NAME=PATH"),
+        ("=x.safetensors", "expected NAME=PATH"),
+        ("a=:0.5", "expected NAME=PATH"),
+    ],
+)
+def test_bad_lora_arguments_are_one_clear_line(tmp_path, monkeypatch, capsys, spec, match):
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pytest.fail("loaded a model"))
+    args = ["generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), "--lora", spec]
+    assert cli.main(args) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_a_repeated_lora_name_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pytest.fail("loaded a model"))
+    args = ["generate", "--prompt", "x", "-o", str(tmp_path / "o.png"), "--lora", "a=x", "--lora", "a=y"]
+    assert cli.main(args) == 2
+    assert "given twice" in capsys.readouterr().err
