@@ -101,7 +101,27 @@ def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # malformed JSON like any other, in the documented shape and status.
         return error_response(422, "invalid_json", f"the body is not valid JSON: {exc.detail}", "body")
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        # Starlette's Allow names the methods of the first route with the path only; a path served by two
+        # routes (GET and POST /v1/loras) must list both (RFC 9110).
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+    return error_response(exc.status_code, code, str(exc.detail), None, headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods some route answers on this path (asked of the routes themselves: FastAPI nests included
+    routers, so their routes are not a flat list)."""
+    from starlette.routing import Match
+
+    return [
+        method
+        for method in ("DELETE", "GET", "PATCH", "POST", "PUT")
+        if any(
+            route.matches({**request.scope, "method": method})[0] == Match.FULL
+            for route in request.app.router.routes
+        )
+    ]
 
 
 def _on_queue_full(request: Request, exc: QueueFull) -> JSONResponse:
