@@ -35,6 +35,8 @@ _FAMILIES = {
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
     "WanImageToVideoPipeline": ("wan", "meshserve.models.wan.pipeline_i2v", "WanImageToVideoPipeline"),
 }
+# The VAE decodes in either (fp16 overflows SDXL's VAE: diffusers upcasts it).
+_VAE_DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 _DTYPES = {
     "float32": jnp.float32,
     "fp32": jnp.float32,
@@ -87,6 +89,7 @@ def load_pipeline(
     path: str | Path | None = None,
     *,
     dtype="float32",
+    vae_dtype: str | None = None,
     mesh: dict | None = None,
     devices=None,
     attention=None,
@@ -108,6 +111,7 @@ def load_pipeline(
     `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;
     `weights` (e.g. {"shard_over": ["data", "context"]}) says which mesh axes shard the weights besides tensor;
     `max_programs` bounds the compiled programs kept (least recently used dropped; None: keep all).
+    `vae_dtype` ("float32" | "bfloat16"; None: the family's default, docs/outputs.md) is the VAE's dtype.
     `max_loras` (adapters per row), `max_lora_rank` and `lora_budget_mb` (the adapter table's bytes on the
     devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
     it holds (docs/lora.md).
@@ -142,6 +146,10 @@ def load_pipeline(
         "lora_budget_mb": lora_budget_mb,
         "lora_targets": lora_targets,
     }
+    if vae_dtype is not None:
+        if vae_dtype not in _VAE_DTYPES:
+            raise PipelineError(f"vae_dtype must be one of {', '.join(_VAE_DTYPES)}, got {vae_dtype!r}")
+        kwargs["vae_dtype"] = _DTYPES[vae_dtype]
     if mesh is not None or devices is not None or weights is not None:
         from meshserve.models.parallel.placement import pipeline_placement
 

@@ -218,6 +218,7 @@ class DiffusionPipeline:
         folder: Path | None = None,
         *,
         dtype=jnp.float32,
+        vae_dtype=None,
         model_id: str | None = None,
         attention=None,
         placement: Placement | None = None,
@@ -237,6 +238,8 @@ class DiffusionPipeline:
             targets=lora_targets,
         )
         self.step_reporter = StepReporter()
+        # The VAE's dtype when the pool sets one (float32 | bfloat16), else the family's default (vae_dtype_for).
+        self.vae_dtype_override = None if vae_dtype is None else jnp.dtype(vae_dtype)
         self.previews = LatentPreviews(self)  # live previews: models/engine/previews.py
         self._schedulers: dict[str | None, object] = {}
         self._schedules = lru_cache(maxsize=256)(self._make_schedule)
@@ -434,6 +437,11 @@ class DiffusionPipeline:
         if mask_image is not None:
             mask = image_rows(mask_image, prompts, n, "mask_image", preprocess_mask, height, width)
         return pixels, mask
+
+    def vae_dtype_for(self, default) -> jnp.dtype:
+        """The dtype a family loads its VAE in: the pool's `vae_dtype` when set, else `default` (the family's:
+        docs/outputs.md has the measured errors behind each)."""
+        return self.vae_dtype_override if self.vae_dtype_override is not None else jnp.dtype(default)
 
     @property
     def latent_dtype(self):

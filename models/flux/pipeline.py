@@ -100,10 +100,15 @@ class FluxPipeline(DiffusionPipeline):
             load_flux_transformer, folder / "transformer", FLUX_RULES, attention=self.attention
         )
         self.validate_heads({transformer.config.num_attention_heads})
-        # The VAE decodes in fp32 whatever the pipeline dtype (diffusers runs it in the pipeline's dtype): it
-        # runs once per image, not once per step, so fp32 costs little and keeps bf16 rounding out of the pixels.
+        # The VAE decodes in fp32 unless the pool's vae_dtype says bfloat16 (diffusers runs it in the pipeline's
+        # dtype): it runs once per image, not once per step, so fp32 costs little and keeps bf16 rounding out
+        # of the pixels. (SDXL's bf16 default rests on a measurement on its VAE: docs/outputs.md.)
         vae = self.load_module(
-            load_autoencoder_kl, folder / "vae", VAE_RULES, dtype=jnp.float32, attention=plain
+            load_autoencoder_kl,
+            folder / "vae",
+            VAE_RULES,
+            dtype=self.vae_dtype_for(jnp.float32),
+            attention=plain,
         )
         self.transformer_config, self.vae_config = transformer.config, vae.config
         # Whether the VAE config states its sample size (the dataclass fills in diffusers' 32 otherwise).
@@ -245,5 +250,5 @@ class FluxPipeline(DiffusionPipeline):
         z = unpack_latents(latents.astype(jnp.float32), shape[0], shape[1]) / cfg.scaling_factor
         if cfg.shift_factor is not None:
             z = z + cfg.shift_factor
-        image = vae.decode(z)  # [B, H, W, 3] in [-1, 1]
+        image = vae.decode(z).astype(jnp.float32)  # [B, H, W, 3] in [-1, 1], in the VAE's dtype
         return jnp.clip(image / 2 + 0.5, 0.0, 1.0)

@@ -71,10 +71,15 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         }
         unet = self.load_module(load_unet, folder / "unet", UNET_RULES, attention=self.attention)
         self.validate_heads({m.heads for _, m in nnx.iter_graph(unet) if isinstance(m, UNetAttention)})
-        # The VAE decodes in fp32 whatever the pipeline dtype: SDXL's VAE overflows in fp16 (diffusers'
-        # force_upcast), and decoding is a small share of the time.
+        # The VAE decodes in bf16 in a bf16 pipeline (as diffusers does: its force_upcast is for fp16 only), its
+        # error within diffusers' own bf16 error (tests/models/test_vae_dtype.py; docs/outputs.md), and in fp32
+        # otherwise: SDXL's VAE overflows in fp16. A pool's vae_dtype overrides it.
         vae = self.load_module(
-            load_autoencoder_kl, folder / "vae", VAE_RULES, dtype=jnp.float32, attention=self.plain_attention
+            load_autoencoder_kl,
+            folder / "vae",
+            VAE_RULES,
+            dtype=self.vae_dtype_for(self.dtype if self.dtype == jnp.bfloat16 else jnp.float32),
+            attention=self.plain_attention,
         )
         self.unet_config, self.vae_config = unet.config, vae.config
         latent = vae.config.latent_channels
@@ -190,5 +195,5 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             latents = latents / cfg.scaling_factor
             if getattr(cfg, "shift_factor", None) is not None:
                 latents = latents + cfg.shift_factor
-        image = vae.decode(latents)  # [B, H, W, 3] in [-1, 1]
+        image = vae.decode(latents).astype(jnp.float32)  # [B, H, W, 3] in [-1, 1], in the VAE's dtype
         return jnp.clip(image / 2 + 0.5, 0.0, 1.0)

@@ -34,6 +34,7 @@ from meshserve.models.checkpoints.loading import CheckpointError
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES
 from meshserve.models.components.t5 import load_t5_encoder
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
+from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.pipeline import DiffusionPipeline, image_limits
 from meshserve.models.schedulers import FLOW_SCHEDULER_NAMES, FlowMatchEulerDiscreteScheduler, make_scheduler
 from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES
@@ -111,7 +112,12 @@ class WanPipeline(DiffusionPipeline):
             )
         self.validate_heads({transformer.config.num_attention_heads})
         # fp32 whatever the pipeline dtype: diffusers' Wan examples load the VAE in fp32, and it runs once per
-        # video, not once per step. Its decode is split by `decode_sharding` (its mid-block attention is over
+        # video, not once per step (a bf16 3D VAE is not measured here, so a pool cannot ask for it).
+        if self.vae_dtype_override not in (None, jnp.dtype(jnp.float32)):
+            raise PipelineError(
+                f"vae_dtype: Wan's 3D VAE decodes in float32 only, got {self.vae_dtype_override}"
+            )
+        # Its decode is split by `decode_sharding` (its mid-block attention is over
         # one frame's pixels, gathered by XLA).
         vae = self.load_module(
             load_autoencoder_kl_wan,
