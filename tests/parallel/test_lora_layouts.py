@@ -1,0 +1,139 @@
+"""LoRA on cfg2 x context2 x tensor2 (8 CPU devices) equals one device, and the adapter factors are split like
+the weights they adapt (docs/lora.md, "Sharding").
+
+One batch of three rows with their own adapters (one at a scale, two at different scales, none), CFG on, so
+the cfg axis splits the interleaved [uncond, cond] batch, context splits the tokens and tensor the heads and
+MLP units: every adapted layer's delta is computed from a sharded input with sharded factors. Each pipeline
+compiles one LoRA program (its compile is the cost: the tables are narrowed with `lora_targets`, as in
+tests/models/test_lora.py).
+"""
+
+import numpy as np
+
+from meshserve.models import load_pipeline
+from meshserve.models.attention import AttentionSettings
+from tests.fixtures.tiny_lora import factors_for, write_diffusers_lora
+
+MESH = {"cfg": 2, "context": 2, "tensor": 2}
+PROMPTS = ["a photo of a cat", "a red car", "a bowl of fruit"]
+ROWS = [
+    [{"name": "a", "scale": 0.7}],
+    [{"name": "b", "scale": -1.2}, {"name": "a", "scale": 0.5}],
+    [],
+]
+LORA = dict(dtype="float32", max_loras=2, max_lora_rank=8, lora_budget_mb=4)
+
+
+def max_abs(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+
+
+def _pipes(path, targets, prefix, tmp_path, **mesh_kw):
+    """(one device, the mesh), both with adapters a (rank 4) and b (rank 8) from the same files."""
+    single = load_pipeline(path, lora_targets=targets, **LORA)
+    sharded = load_pipeline(path, mesh=MESH, devices=list(range(8)), lora_targets=targets, **LORA, **mesh_kw)
+    shapes = single.lora._layers()[1]
+    for name, rank, seed in (("a", 4, 1), ("b", 8, 2)):
+        path = write_diffusers_lora(
+            tmp_path / f"{name}.safetensors", factors_for(shapes, rank, seed), prefix=prefix
+        )
+        single.load_lora(name, path)
+        sharded.load_lora(name, path)
+    return single, sharded
+
+
+def _shard_shapes(x) -> set:
+    return {s.data.shape for s in x.addressable_shards}
+
+
+# --------------------------------------------------------------------------------------------------
+# SDXL: attention projections and the GEGLU projection (test_lora.py's SDXL_TEST_TARGETS)
+
+SDXL_TARGETS = r"(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.0\.proj)$"
+H, W = 32, 48  # 8 x 12 = 96 tokens at the tiny UNet's attention level: context 2 splits them evenly
+
+
+def test_sdxl_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, record_property):
+    single, sharded = _pipes(tiny_sdxl_path, SDXL_TARGETS, "unet", tmp_path)
+
+    # The factors follow their weights over tensor (2): a q projection (column-split by heads) has B split on
+    # its output axis, to_out (row-split) has A split on its input axis, GEGLU ([in, value | gate, out]) has
+    # B split on its units; the slot and rank axes, and the other factor, whole.
+    tables = sharded.lora.tables()
+    block = "down_blocks.1.attentions.0.transformer_blocks.0."
+    a, b = tables[block + "attn1.to_q"]
+    assert _shard_shapes(a) == {a.shape} and _shard_shapes(b) == {(*b.shape[:2], b.shape[2] // 2)}
+    a, b = tables[block + "attn2.to_out.0"]
+    assert _shard_shapes(a) == {(a.shape[0], a.shape[1] // 2, a.shape[2])} and _shard_shapes(b) == {b.shape}
+    a, b = tables[block + "ff.net.0.proj"]
+    assert _shard_shapes(a) == {a.shape} and _shard_shapes(b) == {(*b.shape[:3], b.shape[3] // 2)}
+
+    latents = np.random.default_rng(0).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(
+        height=H,
+        width=W,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        negative_prompt="blurry",
+        latents=latents,
+        output_type="np",
+        loras=ROWS,
+    )
+    expected = single(PROMPTS, **kw).images
+    got = sharded(PROMPTS, **kw).images
+    err = max_abs(got, expected)
+    record_property("sdxl_lora_max_abs_err", err)
+    print(f"SDXL LoRA cfg2 x context2 x tensor2: max abs pixel error {err:.2e}")
+    assert err <= 1e-4, f"max abs pixel error {err:.2e}"
+    assert expected.std() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# Flux: both streams' attention, the feed-forward and single blocks' MLP in, and proj_out (two input halves)
+
+FLUX_TARGETS = (
+    r"(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|ff\.net\.0\.proj|proj_mlp|"
+    r"single_transformer_blocks\.\d+\.proj_out)$"
+)
+FLUX_H, FLUX_W, TEXT = 36, 28, 16  # 63 image + 16 text tokens: the context layout pads and masks them
+
+
+def test_flux_lora_mesh_matches_single_device(tiny_flux_dev_path, tmp_path, record_property):
+    single, sharded = _pipes(
+        tiny_flux_dev_path,
+        FLUX_TARGETS,
+        "transformer",
+        tmp_path,
+        attention=AttentionSettings(context_strategy="ulysses"),
+    )
+    tables = sharded.lora.tables()
+    # proj_out's halves: A split by its input like each half's weight (attention heads, MLP units), B whole.
+    for half in ("from_attn", "from_mlp"):
+        a, b = tables[f"single_transformer_blocks.0.proj_out.{half}"]
+        assert _shard_shapes(a) == {(a.shape[0], a.shape[1] // 2, a.shape[2])} and _shard_shapes(b) == {
+            b.shape
+        }
+    a, b = tables["transformer_blocks.0.attn.add_k_proj"]
+    assert _shard_shapes(a) == {a.shape} and _shard_shapes(b) == {(*b.shape[:2], b.shape[2] // 2)}
+
+    tokens = (FLUX_H // 4) * (FLUX_W // 4)
+    latents = np.random.default_rng(0).standard_normal((3, tokens, 16)).astype(np.float32)
+    kw = dict(
+        height=FLUX_H,
+        width=FLUX_W,
+        num_inference_steps=2,
+        guidance_scale=3.5,
+        true_cfg_scale=2.0,
+        negative_prompt="blurry",
+        max_sequence_length=TEXT,
+        latents=latents,
+        output_type="np",
+        loras=ROWS,
+    )
+    expected = single(PROMPTS, **kw).images
+    got = sharded(PROMPTS, **kw).images
+    err = max_abs(got, expected)
+    record_property("flux_lora_max_abs_err", err)
+    print(f"Flux LoRA cfg2 x context2 x tensor2 (Ulysses): max abs pixel error {err:.2e}")
+    assert err <= 1e-4, f"max abs pixel error {err:.2e}"
+    assert expected.std() > 1e-3
