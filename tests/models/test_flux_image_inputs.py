@@ -12,6 +12,7 @@ import pytest
 
 from meshserve.models import load_pipeline
 from meshserve.models.flux.pipeline import pack_latents
+from tests.fixtures.diffusers_noise import same_noise as patch_noise
 
 H, W = 36, 44  # latents 18 x 22, 99 packed tokens
 PROMPTS = ["a cat", "the dog and the cat"]
@@ -39,21 +40,10 @@ def _noise(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture
 def same_noise(monkeypatch):
-    import torch
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    """diffusers' Flux image pipelines draw `holder["noise"]` and encode to the posterior's mode."""
     from diffusers.pipelines.flux import pipeline_flux_img2img, pipeline_flux_inpaint
 
-    holder = {}
-
-    def randn(shape, **kw):
-        noise = torch.from_numpy(holder["noise"])
-        assert tuple(noise.shape) == tuple(shape), (noise.shape, shape)
-        return noise.clone()
-
-    for module in (pipeline_flux_img2img, pipeline_flux_inpaint):
-        monkeypatch.setattr(module, "randn_tensor", randn)
-    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
-    return holder
+    return patch_noise(monkeypatch, pipeline_flux_img2img, pipeline_flux_inpaint)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import PipelineError, load_pipeline
+from tests.fixtures.diffusers_noise import same_noise as patch_noise
 
 H, W = 64, 48  # non-square; latents 32 x 24
 PROMPTS = ["a photo of a cat", "a red car"]
@@ -43,25 +44,15 @@ def _masks() -> list[np.ndarray]:
 
 @pytest.fixture
 def same_noise(monkeypatch):
-    """Makes diffusers draw `holder["noise"]` and encode to the posterior's mode."""
-    import torch
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    """diffusers' SDXL image pipelines draw `holder["noise"]` and encode to the posterior's mode."""
     from diffusers.pipelines.stable_diffusion_xl import (
         pipeline_stable_diffusion_xl_img2img,
         pipeline_stable_diffusion_xl_inpaint,
     )
 
-    holder = {}
-
-    def randn(shape, **kw):
-        noise = torch.from_numpy(holder["noise"])
-        assert tuple(noise.shape) == tuple(shape), (noise.shape, shape)
-        return noise.clone()
-
-    for module in (pipeline_stable_diffusion_xl_img2img, pipeline_stable_diffusion_xl_inpaint):
-        monkeypatch.setattr(module, "randn_tensor", randn)
-    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
-    return holder
+    return patch_noise(
+        monkeypatch, pipeline_stable_diffusion_xl_img2img, pipeline_stable_diffusion_xl_inpaint
+    )
 
 
 @pytest.fixture(scope="module")
