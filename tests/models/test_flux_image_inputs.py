@@ -77,6 +77,7 @@ KW = dict(
 def _check(got, expected, what):
     assert got.shape == expected.shape, (got.shape, expected.shape)
     err = float(np.abs(got - expected).max())
+    print(f"{what}: max abs pixel difference from diffusers {err:.2e}")  # the figure the note quotes (-rP)
     assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
     assert expected.std() > 1e-3
 
