@@ -371,3 +371,59 @@ def test_flux_kohya_linear1_splits_like_its_diffusers_conversion(flux, tmp_path)
     expected = _run_flux(ours, latents, loras=loras(["d1"], [1.0]))
     assert max_abs(got, expected) <= 1e-5
     assert max_abs(got, _run_flux(ours, latents)) > 2e-2
+
+
+# --------------------------------------------------------------------------------------------------
+# Wan 2.1 (diffusers format): the transformer's attention and feed-forward Linears
+
+WAN_TARGETS = r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))$"
+WAN_H, WAN_W, WAN_F = 48, 80, 9  # latents [4, 3, 6, 10] (tests/models/test_wan_pipeline.py's shapes)
+
+
+def test_wan_matches_diffusers(tiny_wan_path, tmp_path):
+    """One adapter at 0.7 on a Wan 2.1 text-to-video folder equals diffusers' WanPipeline.load_lora_weights +
+    set_adapters (latents after 3 CFG steps), and moves them (against diffusers without the adapter)."""
+    import torch
+    from diffusers import WanPipeline as TorchWanPipeline
+
+    torch.set_num_threads(2)
+    ref = TorchWanPipeline.from_pretrained(str(tiny_wan_path), dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    path = write_diffusers_lora(
+        tmp_path / "wan.safetensors",
+        random_factors(ref.transformer, WAN_TARGETS, rank=4, seed=1),
+        prefix="transformer",
+    )
+    ref.load_lora_weights(str(path), adapter_name="w")
+    ours = load_pipeline(
+        tiny_wan_path,
+        dtype="float32",
+        max_loras=1,
+        max_lora_rank=4,
+        lora_budget_mb=1,
+        lora_targets=WAN_TARGETS,
+    )
+    info = ours.load_lora("w", path)
+    assert len(info["targets"]) == len(ours.lora._layers()[1])  # every targeted layer read from the file
+    latents = np.random.default_rng(0).standard_normal((1, 4, 3, 6, 10)).astype(np.float32)
+    kw = dict(
+        height=WAN_H,
+        width=WAN_W,
+        num_frames=WAN_F,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        negative_prompt="blurry",
+        output_type="latent",
+    )
+
+    def reference(names, scales):
+        reference_with(ref, names, scales)
+        with torch.no_grad():
+            return ref(PROMPT, latents=torch.from_numpy(latents), **kw).frames.float().numpy()
+
+    expected = reference(["w"], [0.7])
+    got = ours(PROMPT, latents=latents, loras=loras(["w"], [0.7]), **kw).images
+    err = max_abs(got, expected)
+    print(f"Wan LoRA against diffusers: max abs latent difference {err:.2e}")
+    assert err <= 1e-3, f"max abs latent difference {err:.2e}"
+    assert max_abs(got, reference([], [])) > 2e-2
