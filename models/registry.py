@@ -101,6 +101,7 @@ def load_pipeline(
     max_lora_rank: int = 64,
     lora_budget_mb: float = 512.0,
     lora_targets: str | None = None,
+    quantize: str | None = None,
 ):
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
     into the Hub cache by models/checkpoints/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
@@ -114,7 +115,8 @@ def load_pipeline(
     `vae_dtype` ("float32" | "bfloat16"; None: the family's default, docs/outputs.md) is the VAE's dtype.
     `max_loras` (adapters per row), `max_lora_rank` and `lora_budget_mb` (the adapter table's bytes on the
     devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
-    it holds (docs/lora.md).
+    it holds (docs/lora.md). `quantize`: "int8" stores the denoiser's Linear kernels as int8 with per-channel
+    scales (models/components/quantize.py), "none" or None keeps them in `dtype`; "fp8" is refused.
     """
     import importlib
 
@@ -138,6 +140,12 @@ def load_pipeline(
         if dtype not in _DTYPES:
             raise PipelineError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
+    from meshserve.models.components.quantize import QuantizeError, check_mode
+
+    try:
+        check_mode(quantize)  # before anything is read: an fp8 pool on a CPU fails at once, with the reason
+    except QuantizeError as e:
+        raise PipelineError(str(e)) from None
     cls = getattr(importlib.import_module(module_name), cls_name)
     kwargs = {
         "max_programs": max_programs,
@@ -145,6 +153,7 @@ def load_pipeline(
         "max_lora_rank": max_lora_rank,
         "lora_budget_mb": lora_budget_mb,
         "lora_targets": lora_targets,
+        "quantize": quantize,
     }
     if vae_dtype is not None:
         if vae_dtype not in _VAE_DTYPES:

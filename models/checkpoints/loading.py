@@ -174,6 +174,7 @@ def nnx_leaf_to_torch(leaf: str) -> str:
         "embedding": "weight",
         "halves_kernel": "weight",
         "halves_bias": "bias",
+        "kernel_scale": "weight_scale",  # an int8 Linear's per-channel scale (models/components/quantize.py)
     }.get(leaf, leaf)
 
 

@@ -76,7 +76,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import jax
@@ -88,6 +88,8 @@ from jax.sharding import PartitionSpec as P
 from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
+from meshserve.models.components.quantize import check_mode as check_quantize
+from meshserve.models.components.quantize import load_quantized, quantized_rules
 from meshserve.models.engine.common import (
     GenerationCancelled,
     PipelineError,
@@ -227,8 +229,11 @@ class DiffusionPipeline:
         max_lora_rank: int = 64,
         lora_budget_mb: float = 512.0,
         lora_targets: str | None = None,
+        quantize: str | None = None,
     ):
         self.programs = CompiledPrograms(type(self).__name__, max_programs)
+        # Weight-only int8 for the denoiser's Linear layers (models/components/quantize.py), or None.
+        self.quantize = check_quantize(quantize)
         # LoRA adapters per request (docs/lora.md): a fixed-shape table on the pool's devices, made on first load.
         self.lora = AdapterPool(
             self,
@@ -278,9 +283,13 @@ class DiffusionPipeline:
         """One module of the folder onto the pool's devices, split by its sharding rules (kept for `merged`
         under the folder's name), in the pipeline's dtype unless given; `attention`: the settings of a
         loader that takes them."""
+        quantized = self.quantize is not None and Path(path).name == self.denoiser_name
+        rules = quantized_rules(rules) if quantized else rules
         self._rules[Path(path).name] = rules
         place = self.placement.placer(rules) if self.placement else None
         kwargs = {} if attention is None else {"settings": attention}
+        if quantized:
+            loader = partial(load_quantized, loader)
         return loader(path, dtype=self.dtype if dtype is None else dtype, place=place, **kwargs)
 
     def validate_heads(self, heads: set[int]) -> None:
