@@ -53,6 +53,9 @@ class Adapters:
         except (LoraSourceError, LoraLoadError) as e:
             log.warning("model %s: LoRA %r from %r not loaded: %s", self.model, name, source, e)
             entry = AdapterInfo(name=name, source=source, origin=origin, error=str(e))
+        except Exception as e:  # the engine's (device memory...): reported the same way, the pool goes on
+            log.exception("model %s: LoRA %r from %r failed to load", self.model, name, source)
+            entry = AdapterInfo(name=name, source=source, origin=origin, error=f"{type(e).__name__}: {e}")
         else:
             self._count_load("register", before, name)
             self._sources[name] = resolved
@@ -99,7 +102,14 @@ class Adapters:
             if source is None:  # removed since the API admitted the job: the runner fails the job
                 continue
             before = set(self.runner.resident_loras())
-            self.runner.load_lora(name, source)
+            try:
+                self.runner.load_lora(name, source)
+            except LoraLoadError as e:  # its file changed or went away since it was registered
+                from meshserve.workers.runner import InvalidRequest  # runner imports this module
+
+                raise InvalidRequest(
+                    f"LoRA {name!r} could not be loaded again from {source.value}: {e}"
+                ) from e
             self._count_load("reload", before, name)
 
     def _count_load(self, reason: str, before: set[str], name: str) -> None:

@@ -357,6 +357,8 @@ class Pool:
                 if not failing:
                     log.warning("pool %s: reading LoRA changes failed (%s); retrying", self.name, e)
                 failing = True
+            except Exception:  # never let the watcher die silently: the next poll tries again
+                log.exception("pool %s: applying LoRA changes failed", self.name)
 
     async def _publish_adapters(self, model: str, adapters: Adapters) -> None:
         self.models[model] = self.models[model].model_copy(update={"adapters": adapters.published()})

@@ -238,6 +238,12 @@ async def test_served_loras_with_a_fake_pool(tmp_path, make_settings):
                     break
                 await asyncio.sleep(0.05)
             assert [a["name"] for a in card["adapters"]] == ["style", "third"]
+
+            # An evicted adapter whose file went away since: the job naming it fails at once, saying so.
+            (root / "third.safetensors").unlink()
+            job = await job_when_ended(client, (await generate([{"name": "third"}])).json()["id"], user)
+            assert job["status"] == "failed" and job["error"]["code"] == "invalid_request", job
+            assert "'third' could not be loaded again" in job["error"]["message"]
         finally:
             worker.stop()
             await asyncio.wait_for(task, 30)
