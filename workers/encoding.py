@@ -1,5 +1,8 @@
 """Turn model outputs into the bytes a client downloads: PNG / JPEG / WebP with Pillow, MP4 / animated WebP
-for video. Arrays arrive as float in [0, 1] (the pipeline contract's `output_type="np"`)."""
+for video. Arrays arrive as uint8 (the worker's pipelines convert on the device: `output_type="uint8"`,
+docs/outputs.md) or as float in [0, 1] (`output_type="np"`, the CLI and the fake runner), converted here by
+`to_uint8`, the rounding the device conversion reproduces. The job loop calls these on its encoder threads, off
+the pool thread."""
 
 from __future__ import annotations
 
