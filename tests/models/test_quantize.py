@@ -195,4 +195,5 @@ def test_embedded_sdxl_int8_draws_what_it_is_asked(embedded_sdxl):
     assert result.colour >= 0.9 and result.background >= 0.9 and result.shape >= 0.7, result
     _, expected = evaluate(embedded_sdxl, (0,))
     worst, mean = _abs(got / 255.0, expected / 255.0)
-    assert worst <= 0.5 and 1e-4 < mean <= 1.5e-2, (worst, mean)
+    # Measured: max 2.4e-2 (6 of 255), mean 5.4e-4; shape read right in 18 of 24 pictures (fp32: 20).
+    assert worst <= 0.1 and 1e-4 < mean <= 2e-3, (worst, mean)
