@@ -197,3 +197,17 @@ def test_embedded_sdxl_int8_draws_what_it_is_asked(embedded_sdxl):
     worst, mean = _abs(got / 255.0, expected / 255.0)
     # Measured: max 2.4e-2 (6 of 255), mean 5.4e-4; shape read right in 18 of 24 pictures (fp32: 20).
     assert worst <= 0.1 and 1e-4 < mean <= 2e-3, (worst, mean)
+
+
+def test_a_pools_quantize_reaches_load_pipeline():
+    from pydantic import ValidationError
+
+    from meshserve.workers.config import ModelSpec, PoolConfig
+    from meshserve.workers.pool import runner_options
+
+    assert (
+        runner_options(PoolConfig(name="p", models=["m"], quantize="int8"), ModelSpec())["quantize"] == "int8"
+    )
+    assert "quantize" not in runner_options(PoolConfig(name="p", models=["m"]), ModelSpec())
+    with pytest.raises(ValidationError, match="quantize"):
+        PoolConfig(name="p", models=["m"], quantize="int4")
