@@ -220,9 +220,9 @@ class PipelineRunner(Runner):
             if source.kind == "hub":
                 # Fetched here, so that the library reads exactly this file: given the id, it would first look
                 # for a folder of that name relative to the working directory (outside the LoRA root).
-                from meshserve.models.lora.formats import _from_hub
+                from meshserve.models.lora.formats import download_from_hub
 
-                return self.pipe.load_lora(name, _from_hub(source.value))
+                return self.pipe.load_lora(name, download_from_hub(source.value))
             return self.pipe.load_lora(name, source.value)
         except PipelineError as e:
             raise LoraLoadError(str(e)) from e

@@ -50,7 +50,7 @@ def read_source(source) -> tuple[dict[str, np.ndarray], dict]:
     file, or a Hub id `owner/name[/file.safetensors]` -> (tensors as float32, the file's metadata)."""
     path = Path(str(source)).expanduser()
     if not path.exists():
-        path = _from_hub(str(source))
+        path = download_from_hub(str(source))
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         preferred = [f for f in files if f.name == "pytorch_lora_weights.safetensors"]
@@ -79,7 +79,7 @@ def _metadata(path: Path) -> dict:
         return json.loads(f.read(n)).get("__metadata__", {}) or {}
 
 
-def _from_hub(spec: str) -> Path:
+def download_from_hub(spec: str) -> Path:
     """`owner/name` (the repo's one .safetensors file) or `owner/name/file.safetensors`, via the Hub cache."""
     parts = spec.split("/")
     if len(parts) < 2 or not all(parts):
