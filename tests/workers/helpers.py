@@ -163,3 +163,15 @@ class CompilingRunner(FakeRunner):
     @property
     def compilations(self) -> int:
         return len(self.shapes)
+
+
+async def job_when_ended(client, job_id: str, timeout: float = 900) -> dict:
+    """Polls GET /v1/jobs/{id} through an API client until the job ends; its JSON."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        job = (await client.get(f"/v1/jobs/{job_id}")).json()
+        if job["status"] in ("succeeded", "failed", "canceled", "expired"):
+            return job
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"job {job_id} did not end within {timeout} s")

@@ -26,7 +26,7 @@ from meshserve.workers.config import ModelSpec, PoolConfig, WorkerConfig
 from meshserve.workers.encoding import encode_video
 from meshserve.workers.main import Worker
 from tests.service.conftest import api_client
-from tests.workers.helpers import cleanup, make_settings
+from tests.workers.helpers import cleanup, job_when_ended, make_settings
 
 MODEL = "tiny-wan-i2v"
 PROMPT = "a red ball rolls across a blue floor"
@@ -52,17 +52,6 @@ def frames_of(mp4: bytes) -> np.ndarray:
 
     with av.open(io.BytesIO(mp4)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-
-
-async def job_when_ended(client, job_id: str, timeout: float = 600) -> dict:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        job = (await client.get(f"/v1/jobs/{job_id}")).json()
-        if job["status"] in ("succeeded", "failed", "canceled", "expired"):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not end within {timeout} s")
 
 
 def test_image_to_video_served_end_to_end_and_by_the_cli(tiny_wan_i2v_path, tmp_path, monkeypatch):

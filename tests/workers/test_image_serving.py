@@ -21,7 +21,7 @@ from meshserve.workers.config import ModelSpec, PoolConfig, WorkerConfig
 from meshserve.workers.encoding import to_uint8
 from meshserve.workers.main import Worker
 from tests.service.conftest import api_client
-from tests.workers.helpers import cleanup, make_settings, wait_ended
+from tests.workers.helpers import cleanup, job_when_ended, make_settings, wait_ended
 
 PROMPT = "a yellow triangle on a purple background"
 
@@ -39,17 +39,6 @@ def data_url(img: Image.Image) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-async def job_when_ended(client, job_id: str, timeout: float = 600) -> dict:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        job = (await client.get(f"/v1/jobs/{job_id}")).json()
-        if job["status"] in ("succeeded", "failed", "canceled", "expired"):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not end within {timeout} s")
 
 
 def test_img2img_and_inpaint_served_end_to_end(embedded_sdxl, monkeypatch):

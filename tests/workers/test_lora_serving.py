@@ -19,7 +19,7 @@ from meshserve.models.lora.pool import AdapterPool
 from meshserve.workers.config import ModelSpec, PoolConfig, WorkerConfig
 from meshserve.workers.main import Worker
 from tests.service.conftest import api_client
-from tests.workers.helpers import make_settings
+from tests.workers.helpers import job_when_ended, make_settings
 
 # Two attention projections per transformer block: the LoRA program adds a gather and two matmuls per adapted
 # layer, so a narrow table keeps its compile short on the 2-core CPU.
@@ -47,17 +47,6 @@ def write_lora(pipe_pool: AdapterPool, path, rank: int = 4, seed: int = 0) -> No
 
 def sample(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-async def job_when_ended(client, job_id: str, timeout: float = 900) -> dict:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        job = (await client.get(f"/v1/jobs/{job_id}")).json()
-        if job["status"] in ("succeeded", "failed", "canceled", "expired"):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not end within {timeout} s")
 
 
 def test_a_declared_lora_served_end_to_end(embedded_sdxl, tmp_path, monkeypatch):
