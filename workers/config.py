@@ -133,6 +133,9 @@ class PoolConfig(_Strict):
     # The denoiser's Linear weights: int8 (weight-only, per-channel scales) or as the model's dtype; fp8 is
     # refused at load (models/components/quantize.py, docs/weights.md "Quantization").
     quantize: Literal["none", "int8", "fp8"] = "none"
+    # The VAE's dtype (load_pipeline's vae_dtype; docs/outputs.md): None keeps the family's default. A pool-level
+    # field rather than a model option, since it trades the decode's error for its time per pool.
+    vae_dtype: Literal["float32", "bfloat16"] | None = None
     models: list[str] = Field(min_length=1)
     max_batch: int = Field(1, ge=1)  # images per device batch, summed over the jobs in it
     batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company

@@ -103,7 +103,8 @@ def pool_devices(cfg: PoolConfig) -> list:
 def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
     """The model's runner options, plus the pool's attention settings for pipeline runners and, for an
     any_size pool, `max_programs` (load_pipeline's bound on the compiled programs it keeps); `weights`
-    (shard_over) when the pool stores its weights split; `quantize` when the pool quantizes them."""
+    (shard_over) when the pool stores its weights split; `quantize` when the pool quantizes them; the pool's
+    `vae_dtype` unless the model's options set one."""
     options = dict(spec.options)
     attention = cfg.attention.model_dump(exclude_none=True)
     if spec.runner == "pipeline" and attention:
@@ -112,6 +113,8 @@ def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
         options["weights"] = cfg.weights.model_dump()
     if spec.runner == "pipeline" and cfg.quantize != "none":
         options["quantize"] = cfg.quantize
+    if spec.runner == "pipeline" and cfg.vae_dtype is not None:  # a model's own option is the more specific
+        options.setdefault("vae_dtype", cfg.vae_dtype)
     if spec.runner == "pipeline":  # the pool's LoRA table (docs/lora.md)
         options.update(cfg.lora_options())
     if cfg.any_size:

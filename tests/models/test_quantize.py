@@ -211,3 +211,10 @@ def test_a_pools_quantize_reaches_load_pipeline():
     assert "quantize" not in runner_options(PoolConfig(name="p", models=["m"]), ModelSpec())
     with pytest.raises(ValidationError, match="quantize"):
         PoolConfig(name="p", models=["m"], quantize="int4")
+    # The VAE's dtype is a pool field too (docs/outputs.md), passed only when set.
+    bf16 = PoolConfig(name="p", models=["m"], vae_dtype="bfloat16")
+    assert runner_options(bf16, ModelSpec())["vae_dtype"] == "bfloat16"
+    assert "vae_dtype" not in runner_options(PoolConfig(name="p", models=["m"]), ModelSpec())
+    assert runner_options(bf16, ModelSpec(options={"vae_dtype": "float32"}))["vae_dtype"] == "float32"
+    with pytest.raises(ValidationError, match="vae_dtype"):
+        PoolConfig(name="p", models=["m"], vae_dtype="int8")
