@@ -9,6 +9,9 @@ Attribute names follow transformers 4's module tree (`text_model.embeddings.toke
 `CLIPTextModel` without the `text_model.` prefix; `load_clip_text_model` accepts both.
 
 Shapes: input_ids [B, S] int; hidden states [B, S, D]; pooled [B, D]; text_embeds [B, P].
+
+The Linears are `layers.Linear` (nnx.Linear's parameters): inside a text_encode program with text-encoder
+LoRA they add each text row's adapters (models/lora/apply.py); elsewhere they are plain nnx.Linear.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from meshserve.models.checkpoints.loading import (
     read_component_weights,
     read_json,
 )
+from meshserve.models.components.layers import Linear
 
 _DEFAULT_SETTINGS = AttentionSettings()
 
@@ -149,10 +153,10 @@ class CLIPAttention(nnx.Module):
         self.num_heads = num_heads
         self.settings = settings
         kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.q_proj = nnx.Linear(hidden_size, hidden_size, **kw)
-        self.k_proj = nnx.Linear(hidden_size, hidden_size, **kw)
-        self.v_proj = nnx.Linear(hidden_size, hidden_size, **kw)
-        self.out_proj = nnx.Linear(hidden_size, hidden_size, **kw)
+        self.q_proj = Linear(hidden_size, hidden_size, **kw)
+        self.k_proj = Linear(hidden_size, hidden_size, **kw)
+        self.v_proj = Linear(hidden_size, hidden_size, **kw)
+        self.out_proj = Linear(hidden_size, hidden_size, **kw)
 
     def __call__(self, x: jax.Array, kv_mask: jax.Array | None) -> jax.Array:  # [B, S, D] -> [B, S, D]
         b, s, d = x.shape
@@ -168,8 +172,8 @@ class CLIPAttention(nnx.Module):
 class CLIPMLP(nnx.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *, dtype, rngs: nnx.Rngs):
         self.activation = _ACTIVATIONS[hidden_act]
-        self.fc1 = nnx.Linear(hidden_size, intermediate_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.fc2 = nnx.Linear(intermediate_size, hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.fc1 = Linear(hidden_size, intermediate_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.fc2 = Linear(intermediate_size, hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.fc2(self.activation(self.fc1(x)))
@@ -294,7 +298,7 @@ class CLIPTextModelWithProjection(CLIPTextModel):
         rngs: nnx.Rngs,
     ):
         super().__init__(config, dtype=dtype, settings=settings, rngs=rngs)
-        self.text_projection = nnx.Linear(
+        self.text_projection = Linear(
             config.hidden_size,
             config.projection_dim,
             use_bias=False,

@@ -63,9 +63,10 @@ What a family declares (class attributes) and implements (its stages); everythin
     that requires one warms up with).
 
 Three compiled programs run a call: text_encode (prompts and, with CFG, negatives; repeated per image and
-CFG-interleaved), denoise (initial noise from each row's seed, then the one loop of `denoise_loop.py`),
-vae_decode. Everything that varies per request (prompt tokens, seeds, per-row fields, the schedule's arrays,
-the step count) is a traced input, so only a new shape, scheduler or CFG on/off compiles. Errors in a request
+CFG-interleaved; a LoRA variant when a row's adapters adapt the text encoders: docs/lora.md), denoise
+(initial noise from each row's seed, then the one loop of `denoise_loop.py`), vae_decode. Everything that
+varies per request (prompt tokens, seeds, per-row fields, the schedule's arrays, the step count, adapters
+and their scales) is a traced input, so only a new shape, scheduler or CFG on/off compiles. Errors in a request
 raise `PipelineError` (limits: meshserve/limits.py, the check the API and the pools run too); anything else
 raised is an engine fault.
 """
@@ -214,6 +215,9 @@ class DiffusionPipeline:
     model_id: str = ""
     # An LRU of text-encoder outputs (models/engine/prompt_cache.py) when set; a serving pool sets one.
     prompt_cache = None
+    # The text encoders a LoRA file may adapt (their Linears join the adapter table; docs/lora.md): the
+    # family's CLIP encoders. Others' keys (T5, umT5) are refused at registration.
+    lora_text_encoders: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -312,7 +316,10 @@ class DiffusionPipeline:
         where used (placement.gather_weights says why)."""
         from flax import nnx
 
-        return nnx.merge(self._graphs[name], gathered(self.placement, state, self._rules.get(name)))
+        module = nnx.merge(self._graphs[name], gathered(self.placement, state, self._rules.get(name)))
+        # In the text_encode program with text-encoder adapters, the encoder's Linears find theirs by
+        # "<name>.<module>" (models/lora/apply.py); elsewhere this does nothing.
+        return lora_bind(module, prefix=f"{name}.")
 
     def merged_per_step(self, state, x):
         """The denoiser inside the loop body, and x: FSDP-split weights are gathered per step, tied to this
@@ -512,8 +519,9 @@ class DiffusionPipeline:
         image_encode and denoise programs). One step is enough: the step count is traced (an image task warms
         up at strength 1; the strength is traced too). `output_type` picks the decode program: "np" (also what
         "pil" runs) or "uint8" (the worker's: it runs no other). `loras` (None: when adapters are registered)
-        also compiles each denoise program's LoRA variant (docs/lora.md), every adapter slot at scale 0: the
-        first call with adapters then compiles nothing."""
+        also compiles each denoise program's LoRA variant (docs/lora.md), and the text_encode program's when the
+        table has text-encoder targets, every adapter slot at scale 0: the first call with adapters then
+        compiles nothing."""
         t0 = time.perf_counter()
         d = self.defaults
         if tasks is None:
@@ -531,7 +539,8 @@ class DiffusionPipeline:
             frame_counts = [{}]
         if loras is None:
             loras = bool(self.lora.names)
-        # The LoRA program differs from the plain one in its denoise program only (text and decode are shared).
+        # The LoRA programs: the denoise program's variant and, when the table holds text-encoder targets, the
+        # text_encode program's (ZERO_SCALES runs both; decode is shared).
         adapter_calls = [None, ZERO_SCALES] if loras else [None]
         for width, height in buckets or [(d["width"], d["height"])]:
             for extra in frame_counts:
@@ -667,6 +676,9 @@ class DiffusionPipeline:
         seeds = row_seeds(seed, len(prompts), n)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
         lora_rows = self.lora.rows(loras, len(prompts), n)
+        # Text-encoder adapters per prompt [P, K], or None (no row's adapters touch the text encoders: the
+        # plain text program, and the prompt cache when set).
+        text_lora = self.lora.text_rows(loras, lora_rows, len(prompts), n)
         if latents is not None:
             latents = self.put_batch(self._loop_latents(latents, len(seeds), shape))
         timings = {}
@@ -680,7 +692,17 @@ class DiffusionPipeline:
         if self.zeros_for_empty_negative:
             keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))
         text = {"prompts": len(prompts), "n": n, "do_cfg": do_cfg}
-        if self.prompt_cache is not None:  # cached rows reused, only the misses encoded
+        if text_lora is not None:
+            # The text_encode program's LoRA variant: the table's text-encoder part rides with the weights
+            # (fixed shapes: adapters and scales compile nothing); each text row, negatives too, takes its
+            # prompt's adapters. It bypasses the prompt cache (neither read nor written: a cached row is the
+            # plain encoders' output; prompt_cache.py).
+            index, scale = (np.concatenate([x, x]) if do_cfg else x for x in text_lora)
+            adapters = {"index": self.put_batch(index), "scale": self.put_batch(scale)}
+            tokens = tuple(self.put_batch(t) for t in tokens)
+            states = (self._text_states, self.lora.text_tables())
+            cond = self.programs.run("text_encode", self._text_encode, text, states, tokens, keep, adapters)
+        elif self.prompt_cache is not None:  # cached rows reused, only the misses encoded
             cond = self.prompt_cache.encode(self, tokens, keep, **text)
         else:
             tokens = tuple(self.put_batch(t) for t in tokens)
@@ -783,11 +805,13 @@ class DiffusionPipeline:
     # ---------------------------------------------------------------------------------------------
     # The programs (pure functions of state + traced inputs)
 
-    def _text_encode(self, states, tokens, keep, *, prompts: int, n: int, do_cfg: bool):
+    def _text_encode(self, states, tokens, keep, lora=None, *, prompts: int, n: int, do_cfg: bool):
         """tokens [T, ...] (prompts, then negatives with CFG) -> the denoiser's conditioning, each row
         repeated per image and, with CFG, interleaved [neg0, pos0, neg1, pos1, ...] (keep [B]: whether a
-        row's negative is kept, else zeros)."""
-        encoded = self.encode_prompt(states, *tokens)
+        row's negative is kept, else zeros). With `lora` ({"index", "scale"} [T, K]) the states are
+        (encoders' weights, the table's text-encoder part) and the encoders add each text row's adapters."""
+        with adapters_from(states, lora) as states:
+            encoded = self.encode_prompt(states, *tokens)
         return self.assemble_text(encoded, keep, prompts=prompts, n=n, do_cfg=do_cfg)
 
     def assemble_text(self, encoded, keep, *, prompts: int, n: int, do_cfg: bool):

@@ -15,6 +15,12 @@ uncached text program has. Each row goes through the same encoder computation as
 result equals the uncached one (tests/models/test_prompt_cache.py checks it bit for bit on the CPU; a backend
 whose kernels change with the batch size could differ in the last bit).
 
+Text-encoder LoRA: a call where some row's adapters adapt the text encoders bypasses the cache entirely - it
+runs the pipeline's text_encode LoRA variant, reads no entry and writes none - so an adapted row is never
+served a plain entry and never stores one under the plain key (the key holds no adapter identity). Its plain
+rows lose their hits in that call only; keying adapted rows by (adapter, load generation, scale) was not worth
+the invalidation rules. A call whose adapters touch only the denoiser uses the cache as usual.
+
 Entries stay on the devices (a hit moves nothing over the host link), bounded by bytes: SDXL's row is
 77 x 2048 + 1280 values (315 KB in bf16), Flux's and Wan's 512 x 4096 (4 MB in bf16). Evicted least recently
 used; `hits`, `misses`, `evictions`, `bytes` and `entries` are what the worker exports.

@@ -87,6 +87,8 @@ class FluxPipeline(DiffusionPipeline):
     scheduler_classes = ("FlowMatchEulerDiscreteScheduler",)  # flow matching: velocity prediction
     latents_layout = "[B, (h/2)(w/2), 4C] (packed)"
     strength_rule = "float"  # FluxImg2ImgPipeline's get_timesteps: int(steps - steps * strength) is the start
+    # The CLIP takes LoRA factors (kohya lora_te_/lora_te1_, diffusers text_encoder.); T5 LoRA is refused.
+    lora_text_encoders = ("text_encoder",)
 
     def load(self, folder: Path) -> dict:
         self.tokenizer = load_clip_tokenizer(folder / "tokenizer")

@@ -12,6 +12,10 @@ adapters concatenated along the rank axis with the scales folded into B, so a la
 [S, in] x [in, K r] x [K r, out] per row, whatever the adapters. With CFG the model batch is [u0, c0, u1, c1...]
 and each row's adapters apply to both halves (as diffusers' do).
 
+The same machinery runs the text_encode program with text-encoder adapters: the tables then hold the CLIP
+encoders' Linears (keys "text_encoder.<module>", `bind(module, prefix="text_encoder.")`), and `index` /
+`scale` are per text row [T, K] (prompts, then negatives with CFG: each its prompt's adapters).
+
 The layers find their factors through a context variable set while the program is traced (never at run time):
 the denoiser's modules are merged from their state inside the trace, so `bind` maps the merged modules' ids
 to their names. Outside a trace with adapters, `adapted` returns y unchanged: the program without adapters is
@@ -76,16 +80,17 @@ def adapters_from(state, lora):
         yield weights
 
 
-def bind(module):
-    """Registers a merged module's adapted layers (by diffusers' dotted names) with the active adapters;
-    the module unchanged, and nothing done without active adapters."""
+def bind(module, prefix: str = ""):
+    """Registers a merged module's adapted layers (by diffusers' dotted names, after `prefix`: a text
+    encoder's "text_encoder." as in the tables' keys; the denoiser's names have none) with the active
+    adapters; the module unchanged, and nothing done without active adapters."""
     active = _ACTIVE.get()
     if active is None:
         return module
     from flax import nnx
 
     for path, node in nnx.iter_graph(module):
-        name = ".".join(str(p) for p in path)
+        name = prefix + ".".join(str(p) for p in path)
         if name in active.tables:
             active.names[id(node)] = name
     return module

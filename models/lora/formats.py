@@ -15,8 +15,15 @@ Layouts read (the key mapping follows diffusers' loaders/lora_conversion_utils.p
   undone exactly, without its guesses. The SGM-named layout (`lora_unet_input_blocks_4_1_...`) is refused.
 - kohya, Flux: `lora_unet_double_blocks_<i>_img_attn_qkv...` (`_convert_kohya_flux_lora_to_diffusers`): the
   fused q/k/v and single blocks' linear1 (q, k, v, proj_mlp) split by output rows, the down matrix shared.
-- Text encoders (`text_encoder.`, `lora_te1_`, `lora_te2_`, `lora_te_`) are not supported yet: refused,
-  naming the first such key.
+- Text encoders, for the family's CLIP encoders (`text_encoders`: SDXL's text_encoder and text_encoder_2,
+  Flux's text_encoder): diffusers/PEFT `text_encoder.<module>.lora_A/B.weight` (`text_encoder_2.` likewise;
+  the module with or without transformers 4's `text_model.` prefix, as diffusers accepts both), the older
+  converted keys (`self_attn.to_q_lora.down.weight`, `mlp.fc1.lora_linear_layer.down.weight`), and kohya
+  `lora_te_` / `lora_te1_` (text_encoder) and `lora_te2_` (text_encoder_2) + the module with "_" for "."
+  (diffusers' `_convert_non_diffusers_lora_to_diffusers` and, for Flux's CLIP, the text-encoder part of
+  `_convert_kohya_flux_lora_to_diffusers`), matched against the encoder's own module names. Refused with a
+  message naming the key: an encoder the family does not adapt (Flux's T5 `text_encoder_2` / `lora_te2_`,
+  Wan's umT5 `text_encoder`, SD3's `lora_te3_`).
 
 alpha / rank is folded into B, as diffusers' scaling (lora_alpha / r) multiplies the adapter's output.
 """
@@ -38,7 +45,24 @@ class AdapterFormatError(PipelineError):
 
 
 _PREFIXES = ("unet.", "transformer.")
-_TEXT_PREFIXES = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_")
+# kohya's text-encoder prefixes -> the diffusers component (lora_te_ is SD 1.x's and Flux's single CLIP).
+_KOHYA_TEXT = {"lora_te_": "text_encoder", "lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2"}
+_KOHYA_TEXT_OTHER = ("lora_te3_",)
+# What a refused encoder is, for the message.
+_ENCODER_KINDS = {("flux", "text_encoder_2"): "T5", ("wan", "text_encoder"): "umT5"}
+
+
+def _text_component(key: str) -> str | None:
+    """The text encoder a LoRA key is for (diffusers' component name), or None for the denoiser's keys."""
+    m = re.match(r"(text_encoder(?:_\d+)?)\.", key)
+    if m:
+        return m[1]
+    for prefix, component in _KOHYA_TEXT.items():
+        if key.startswith(prefix):
+            return component
+    if key.startswith(_KOHYA_TEXT_OTHER):
+        return "text_encoder_3"
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,6 +145,12 @@ def _pairs_diffusers(tensors: dict) -> dict[str, dict]:
             module = m[1] + "." + (m[2] + ".0" if m[2] == "to_out" else m[2])
             modules.setdefault(module, {})[m[3]] = value
             continue
+        # text encoders in diffusers' older converted keys: self_attn.to_q_lora.down.weight -> q_proj
+        m = re.match(r"(.*\.self_attn)\.(to_q|to_k|to_v|to_out)_lora\.(down|up)\.weight$", name)
+        if m:
+            module = f"{m[1]}.{m[2][3:]}_proj"
+            modules.setdefault(module, {})[m[3]] = value
+            continue
         for suffix, part in (
             (".lora_A.weight", "down"),
             (".lora_B.weight", "up"),
@@ -128,6 +158,8 @@ def _pairs_diffusers(tensors: dict) -> dict[str, dict]:
             (".lora.up.weight", "up"),
             (".lora_down.weight", "down"),
             (".lora_up.weight", "up"),
+            (".lora_linear_layer.down.weight", "down"),  # a text encoder's MLP, older converted keys
+            (".lora_linear_layer.up.weight", "up"),
             (".alpha", "alpha"),
         ):
             if name.endswith(suffix):
@@ -187,7 +219,16 @@ def _split(names: list[str], sizes) -> list[tuple[str, slice]] | None:
 
 
 def _pairs_kohya(tensors: dict, family: str, targets: dict) -> dict[str, dict]:
-    by_kohya = {"lora_unet_" + name.replace(".", "_"): name for name in targets}
+    by_kohya = {}
+    for name in targets:
+        component = _text_component(name)
+        if component is None:
+            by_kohya["lora_unet_" + name.replace(".", "_")] = name
+            continue
+        module = name[len(component) + 1 :].replace(".", "_")
+        for prefix, owner in _KOHYA_TEXT.items():
+            if owner == component:
+                by_kohya[prefix + module] = name
     modules: dict[str, dict] = {}
     for key, value in tensors.items():
         stem, _, part = key.partition(".")
@@ -225,22 +266,34 @@ def _pairs_kohya(tensors: dict, family: str, targets: dict) -> dict[str, dict]:
 # The adapter
 
 
-def read_adapter(source, *, family: str, targets: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def read_adapter(
+    source, *, family: str, targets: dict, text_encoders: tuple[str, ...] = ()
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """source -> {module: (A [in, r], B [r, out] x alpha/r)} for the modules in `targets` ({module: {"in",
-    "out"}}: the model's LoRA-able layers, diffusers' names). AdapterFormatError naming the first bad key."""
+    "out"}}: the model's LoRA-able layers, diffusers' names; a text encoder's prefixed "text_encoder.").
+    `text_encoders`: the components whose keys are read (others refused). AdapterFormatError naming the first
+    bad key."""
     tensors, metadata = read_source(source)
     if not tensors:
         raise AdapterFormatError(f"{source}: the file holds no tensors")
     for key in tensors:
-        if key.startswith(_TEXT_PREFIXES):
+        component = _text_component(key)
+        if component is not None and component not in text_encoders:
+            kind = _ENCODER_KINDS.get((family, component))
             raise AdapterFormatError(
-                f"text-encoder LoRA is not supported yet: {key!r} (only the denoiser's layers can be adapted)"
+                f"text-encoder LoRA for {family}'s {component}{f' ({kind})' if kind else ''} is not "
+                f"supported: {key!r} (this model adapts {list(text_encoders) or 'no text encoder'})"
             )
-    kohya = any(k.startswith("lora_unet_") for k in tensors)
+    kohya = any(k.startswith(("lora_unet_", *_KOHYA_TEXT)) for k in tensors)
     modules = _pairs_kohya(tensors, family, targets) if kohya else _pairs_diffusers(tensors)
     alphas = _metadata_alphas(metadata)
     factors = {}
-    for name, parts in modules.items():
+    for name, parts in list(modules.items()):
+        component = _text_component(name)
+        if component is not None and name not in targets:  # saved without transformers 4's text_model.
+            alias = f"{component}.text_model.{name[len(component) + 1 :]}"
+            if alias in targets and alias not in modules:
+                name = alias
         if name not in targets:
             raise AdapterFormatError(f"LoRA module {name!r} is no adaptable layer of this {family} model")
         if "down" not in parts or "up" not in parts:
@@ -265,8 +318,11 @@ def read_adapter(source, *, family: str, targets: dict) -> dict[str, tuple[np.nd
 
 
 def _metadata_alphas(metadata: dict):
-    """diffusers' lora_adapter_metadata ({"unet.lora_alpha": ..., "alpha_pattern": ...}) -> alpha(module,
-    rank); without it alpha = rank (scale 1), as diffusers loads such a file."""
+    """diffusers' lora_adapter_metadata -> alpha(module, rank); without it alpha = rank (scale 1), as
+    diffusers loads such a file. The metadata is one LoraConfig per component, written flat with the
+    component's prefix (`save_lora_weights`: {"unet.lora_alpha": 8, "text_encoder.lora_alpha": 4,
+    "text_encoder.alpha_pattern": {...}}), nested ({"unet": {...}}), or unprefixed (one config for all);
+    a module takes its own component's (a text encoder's for "text_encoder.<module>")."""
     raw = metadata.get("lora_adapter_metadata")
     config = {}
     if raw:
@@ -274,13 +330,27 @@ def _metadata_alphas(metadata: dict):
             config = json.loads(raw)
         except ValueError:
             config = {}
-    if config and all(isinstance(v, dict) for v in config.values()):  # per component: {"unet": {...}}
-        config = next(iter(config.values()))
+    if not isinstance(config, dict):
+        config = {}
+    components: dict[str, dict] = {}
+    for key, value in config.items():
+        head, dot, rest = key.partition(".")
+        named = head in ("unet", "transformer") or head.startswith("text_encoder")
+        if named and not dot and isinstance(value, dict):  # nested: {"unet": {...}}
+            components.setdefault(head, {}).update(value)
+        elif named and dot:  # flat: {"unet.lora_alpha": ...}
+            components.setdefault(head, {})[rest] = value
+        else:  # one unprefixed config
+            components.setdefault("", {})[key] = value
 
     def alpha(name: str, rank: int) -> float:
-        for pattern, value in (config.get("alpha_pattern") or {}).items():
+        component = _text_component(name)
+        if component is None:
+            component = next((c for c in ("unet", "transformer") if c in components), "")
+        own = components.get(component) or components.get("", {})
+        for pattern, value in (own.get("alpha_pattern") or {}).items():
             if re.search(rf"(^|\.){re.escape(pattern)}$", name):
                 return float(value)
-        return float(config.get("lora_alpha") or rank)
+        return float(own.get("lora_alpha") or rank)
 
     return alpha

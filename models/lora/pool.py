@@ -3,12 +3,17 @@
     pool = AdapterPool(pipe, max_per_request=4, max_rank=64, budget_mb=512)
     pool.load("style", "/path/lora.safetensors")      # -> {"name", "rank", "targets", "bytes"}
     index, scale = pool.rows(loras, prompts, n)        # host: [B, K] int32 / float32, or None (no adapters)
+    text = pool.text_rows(loras, (index, scale), prompts, n)   # [P, K] per prompt, or None (no TE adapter)
 
 The table holds, per adaptable layer of the denoiser (every Linear; SDXL's GEGLU projection; Flux's single
 blocks' proj_out as its two input halves), A [N, in, r] and B [N, r, *out] for N slots at the pool's max rank
 r: its shapes never change, so loading, switching or scaling adapters compiles nothing (the denoise program
-takes the table as an input). N = the byte budget // one slot's bytes (a slot costs the same whatever the
-adapter's rank or targets: it is padded), at least `max_per_request`. Loading an adapter writes its factors
+takes the table as an input). The family's CLIP text encoders (`lora_text_encoders`: SDXL's two, Flux's
+CLIP; not T5 or umT5) have their Linears in the same table under "text_encoder.<module>" keys, in the same
+slots: one adapter is one slot across the denoiser and the encoders, and `tables()` / `text_tables()` give
+the two parts to the denoise and text_encode programs. N = the byte budget // one slot's bytes (a slot costs
+the same whatever the adapter's rank or targets: it is padded; the encoders' layers count in it), at least
+`max_per_request`. Loading an adapter writes its factors
 (zero elsewhere) into a free slot, or the least recently used one's; a call marks its adapters used. An
 adapter that a call in flight uses is never evicted by that call's own loads (there are none: loads and
 calls alternate on the pool's one thread).
@@ -55,8 +60,9 @@ class Target:
     name: str  # the table's key: our module path (diffusers' name; Flux proj_out's halves add .from_attn/mlp)
     n_in: int
     out: tuple[int, ...]  # the kernel's output axes ([out], or SDXL's GEGLU [2, out])
-    spec_key: str  # the weight's checkpoint name, for its sharding rule
+    spec_key: str  # the weight's checkpoint name inside its module, for its sharding rule
     kernel_shape: tuple[int, ...]
+    owner: str = ""  # the module whose rules apply: a text encoder's name ("": the denoiser)
 
 
 def adaptable_layers(module) -> tuple[dict[str, list[Target]], dict[str, dict]]:
@@ -111,7 +117,8 @@ class AdapterPool:
         # A regex over diffusers' module names: the layers the table holds (None: every adaptable layer). Each
         # layer in the table adds its gather and matmuls to the LoRA program, used or not (docs/lora.md).
         self.targets = re.compile(targets) if targets else None
-        self._tables = None  # made on the first load: {target: (A, B)}
+        self._tables = None  # made on the first load: {target: (A, B)}, text-encoder targets included
+        self._slot_text = None  # [N] bool: the slot's adapter has text-encoder factors
         self._slots: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._info: dict[str, dict] = {}
 
@@ -137,6 +144,14 @@ class AdapterPool:
             name = self.pipe.denoiser_name
             module = nnx.merge(self.pipe._graphs[name], self.pipe._states[name])
             writes, shapes = adaptable_layers(module)
+            for encoder in self.pipe.lora_text_encoders:  # "text_encoder.<module>", as diffusers' keys
+                module = nnx.merge(self.pipe._graphs[encoder], self.pipe._states[encoder])
+                enc_writes, enc_shapes = adaptable_layers(module)
+                for layer, targets in enc_writes.items():
+                    writes[f"{encoder}.{layer}"] = [
+                        dataclasses.replace(t, name=f"{encoder}.{t.name}", owner=encoder) for t in targets
+                    ]
+                    shapes[f"{encoder}.{layer}"] = enc_shapes[layer]
             if self.targets is not None:
                 writes = {k: v for k, v in writes.items() if self.targets.search(k)}
                 shapes = {k: v for k, v in shapes.items() if k in writes}
@@ -161,7 +176,7 @@ class AdapterPool:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        rules = self.pipe._rules.get(self.pipe.denoiser_name) or ()
+        rules = self.pipe._rules.get(target.owner or self.pipe.denoiser_name) or ()
         tensor_only = dataclasses.replace(placement, shard_over=())
         spec = tuple(tensor_only.param_spec(rules, target.spec_key, target.kernel_shape))
         spec = spec + (None,) * (len(target.kernel_shape) - len(spec))
@@ -170,6 +185,24 @@ class AdapterPool:
         return a, b
 
     def tables(self):
+        """The denoiser's part of the table (the denoise program's input)."""
+        return {k: v for k, v in self._all_tables().items() if not self._is_text(k)}
+
+    def text_tables(self):
+        """The text encoders' part (the text_encode program's input with text-encoder adapters)."""
+        return {k: v for k, v in self._all_tables().items() if self._is_text(k)}
+
+    def _is_text(self, target: str) -> bool:
+        return target.split(".", 1)[0] in self.pipe.lora_text_encoders
+
+    @property
+    def has_text_targets(self) -> bool:
+        if not hasattr(self, "_has_text"):  # asked per call: computed once
+            writes, _ = self._layers()
+            self._has_text = any(self._is_text(name) for name in writes)
+        return self._has_text
+
+    def _all_tables(self):
         if self._tables is None:
             writes, _ = self._layers()
             n, r, dtype = self.slots, self.max_rank, self.pipe.dtype
@@ -180,6 +213,7 @@ class AdapterPool:
                     a = jnp.zeros((n, t.n_in, r), dtype, device=a_spec)
                     b = jnp.zeros((n, r, *t.out), dtype, device=b_spec)
                     self._tables[t.name] = (a, b)
+            self._slot_text = np.zeros(n, bool)
         return self._tables
 
     # --- loading
@@ -188,13 +222,15 @@ class AdapterPool:
         if not isinstance(name, str) or not name:
             raise PipelineError("a LoRA needs a non-empty name")
         writes, shapes = self._layers()
-        factors = read_adapter(source, family=self.pipe.family, targets=shapes)
+        factors = read_adapter(
+            source, family=self.pipe.family, targets=shapes, text_encoders=self.pipe.lora_text_encoders
+        )
         rank = max(a.shape[1] for a, _ in factors.values())
         if rank > self.max_rank:
             raise AdapterFormatError(
                 f"LoRA {name!r} has rank {rank}; this pool takes at most {self.max_rank}"
             )
-        tables = self.tables()
+        tables = self._all_tables()
         if name in self._slots:
             slot = self._slots.pop(name)
         elif len(self._slots) < self.slots:
@@ -221,7 +257,15 @@ class AdapterPool:
                     _write(tb, slot, b_new.reshape(self.max_rank, *t.out).astype(tb.dtype)),
                 )
         self._slots[name] = slot
-        self._info[name] = {"name": name, "rank": rank, "targets": sorted(factors), "bytes": nbytes}
+        encoders = sorted({m.split(".", 1)[0] for m in factors if self._is_text(m)})
+        self._slot_text[slot] = bool(encoders)
+        self._info[name] = {
+            "name": name,
+            "rank": rank,
+            "targets": sorted(factors),
+            "bytes": nbytes,
+            "text_encoders": encoders,
+        }
         return dict(self._info[name])
 
     def unload(self, name: str) -> None:
@@ -284,6 +328,36 @@ class AdapterPool:
                 index[row, k], scale[row, k] = self._slots[name], s
                 self._slots.move_to_end(name)
         return index, scale
+
+    def text_rows(self, loras, rows, prompts: int, n: int):
+        """The text_encode program's adapters: (index [P, K], scale [P, K]) per prompt, its adapters that have
+        text-encoder factors (the others at scale 0), or None when no row has one (the plain text program:
+        no cost). `rows` is `rows()`'s result. ZERO_SCALES (warm-up) gives zeros when the table has
+        text-encoder targets. A prompt's n output rows share one text encoding, so they must carry the same
+        text-encoder adapters; rows of one prompt that differ there are refused (give them as separate
+        prompts; the served path passes one prompt per row)."""
+        if rows is None or not self.has_text_targets:
+            return None
+        index, scale = rows
+        k = index.shape[1]
+        if loras is ZERO_SCALES:
+            return index[::n], scale[::n]
+        used = self._slot_text[index] & (scale != 0)
+        if not used.any():
+            return None
+        index, scale = np.where(used, index, 0), np.where(used, scale, 0).astype(np.float32)
+        index, scale = index.reshape(prompts, n, k), scale.reshape(prompts, n, k)
+        for p in range(prompts):
+            sets = {
+                tuple(sorted((int(i), float(s)) for i, s in zip(index[p, j], scale[p, j], strict=True) if s))
+                for j in range(n)
+            }
+            if len(sets) > 1:
+                raise PipelineError(
+                    f"loras: the {n} images of prompt {p} carry different text-encoder adapters; one prompt is "
+                    "encoded once, so give such rows as separate prompts"
+                )
+        return np.ascontiguousarray(index[:, 0]), np.ascontiguousarray(scale[:, 0])
 
 
 @jax.jit

@@ -47,6 +47,7 @@ _ENCODERS = ("text_encoder", "text_encoder_2")
 class StableDiffusionXLPipeline(DiffusionPipeline):
     family = "sdxl"
     denoiser_name = "unet"
+    lora_text_encoders = _ENCODERS  # both CLIPs take LoRA factors (docs/lora.md)
     latents_axes = (0, 3, 1, 2)
     latents_layout = "[B, C, h, w]"
     strength_rule = "int"  # diffusers' SDXL get_timesteps: int(steps * strength) steps run
