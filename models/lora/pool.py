@@ -1,7 +1,7 @@
 """The pool's adapters: a fixed-shape table of slots on the pool's devices, an LRU over them, per-row indices.
 
     pool = AdapterPool(pipe, max_per_request=4, max_rank=64, budget_mb=512)
-    pool.load("style", "/path/lora.safetensors")      # -> {"name", "rank", "targets", "bytes"}
+    pool.load("style", "/path/lora.safetensors")      # -> {"name", "rank", "targets", "bytes", "text_encoders"}
     index, scale = pool.rows(loras, prompts, n)        # host: [B, K] int32 / float32, or None (no adapters)
     text = pool.text_rows(loras, (index, scale), prompts, n)   # [P, K] per prompt, or None (no TE adapter)
 

@@ -242,10 +242,13 @@ def test_bad_files_name_the_first_bad_key(small_pool, tmp_path):
             {
                 **good,
                 "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": np.zeros(
-                    (4, 32), np.float32
+                    (4, 7), np.float32
+                ),
+                "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": np.zeros(
+                    (32, 4), np.float32
                 ),
             },
-            r"text-encoder LoRA is not supported yet: 'text_encoder\.text_model",
+            r"'text_encoder\.text_model\.encoder\.layers\.0\.self_attn\.q_proj'.*do not fit",
         ),
         (
             {
