@@ -12,7 +12,8 @@ Layouts read (the key mapping follows diffusers' loaders/lora_conversion_utils.p
 - kohya / A1111, SDXL: `lora_unet_<module with "_" for ".">.lora_down.weight` / `.lora_up.weight` / `.alpha`
   (diffusers' `_convert_non_diffusers_lora_to_diffusers` for the diffusers-named UNet). A kohya name is
   matched against the model's own module names written that way, which is the converter's "_" -> "."
-  undone exactly, without its guesses. The SGM-named layout (`lora_unet_input_blocks_4_1_...`) is refused.
+  undone exactly, without its guesses. The SGM-named layout (`lora_unet_input_blocks_4_1_...`, what kohya's
+  sd-scripts write for SDXL) is first renamed to that form from the UNet's block layout (models/lora/sgm_names.py).
 - kohya, Flux: `lora_unet_double_blocks_<i>_img_attn_qkv...` (`_convert_kohya_flux_lora_to_diffusers`): the
   fused q/k/v and single blocks' linear1 (q, k, v, proj_mlp) split by output rows, the down matrix shared.
 - Text encoders, for the family's CLIP encoders (`text_encoders`: SDXL's text_encoder and text_encoder_2,
@@ -267,15 +268,26 @@ def _pairs_kohya(tensors: dict, family: str, targets: dict) -> dict[str, dict]:
 
 
 def read_adapter(
-    source, *, family: str, targets: dict, text_encoders: tuple[str, ...] = ()
+    source,
+    *,
+    family: str,
+    targets: dict,
+    text_encoders: tuple[str, ...] = (),
+    unet_layout: dict | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """source -> {module: (A [in, r], B [r, out] x alpha/r)} for the modules in `targets` ({module: {"in",
     "out"}}: the model's LoRA-able layers, diffusers' names; a text encoder's prefixed "text_encoder.").
-    `text_encoders`: the components whose keys are read (others refused). AdapterFormatError naming the first
-    bad key."""
+    `text_encoders`: the components whose keys are read (others refused). `unet_layout`: a UNet's block layout
+    (models/lora/sgm_names.sgm_to_diffusers's arguments), with which SGM-named kohya keys are renamed first.
+    AdapterFormatError naming the first bad key."""
     tensors, metadata = read_source(source)
     if not tensors:
         raise AdapterFormatError(f"{source}: the file holds no tensors")
+    if unet_layout is not None:
+        from meshserve.models.lora.sgm_names import is_sgm, sgm_to_diffusers  # it imports this module
+
+        if is_sgm(tensors):
+            tensors = sgm_to_diffusers(tensors, **unet_layout)
     for key in tensors:
         component = _text_component(key)
         if component is not None and component not in text_encoders:

@@ -222,8 +222,17 @@ class AdapterPool:
         if not isinstance(name, str) or not name:
             raise PipelineError("a LoRA needs a non-empty name")
         writes, shapes = self._layers()
+        unet = getattr(self.pipe, "unet_config", None)  # SDXL: SGM-named kohya keys need its block layout
+        layout = None
+        if unet is not None:
+            names = ("down_block_types", "up_block_types", "layers_per_block")
+            layout = {n: getattr(unet, n) for n in names}
         factors = read_adapter(
-            source, family=self.pipe.family, targets=shapes, text_encoders=self.pipe.lora_text_encoders
+            source,
+            family=self.pipe.family,
+            targets=shapes,
+            text_encoders=self.pipe.lora_text_encoders,
+            unet_layout=layout,
         )
         rank = max(a.shape[1] for a, _ in factors.values())
         if rank > self.max_rank:

@@ -136,27 +136,6 @@ def test_sdxl_switching_adapters_compiles_nothing(sdxl):
     assert ours.compilations == before
 
 
-def test_sdxl_warm_up_compiles_the_lora_program(sdxl):
-    """With adapters registered, warm_up compiles the LoRA denoise programs too: the first call with adapters
-    (here without CFG, a program no other test of this file runs) compiles nothing."""
-    ours, _, _ = sdxl
-    order = ours.loras
-    ours.warm_up([(W, H)], batch_sizes=(1,))
-    assert ours.loras == order  # warming up (every slot at scale 0) marks no adapter used
-    before = ours.compilations
-    for guidance in (1.0, 5.0):
-        ours(
-            PROMPT,
-            height=H,
-            width=W,
-            num_inference_steps=2,
-            guidance_scale=guidance,
-            output_type="np",
-            loras=loras(["b"], [0.6]),
-        )
-    assert ours.compilations == before
-
-
 def test_sdxl_rows_carry_their_own_adapters(sdxl):
     ours, _, _ = sdxl
     rows = [loras(["a"], [0.7]), loras(["b", "a"], [-1.2, 0.3]), []]
@@ -177,6 +156,55 @@ def test_sdxl_kohya_matches_diffusers_conversion(sdxl):
     expected = _run_sdxl(ref, PROMPT, torch.from_numpy(latents))
     got = _run_sdxl(ours, PROMPT, latents, loras=loras(["k"], [0.8]))
     assert max_abs(got, expected) <= 1e-3
+
+
+def _sgm_named(tensors: dict, unet_config) -> dict:
+    """kohya keys in diffusers' names -> the SGM names kohya's sd-scripts write for SDXL (the inverse of
+    models/lora/sgm_names.py's table, for the attention modules SDXL_TEST_TARGETS adapts)."""
+    from meshserve.models.lora.sgm_names import sgm_layout
+
+    table = sgm_layout(unet_config.down_block_types, unet_config.up_block_types, unet_config.layers_per_block)
+    sgm = {
+        module: (f"middle_block_{sub}" if part == "middle_block" else f"{part}_{index}_{sub}")
+        for (part, index), subs in table.items()
+        for sub, module in enumerate(subs)
+    }
+    out = {}
+    for key, value in tensors.items():
+        stem, dot, tail = key.partition(".")
+        module = next(m for m in sgm if stem.startswith(f"lora_unet_{m}_"))
+        out[f"lora_unet_{sgm[module]}_{stem[len(f'lora_unet_{module}_') :]}{dot}{tail}"] = value
+    return out
+
+
+def test_sdxl_kohya_sgm_names_match_diffusers(sdxl, tmp_path):
+    """The same kohya file with SGM block names (`lora_unet_input_blocks_4_1_...`, most published SDXL
+    LoRAs): read as the diffusers-named file, and equal to diffusers' own loading of it (which maps the
+    blocks with _maybe_map_sgm_blocks_to_diffusers). The programs are the kohya test's: nothing compiles."""
+    import torch
+    from safetensors.numpy import save_file
+
+    from meshserve.models.checkpoints.loading import read_safetensors
+
+    ours, ref, files = sdxl
+    tensors = {k: np.asarray(v) for k, v in read_safetensors(files["k"]).items()}
+    renamed = _sgm_named(tensors, ours.unet_config)
+    assert any(k.startswith("lora_unet_input_blocks_") for k in renamed)
+    assert any(k.startswith("lora_unet_output_blocks_") for k in renamed)
+    path = tmp_path / "sgm.safetensors"
+    save_file(renamed, str(path))
+    ref.load_lora_weights(str(path), adapter_name="sgm")
+    ours.load_lora("sgm", path)
+    try:
+        latents = _sdxl_latents(seed=2)
+        reference_with(ref, ["sgm"], [0.8])
+        expected = _run_sdxl(ref, PROMPT, torch.from_numpy(latents))
+        got = _run_sdxl(ours, PROMPT, latents, loras=loras(["sgm"], [0.8]))
+        assert max_abs(got, expected) <= 1e-3
+        assert max_abs(got, _run_sdxl(ours, PROMPT, latents, loras=loras(["k"], [0.8]))) <= 1e-6
+    finally:
+        ours.unload_lora("sgm")
+        ref.delete_adapters("sgm")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -173,11 +173,15 @@ def test_sdxl_rows_carry_their_own_text_adapters_and_switching_compiles_nothing(
         ours(PROMPT, num_images_per_prompt=2, num_inference_steps=1, loras=[loras(["t"], [1.0]), []])
 
 
-def test_sdxl_warm_up_compiles_the_text_lora_program(sdxl):
-    """warm_up with adapters registered compiles the text_encode LoRA variant too (every slot at scale 0):
-    text-encoder adapters then compile nothing, CFG off and on."""
+def test_sdxl_warm_up_compiles_the_lora_programs(sdxl):
+    """warm_up with adapters registered compiles the LoRA variants of the denoise and text_encode programs
+    (every slot at scale 0, marking no adapter used): an adapter on the UNet and both text encoders then
+    compiles nothing, CFG off (a program no other test here runs) and on. This is also the denoise LoRA
+    warm-up's test (tests/models/test_lora.py had its own, ~85 s of the suite for the same programs)."""
     ours, _ = sdxl
+    order = ours.loras
     ours.warm_up([(W, H)], batch_sizes=(1,))
+    assert ours.loras == order
     before = ours.compilations
     for guidance in (1.0, 5.0):
         ours(
@@ -187,7 +191,7 @@ def test_sdxl_warm_up_compiles_the_text_lora_program(sdxl):
             num_inference_steps=1,
             guidance_scale=guidance,
             output_type="np",
-            loras=loras(["t"], [0.6]),
+            loras=loras(["d"], [0.6]),
         )
     assert ours.compilations == before
 
