@@ -1,13 +1,16 @@
-"""On a cfg2 x context2 layout, too, an output depends only on its own seed: for every scheduler, a seed alone
-equals the same seed at every position of a batch of 2, and equals the seed alone on one device within the
-layout standard (<= 1e-4). Per-row keys with threefry's partitionable draws do not depend on how the batch is
-split over the mesh.
+"""On a cfg2 x context2 layout, too, an output depends only on its own seed: a seed alone equals the same seed at
+every position of a batch of 2, and equals the seed alone on one device within the layout standard (<= 1e-4).
+Per-row keys with threefry's partitionable draws do not depend on how the batch is split over the mesh.
+
+Run for the stochastic schedulers, the ones that draw step noise per row: the deterministic ones' layouts are
+tests/parallel/test_pipeline_layouts.py's, and each scheduler here costs two denoise programs (~50 s of the
+suite on a 2-core CPU).
 
 In-batch bound: 5e-5, not the 1e-5 of one device. A batch of 2 puts 2 CFG rows per device where a batch of 1
 puts 1, so XLA picks other convolution and attention blockings; the rounding that follows is not seed
-dependence. Measured: euler 1.3e-6, euler_ancestral 1.7e-6, ddim 2.4e-5 (its x0 = (x - sqrt(1 - a) eps) /
-sqrt(a) and clip_sample amplify rounding). Wrong step noise (the old first-seed-of-the-batch keys) gives
-0.31 (euler_ancestral) and 0.44 (dpmpp_2m_sde)."""
+dependence. Measured when every scheduler ran here: euler 1.3e-6, euler_ancestral 1.7e-6, ddim 2.4e-5 (its
+x0 = (x - sqrt(1 - a) eps) / sqrt(a) and clip_sample amplify rounding). Wrong step noise (the old
+first-seed-of-the-batch keys) gives 0.31 (euler_ancestral) and 0.44 (dpmpp_2m_sde)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ import numpy as np
 import pytest
 
 from meshserve.models import load_pipeline
-from meshserve.models.schedulers import SCHEDULER_NAMES
 
 H, W = 64, 48
 SEED = 1234
@@ -41,7 +43,7 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULER_NAMES)
+@pytest.mark.parametrize("scheduler", ["euler_ancestral", "dpmpp_2m_sde"])
 def test_seed_on_cfg2_context2_is_independent_of_its_batch(single, layout, scheduler, record_property):
     alone = latents(layout, ["a cat"], [SEED], scheduler)[0]
     vs_single = rel(alone, latents(single, ["a cat"], [SEED], scheduler)[0])
