@@ -1,5 +1,5 @@
 """LoRA on cfg2 x context2 x tensor2 (8 CPU devices) equals one device, and the adapter factors are split like
-the weights they adapt (docs/lora.md, "Sharding").
+the weights they adapt (docs/lora.md, "Sharding"); on SDXL the adapters reach both text encoders too.
 
 One batch of three rows with their own adapters (one at a scale, two at different scales, none), CFG on, so
 the cfg axis splits the interleaved [uncond, cond] batch, context splits the tokens and tensor the heads and
@@ -12,7 +12,7 @@ import numpy as np
 
 from meshserve.models import load_pipeline
 from meshserve.models.attention import AttentionSettings
-from tests.fixtures.tiny_lora import factors_for, write_diffusers_lora
+from tests.fixtures.tiny_lora import CLIP_TARGETS, factors_for
 
 MESH = {"cfg": 2, "context": 2, "tensor": 2}
 PROMPTS = ["a photo of a cat", "a red car", "a bowl of fruit"]
@@ -29,16 +29,23 @@ def max_abs(a, b) -> float:
 
 
 def _pipes(path, targets, prefix, tmp_path, **mesh_kw):
-    """(one device, the mesh), both with adapters a (rank 4) and b (rank 8) from the same files."""
+    """(one device, the mesh), both with adapters a (rank 4) and b (rank 8) from the same files: PEFT keys as
+    diffusers' save_lora_weights writes them, `prefix` for the denoiser's modules, a text encoder's own
+    ("text_encoder.", "text_encoder_2.") for its modules when `targets` reaches them."""
+    from safetensors.numpy import save_file
+
     single = load_pipeline(path, lora_targets=targets, **LORA)
     sharded = load_pipeline(path, mesh=MESH, devices=list(range(8)), lora_targets=targets, **LORA, **mesh_kw)
     shapes = single.lora._layers()[1]
     for name, rank, seed in (("a", 4, 1), ("b", 8, 2)):
-        path = write_diffusers_lora(
-            tmp_path / f"{name}.safetensors", factors_for(shapes, rank, seed), prefix=prefix
-        )
-        single.load_lora(name, path)
-        sharded.load_lora(name, path)
+        tensors = {}
+        for module, (down, up) in factors_for(shapes, rank, seed).items():
+            key = module if module.startswith("text_encoder") else f"{prefix}.{module}"
+            tensors |= {f"{key}.lora_A.weight": down, f"{key}.lora_B.weight": up}
+        file = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(file))
+        single.load_lora(name, file)
+        sharded.load_lora(name, file)
     return single, sharded
 
 
@@ -47,9 +54,10 @@ def _shard_shapes(x) -> set:
 
 
 # --------------------------------------------------------------------------------------------------
-# SDXL: attention projections and the GEGLU projection (test_lora.py's SDXL_TEST_TARGETS)
+# SDXL: attention projections and the GEGLU projection (test_lora.py's SDXL_TEST_TARGETS), and both CLIP text
+# encoders' attention and MLP (the text_encode program's LoRA variant on the mesh too)
 
-SDXL_TARGETS = r"(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.0\.proj)$"
+SDXL_TARGETS = rf"(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.0\.proj)$|{CLIP_TARGETS}"
 H, W = 32, 48  # 8 x 12 = 96 tokens at the tiny UNet's attention level: context 2 splits them evenly
 
 
@@ -67,6 +75,10 @@ def test_sdxl_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, record_p
     assert _shard_shapes(a) == {(a.shape[0], a.shape[1] // 2, a.shape[2])} and _shard_shapes(b) == {b.shape}
     a, b = tables[block + "ff.net.0.proj"]
     assert _shard_shapes(a) == {a.shape} and _shard_shapes(b) == {(*b.shape[:3], b.shape[3] // 2)}
+    # The CLIPs' rules name no tensor axis (models/components/clip.py): their factors are whole on every device.
+    text = sharded.lora.text_tables()
+    assert {name.split(".", 1)[0] for name in text} == {"text_encoder", "text_encoder_2"}
+    assert all(_shard_shapes(a) == {a.shape} and _shard_shapes(b) == {b.shape} for a, b in text.values())
 
     latents = np.random.default_rng(0).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
     kw = dict(
