@@ -21,24 +21,27 @@ from meshserve.workers.main import Worker
 from tests.service.conftest import api_client
 from tests.workers.helpers import job_when_ended, make_settings
 
-# Two attention projections per transformer block: the LoRA program adds a gather and two matmuls per adapted
-# layer, so a narrow table keeps its compile short on the 2-core CPU.
-TARGETS = r"attn1\.to_(q|v)$"
+# Two attention projections per transformer block, of the UNet and of both CLIP text encoders (so a job runs the
+# text_encode program's LoRA variant too): the LoRA programs add a gather and two matmuls per adapted layer, so a
+# narrow table keeps their compile short on the 2-core CPU.
+TARGETS = r"attn1\.to_(q|v)$|self_attn\.(q|v)_proj$"
 
 
 def write_lora(pipe_pool: AdapterPool, path, rank: int = 4, seed: int = 0) -> None:
-    """A diffusers/PEFT-format adapter for every layer of the pool's table: A ~ N(0, 1/in), B ~ N(0, 0.5/r)
-    (a delta about half a weight's size: the image moves visibly)."""
+    """A diffusers/PEFT-format adapter for every layer of the pool's table (the UNet's under `unet.`, a text
+    encoder's under its own name): A ~ N(0, 1/in), B ~ N(0, 0.5/r) (a delta about half a weight's size: the
+    image moves visibly)."""
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
     _, shapes = pipe_pool._layers()
     tensors = {}
     for module, s in shapes.items():
-        tensors[f"unet.{module}.lora_A.weight"] = (
-            rng.standard_normal((rank, s["in"])) / np.sqrt(s["in"])
-        ).astype(np.float32)
-        tensors[f"unet.{module}.lora_B.weight"] = (
+        key = module if module.startswith("text_encoder") else f"unet.{module}"
+        tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, s["in"])) / np.sqrt(s["in"])).astype(
+            np.float32
+        )
+        tensors[f"{key}.lora_B.weight"] = (
             rng.standard_normal((s["out"], rank)) * 0.5 / np.sqrt(rank)
         ).astype(np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +107,8 @@ def test_a_declared_lora_served_end_to_end(embedded_sdxl, tmp_path, monkeypatch)
             await asyncio.wait_for(worker.ready.wait(), 600)
             assert built == {"max_loras": 2, "max_lora_rank": 4, "lora_budget_mb": 1, "lora_targets": TARGETS}
             assert warmed_with == [["style"]]  # registered before the warm-up
+            # The adapter has factors for both CLIPs: its job runs the text_encode program's LoRA variant.
+            assert pipe.lora._info["style"]["text_encoders"] == ["text_encoder", "text_encoder_2"]
             async with api_client(settings) as (client, _):
                 (card,) = (await client.get("/v1/models")).json()["data"]
                 assert card["adapters"] == [{"name": "style", "rank": 4}]
