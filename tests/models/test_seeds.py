@@ -1,9 +1,10 @@
 """An output depends only on its own seed: a seed alone gives the same latents as the same seed at any position
 of a batch of 2 and of 4 (the stochastic schedulers draw every step's noise per row).
 
-Run for the two stochastic schedulers (their step noise is what per-row keys are about) and one deterministic
-one (the initial noise and the denoiser's batch invariance, which every deterministic scheduler shares): each
-scheduler is three more denoise programs (batch 1, 2, 4), ~50 s of the suite apiece on a 2-core CPU.
+Run for the two stochastic schedulers, whose step noise is what per-row keys are about. A deterministic
+scheduler adds nothing here: a stochastic row equals its seed alone only when its initial noise and the
+denoiser's batch invariance are right as well (and every deterministic scheduler shares those). Each scheduler
+is three more denoise programs (batch 1, 2, 4), 30-50 s of the suite apiece on a 2-core CPU.
 
 Before the per-row keys, the step noise of a batch came from its first seed: the seed at position 1 of a batch
 of 2 differed from the same seed alone by 0.31 (euler_ancestral) and 0.44 (dpmpp_2m_sde) relative, the
@@ -21,7 +22,7 @@ from meshserve.models.engine.seeds import key_data
 H, W = 64, 48
 SEED, OTHERS = 1234, [7, 99, 2**32 - 1]
 TOL = 1e-5
-SCHEDULERS = ["euler", "euler_ancestral", "dpmpp_2m_sde"]
+SCHEDULERS = ["euler_ancestral", "dpmpp_2m_sde"]
 
 
 @pytest.fixture(scope="module")
