@@ -21,6 +21,8 @@ denoise program, with classifier-free guidance, per-row step noise and a host ca
 - `after_step(latents, i) -> latents` (optional, traced): a per-step hook after the scheduler's step and
   before the callback (4-channel inpainting puts the known region back here).
 - `preview(steps_done, latents) -> bool` (optional, traced): live previews, models/engine/previews.py.
+- `step_cache` (optional): a step cache's slot (models/engine/step_cache.py); its state rides in the carry and
+  the loop also returns how many steps it skipped.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from meshserve.models.engine.seeds import step_keys
+from meshserve.models.engine.step_cache import skipped_steps
 
 
 def interleave(a, b):
@@ -62,17 +65,24 @@ def denoise_loop(
     preview: Callable | None = None,
     start=0,
     after_step: Callable | None = None,
+    step_cache=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
     [B]; guidance [B]. Returns (latents, steps_done): steps_done < schedule.num_steps - start when on_step
-    stopped the loop."""
+    stopped the loop; with `step_cache`, (latents, steps_done, steps_skipped)."""
     num_steps = schedule.num_steps
 
-    def body(carry):
-        i, _, latents, sched_state = carry
+    def model_input(latents, i):
         x = interleave(latents, latents) if do_cfg else latents
-        x = constrain(scheduler.scale_model_input(schedule, x, i))
-        out = model(x, jnp.asarray(schedule.timesteps)[i])
+        return constrain(scheduler.scale_model_input(schedule, x, i)), jnp.asarray(schedule.timesteps)[i]
+
+    def body(carry):
+        i, _, latents, sched_state, cache_state = carry
+        x, t = model_input(latents, i)
+        if step_cache is None:
+            out = model(x, t)
+        else:
+            out, cache_state = step_cache.step(model, x, t, cache_state)
         if do_cfg:
             out = guide(out, guidance)
         key = step_keys(keys, i) if scheduler.stochastic else None
@@ -88,11 +98,15 @@ def denoise_loop(
         )
         if preview is not None:  # live previews (models/engine/previews.py): pixels leave only when due
             go = go & preview(i + 1 - start, latents)
-        return i + 1, go, latents, sched_state
+        return i + 1, go, latents, sched_state, cache_state
 
-    carry = (jnp.asarray(start, jnp.int32), jnp.bool_(True), latents, scheduler.init_state(latents))
-    i, _, latents, _ = jax.lax.while_loop(lambda c: (c[0] < num_steps) & c[1], body, carry)
-    return latents, i - start
+    start = jnp.asarray(start, jnp.int32)
+    cache_state = None if step_cache is None else step_cache.init_state(model, *model_input(latents, start))
+    carry = (start, jnp.bool_(True), latents, scheduler.init_state(latents), cache_state)
+    i, _, latents, _, cache_state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & c[1], body, carry)
+    if step_cache is None:
+        return latents, i - start
+    return latents, i - start, skipped_steps(cache_state)
 
 
 class StepReporter:

@@ -105,6 +105,7 @@ from meshserve.models.engine.image_inputs import blend_known, check_scheduler, c
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
+from meshserve.models.engine.step_cache import CacheSlot, CacheSpec, parse_cache
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
@@ -191,6 +192,9 @@ class DiffusionPipeline:
     batch_fields: tuple[str, ...] = ("width", "height", "num_inference_steps", "scheduler")
     cfg_field: str = "guidance_scale"
     cfg_needs_negative: bool = False
+    # Step cache methods (models/engine/step_cache.py) -> their default thresholds; a family whose denoiser
+    # routes its blocks through step_cache.after_first_block declares "first_block".
+    cache_methods: Mapping[str, float] = {}
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
     zeros_for_empty_negative: bool = False
@@ -389,6 +393,12 @@ class DiffusionPipeline:
         """A task's strength when a call gives none (diffusers' pipeline default); None: takes no strength."""
         return None
 
+    def cache_limits(self) -> dict | None:
+        """limits["cache"]: {method: {"default_threshold"}}, or None for a model without a step cache."""
+        if not self.cache_methods:
+            return None
+        return {method: {"default_threshold": t} for method, t in self.cache_methods.items()}
+
     def strength_limits(self) -> dict | None:
         """limits["strength"]: {min (exclusive), max, defaults per task}, or None without such a task."""
         defaults = {t: self.default_strength(t) for t in self.tasks if self.default_strength(t) is not None}
@@ -484,6 +494,9 @@ class DiffusionPipeline:
             request[name] if request.get(name) is not None else _batch_default(name, d, limits)
             for name in self.batch_fields
         )
+        cache = self._cache_spec(request.get("cache"))
+        if cache is not None:  # rows of a batch share the cache's decisions (step_cache.py)
+            key = (*key, cache.method, cache.threshold)
         if len(self.tasks) == 1:
             return key
         task = request.get("task")
@@ -496,6 +509,9 @@ class DiffusionPipeline:
         if strength is None:
             strength = self.default_strength(task)
         return (task, strength, *key)
+
+    def _cache_spec(self, cache) -> CacheSpec | None:
+        return parse_cache(cache, self.cache_methods)
 
     def compiled_batch_size(self, rows: int, data: int = 1) -> int:
         return batch_bucket(rows, data) if self.pads_batches else rows
@@ -603,6 +619,7 @@ class DiffusionPipeline:
         preview_every: int | Sequence[int] | None = None,
         preview_callback: PreviewCallback | None = None,
         loras=None,
+        cache=None,
         **options,
     ):
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
@@ -611,6 +628,8 @@ class DiffusionPipeline:
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
         converted to uint8 on the device (workers/encoding.to_uint8's rounding), "pil" PIL
         images (video: a list of frames per row). `callback(step, total)` after every step; False cancels.
+        `cache`: {"method", "threshold" (optional)}, a step cache (models/engine/step_cache.py; the methods and
+        default thresholds are limits["cache"]); the output's `cached_steps` says how many steps it skipped.
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
         own = (set(self.row_fields) | set(self.batch_fields)) - _COMMON_ARGUMENTS
@@ -646,6 +665,7 @@ class DiffusionPipeline:
             )
         except LimitError as e:
             raise PipelineError(str(e)) from None
+        cache = self._cache_spec(cache)
         output_type = output_type or self.default_output_type
         if output_type not in OUTPUT_TYPES:
             raise PipelineError(f"output_type must be 'pil', 'np', 'uint8' or 'latent', got {output_type!r}")
@@ -726,6 +746,8 @@ class DiffusionPipeline:
             jax.block_until_ready(image_inputs)
             timings["image_encode"] = time.perf_counter() - t0
         init = {"latents": latents, "start": self.put_replicated(np.int32(start))}
+        if cache is not None:  # the threshold is an input: a new one compiles nothing
+            init["cache_threshold"] = self.put_replicated(np.float32(cache.threshold))
         if lora_rows is not None:
             init["lora"] = {"index": self.put_batch(lora_rows[0]), "scale": self.put_batch(lora_rows[1])}
         if image_inputs is not None:
@@ -735,6 +757,8 @@ class DiffusionPipeline:
         # 2. The denoising loop, initial noise included: one program.
         t0 = time.perf_counter()
         static = {"scheduler": sched, "do_cfg": do_cfg, "shape": shape}
+        if cache is not None:
+            static["cache"] = cache.method
         inputs = (
             schedule,
             init,
@@ -749,7 +773,7 @@ class DiffusionPipeline:
         if lora_rows is not None:  # the adapter table rides with the weights: fixed shapes, not in the key
             state = (state, self.lora.tables())
         with self.previews.listening(preview_callback, steps):
-            latents = self.run_denoise(
+            latents, *skipped = self.run_denoise(
                 steps, callback, lambda: self.programs.run("denoise", self._denoise, static, state, *inputs)
             )
         timings["denoise"] = time.perf_counter() - t0
@@ -766,7 +790,11 @@ class DiffusionPipeline:
             if output_type == "pil":
                 images = to_pil(images)
         out = PipelineOutput(
-            images=images, seeds=seeds, timings=timings, compiled=self.compilations > compiled_before
+            images=images,
+            seeds=seeds,
+            timings=timings,
+            compiled=self.compilations > compiled_before,
+            cached_steps=int(skipped[0]) if skipped else None,
         )
         return out if return_dict else (out.images,)
 
@@ -844,11 +872,13 @@ class DiffusionPipeline:
         scheduler,
         do_cfg,
         shape,
+        cache: str | None = None,
     ):
         """init: {"latents": given latents in the loop's layout or None (drawn from each row's key), "start":
         [] int32 first step, with image inputs also "image" (image_inputs.py) and "full_strength" [] bool};
-        key_data [B, 2]; cond [2B or B, ...]; rows {field: [B] float32}; cfg_rows [B] bool. Returns
-        (latents, steps_done)."""
+        key_data [B, 2]; cond [2B or B, ...]; rows {field: [B] float32}; cfg_rows [B] bool. `cache`: a step
+        cache's method, its threshold init["cache_threshold"]. Returns (latents, steps_done), with a cache
+        also the steps it skipped."""
         # With LoRA inputs the state is (weights, adapter table) and the denoiser's adapted layers add each
         # row's adapters while this body is traced (models/lora/apply.py); without, the context does nothing.
         with adapters_from(state, init.get("lora")) as state:
@@ -891,6 +921,7 @@ class DiffusionPipeline:
                 start=start,
                 after_step=after_step,
                 preview=self.previews.in_loop(preview, shape),
+                step_cache=None if cache is None else CacheSlot(init["cache_threshold"]),
             )
 
     # ---------------------------------------------------------------------------------------------
@@ -944,17 +975,18 @@ class DiffusionPipeline:
         return self.placement.constrain_batch(x) if self.placement else x
 
     def run_denoise(self, total: int, callback: Callable | None, program: Callable, *args):
-        """Runs a denoise program with `callback(step, total)` wired to its step callback; raises
-        GenerationCancelled when the callback stopped it."""
+        """Runs a denoise program with `callback(step, total)` wired to its step callback: (latents, *what
+        else the program returns after the steps done). Raises GenerationCancelled when the callback stopped
+        it."""
         self.step_reporter.listener, self.step_reporter.total = callback, total
         try:
-            latents, done = program(*args)
+            latents, done, *extra = program(*args)
             done = int(done)
         finally:
             self.step_reporter.listener = None
         if done < total:
             raise GenerationCancelled(f"stopped after {done} of {total} steps")
-        return latents
+        return latents, *extra
 
 
 def _batch_default(name: str, defaults: Mapping, limits: Mapping):

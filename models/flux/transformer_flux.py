@@ -56,6 +56,7 @@ from meshserve.models.checkpoints.loading import (
     read_json,
 )
 from meshserve.models.components.layers import TimestepEmbedding, linear, timestep_embedding
+from meshserve.models.engine.step_cache import after_first_block
 
 # Parameter path regex (checkpoint names; our split proj_out parts) -> logical axes, in NNX layout ([in, out]
 # for a Linear). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the FSDP axes.
@@ -499,12 +500,21 @@ class FluxTransformer2DModel(nnx.Module):
         x = self.x_embedder(hidden_states.astype(dtype))
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
 
-        for block in self.transformer_blocks:
-            context, x = block(x, context, temb, rope)
-        x = jnp.concatenate([context, x], axis=1)
-        for block in self.single_transformer_blocks:
-            x = block(x, temb, rope)
-        x = self.norm_out(x[:, s_txt:], temb)
+        joint = list(self.transformer_blocks)
+        first_context, first = joint[0](x, context, temb, rope) if joint else (context, x)
+
+        def rest(x):  # the blocks after the first, on its image output: the image tokens they end with
+            context = first_context
+            for block in joint[1:]:
+                context, x = block(x, context, temb, rope)
+            x = jnp.concatenate([context, x], axis=1)
+            for block in self.single_transformer_blocks:
+                x = block(x, temb, rope)
+            return x[:, s_txt:]
+
+        # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first.
+        x = after_first_block(x, first, rest)
+        x = self.norm_out(x, temb)
         return self.proj_out(x).astype(hidden_states.dtype)
 
 

@@ -86,6 +86,9 @@ class WanPipeline(DiffusionPipeline):
         "max_sequence_length",
     )
     pads_batches = False
+    # The first-block step cache (models/engine/step_cache.py). The default threshold is a starting value, not
+    # yet measured on trained weights (docs/step-cache.md).
+    cache_methods = {"first_block": 0.08}
     scheduler_classes = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
     latents_axes = (0, 4, 1, 2, 3)
     latents_layout = "[B, C, T, h, w]"
@@ -213,6 +216,7 @@ class WanPipeline(DiffusionPipeline):
             "default": SMALL_FRAMES if self._small else DEFAULT_FRAMES,
         }
         limits["loras"] = self.lora.limits
+        limits["cache"] = self.cache_limits()
         return limits
 
     # ----------------------------------------------------------------------------------------------

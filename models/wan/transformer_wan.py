@@ -89,6 +89,7 @@ from meshserve.models.checkpoints.loading import (
     read_json,
 )
 from meshserve.models.components.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
+from meshserve.models.engine.step_cache import after_first_block
 from meshserve.models.flux.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
 
 # Parameter path regex (checkpoint names) -> logical axes, in NNX layout ([in, out] for a Linear, [pt, ph, pw,
@@ -563,8 +564,15 @@ class WanTransformer3DModel(nnx.Module):
             timestep, encoder_hidden_states.astype(dtype), None if image is None else image.astype(dtype)
         )
         timestep_proj = timestep_proj.reshape(b, 6, -1)
-        for block in self.blocks:
-            x = block(x, context, timestep_proj, rope, image)
+        blocks = list(self.blocks)
+
+        def rest(x):
+            for block in blocks[1:]:
+                x = block(x, context, timestep_proj, rope, image)
+            return x
+
+        # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first.
+        x = after_first_block(x, blocks[0](x, context, timestep_proj, rope, image), rest)
 
         # Output head: the chunks are (shift, scale), fp32 (the fp32 table promotes temb).
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None].astype(jnp.float32), 2, axis=1)
