@@ -141,6 +141,20 @@ class StrengthLimits(_Frozen):
     rule: Literal["int", "float"] | None = None
 
 
+class CacheMethodLimits(_Frozen):
+    """A step cache method a model has (models/engine/step_cache.py): the threshold a request leaving it out
+    runs with."""
+
+    default_threshold: float
+
+
+class CacheSettings(_Frozen):
+    """The step cache a job runs with: its method and threshold (the method's default when none was asked)."""
+
+    method: str
+    threshold: float
+
+
 class LoraLimits(_Frozen):
     """LoRA adapters a request may apply (`loras`): at most `max_per_request`, each scale in [scale_min,
     scale_max]; `max_rank`: the largest adapter rank the pool's table holds (docs/lora.md)."""
@@ -191,6 +205,8 @@ class ModelLimits(_Frozen):
     strength: StrengthLimits | None = None
     # LoRA adapters per request (None: the model takes none).
     loras: LoraLimits | None = None
+    # Step cache methods and their default thresholds (None: the model has no step cache; docs/step-cache.md).
+    cache: dict[str, CacheMethodLimits] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -258,6 +274,8 @@ class JobParams(_Frozen):
     strength: float | None = None
     # LoRA adapters applied to every output of the job, with their scales (the job ran with exactly these).
     loras: list[LoraRef] = Field(default_factory=list)
+    # The step cache the job runs with (None: every step runs the whole denoiser).
+    cache: CacheSettings | None = None
 
 
 class Output(_Frozen):

@@ -91,6 +91,23 @@ class LoraRequest(BaseModel):
     )
 
 
+class CacheRequest(BaseModel):
+    """A step cache for the job (docs/step-cache.md): the model's `limits.cache` lists its methods."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    method: str = Field(
+        min_length=1, max_length=64, description="A method the model lists in `limits.cache` (`first_block`)."
+    )
+    threshold: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="How much the first block's residual may change (relative mean) before a step runs every "
+        "block again: higher skips more steps. 0 never skips. Left out: the method's `default_threshold`.",
+    )
+
+
 def _unique_loras(loras: list[LoraRequest] | None) -> list[LoraRequest] | None:
     names = [lora.name for lora in loras or []]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -183,6 +200,12 @@ class GenerateRequest(BaseModel):
         description="Seconds from submission: a job not started by then ends `expired`, one still running is "
         "canceled (error `deadline_exceeded`). The `Cancel-After` header says the same (it wins when both are "
         "given).",
+    )
+    cache: CacheRequest | None = Field(
+        None,
+        description='Step caching: `{"method": "first_block", "threshold": 0.08}` skips most of the denoiser on '
+        "steps where its first block's output changed little (faster, slightly different pictures). The "
+        "model's `limits.cache` lists its methods and default thresholds; a model without one answers 422.",
     )
     loras: Annotated[list[LoraRequest] | None, AfterValidator(_unique_loras)] = Field(
         None,

@@ -329,6 +329,8 @@ class PipelineRunner(Runner):
                 callback=callback,
                 **image_arguments(batch, pad),
                 **lora_arguments(batch, pad),
+                # The step cache: one per batch (its settings are in the batch key).
+                **({"cache": first["cache"]} if first.get("cache") else {}),
                 **self._previews(batch, pad, previews),
                 **rows,
                 **settings,

@@ -494,9 +494,12 @@ class DiffusionPipeline:
             request[name] if request.get(name) is not None else _batch_default(name, d, limits)
             for name in self.batch_fields
         )
-        cache = self._cache_spec(request.get("cache"))
-        if cache is not None:  # rows of a batch share the cache's decisions (step_cache.py)
-            key = (*key, cache.method, cache.threshold)
+        if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
+            try:
+                cache = self._cache_spec(request["cache"])
+                key = (*key, cache.method, cache.threshold)
+            except PipelineError:  # the call refuses it: a batch of its own, never a key error in a pool
+                key = (*key, "bad cache", repr(request["cache"]))
         if len(self.tasks) == 1:
             return key
         task = request.get("task")

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from meshserve.limits import LimitError, check_request
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
-from meshserve.service.contract import DEFAULT_FPS, AdapterInfo, JobParams, LoraRef, ModelInfo, PoolInfo
+from meshserve.service.contract import (
+    DEFAULT_FPS,
+    AdapterInfo,
+    CacheSettings,
+    JobParams,
+    LoraRef,
+    ModelInfo,
+    PoolInfo,
+)
 from meshserve.service.schemas import MAX_SEED, GenerateRequest
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -216,6 +224,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         )
     strength = _image_task_strength(req, info, steps)
     loras = _check_loras(req, info)
+    cache = _check_cache(req, info)
     return JobParams(
         model=info.id,
         prompt=req.prompt,
@@ -236,7 +245,30 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         # `previews: true` alone: about ten previews over the run (models/engine/previews.py's default_every).
         preview_every=req.preview_every or (max(1, steps // 10) if req.previews else 0),
         loras=loras,
+        cache=cache,
     )
+
+
+def _check_cache(req: GenerateRequest, info: ModelInfo) -> CacheSettings | None:
+    """The step cache a job runs with: a method the model lists (422 naming `cache.method` otherwise), its
+    threshold or the method's default."""
+    if req.cache is None:
+        return None
+    methods = info.limits.cache
+    if not methods:
+        raise FieldError(
+            "cache", "not_supported", f"{info.id} ({info.family}) has no step cache; leave cache out"
+        )
+    if req.cache.method not in methods:
+        raise FieldError(
+            "cache.method",
+            "not_supported",
+            f"cache method must be one of {sorted(methods)} for {info.id}, got {req.cache.method!r}",
+        )
+    threshold = req.cache.threshold
+    if threshold is None:
+        threshold = methods[req.cache.method].default_threshold
+    return CacheSettings(method=req.cache.method, threshold=threshold)
 
 
 def image_task(has_image: bool, has_mask: bool, tasks: list[str]) -> str:

@@ -209,6 +209,26 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
                 # True CFG did act: the same seed without it gives another image.
                 assert max_diff(images["true_cfg"], images["plain"]) > 10
 
+                # A step cache reaches the pipeline: listed on the card, carried in the job, and at threshold
+                # 0 (never skips) the plain job's picture from the cached program (docs/step-cache.md).
+                assert flux["limits"]["cache"] == {"first_block": {"default_threshold": 0.08}}
+                assert cards["tiny-sdxl"]["limits"]["cache"] is None
+                cached = {**bodies["plain"], "cache": {"method": "first_block", "threshold": 0.0}}
+                r = await client.post("/v1/generate", json=cached)
+                assert r.status_code == 202 and r.json()["params"]["cache"] == cached["cache"], r.text
+                compiled = pipe.compilations
+                while (job := (await client.get(f"/v1/jobs/{r.json()['id']}")).json())["status"] not in (
+                    "succeeded",
+                    "failed",
+                    "canceled",
+                ):
+                    assert time.monotonic() < deadline + 120, job
+                    await asyncio.sleep(0.1)
+                assert job["status"] == "succeeded", job
+                assert pipe.compilations == compiled + 1  # the cached denoise program, compiled once
+                out = png((await client.get(job["outputs"][0]["url"])).content)
+                assert max_diff(out, images["plain"]) <= 1
+
                 # A batch mixing the two (the pipeline selects per row) gives each row its own result.
                 reqs = [
                     RunRequest(ids[name], JobParams.model_validate(jobs[name]["params"]))
