@@ -18,9 +18,14 @@ How it fits the compiled loop (models/engine/denoise_loop.py):
 - The cache's state (r_ref, tail, whether a step computed yet, how many steps were skipped) rides in the
   loop's carry. Its shapes come from tracing the denoiser once abstractly (`init_state`).
 
-A family supports it by routing its blocks through `after_first_block(x_in, first, rest)`: x_in the first
-block's input, first its output, rest(first) the remaining blocks (the output head stays outside: it runs on
-every step). Without an active cache the call is rest(first), the plain model.
+A family supports it by routing its blocks through one of two hooks; without an active cache each is
+rest(first), the plain model:
+- `after_first_block(x_in, first, rest)` (method "first_block", the DiTs): x_in the first block's input,
+  first its output, rest(first) the remaining blocks (the output head stays outside: it runs on every step).
+- `deep_features(first, deep)` (method "deep_features", the UNet; DeepCache's idea, with the first-block
+  rule deciding instead of a fixed interval): first the first down block's output, deep(first) everything
+  down to the last up block's input. A skipped step runs conv_in, the first down block, the last up block and
+  the output head, and reuses the deep features of the last step that computed them.
 """
 
 from __future__ import annotations
@@ -35,9 +40,6 @@ import jax
 import jax.numpy as jnp
 
 from meshserve.models.engine.common import PipelineError
-
-# method -> what it needs from a family: the DiTs route their blocks through after_first_block.
-METHODS = ("first_block",)
 
 _ACTIVE: contextvars.ContextVar[CacheSlot | None] = contextvars.ContextVar(
     "meshserve_step_cache", default=None
@@ -127,28 +129,44 @@ def skipped_steps(state) -> jax.Array:
 
 
 def after_first_block(x_in, first, rest: Callable):
-    """The denoiser's blocks after the first: rest(first), or, under an active cache on a step whose first
-    block changed little, first + the cached tail (module docstring)."""
+    """A DiT's blocks after the first: rest(first), or, under an active cache on a step whose first block's
+    residual (first - x_in) changed little, first + the residual the other blocks added when they last ran."""
+    return _cached(first - x_in, first, rest, residual=True)
+
+
+def deep_features(first, deep: Callable):
+    """A UNet's deep part: deep(first) (the first down block's output -> the last up block's input), or, under
+    an active cache on a step whose `first` changed little, the deep part's output when it last ran."""
+    return _cached(first, first, deep, residual=False)
+
+
+def _cached(signal, first, rest: Callable, *, residual: bool):
+    """rest(first), or its stored result when `signal` moved less than the threshold since the last step that
+    ran `rest` (stored as rest(first) - first with `residual`, else rest(first))."""
     slot = _ACTIVE.get()
     if slot is None:
         return rest(first)
-    residual = first - x_in
+
+    def stored_of(out, first):
+        return out - first if residual else out
+
     if slot.state is None:  # init_state's abstract trace: only the shapes matter
         out = rest(first)
-        slot.new_state = (residual, out - first, jnp.bool_(False), jnp.int32(0))
+        slot.new_state = (signal, stored_of(out, first), jnp.bool_(False), jnp.int32(0))
         return out
-    ref, tail, computed, skipped = slot.state
-    r, r_ref = residual.astype(jnp.float32), ref.astype(jnp.float32)
-    change = jnp.mean(jnp.abs(r - r_ref)) / jnp.maximum(jnp.mean(jnp.abs(r_ref)), 1e-12)
+    ref, stored, computed, skipped = slot.state
+    s, s_ref = signal.astype(jnp.float32), ref.astype(jnp.float32)
+    change = jnp.mean(jnp.abs(s - s_ref)) / jnp.maximum(jnp.mean(jnp.abs(s_ref)), 1e-12)
     skip = computed & (change < slot.threshold)
 
-    def cached(first, residual):
-        return first + tail.astype(first.dtype), ref, tail
+    def cached(first, signal):
+        out = first + stored.astype(first.dtype) if residual else stored
+        return out, ref, stored
 
-    def computed_now(first, residual):
+    def computed_now(first, signal):
         out = rest(first)
-        return out, residual.astype(ref.dtype), (out - first).astype(tail.dtype)
+        return out, signal.astype(ref.dtype), stored_of(out, first).astype(stored.dtype)
 
-    out, ref, tail = jax.lax.cond(skip, cached, computed_now, first, residual)
-    slot.new_state = (ref, tail, jnp.bool_(True), skipped + skip.astype(jnp.int32))
+    out, ref, stored = jax.lax.cond(skip, cached, computed_now, first, signal)
+    slot.new_state = (ref, stored, jnp.bool_(True), skipped + skip.astype(jnp.int32))
     return out

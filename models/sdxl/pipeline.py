@@ -52,6 +52,9 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     latents_layout = "[B, C, h, w]"
     strength_rule = "int"  # diffusers' SDXL get_timesteps: int(steps * strength) steps run
     pure_noise_tasks = ("inpaint",)
+    # The step cache (models/engine/step_cache.py): deep features reused while the first down block changes
+    # little. Default threshold: docs/step-cache.md (measured on the embedded trained model).
+    cache_methods = {"deep_features": 0.1}
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
@@ -136,6 +139,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "tasks": list(self.tasks),
             "strength": self.strength_limits(),
             "loras": self.lora.limits,
+            "cache": self.cache_limits(),
         }
 
     # ----------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from meshserve.models.components.layers import (
     linear,
     timestep_embedding,
 )
+from meshserve.models.engine.step_cache import deep_features
 from meshserve.models.lora.apply import adapted
 
 # Config values we do not implement -> the value that means "not used" (diffusers' default).
@@ -611,21 +612,33 @@ class UNet2DConditionModel(nnx.Module):
             x = 2 * x - 1.0
 
         x = self.conv_in(x)
-        skips = [x]
-        for block in self.down_blocks:
-            x, block_skips = block(x, emb, context)
-            skips += block_skips
-        if self.mid_block is not None:
-            x = self.mid_block(x, emb, context)
-
+        down, up = list(self.down_blocks), list(self.up_blocks)
+        first, first_skips = down[0](x, emb, context)
+        skips = [x, *first_skips]
+        # The last up block takes the shallowest skips (conv_in's and the first down block's resnets'); the
+        # first down block's downsampled output goes deeper.
+        shallow, deep_skips = skips[: len(up[-1].resnets)], skips[len(up[-1].resnets) :]
         # A size that does not halve cleanly at every level: each upsample goes to its skip's size instead.
         factor = 2**self.num_upsamplers
         odd_size = height % factor != 0 or width % factor != 0
-        for i, block in enumerate(self.up_blocks):
-            block_skips = skips[-len(block.resnets) :]
-            skips = skips[: -len(block.resnets)]
-            size = tuple(skips[-1].shape[1:3]) if odd_size and i < len(self.up_blocks) - 1 else None
-            x = block(x, emb, context, block_skips, size)
+
+        def deep(x):  # the first down block's output -> the last up block's input
+            skips = [*shallow, *deep_skips]
+            for block in down[1:]:
+                x, block_skips = block(x, emb, context)
+                skips += block_skips
+            if self.mid_block is not None:
+                x = self.mid_block(x, emb, context)
+            for block in up[:-1]:
+                block_skips = skips[-len(block.resnets) :]
+                skips = skips[: -len(block.resnets)]
+                size = tuple(skips[-1].shape[1:3]) if odd_size else None
+                x = block(x, emb, context, block_skips, size)
+            return x
+
+        # A step cache (models/engine/step_cache.py) may reuse the deep features of an earlier step.
+        x = deep_features(first, deep)
+        x = up[-1](x, emb, context, shallow, None)
 
         x = get_activation(self.config.act_fn)(self.conv_norm_out(x))
         return self.conv_out(x).astype(sample.dtype)

@@ -1,6 +1,7 @@
-"""The first-block step cache (models/engine/step_cache.py): the decision rule on its own, then inside the
-compiled loop of Flux and Wan: threshold 0 is the uncached model, a threshold skips steps and counts them, a new
-threshold compiles nothing, the settings join the batch key, and a layout takes the single device's decisions.
+"""The step cache (models/engine/step_cache.py): the decision rule on its own, then inside the compiled loop
+of SDXL (deep features), Flux and Wan (first block): threshold 0 is the uncached model, a threshold skips steps
+and counts them, a new threshold compiles nothing, the settings join the batch key, and a layout takes the
+single device's decisions.
 
 Random weights say nothing about the quality of a cached picture (issue 22 measures it on trained models); these
 tests check the mechanics."""
@@ -14,7 +15,13 @@ import pytest
 
 from meshserve.models import load_pipeline
 from meshserve.models.engine.common import PipelineError
-from meshserve.models.engine.step_cache import CacheSlot, after_first_block, parse_cache
+from meshserve.models.engine.step_cache import (
+    CacheSlot,
+    _activate,
+    after_first_block,
+    deep_features,
+    parse_cache,
+)
 
 # --------------------------------------------------------------------------------------------------
 # The decision rule
@@ -26,8 +33,6 @@ def _rest(x):
 
 def _step(slot, state, x_in, first):
     slot.state = state
-    from meshserve.models.engine.step_cache import _activate
-
     with _activate(slot):
         out = after_first_block(x_in, first, _rest)
     return out, slot.new_state
@@ -60,6 +65,28 @@ def test_the_rule_computes_first_then_skips_while_the_first_residual_holds():
     np.testing.assert_allclose(out3, _rest(first3), rtol=1e-6)
     assert int(state3[3]) == 1
     np.testing.assert_allclose(state3[0], first3 - x_in, rtol=1e-6)
+
+
+def test_deep_features_reuse_the_deep_output_itself():
+    """The UNet's form: the signal is the first down block's output, a skipped step returns the stored deep
+    output (not a residual added to this step's input)."""
+    slot = CacheSlot(jnp.float32(0.1))
+    first = jnp.full((1, 4, 4, 2), 2.0)
+    state = (jnp.zeros_like(first), jnp.zeros_like(first), jnp.bool_(False), jnp.int32(0))
+
+    def call(state, first):
+        slot.state = state
+        with _activate(slot):
+            out = deep_features(first, _rest)
+        return out, slot.new_state
+
+    out, state = call(state, first)
+    np.testing.assert_allclose(out, _rest(first))
+    out2, state2 = call(state, first * 1.05)  # 5 % change: the stored deep output, as it was
+    np.testing.assert_allclose(out2, _rest(first))
+    assert int(state2[3]) == 1
+    out3, _ = call(state2, first * 1.2)  # 20 % from the reference: computed again
+    np.testing.assert_allclose(out3, _rest(first * 1.2))
 
 
 def test_without_an_active_cache_the_blocks_just_run():
@@ -102,6 +129,11 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
+def sdxl(tiny_sdxl_path):
+    return load_pipeline(tiny_sdxl_path)
+
+
+@pytest.fixture(scope="module")
 def flux(tiny_flux_dev_path):
     return load_pipeline(tiny_flux_dev_path)
 
@@ -111,6 +143,9 @@ def wan(tiny_wan_path):
     return load_pipeline(tiny_wan_path)
 
 
+METHOD = {"sdxl": "deep_features", "flux": "first_block", "wan": "first_block"}
+
+
 def _kw(pipe):
     kw = dict(height=H, width=W, num_inference_steps=STEPS, seed=3, output_type="np")
     if pipe.family == "wan":
@@ -118,35 +153,36 @@ def _kw(pipe):
     return kw
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "wan"])
 def test_cache_in_the_loop(family, request, record_property):
-    pipe = request.getfixturevalue(family)
-    assert pipe.limits["cache"] == {"first_block": {"default_threshold": 0.08}}
+    pipe, method = request.getfixturevalue(family), METHOD[family]
+    assert list(pipe.limits["cache"]) == [method]
     kw = _kw(pipe)
     plain = pipe("a red circle", **kw)
     assert plain.cached_steps is None
 
     # Threshold 0: no step is skipped, the output is the plain program's.
-    exact = pipe("a red circle", cache={"method": "first_block", "threshold": 0.0}, **kw)
+    exact = pipe("a red circle", cache={"method": method, "threshold": 0.0}, **kw)
     assert exact.cached_steps == 0
     err = float(np.abs(exact.images - plain.images).max())
     record_property("threshold_0_max_abs_err", err)
     assert err <= 1e-5, err
 
-    # The highest threshold skips every step but the first (a first residual never moves 100 % here), and a
-    # new threshold is an input: it compiles nothing.
+    # The highest threshold skips steps (every one but the first for the DiTs here; the tiny random UNet's
+    # first down block moves more than 100 % on some step), and a new threshold is an input: it compiles
+    # nothing.
     before = pipe.compilations
-    lazy = pipe("a red circle", cache={"method": "first_block", "threshold": 1.0}, **kw)
+    lazy = pipe("a red circle", cache={"method": method, "threshold": 1.0}, **kw)
     assert pipe.compilations == before
     record_property("threshold_1_cached_steps", lazy.cached_steps)
-    assert lazy.cached_steps == STEPS - 1
+    assert lazy.cached_steps == STEPS - 1 if family != "sdxl" else 0 < lazy.cached_steps < STEPS
     assert np.abs(lazy.images - plain.images).max() > 1e-4  # skipping changed the output: the test can fail
     assert np.isfinite(lazy.images).all()
 
     # With CFG the uncond and cond rows share each step's decision.
     cfg = dict(kw, **({"true_cfg_scale": 4.0, "negative_prompt": "blurry"} if family == "flux" else {}))
-    both = pipe("a red circle", cache={"method": "first_block", "threshold": 1.0}, **cfg)
-    assert both.cached_steps == STEPS - 1
+    both = pipe("a red circle", cache={"method": method, "threshold": 1.0}, **cfg)
+    assert both.cached_steps == STEPS - 1 if family != "sdxl" else 0 < both.cached_steps < STEPS
 
 
 def test_cache_settings_join_the_batch_key(flux, tiny_sdxl_path):
@@ -158,22 +194,27 @@ def test_cache_settings_join_the_batch_key(flux, tiny_sdxl_path):
     assert default == flux.batch_key({**base, "cache": {"method": "first_block", "threshold": 0.08}})
 
 
-def test_a_model_without_a_step_cache_refuses_one(embedded_sdxl):
-    assert embedded_sdxl.limits.get("cache") is None
-    with pytest.raises(PipelineError, match="this model has none"):
+def test_a_method_of_another_family_is_refused(embedded_sdxl, flux):
+    with pytest.raises(PipelineError, match=r"one of \['deep_features'\]"):
         embedded_sdxl("a cat", num_inference_steps=1, cache={"method": "first_block"})
+    with pytest.raises(PipelineError, match=r"one of \['first_block'\]"):
+        flux("a cat", num_inference_steps=1, height=H, width=W, cache={"method": "deep_features"})
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
-def test_a_layout_takes_the_single_device_decisions(tiny_flux_dev_path, flux, record_property):
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_a_layout_takes_the_single_device_decisions(family, request, record_property):
     """cfg2 x context2: the change is a reduction over sharded rows and tokens, replicated, so every device
-    takes the branch one device takes; the threshold is picked between this seed's changes."""
-    layout = load_pipeline(tiny_flux_dev_path, mesh={"cfg": 2, "context": 2}, devices=jax.devices()[:4])
-    kw = dict(_kw(flux), true_cfg_scale=4.0, negative_prompt="blurry")
+    takes the branch one device takes (thresholds 0 and 1: all computed, all but the first skipped)."""
+    single = request.getfixturevalue(family)
+    folder = request.getfixturevalue({"sdxl": "tiny_sdxl_path", "flux": "tiny_flux_dev_path"}[family])
+    layout = load_pipeline(folder, mesh={"cfg": 2, "context": 2}, devices=jax.devices()[:4])
+    cfg = {"true_cfg_scale": 4.0} if family == "flux" else {"guidance_scale": 5.0}
+    kw = dict(_kw(single), negative_prompt="blurry", **cfg)
     results = {}
     for threshold in (0.0, 1.0):
-        cache = {"method": "first_block", "threshold": threshold}
-        one, four = flux("a red circle", cache=cache, **kw), layout("a red circle", cache=cache, **kw)
+        cache = {"method": METHOD[family], "threshold": threshold}
+        one, four = single("a red circle", cache=cache, **kw), layout("a red circle", cache=cache, **kw)
         assert one.cached_steps == four.cached_steps
         err = float(np.abs(one.images - four.images).max())
         results[threshold] = err
