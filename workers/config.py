@@ -155,6 +155,9 @@ class PoolConfig(_Strict):
     # model's text task (every task of a model without one, e.g. Wan I2V); list image-to-image and inpaint so
     # that no image job compiles on the request path (each adds a denoise program per bucket and batch size).
     warm_up_tasks: list[str] | None = None
+    # Compile each model's step cache programs at start too (docs/step-cache.md): a cached job then compiles
+    # nothing; it adds one denoise program per bucket, batch size and CFG on/off for each method.
+    warm_up_cache: bool = False
     # The prompt-embedding cache's bound per model, in MiB of device memory (models/engine/prompt_cache.py;
     # 0: none). 64 MiB holds ~200 SDXL text rows or ~16 of Flux's or Wan's (bf16).
     prompt_cache_mb: float = Field(64.0, ge=0)

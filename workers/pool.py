@@ -171,6 +171,10 @@ def load_runners(
                     f"pool {cfg.name!r}: warm_up_tasks {unknown} are not tasks of {name} ({info.limits.tasks})"
                 )
             extra["tasks"] = list(cfg.warm_up_tasks)
+        if cfg.warm_up_cache:  # (only then: a runner without a step cache need not take it)
+            if not info.limits.cache:
+                raise ValueError(f"pool {cfg.name!r}: warm_up_cache, but {name} has no step cache")
+            extra["cache"] = True
         seconds = runner.warm_up(buckets, cfg.warm_up_batch_sizes, cfg.warm_up_steps, **extra)
         compiled = runner.compilations - before
         if compiled:

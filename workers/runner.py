@@ -121,10 +121,11 @@ class Runner(ABC):
         num_inference_steps: int | None,
         frames: Sequence[int] = (),
         tasks: Sequence[str] | None = None,
+        cache: bool = False,
     ) -> float:
         """Compile the programs for these (width, height) buckets and batch sizes (a video model: with each of
-        these frame counts; none: its default), for each of `tasks` (None: the text task); returns seconds
-        spent."""
+        these frame counts; none: its default), for each of `tasks` (None: the text task), with `cache` each
+        step cache method's too; returns seconds spent."""
         return 0.0
 
     def batch_key(self, params: JobParams) -> tuple:
@@ -253,7 +254,7 @@ class PipelineRunner(Runner):
             limits=ModelLimits(**limits),
         )
 
-    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=(), tasks=None) -> float:
+    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=(), tasks=None, cache=False) -> float:
         # One step is enough whatever num_inference_steps says: the step count is traced.
         buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
         batch_sizes = sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes})
@@ -263,6 +264,8 @@ class PipelineRunner(Runner):
             num_frames=list(frames) or None,
             output_type="uint8",  # the decode program `generate` runs: the only one the pool compiles
             **({"tasks": list(tasks)} if tasks else {}),
+            # The pool's warm_up_cache: every step cache method's denoise programs too.
+            cache=list(self.pipe.limits.get("cache") or {}) if cache else (),
         )
         # The live previews' latent-to-RGB map, fitted on the folder's VAE once per load (docs/previews.md).
         self.pipe.previews.prepare()

@@ -531,6 +531,7 @@ class DiffusionPipeline:
         tasks: Sequence[str] | None = None,
         output_type: str = "np",
         loras: bool | None = None,
+        cache: Sequence[str] = (),
     ) -> float:
         """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
         video family each of `num_frames` (None: its default frame count; a frame count is a shape), for each
@@ -540,7 +541,8 @@ class DiffusionPipeline:
         "pil" runs) or "uint8" (the worker's: it runs no other). `loras` (None: when adapters are registered)
         also compiles each denoise program's LoRA variant (docs/lora.md), and the text_encode program's when the
         table has text-encoder targets, every adapter slot at scale 0: the first call with adapters then
-        compiles nothing."""
+        compiles nothing. `cache`: step cache methods (limits["cache"]) whose denoise programs to compile too
+        (a threshold never compiles: any one warms a method up)."""
         t0 = time.perf_counter()
         d = self.defaults
         if tasks is None:
@@ -561,11 +563,13 @@ class DiffusionPipeline:
         # The LoRA programs: the denoise program's variant and, when the table holds text-encoder targets, the
         # text_encode program's (ZERO_SCALES runs both; decode is shared).
         adapter_calls = [None, ZERO_SCALES] if loras else [None]
+        cache_calls = [None, *({"method": method, "threshold": 0.0} for method in cache)]
         for width, height in buckets or [(d["width"], d["height"])]:
             for extra in frame_counts:
                 for task in tasks:
                     inputs = self._warm_up_task_inputs(task, width, height)
-                    for b, cfg, adapters in itertools.product(batch_sizes, (False, True), adapter_calls):
+                    calls = itertools.product(batch_sizes, (False, True), adapter_calls, cache_calls)
+                    for b, cfg, adapters, cached in calls:
                         self(
                             [""] * b,
                             negative_prompt="" if cfg else None,
@@ -578,6 +582,7 @@ class DiffusionPipeline:
                             **extra,
                             **inputs,
                             loras=adapters,
+                            cache=cached,
                         )
         if self.prompt_cache is not None:  # the programs encoding a call's misses: 1, 2, 4... texts
             settings = {name: _batch_default(name, d, self.limits) for name in self.batch_fields}

@@ -220,3 +220,25 @@ def test_a_layout_takes_the_single_device_decisions(family, request, record_prop
         results[threshold] = err
         assert err <= 1e-4, (threshold, err)
     record_property("layout_max_abs_err", results)
+
+
+def test_warm_up_compiles_the_cached_programs(tiny_flux_dev_path):
+    """warm_up(cache=[...]) (a pool's warm_up_cache) compiles each method's denoise programs, CFG off and on:
+    a cached call at any threshold then compiles nothing."""
+    pipe = load_pipeline(tiny_flux_dev_path)
+    pipe.warm_up([(W, H)])
+    plain = pipe.compilations
+    pipe.warm_up([(W, H)], cache=["first_block"])
+    assert pipe.compilations == plain + 2  # the cached denoise program without and with true CFG
+    before = pipe.compilations
+    for threshold, cfg in ((0.3, 1.0), (0.05, 4.0)):
+        pipe(
+            "a red circle",
+            negative_prompt="blurry",
+            true_cfg_scale=cfg,
+            height=H,
+            width=W,
+            num_inference_steps=3,
+            cache={"method": "first_block", "threshold": threshold},
+        )
+    assert pipe.compilations == before
