@@ -44,6 +44,24 @@ TOY = ModelInfo(
         schedulers=["euler", "ddim"],
     ),
 )
+# A Flux-like card as a Flux pool publishes it: defaults carry true_cfg_scale (1.0: off), limits its step cache.
+TOY_FLUX = ModelInfo(
+    id="toy-flux",
+    family="flux",
+    task="text-to-image",
+    defaults=ModelDefaults(
+        width=64, height=48, num_inference_steps=4, guidance_scale=3.5, true_cfg_scale=1.0
+    ),
+    limits=ModelLimits(
+        size_multiple=16,
+        min_size=16,
+        max_size=256,
+        max_steps=50,
+        max_n=4,
+        schedulers=["flow_match_euler"],
+        cache={"first_block": {"default_threshold": 0.08}},
+    ),
+)
 TOY_VIDEO = ModelInfo(
     id="toy-video",
     family="wan",
@@ -201,3 +219,11 @@ async def api(make_settings):
         await worker.register()
         yield client, store, worker
         await worker.stop()
+
+
+@pytest.fixture
+async def toy_and_flux(make_settings):
+    """(client, store): the API with one ready pool serving the SDXL-like `toy` and the Flux-like `toy-flux`."""
+    async with api_client(make_settings()) as (client, store):
+        await FakeWorker(store, name="mixed", models=(TOY, TOY_FLUX)).register()
+        yield client, store

@@ -6,51 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.service.contract import ModelDefaults, ModelInfo, ModelLimits
-from tests.service.conftest import TOY, FakeWorker, api_client
-
 pytestmark = pytest.mark.anyio
-
-TOY_FLUX = ModelInfo(
-    id="toy-flux",
-    family="flux",
-    task="text-to-image",
-    defaults=ModelDefaults(
-        width=64, height=48, num_inference_steps=4, guidance_scale=3.5, true_cfg_scale=1.0
-    ),
-    limits=ModelLimits(
-        size_multiple=16,
-        min_size=16,
-        max_size=256,
-        max_steps=50,
-        max_n=4,
-        schedulers=["flow_match_euler"],
-        cache={"first_block": {"default_threshold": 0.08}},
-    ),
-)
-
-
-@pytest.fixture
-async def both(make_settings):
-    """(client, store): one ready pool serving the SDXL-like `toy` (no cache) and the Flux-like `toy-flux`."""
-    async with api_client(make_settings()) as (client, store):
-        await FakeWorker(store, name="mixed", models=(TOY, TOY_FLUX)).register()
-        yield client, store
 
 
 def post(client, **body):
     return client.post("/v1/generate", json={"prompt": "a lighthouse", **body})
 
 
-async def test_models_list_their_methods(both):
-    client, _ = both
+async def test_models_list_their_methods(toy_and_flux):
+    client, _ = toy_and_flux
     cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
     assert cards["toy-flux"]["limits"]["cache"] == {"first_block": {"default_threshold": 0.08}}
     assert cards["toy"]["limits"]["cache"] is None
 
 
-async def test_accepted_with_its_threshold_or_the_default_and_claimed_with_it(both):
-    client, store = both
+async def test_accepted_with_its_threshold_or_the_default_and_claimed_with_it(toy_and_flux):
+    client, store = toy_and_flux
     given = await post(client, model="toy-flux", cache={"method": "first_block", "threshold": 0.2})
     default = await post(client, model="toy-flux", cache={"method": "first_block"})
     plain = await post(client, model="toy-flux")
@@ -78,8 +49,8 @@ BAD = [
 
 
 @pytest.mark.parametrize(("model", "cache", "field", "code"), BAD, ids=[f"{b[2]}-{b[3]}" for b in BAD])
-async def test_bad_cache_is_a_422_naming_the_field(both, model, cache, field, code):
-    client, store = both
+async def test_bad_cache_is_a_422_naming_the_field(toy_and_flux, model, cache, field, code):
+    client, store = toy_and_flux
     r = await post(client, model=model, cache=cache)
     assert r.status_code == 422, r.text
     err = r.json()["error"]

@@ -6,44 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from meshserve.service.contract import ModelDefaults, ModelInfo, ModelLimits
-from tests.service.conftest import TOY, FakeWorker, api_client
-
 pytestmark = pytest.mark.anyio
-
-# A Flux-like model card as a Flux pool publishes it: defaults carry true_cfg_scale (1.0: off).
-TOY_FLUX = ModelInfo(
-    id="toy-flux",
-    family="flux",
-    task="text-to-image",
-    defaults=ModelDefaults(
-        width=64, height=48, num_inference_steps=4, guidance_scale=3.5, true_cfg_scale=1.0
-    ),
-    limits=ModelLimits(
-        size_multiple=16,
-        min_size=16,
-        max_size=256,
-        max_steps=50,
-        max_n=4,
-        schedulers=["flow_match_euler"],
-    ),
-)
-
-
-@pytest.fixture
-async def both(make_settings):
-    """(client, store): the API with one ready pool serving the SDXL-like `toy` and the Flux-like `toy-flux`."""
-    async with api_client(make_settings()) as (client, store):
-        await FakeWorker(store, name="mixed", models=(TOY, TOY_FLUX)).register()
-        yield client, store
 
 
 def post(client, **body):
     return client.post("/v1/generate", json={"prompt": "a lighthouse", **body})
 
 
-async def test_models_card_shows_which_model_takes_it(both):
-    client, _ = both
+async def test_models_card_shows_which_model_takes_it(toy_and_flux):
+    client, _ = toy_and_flux
     cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
     assert cards["toy-flux"]["defaults"]["true_cfg_scale"] == 1.0
     assert cards["toy-flux"]["limits"]["size_multiple"] == 16
@@ -51,8 +22,8 @@ async def test_models_card_shows_which_model_takes_it(both):
     assert "true_cfg_scale" not in cards["toy"]["defaults"]
 
 
-async def test_refused_for_a_model_without_it(both):
-    client, store = both
+async def test_refused_for_a_model_without_it(toy_and_flux):
+    client, store = toy_and_flux
     r = await post(client, model="toy", true_cfg_scale=4.0, negative_prompt="blurry")
     assert r.status_code == 422, r.text
     err = r.json()["error"]
@@ -76,8 +47,8 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize(("value", "code"), BAD_VALUES, ids=[str(v) for v, _ in BAD_VALUES])
-async def test_range_checked(both, value, code):
-    client, store = both
+async def test_range_checked(toy_and_flux, value, code):
+    client, store = toy_and_flux
     r = await post(client, model="toy-flux", true_cfg_scale=value, negative_prompt="blurry")
     assert r.status_code == 422, r.text
     err = r.json()["error"]
@@ -86,9 +57,9 @@ async def test_range_checked(both, value, code):
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
-async def test_non_finite_refused(both, literal):
+async def test_non_finite_refused(toy_and_flux, literal):
     # Python's JSON parser reads these non-standard literals as floats: they must not get past the schema.
-    client, store = both
+    client, store = toy_and_flux
     body = f'{{"model": "toy-flux", "prompt": "x", "negative_prompt": "y", "true_cfg_scale": {literal}}}'
     r = await client.post("/v1/generate", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422, r.text
@@ -97,8 +68,8 @@ async def test_non_finite_refused(both, literal):
     assert await store.redis.exists(store.stream_key("toy-flux", "normal")) == 0
 
 
-async def test_accepted_for_a_model_with_it_and_reaches_the_worker(both):
-    client, store = both
+async def test_accepted_for_a_model_with_it_and_reaches_the_worker(toy_and_flux):
+    client, store = toy_and_flux
     r = await post(client, model="toy-flux", true_cfg_scale=4.5, negative_prompt="blurry", seed=3)
     assert r.status_code == 202, r.text
     given = r.json()
