@@ -105,7 +105,7 @@ from meshserve.models.engine.image_inputs import blend_known, check_scheduler, c
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
-from meshserve.models.engine.step_cache import CacheSlot, CacheSpec, parse_cache
+from meshserve.models.engine.step_cache import CacheSlot, parse_cache
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
@@ -496,7 +496,7 @@ class DiffusionPipeline:
         )
         if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
             try:
-                cache = self._cache_spec(request["cache"])
+                cache = parse_cache(request["cache"], self.cache_methods)
                 key = (*key, cache.method, cache.threshold)
             except PipelineError:  # the call refuses it: a batch of its own, never a key error in a pool
                 key = (*key, "bad cache", repr(request["cache"]))
@@ -512,9 +512,6 @@ class DiffusionPipeline:
         if strength is None:
             strength = self.default_strength(task)
         return (task, strength, *key)
-
-    def _cache_spec(self, cache) -> CacheSpec | None:
-        return parse_cache(cache, self.cache_methods)
 
     def compiled_batch_size(self, rows: int, data: int = 1) -> int:
         return batch_bucket(rows, data) if self.pads_batches else rows
@@ -673,7 +670,7 @@ class DiffusionPipeline:
             )
         except LimitError as e:
             raise PipelineError(str(e)) from None
-        cache = self._cache_spec(cache)
+        cache = parse_cache(cache, self.cache_methods)
         output_type = output_type or self.default_output_type
         if output_type not in OUTPUT_TYPES:
             raise PipelineError(f"output_type must be 'pil', 'np', 'uint8' or 'latent', got {output_type!r}")

@@ -35,6 +35,7 @@ import contextvars
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from numbers import Real
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ def parse_cache(cache, defaults: Mapping[str, float]) -> CacheSpec | None:
     threshold = cache.get("threshold")
     if threshold is None:
         threshold = defaults[method]
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+    if isinstance(threshold, bool) or not isinstance(threshold, Real):
         raise PipelineError(f"cache threshold must be a number, got {threshold!r}")
     if not math.isfinite(threshold) or not 0 <= threshold <= 1:
         raise PipelineError(f"cache threshold must be between 0 and 1, got {threshold}")
