@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 
 import jax
 
+from meshserve.models.engine.host_callback_cache import cache_programs_with_host_callbacks
+
 log = logging.getLogger(__name__)
 
 
@@ -41,6 +43,11 @@ class CompiledPrograms:
         if max_programs is not None and max_programs < 1:
             raise ValueError(f"max_programs must be at least 1, got {max_programs}")
         self.owner, self.max_programs = owner, max_programs
+        # Wherever JAX's persistent cache is on (enable_compilation_cache, or JAX's own setting such as
+        # JAX_COMPILATION_CACHE_DIR), a denoise program read back from it must get this process's host
+        # callbacks: JAX's own read loads an entry written by a meshserve process without them, and the first
+        # step's callback then crashed the process (SIGSEGV, seen 2026-11-23 in a `load_pipeline` subprocess).
+        cache_programs_with_host_callbacks()
         self._programs: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
         self.count = 0  # programs compiled so far (a dropped and recompiled program counts again)
         self.seconds = 0.0  # spent compiling them
