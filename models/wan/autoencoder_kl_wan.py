@@ -56,6 +56,7 @@ from meshserve.models.checkpoints.loading import (
 )
 from meshserve.models.components.autoencoder_kl import DiagonalGaussian
 from meshserve.models.components.layers import conv2d, upsample_nearest2x_conv3x3
+from meshserve.models.cpu.conv3d_by_frames import conv3d_by_frames, prefers_frames
 from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 
 CACHE_T = 2  # frames a causal conv carries from one chunk to the next (its temporal kernel minus one)
@@ -228,6 +229,8 @@ class WanCausalConv3d(nnx.Module):
         padding = ((0, 0), *self.spatial_pad)
         if self.stride == (1, 1, 1) and prefers_taps(kernel.shape):  # conv_out to RGB: 27 x 3 <= 96 channels
             y = conv_by_taps(x.astype(kernel.dtype), kernel, padding)
+        elif prefers_frames():
+            y = conv3d_by_frames(x.astype(kernel.dtype), kernel, self.stride, padding[1:])
         else:
             y = lax.conv_general_dilated(
                 x.astype(kernel.dtype),
@@ -486,6 +489,11 @@ class AutoencoderKLWan(nnx.Module):
         self.quant_conv = WanCausalConv3d(z * 2, z * 2, 1, dtype=dtype, rngs=rngs)
         self.post_quant_conv = WanCausalConv3d(z, z, 1, dtype=dtype, rngs=rngs)
         self.decoder = WanDecoder3d(config, settings=settings, dtype=dtype, rngs=rngs)
+        # Whether the chunk scans are unrolled. Serving keeps the scan (81 frames: 20 chunks compiled once);
+        # training sets it (training/families/wan.py): XLA:CPU ran the scan's backward far slower than
+        # straight-line code, the decoder's input gradient on a 3-latent-frame clip 3.03 s scanned and
+        # 0.54 s unrolled (2-core EPYC, 2026-11-23, beside a training run: the ratio is what counts).
+        self.unroll_chunks = False
 
     def encode(self, x) -> DiagonalGaussian:
         """x: [B, 1 + 4k, H, W, in_channels] video in [-1, 1] -> DiagonalGaussian, mean/logvar
@@ -508,7 +516,9 @@ class AutoencoderKLWan(nnx.Module):
                 return step.updated, self.encoder(chunk, step)
 
             xs = x[:, 1:].reshape(b, chunks, _ENCODE_CHUNK, h, w, c).swapaxes(0, 1)
-            _, rest = lax.scan(body, cache.updated, xs)  # [chunks, B, t, h', w', 2z]
+            _, rest = lax.scan(
+                body, cache.updated, xs, unroll=self.unroll_chunks
+            )  # [chunks, B, t, h', w', 2z]
             rest = rest.swapaxes(0, 1).reshape(b, -1, *rest.shape[3:])
             out = jnp.concatenate([out, rest], axis=1)
         moments = self.quant_conv(out)
@@ -535,7 +545,7 @@ class AutoencoderKLWan(nnx.Module):
                 return step.updated, self.decoder(step.constrain(frame), step)
 
             xs = x[:, 1:, None].swapaxes(0, 1)  # [T - 1, B, 1, h, w, z]
-            _, rest = lax.scan(body, cache.updated, xs)  # [T - 1, B, 4, H, W, out]
+            _, rest = lax.scan(body, cache.updated, xs, unroll=self.unroll_chunks)  # [T - 1, B, 4, H, W, out]
             rest = rest.swapaxes(0, 1).reshape(b, -1, *rest.shape[3:])
             out = jnp.concatenate([out, rest], axis=1)
         return cache.constrain(jnp.clip(out, -1.0, 1.0))
