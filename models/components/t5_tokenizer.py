@@ -18,6 +18,7 @@ protobuf; `T5TokenizerFast.from_pretrained(folder).save_pretrained(folder)` writ
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
@@ -128,12 +129,12 @@ def tokenize_t5(tokenizer: FolderTokenizer, prompts: list[str], max_sequence_len
     return tokenizer.encode(list(prompts), max_sequence_length)
 
 
-def build_tiny_t5_tokenizer(out_dir: Path) -> int:
-    """Writes a tiny T5 Unigram tokenizer (<pad> 0, </s> 1, <unk> 2, then a few pieces) and returns its vocab
+def build_tiny_t5_tokenizer(out_dir: Path, pieces: Sequence[str] = _TINY_PIECES) -> int:
+    """Writes a tiny T5 Unigram tokenizer (<pad> 0, </s> 1, <unk> 2, then `pieces`) and returns its vocab
     size: the files transformers' `T5Tokenizer(vocab=..., extra_ids=0).save_pretrained(out_dir)` writes."""
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
     # Whole words score higher than their letters, so "▁cat" is one token and unknown words fall to letters.
-    vocab += [(piece, -1.0 if len(piece) > 1 else -5.0) for piece in _TINY_PIECES]
+    vocab += [(piece, -1.0 if len(piece) > 1 else -5.0) for piece in pieces]
     specials = FolderSpecials(named=dict(_DEFAULTS), extra=[], added=[], config={})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
