@@ -126,7 +126,14 @@ _COMMON_ARGUMENTS = {"height", "width", "num_inference_steps", "scheduler", "gui
 # A model folder may carry the settings it was made to be served with (the embedded model's training writes
 # them): {"defaults": {"num_inference_steps": 20, "guidance_scale": 5.0}}. diffusers ignores the file.
 SERVING_DEFAULTS_FILE = "meshserve.json"
-_FOLDER_DEFAULT_TYPES = {"num_inference_steps": int, "guidance_scale": float, "width": int, "height": int}
+_FOLDER_DEFAULT_TYPES = {
+    "num_inference_steps": int,
+    "guidance_scale": float,
+    "width": int,
+    "height": int,
+    "max_sequence_length": int,  # a text encoder trained at this length (Flux attends every pad token)
+    "num_frames": int,
+}
 
 
 def folder_serving_defaults(folder) -> dict:

@@ -45,7 +45,7 @@ from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, toke
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES
 from meshserve.models.components.t5 import load_t5_encoder
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer, tokenize_t5
-from meshserve.models.engine.pipeline import DiffusionPipeline, image_limits
+from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
 from meshserve.models.flux.transformer_flux import SHARDING_RULES as FLUX_RULES
 from meshserve.models.flux.transformer_flux import flux_rope, image_ids, load_flux_transformer, round_to
 from meshserve.models.schedulers import flux_mu
@@ -94,6 +94,7 @@ class FluxPipeline(DiffusionPipeline):
     lora_text_encoders = ("text_encoder",)
 
     def load(self, folder: Path) -> dict:
+        self.folder_defaults = folder_serving_defaults(folder)
         self.tokenizer = load_clip_tokenizer(folder / "tokenizer")
         self.tokenizer_2 = load_t5_tokenizer(folder / "tokenizer_2")
         plain = self.plain_attention
@@ -161,6 +162,7 @@ class FluxPipeline(DiffusionPipeline):
             "num_inference_steps": 28 if dev else 4,
             "guidance_scale": 3.5 if dev else 0.0,
             "true_cfg_scale": 1.0,
+            **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
 
     @property

@@ -35,7 +35,7 @@ from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES
 from meshserve.models.components.t5 import load_t5_encoder
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
 from meshserve.models.engine.common import PipelineError
-from meshserve.models.engine.pipeline import DiffusionPipeline, image_limits
+from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
 from meshserve.models.schedulers import FLOW_SCHEDULER_NAMES, FlowMatchEulerDiscreteScheduler, make_scheduler
 from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES
 from meshserve.models.wan.autoencoder_kl_wan import load_autoencoder_kl_wan
@@ -100,6 +100,7 @@ class WanPipeline(DiffusionPipeline):
             raise CheckpointError(
                 f"{folder / 'scheduler'}: use_dynamic_shifting needs a mu WanPipeline never passes"
             )
+        self.folder_defaults = folder_serving_defaults(folder)
         self.tokenizer = load_t5_tokenizer(folder / "tokenizer")
         text_encoder = self.load_module(load_t5_encoder, folder / "text_encoder", T5_RULES)
         transformer = self.load_module(
@@ -193,6 +194,7 @@ class WanPipeline(DiffusionPipeline):
             "num_inference_steps": SMALL_STEPS if small else DEFAULT_STEPS,
             "guidance_scale": DEFAULT_GUIDANCE,
             "fps": FPS,
+            **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
 
     @property
@@ -213,7 +215,7 @@ class WanPipeline(DiffusionPipeline):
             "max_frames": min(MAX_FRAMES, (rope - 1) * tf + 1),
             "step": tf,
             "offset": 1,
-            "default": SMALL_FRAMES if self._small else DEFAULT_FRAMES,
+            "default": d.get("num_frames", SMALL_FRAMES if self._small else DEFAULT_FRAMES),
         }
         limits["loras"] = self.lora.limits
         limits["cache"] = self.cache_limits()
