@@ -108,7 +108,7 @@ def build_checkpoint(out: Path, args) -> Path:
 
     from meshserve.models.components.clip_tokenizer import build_tiny_clip_tokenizer
     from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer
-    from meshserve.models.flux.embedded import SCHEDULER  # FLUX.1-dev's scheduler_config.json
+    from meshserve.models.flux.random_tiny import SCHEDULER  # FLUX.1-dev's scheduler_config.json
 
     clip_vocab = build_tiny_clip_tokenizer(out / "_tok")
     t5_vocab = build_tiny_t5_tokenizer(out / "_tok2")

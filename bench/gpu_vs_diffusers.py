@@ -538,7 +538,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
     from diffusers import FluxTransformer2DModel as TorchFlux
     from flax import nnx
 
-    from meshserve.models.flux.embedded import SCHEDULER  # FLUX.1-dev's scheduler_config.json
+    from meshserve.models.flux.random_tiny import SCHEDULER  # FLUX.1-dev's scheduler_config.json
     from meshserve.models.flux.transformer_flux import flux_rope, image_ids, load_flux_transformer, round_to
     from meshserve.models.schedulers import FlowMatchEulerDiscreteScheduler, flux_mu
 
@@ -771,7 +771,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
 
     from meshserve.models.engine.denoise_loop import interleave
     from meshserve.models.schedulers import make_scheduler
-    from meshserve.models.wan.embedded import SCHEDULER  # Wan 2.1's scheduler_config.json
+    from meshserve.models.wan.random_tiny import SCHEDULER  # Wan 2.1's scheduler_config.json
     from meshserve.models.wan.transformer_wan import load_wan_transformer
 
     args, dev, bf16 = bench.args, bench.dev, jnp.bfloat16

@@ -50,8 +50,9 @@ EMBEDDED = "embedded:tiny-sdxl"
 # as: `load_pipeline` takes the id itself or "embedded:<id>" (a folder of that name wins over the bare id).
 EMBEDDED_MODELS = {
     "tiny-sdxl": ("meshserve.models.sdxl.embedded", "embedded_model_path"),
-    "tiny-flux": ("meshserve.models.flux.embedded", "embedded_flux_path"),
-    "tiny-wan": ("meshserve.models.wan.embedded", "embedded_wan_path"),
+    # Random weights until trained ones ship (training/families/flux.py, wan.py; issue 22).
+    "tiny-flux": ("meshserve.models.flux.random_tiny", "random_flux_path"),
+    "tiny-wan": ("meshserve.models.wan.random_tiny", "random_wan_path"),
 }
 
 

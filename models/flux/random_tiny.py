@@ -1,11 +1,11 @@
-"""The embedded tiny Flux ("tiny-flux"): a Flux.1-dev-architecture checkpoint made deterministically on first use.
+"""A random tiny Flux: a Flux.1-dev-architecture checkpoint with random weights, made deterministically on first use.
 
-As models/sdxl/embedded.py does for the tiny SDXL: no download, no torch. The weights come from our own NNX modules
-(shapes only) filled by numpy from a fixed seed, written as an ordinary diffusers FluxPipeline folder
-(model_index.json, configs, safetensors in PyTorch layout, CLIP and T5 tokenizers built offline), so it goes
-through exactly the loading path a real checkpoint takes, and diffusers' FluxPipeline.from_pretrained opens it
-too. It has the guidance embedding (a tiny "dev") and FLUX.1-dev's scheduler config; it draws noise-like
-colour at 64x64 (the VAE's sample_size), fast enough to serve on a CPU.
+The tests' Flux checkpoint, and what "tiny-flux" serves until a trained one ships (training/families/flux.py). No
+download, no torch: the weights come from our own NNX modules (shapes only) filled by numpy from a fixed seed,
+written as an ordinary diffusers FluxPipeline folder (model_index.json, configs, safetensors in PyTorch layout, CLIP and T5
+tokenizers built offline), so it goes through exactly the loading path a real checkpoint takes, and diffusers'
+FluxPipeline.from_pretrained opens it too. It has the guidance embedding (a tiny "dev") and FLUX.1-dev's scheduler
+config; it draws noise-like colour at 64x64 (the VAE's sample_size).
 
 The configs below are also what the tests' diffusers-built checkpoints use (tests/fixtures/tiny_flux.py).
 """
@@ -104,12 +104,12 @@ SCHEDULER = dict(
 SCHNELL_SCHEDULER = dict(SCHEDULER, shift=1.0, use_dynamic_shifting=False)
 
 
-def embedded_flux_path() -> Path:
-    """The embedded tiny Flux's folder, built on first use and reused after (same cache root as tiny-sdxl)."""
-    return cached_model_folder(VERSION, write_embedded_flux)
+def random_flux_path() -> Path:
+    """The random tiny Flux's folder, built on first use and reused after (under the model cache root)."""
+    return cached_model_folder(VERSION, write_random_flux)
 
 
-def _join_single_proj_out(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def join_single_proj_out(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Our single blocks' two proj_out parts -> the checkpoint's one `proj_out.weight` [dim, inner + mlp]
     (models/transformer_flux.split_single_proj_out inverted)."""
     out = {}
@@ -124,7 +124,7 @@ def _join_single_proj_out(weights: dict[str, np.ndarray]) -> dict[str, np.ndarra
     return out
 
 
-def write_embedded_flux(out: Path, seed: int = 0) -> Path:
+def write_random_flux(out: Path, seed: int = 0) -> Path:
     """The folder as the real FLUX.1 ones are (their model_index.json's classes)."""
     out = Path(out)
     clip_vocab = build_tiny_clip_tokenizer(out / "tokenizer")
@@ -149,7 +149,7 @@ def write_embedded_flux(out: Path, seed: int = 0) -> Path:
             FluxTransformer2DModel,
             FluxTransformer2DConfig,
             {"_class_name": "FluxTransformer2DModel", **TRANSFORMER},
-            to_checkpoint=lambda weights, rng: _join_single_proj_out(weights),
+            to_checkpoint=lambda weights, rng: join_single_proj_out(weights),
         ),
         RandomComponent("vae", AutoencoderKL, AutoencoderKLConfig, {"_class_name": "AutoencoderKL", **VAE}),
     ]

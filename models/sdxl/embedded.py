@@ -15,14 +15,13 @@ Its weights' sha256 sums are kept here and checked on first use: a damaged insta
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
-from meshserve.models.checkpoints.loading import CheckpointError
+from meshserve.models.checkpoints.shipped import checked_folder
 
 FOLDER = Path(__file__).resolve().parent / "weights" / "tiny-sdxl"
 # The command that made the weights (on a 2-core CPU; docs/embedded-model.md has the run's record).
-TRAINING_COMMAND = "meshserve train-embedded --out models/sdxl/weights/tiny-sdxl --seed 0"
+TRAINING_COMMAND = "meshserve train-embedded --family sdxl --out models/sdxl/weights/tiny-sdxl --seed 0"
 # sha256 of each weights file, as training wrote it. A new training run must update these.
 SHA256 = {
     "text_encoder/model.safetensors": "691223f63a69b0422c78faef7acaa1fe4f6eb41b215dee99a8751b765b8d4a47",
@@ -34,16 +33,5 @@ SHA256 = {
 
 @functools.cache
 def embedded_model_path() -> Path:
-    """The embedded model's folder, its weights checked against SHA256 (once per process: 4 ms for the 5.8 MB
-    here, measured 2026-11-22 under load)."""
-    for name, expected in SHA256.items():
-        path = FOLDER / name
-        if not path.is_file():
-            raise CheckpointError(f"the embedded model is missing {path}: reinstall meshserve")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != expected:
-            raise CheckpointError(
-                f"the embedded model's {name} has sha256 {digest}, expected {expected}: reinstall meshserve "
-                f"(or, after retraining with `{TRAINING_COMMAND}`, update models/sdxl/embedded.py's SHA256)"
-            )
-    return FOLDER
+    """The embedded model's folder, its weights checked against SHA256 (once per process)."""
+    return checked_folder(FOLDER, SHA256, TRAINING_COMMAND, "models/sdxl/embedded.py")

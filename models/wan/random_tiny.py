@@ -1,8 +1,8 @@
-"""The embedded tiny Wan ("tiny-wan"): a Wan 2.1 text-to-video checkpoint made deterministically on first use.
+"""A random tiny Wan: a Wan 2.1 text-to-video checkpoint with random weights, made deterministically on first use.
 
-As models/sdxl/embedded.py and models/flux/embedded.py do for the tiny SDXL and Flux: no download, no torch. The
-weights come from our own NNX modules (shapes only) filled by numpy from a fixed seed, written as an ordinary
-diffusers WanPipeline folder (model_index.json, configs, safetensors in PyTorch layout, a UMT5-style T5
+The tests' Wan checkpoint, and what "tiny-wan" serves until a trained one ships (training/families/wan.py). No
+download, no torch: the weights come from our own NNX modules (shapes only) filled by numpy from a fixed seed,
+written as an ordinary diffusers WanPipeline folder (model_index.json, configs, safetensors in PyTorch layout, a UMT5-style T5
 tokenizer built offline, Wan 2.1's UniPC scheduler config with flow_shift 3), so it goes through exactly the
 loading path a real checkpoint takes, and diffusers' WanPipeline.from_pretrained opens it too.
 
@@ -10,7 +10,7 @@ The configs below are also what the tests' diffusers-built checkpoint uses (test
 both are the same architecture. Its RoPE tables address 32 positions per axis, fewer than diffusers'
 default 480x832 grid needs, so models/wan/pipeline.py serves it at its small defaults (32x48 pixels, 5 frames,
 4 steps) and caps sizes at what the tables address: a video of noise-like colour in well under a second of
-denoising on a CPU. It exists so that `meshserve serve --model tiny-wan` returns an MP4 on a fresh machine.
+denoising on a CPU.
 """
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ SCHEDULER = dict(
 )
 
 
-def embedded_wan_path() -> Path:
-    """The embedded tiny Wan's folder, built on first use and reused after (same cache root as tiny-sdxl)."""
-    return cached_model_folder(VERSION, write_embedded_wan)
+def random_wan_path() -> Path:
+    """The random tiny Wan's folder, built on first use and reused after (under the model cache root)."""
+    return cached_model_folder(VERSION, write_random_wan)
 
 
-def _vae_to_diffusers(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def vae_to_diffusers(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Our VAE names -> diffusers' (models/autoencoder_kl_wan._to_our_names inverted): each resample conv is
     `resample.1` of diffusers' nn.Sequential; WanRMS_norm's gamma [C] is [C, 1, 1, 1] ([C, 1, 1] in the
     mid blocks' attention, a 2-D norm)."""
@@ -117,7 +117,7 @@ def _perturb_norms(weights: dict[str, np.ndarray], rng: np.random.Generator) -> 
     }
 
 
-def write_embedded_wan(out: Path, seed: int = 0) -> Path:
+def write_random_wan(out: Path, seed: int = 0) -> Path:
     """The folder as the real Wan 2.1 ones are (their model_index.json's classes)."""
     out = Path(out)
     vocab = build_tiny_t5_tokenizer(out / "tokenizer")
@@ -145,7 +145,7 @@ def write_embedded_wan(out: Path, seed: int = 0) -> Path:
             AutoencoderKLWan,
             AutoencoderKLWanConfig,
             {"_class_name": "AutoencoderKLWan", **VAE},
-            to_checkpoint=lambda weights, rng: _vae_to_diffusers(_perturb_norms(weights, rng)),
+            to_checkpoint=lambda weights, rng: vae_to_diffusers(_perturb_norms(weights, rng)),
         ),
     ]
     return write_pipeline_folder(

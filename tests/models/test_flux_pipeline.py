@@ -334,10 +334,10 @@ def test_bad_arguments_are_clear(dev, kw, match):
 
 
 def test_embedded_tiny_flux_loads_and_equals_diffusers():
-    from meshserve.models.flux.embedded import TRANSFORMER, embedded_flux_path
+    from meshserve.models.flux.random_tiny import TRANSFORMER, random_flux_path
 
-    path = embedded_flux_path()
-    assert embedded_flux_path() == path  # built once, then reused
+    path = random_flux_path()
+    assert random_flux_path() == path  # built once, then reused
     ours = FluxPipeline(path)
     assert ours.guidance_embeds == TRANSFORMER["guidance_embeds"]
     assert (ours.defaults["width"], ours.defaults["height"]) == (64, 64)

@@ -1,5 +1,5 @@
-"""The embedded tiny Wan: deterministic, an ordinary diffusers WanPipeline folder (every key of every component
-read by diffusers/transformers, none missing), equal to diffusers' WanPipeline on it, and served as "tiny-wan".
+"""The random tiny Wan (the tests' Wan checkpoint): deterministic, an ordinary diffusers WanPipeline folder (every
+key of every component read by diffusers/transformers, none missing), equal to diffusers' WanPipeline on it.
 
 The measured errors are logged: `pytest tests/models/test_embedded_wan.py --log-cli-level=INFO` shows them.
 """
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from meshserve.models import load_pipeline
-from meshserve.models.wan.embedded import VERSION, embedded_wan_path, write_embedded_wan
 from meshserve.models.wan.pipeline import WanPipeline
+from meshserve.models.wan.random_tiny import VERSION, random_wan_path, write_random_wan
 
 log = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_embedded_wan(tmp_path_factory.mktemp("tiny-wan") / "m")
+    return write_random_wan(tmp_path_factory.mktemp("tiny-wan") / "m")
 
 
 def _files(root):
@@ -28,7 +28,7 @@ def _files(root):
 
 
 def test_two_builds_are_equal_bytes(folder, tmp_path):
-    again = _files(write_embedded_wan(tmp_path / "again"))
+    again = _files(write_random_wan(tmp_path / "again"))
     first = _files(folder)
     assert first.keys() == again.keys()
     assert [name for name in first if first[name] != again[name]] == []
@@ -86,11 +86,11 @@ def test_diffusers_wan_pipeline_agrees(folder):
     assert float(np.abs(expected_latents - latents).max()) > 0.1  # the loop moved the latents
 
 
-def test_served_as_tiny_wan(tmp_path, monkeypatch):
-    """The id "tiny-wan" builds the folder once under the cache root (keyed by VERSION) and loads it."""
+def test_the_random_folder_is_built_once(tmp_path, monkeypatch):
+    """The random tiny Wan's folder is built once under the cache root (keyed by VERSION) and loads."""
     monkeypatch.setenv("MESHSERVE_CACHE", str(tmp_path))
-    path = embedded_wan_path()
+    path = random_wan_path()
     assert path == tmp_path / "models" / VERSION and (path / "model_index.json").is_file()
-    assert embedded_wan_path() == path  # reused, not rebuilt
-    pipe = load_pipeline("tiny-wan")
-    assert isinstance(pipe, WanPipeline) and pipe.model_id == "tiny-wan"
+    assert random_wan_path() == path  # reused, not rebuilt
+    pipe = load_pipeline(path)
+    assert isinstance(pipe, WanPipeline)
