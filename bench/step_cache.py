@@ -3,7 +3,8 @@ captions' pictures with the cache against the same seeds without it (PSNR, SSIM)
 (training/shape_score.py), the steps skipped, and the denoise time (medians over alternating rounds).
 
     python bench/step_cache.py                      # the embedded tiny SDXL (deep_features)
-    python bench/step_cache.py --model tiny-flux    # once tiny-flux is trained (issue 22)
+    python bench/step_cache.py --model tiny-flux --call '{"true_cfg_scale": 2, "negative_prompt": ""}'
+    python bench/step_cache.py --model tiny-wan     # clips: every held-out combination in every motion
 
 Random weights say nothing here: a cache's error is only meaningful on a model that draws something.
 Results: docs/step-cache.md and bench/README.md.
@@ -65,30 +66,44 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per held-out caption")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--call", default="{}", help="more pipeline arguments, as JSON (every call gets them)"
+    )
     args = parser.parse_args(argv)
+    extra = json.loads(args.call)
 
     import jax
 
     from meshserve.models import load_pipeline
+    from meshserve.training.clips import held_out_clip_prompts
     from meshserve.training.evaluate import held_out_prompts
+    from meshserve.training.motion_score import clip_adherence
     from meshserve.training.shape_score import adherence
 
     pipe = load_pipeline(args.model)
     (method,) = list(pipe.limits["cache"] or {}) or [None]
     if method is None:
         raise SystemExit(f"{args.model or 'the embedded model'} has no step cache")
-    prompts, seeds, wanted = held_out_prompts(range(args.seeds))
+    video = "frames" in pipe.limits
+    prompts, seeds, wanted = (held_out_clip_prompts if video else held_out_prompts)(range(args.seeds))
+    score_of = clip_adherence if video else adherence
 
     def run(steps: int, threshold: float | None):
         cache = None if threshold is None else {"method": method, "threshold": threshold}
-        out = pipe(prompts, seed=seeds, num_inference_steps=steps, output_type="uint8", cache=cache)
+        out = pipe(prompts, seed=seeds, num_inference_steps=steps, output_type="uint8", cache=cache, **extra)
         return np.asarray(out.images), out.timings["denoise"], out.cached_steps
+
+    def frames(x):  # clips [N, F, H, W, 3] -> their frames, for PSNR and SSIM
+        return x.reshape(-1, *x.shape[-3:])
 
     rows = []
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')} {platform.processor() or platform.machine()}, jax {jax.__version__}"
     )
-    print(f"model {args.model or 'embedded tiny-sdxl'}, method {method}, {len(prompts)} pictures per call")
+    print(
+        f"model {args.model or 'embedded tiny-sdxl'}, method {method}, {len(prompts)} "
+        f"{'clips' if video else 'pictures'} per call, {extra or 'no other arguments'}"
+    )
     for steps in args.steps:
         configs = [None, *args.thresholds]
         images, times, skipped = {}, {c: [] for c in configs}, {}
@@ -99,17 +114,18 @@ def main(argv=None) -> None:
                 times[c].append(run(steps, c)[1])
         base = statistics.median(times[None])
         for c in configs:
-            score = adherence(images[c], wanted)
+            score = score_of(images[c], wanted)
             t = times[c]
             row = {
                 "steps": steps,
                 "threshold": c,
                 "skipped": skipped[c],
                 "psnr_db": None if c is None else round(psnr(images[c], images[None]), 1),
-                "ssim": None if c is None else round(ssim(images[c], images[None]), 4),
+                "ssim": None if c is None else round(ssim(frames(images[c]), frames(images[None])), 4),
                 "colour": score.colour,
                 "shape": score.shape,
                 "background": score.background,
+                "direction": getattr(score, "direction", None),
                 "denoise_s": round(statistics.median(t), 3),
                 "spread_s": [round(min(t), 3), round(max(t), 3)],
                 "speedup": round(base / statistics.median(t), 2),
@@ -117,7 +133,7 @@ def main(argv=None) -> None:
             rows.append(row)
             print(json.dumps(row))
     print(
-        "\n| steps | threshold | skipped | PSNR dB | SSIM | colour / shape / background | denoise s (spread) | x |"
+        "\n| steps | threshold | skipped | PSNR dB | SSIM | colour / shape / background (/ direction) | denoise s (spread) | x |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -125,6 +141,8 @@ def main(argv=None) -> None:
         q = "-" if r["psnr_db"] is None else r["psnr_db"]
         s = "-" if r["ssim"] is None else r["ssim"]
         adh = f"{r['colour']:.2f} / {r['shape']:.2f} / {r['background']:.2f}"
+        if r["direction"] is not None:
+            adh += f" / {r['direction']:.2f}"
         spread = f"{r['denoise_s']} ({r['spread_s'][0]}-{r['spread_s'][1]})"
         print(f"| {r['steps']} | {th} | {r['skipped']} | {q} | {s} | {adh} | {spread} | {r['speedup']} |")
     if args.json:

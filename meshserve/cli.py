@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train-embedded",
-        help="train the embedded default model (a tiny SDXL that draws coloured shapes) into a folder",
+        help="train an embedded model (tiny-sdxl, tiny-flux or tiny-wan: coloured shapes) into a folder",
     )
     from meshserve.training.train_shapes import add_arguments as add_training_arguments  # argparse only
 

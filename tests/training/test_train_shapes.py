@@ -7,10 +7,10 @@ import pytest
 
 from meshserve.models import load_pipeline
 from meshserve.models.checkpoints.loading import read_component_weights
-from meshserve.training.config import Recipe
+from meshserve.training.recipe import Recipe
 from meshserve.training.train_shapes import train
 
-RECIPE = Recipe(vae_steps=2, unet_steps=2, vae_batch=4, unet_batch=4, warmup_steps=1)
+RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=4, denoiser_batch=4, warmup_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,9 @@ def runs(tmp_path_factory):
     # "again" repeats "2": the programs come from the persistent compilation cache, so it costs seconds.
     # "1" trains the VAE stage alone: compiling the UNet stage's step for a second mesh cost ~1 minute of
     # the suite, and the stages share the placement code (one `put` of every batch over `data`).
-    runs = {"1": (1, RECIPE.model_copy(update={"unet_steps": 0})), "2": (2, RECIPE), "again": (2, RECIPE)}
+    runs = {"1": (1, RECIPE.model_copy(update={"denoiser_steps": 0})), "2": (2, RECIPE), "again": (2, RECIPE)}
     return {
-        name: (out / name, train(out / name, recipe, devices=jax.devices()[:n], log_every=1))
+        name: (out / name, train(out / name, "sdxl", recipe, devices=jax.devices()[:n], log_every=1))
         for name, (n, recipe) in runs.items()
     }
 
@@ -37,10 +37,10 @@ def test_a_run_is_a_function_of_its_seed(runs):
     np.testing.assert_allclose(record_first["vae_mse"][0], record_again["vae_mse"][0], rtol=1e-5)
     # The UNet's first loss already sees the VAE after its updates (latents and their normalisation): a
     # rounding-size difference there moved it by 6e-4 (relative) in one observed pair of runs.
-    np.testing.assert_allclose(record_first["unet_loss"], record_again["unet_loss"], rtol=1e-2)
+    np.testing.assert_allclose(record_first["denoiser_loss"], record_again["denoiser_loss"], rtol=1e-2)
     files = sorted(p.relative_to(first) for p in first.rglob("*.safetensors"))
     assert len(files) == 4
-    bound = 2 * max(RECIPE.vae_lr, RECIPE.unet_lr)
+    bound = 2 * max(RECIPE.vae_lr, RECIPE.denoiser_lr)
     for rel in files:
         a, b = read_component_weights(first / rel.parent), read_component_weights(again / rel.parent)
         assert a.keys() == b.keys()
@@ -55,7 +55,12 @@ def test_data_parallel_training_computes_the_single_device_losses(runs):
     # losses after its updates.
     np.testing.assert_allclose(one["vae_mse"][0], two["vae_mse"][0], rtol=1e-5)
     np.testing.assert_allclose(one["vae_mse"], two["vae_mse"], rtol=1e-3)
-    np.testing.assert_allclose(one["latents_mean"], two["latents_mean"], rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(
+        one["latent_normalisation"]["latents_mean"],
+        two["latent_normalisation"]["latents_mean"],
+        rtol=1e-3,
+        atol=1e-5,
+    )
 
 
 def test_the_folder_it_writes_serves(runs):
@@ -64,4 +69,29 @@ def test_the_folder_it_writes_serves(runs):
     assert pipe.defaults["num_inference_steps"] == 20
     out = pipe("a red circle on a blue background", num_inference_steps=2, seed=0, output_type="np")
     assert np.asarray(out.images).shape == (1, 64, 64, 3)
-    assert len(record["latents_mean"]) == len(record["latents_std"]) == 4 and min(record["latents_std"]) > 0
+    stats = record["latent_normalisation"]
+    assert len(stats["latents_mean"]) == len(stats["latents_std"]) == 4 and min(stats["latents_std"]) > 0
+
+
+# The other two families run the same loop (training/families/): two steps of each stage write a folder that
+# the serving pipeline loads and runs, with the family's latent normalisation and serving defaults.
+FAMILY_RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=2, denoiser_batch=2, warmup_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("family", "stats", "call"),
+    [
+        ("flux", {"shift_factor", "scaling_factor"}, {}),
+        ("wan", {"latents_mean", "latents_std"}, {"num_frames": 5}),
+    ],
+)
+def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, call):
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS host device count)")
+    record = train(tmp_path / family, family, FAMILY_RECIPE, devices=jax.devices()[:2], log_every=1)
+    assert record["family"] == family and set(record["latent_normalisation"]) == stats
+    assert all(np.isfinite(record["vae_mse"])) and all(np.isfinite(record["denoiser_loss"]))
+    pipe = load_pipeline(tmp_path / family)
+    assert pipe.defaults["max_sequence_length"] == 16 and pipe.defaults["num_inference_steps"] == 20
+    out = pipe("a red circle on a blue background", num_inference_steps=1, seed=0, output_type="np", **call)
+    assert np.isfinite(np.asarray(out.images)).all()

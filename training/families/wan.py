@@ -1,0 +1,149 @@
+"""tiny-wan: Wan 2.1's text-to-video architecture (UMT5 text, the 3D causal VAE, the DiT with cross-attention,
+flow matching with its shift 3) trained on 9-frame clips of the shapes moving (training/clips.py): "a red circle
+moving left on a blue background", up, down, right, or still.
+
+Sizes: a VAE that halves twice in space and twice in time (64x64x9 clips, 3 x 16 x 16 latents of 16 channels:
+Wan 2.1's z_dim), the real (1, 2, 2) patch (3 x 8 x 8 = 192 tokens), and a transformer of width 96 (4 heads of
+24, so tensor 2/4 and Ulysses 2/4 divide the heads) with 3 blocks. The UMT5 text is 16 tokens, the folder's
+serving default `max_sequence_length` (Wan zero-pads each prompt's states to that length and attends the
+zeros, so the model is served at the length it was trained at). Captions dropped to "" at
+`caption_dropout` train the unconditioned branch of Wan's CFG (the pipeline's empty negative prompt).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshserve.models.checkpoints.embedded_folder import write_component, write_json, write_model_index
+from meshserve.models.components import t5
+from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
+from meshserve.models.wan import autoencoder_kl_wan as wan_vae
+from meshserve.models.wan import transformer_wan as wan
+from meshserve.models.wan.random_tiny import vae_to_diffusers
+from meshserve.models.wan.text import encode_wan_prompts, tokenize_wan_prompts
+from meshserve.training import caption_tokenizer, clips, objectives
+from meshserve.training.families.base import Component, TrainingFamily
+from meshserve.training.recipe import Recipe
+
+SIZE, FRAMES = 64, 9
+VAE = dict(
+    base_dim=16,
+    z_dim=16,
+    dim_mult=[1, 2, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[True, True],
+    dropout=0.0,
+    scale_factor_temporal=4,
+    scale_factor_spatial=4,
+    # latents_mean and latents_std come from the trained VAE's latents (latent_normalisation).
+)
+TRANSFORMER = dict(
+    patch_size=[1, 2, 2],
+    num_attention_heads=4,
+    attention_head_dim=24,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=64,
+    ffn_dim=384,
+    num_layers=3,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=32,
+)
+UMT5 = dict(
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+    layer_norm_epsilon=1e-6,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+)
+# Wan 2.1's scheduler_config.json: UniPC in its flow-matching form, shift 3.
+SCHEDULER = dict(
+    prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+)
+MAX_SEQUENCE_LENGTH = 16
+SERVING_DEFAULTS = dict(
+    width=SIZE,
+    height=SIZE,
+    num_frames=FRAMES,
+    num_inference_steps=20,
+    max_sequence_length=MAX_SEQUENCE_LENGTH,
+)
+
+
+class Family(TrainingFamily):
+    name = "wan"
+    recipe = Recipe(vae_steps=600, vae_batch=8, denoiser_steps=2000, denoiser_batch=16)
+    vae = Component(
+        "vae",
+        wan_vae.AutoencoderKLWan,
+        wan_vae.AutoencoderKLWanConfig,
+        wan_vae.SHARDING_RULES,
+        training_attributes=(("unroll_chunks", True),),
+    )
+    denoiser = (
+        Component("transformer", wan.WanTransformer3DModel, wan.WanTransformer3DConfig, wan.SHARDING_RULES),
+        Component("text_encoder", t5.T5EncoderModel, t5.T5Config, t5.SHARDING_RULES),
+    )
+    command = "meshserve train-embedded --family wan --out models/wan/weights/tiny-wan --seed 0"
+
+    def data(self, rng, batch):
+        return clips.clip_batch(rng, batch, FRAMES, SIZE)
+
+    def write_tokenizers(self, out: Path) -> None:
+        words = (*caption_tokenizer.WORDS, *clips.CLIP_WORDS)
+        self.vocab = caption_tokenizer.build_caption_t5_tokenizer(out / "tokenizer", words)
+        self.tokenizer = load_t5_tokenizer(out / "tokenizer")
+        c = TRANSFORMER
+        grid = ((FRAMES - 1) // 4 + 1, SIZE // 4 // 2, SIZE // 4 // 2)
+        self.rope = wan.wan_rope(grid, c["attention_head_dim"], c["rope_max_seq_len"])
+
+    def configs(self):
+        umt5 = {"architectures": ["UMT5EncoderModel"], "model_type": "umt5", "is_encoder_decoder": True}
+        return {
+            "vae": {"_class_name": "AutoencoderKLWan", **VAE},
+            "transformer": {"_class_name": "WanTransformer3DModel", **TRANSFORMER},
+            "text_encoder": {**umt5, "vocab_size": self.vocab, **UMT5},
+        }
+
+    def latent_normalisation(self, latents):
+        # Wan's pipeline decodes latents / (1 / latents_std) + latents_mean, per channel.
+        mean, std = latents.mean(axis=(0, 1, 2, 3)), latents.std(axis=(0, 1, 2, 3))
+        update = {"latents_mean": [float(v) for v in mean], "latents_std": [float(v) for v in std]}
+        return update, mean, 1.0 / std
+
+    def objective(self):
+        return objectives.flow_matching(SCHEDULER["flow_shift"])
+
+    def text_inputs(self, captions, keep):
+        captions = [c if k else "" for c, k in zip(captions, keep, strict=True)]
+        tokens = tokenize_wan_prompts(self.tokenizer, captions, MAX_SEQUENCE_LENGTH)
+        return {"ids": tokens.input_ids, "mask": tokens.attention_mask}
+
+    def predict(self, modules, noisy, t, inputs):
+        embeds = encode_wan_prompts(modules["text_encoder"], inputs["ids"], inputs["mask"])
+        # The transformer takes the scheduler's timestep, sigma x 1000.
+        return modules["transformer"](noisy, t * 1000.0, embeds, self.rope)
+
+    def write_folder(self, out, configs, weights, record):
+        weights = dict(weights, vae=vae_to_diffusers(weights["vae"]))
+        entries = {name: write_component(out / name, configs[name], w) for name, w in weights.items()}
+        write_model_index(
+            out,
+            "WanPipeline",
+            entries,
+            tokenizers={"tokenizer": "T5TokenizerFast"},
+            scheduler=("UniPCMultistepScheduler", SCHEDULER),
+        )
+        write_json(out, {"defaults": SERVING_DEFAULTS, "training": record}, "meshserve.json")

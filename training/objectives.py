@@ -1,0 +1,51 @@
+"""What the denoiser learns to predict: a noised batch of latents, the timestep it is at, and the target.
+
+Each family trains on the objective its scheduler samples with: SDXL's v-prediction over the DDPM schedule
+(the scheduler's own alpha_bar), Flux's and Wan's flow matching (the velocity noise - latents along the
+straight path, at sigmas drawn uniformly and shifted as their schedulers shift them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+# (latents, key) -> (noisy latents, t: the family's timestep per row, target)
+Objective = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def _per_row(x, like):
+    return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+
+def v_prediction(alphas_cumprod) -> Objective:
+    """t: an integer training step, uniform over the schedule; target v = sqrt(a) noise - sqrt(1 - a) x0."""
+    alphas_cumprod = jnp.asarray(alphas_cumprod, jnp.float32)
+
+    def noised(latents, key):
+        k_t, k_noise = jax.random.split(key)
+        t = jax.random.randint(k_t, (latents.shape[0],), 0, alphas_cumprod.shape[0])
+        noise = jax.random.normal(k_noise, latents.shape)
+        a = _per_row(alphas_cumprod[t], latents)
+        noisy = jnp.sqrt(a) * latents + jnp.sqrt(1.0 - a) * noise
+        return noisy, t, jnp.sqrt(a) * noise - jnp.sqrt(1.0 - a) * latents
+
+    return noised
+
+
+def flow_matching(shift: float) -> Objective:
+    """t: sigma in [0, 1], u uniform shifted as the flow schedulers shift theirs (shift u / (1 + (shift - 1) u),
+    diffusers' time_shift with exp(mu) = shift), so training sees the sigmas sampling visits; the noisy
+    latents are (1 - sigma) x0 + sigma noise and the target the velocity noise - x0."""
+
+    def noised(latents, key):
+        k_u, k_noise = jax.random.split(key)
+        u = jax.random.uniform(k_u, (latents.shape[0],))
+        sigma = shift * u / (1.0 + (shift - 1.0) * u)
+        noise = jax.random.normal(k_noise, latents.shape)
+        s = _per_row(sigma, latents)
+        return (1.0 - s) * latents + s * noise, sigma, noise - latents
+
+    return noised

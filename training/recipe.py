@@ -1,0 +1,24 @@
+"""The training hyperparameters: every run is a function of a family's recipe and the seed."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Recipe(BaseModel):
+    """Both stages' steps, batch sizes and learning rates (each family's defaults: training/families/)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seed: int = 0
+    vae_steps: int = 600
+    vae_batch: int = 16
+    vae_lr: float = 1e-3
+    vae_kl_weight: float = 1e-6
+    denoiser_steps: int = 2000
+    denoiser_batch: int = 32
+    denoiser_lr: float = 1e-3
+    warmup_steps: int = 200
+    weight_decay: float = 1e-4
+    caption_dropout: float = 0.1  # rows trained unconditioned, for classifier-free guidance
+    ema_decay: float = 0.999
