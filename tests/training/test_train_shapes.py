@@ -1,6 +1,8 @@
 """The training script: runs on the serving mesh (batch split over `data`), writes a folder the serving
 pipeline loads, and a 2-device run computes what a 1-device run does."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -91,7 +93,16 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, call):
     record = train(tmp_path / family, family, FAMILY_RECIPE, devices=jax.devices()[:2], log_every=1)
     assert record["family"] == family and set(record["latent_normalisation"]) == stats
     assert all(np.isfinite(record["vae_mse"])) and all(np.isfinite(record["denoiser_loss"]))
-    pipe = load_pipeline(tmp_path / family)
+    folder = tmp_path / family
+    # Each T5 encoder's vocabulary is its tokenizer's (the caption words, then letters).
+    for encoder, tokenizer in {
+        "flux": [("text_encoder_2", "tokenizer_2")],
+        "wan": [("text_encoder", "tokenizer")],
+    }[family]:
+        vocab = json.loads((folder / encoder / "config.json").read_text())["vocab_size"]
+        pieces = json.loads((folder / tokenizer / "tokenizer.json").read_text())["model"]["vocab"]
+        assert vocab == len(pieces), (encoder, vocab, len(pieces))
+    pipe = load_pipeline(folder)
     assert pipe.defaults["max_sequence_length"] == 16 and pipe.defaults["num_inference_steps"] == 20
     out = pipe("a red circle on a blue background", num_inference_steps=1, seed=0, output_type="np", **call)
     assert np.isfinite(np.asarray(out.images)).all()

@@ -25,9 +25,9 @@ from meshserve.models.checkpoints.embedded_folder import (
 from meshserve.models.components import autoencoder_kl, clip, t5
 from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer, tokenize_t5
+from meshserve.models.flux import random_tiny
 from meshserve.models.flux import transformer_flux as flux
 from meshserve.models.flux.pipeline import pack_latents, unpack_latents
-from meshserve.models.flux.random_tiny import join_single_proj_out
 from meshserve.models.schedulers import flux_mu
 from meshserve.training import caption_tokenizer, objectives, shapes
 from meshserve.training.families.base import Component, TrainingFamily
@@ -70,31 +70,9 @@ TEXT_ENCODER = dict(
     max_position_embeddings=77,
     layer_norm_eps=1e-5,
 )
-T5 = dict(
-    d_model=32,
-    d_kv=8,
-    d_ff=64,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=8,
-    relative_attention_max_distance=16,
-    feed_forward_proj="gated-gelu",
-    layer_norm_epsilon=1e-6,
-    dropout_rate=0.0,
-    pad_token_id=0,
-    eos_token_id=1,
-    decoder_start_token_id=0,
-)
-# FLUX.1-dev's scheduler_config.json: the shift follows the image's token count (64 here: exp(mu) = 1.60).
-SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
+# The random tiny Flux's T5 (d_model 32 = joint_attention_dim) and FLUX.1-dev's scheduler_config.json, whose
+# shift follows the image's token count (64 here: exp(mu) = 1.60).
+T5, SCHEDULER = random_tiny.T5, random_tiny.SCHEDULER
 MAX_SEQUENCE_LENGTH = 16
 SERVING_DEFAULTS = dict(num_inference_steps=20, max_sequence_length=MAX_SEQUENCE_LENGTH)
 TOKENS = (IMAGE_SIZE // 4 // 2) ** 2  # packed latent tokens of a 64x64 picture
@@ -164,7 +142,7 @@ class Family(TrainingFamily):
         return unpack_latents(out, h, w)
 
     def write_folder(self, out, configs, weights, record):
-        weights = dict(weights, transformer=join_single_proj_out(weights["transformer"]))
+        weights = dict(weights, transformer=random_tiny.join_single_proj_out(weights["transformer"]))
         entries = {name: write_component(out / name, configs[name], w) for name, w in weights.items()}
         write_model_index(
             out,

@@ -18,8 +18,8 @@ from meshserve.models.checkpoints.embedded_folder import write_component, write_
 from meshserve.models.components import t5
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
 from meshserve.models.wan import autoencoder_kl_wan as wan_vae
+from meshserve.models.wan import random_tiny
 from meshserve.models.wan import transformer_wan as wan
-from meshserve.models.wan.random_tiny import vae_to_diffusers
 from meshserve.models.wan.text import encode_wan_prompts, tokenize_wan_prompts
 from meshserve.training import caption_tokenizer, clips, objectives
 from meshserve.training.families.base import Component, TrainingFamily
@@ -53,25 +53,9 @@ TRANSFORMER = dict(
     eps=1e-6,
     rope_max_seq_len=32,
 )
-UMT5 = dict(
-    d_model=32,
-    d_kv=8,
-    d_ff=64,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=8,
-    relative_attention_max_distance=16,
-    feed_forward_proj="gated-gelu",
-    dropout_rate=0.0,
-    layer_norm_epsilon=1e-6,
-    pad_token_id=0,
-    eos_token_id=1,
-    decoder_start_token_id=0,
-)
-# Wan 2.1's scheduler_config.json: UniPC in its flow-matching form, shift 3.
-SCHEDULER = dict(
-    prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
-)
+# The random tiny Wan's UMT5 (d_model 32 = text_dim; its vocabulary is this tokenizer's) and Wan 2.1's
+# scheduler_config.json (UniPC in its flow-matching form, shift 3).
+UMT5, SCHEDULER = random_tiny.UMT5, random_tiny.SCHEDULER
 MAX_SEQUENCE_LENGTH = 16
 SERVING_DEFAULTS = dict(
     width=SIZE,
@@ -114,7 +98,7 @@ class Family(TrainingFamily):
         return {
             "vae": {"_class_name": "AutoencoderKLWan", **VAE},
             "transformer": {"_class_name": "WanTransformer3DModel", **TRANSFORMER},
-            "text_encoder": {**umt5, "vocab_size": self.vocab, **UMT5},
+            "text_encoder": {**umt5, **UMT5, "vocab_size": self.vocab},
         }
 
     def latent_normalisation(self, latents):
@@ -137,7 +121,7 @@ class Family(TrainingFamily):
         return modules["transformer"](noisy, t * 1000.0, embeds, self.rope)
 
     def write_folder(self, out, configs, weights, record):
-        weights = dict(weights, vae=vae_to_diffusers(weights["vae"]))
+        weights = dict(weights, vae=random_tiny.vae_to_diffusers(weights["vae"]))
         entries = {name: write_component(out / name, configs[name], w) for name, w in weights.items()}
         write_model_index(
             out,
