@@ -35,7 +35,11 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("meshse
 class _Active:
     def __init__(self, tables, index, scale):
         self.tables, self.index, self.scale = tables, index, scale
-        self.names: dict[int, str] = {}
+        # id(layer) -> (layer, its name). The layer is held so that its id cannot be reused while these
+        # adapters are active: a merged module freed mid-trace (one text encoder's, then the next one's) once
+        # gave a layer of the second the stale id of an adapted layer of the first, which then added the
+        # wrong factors (a served job failed on their shapes; with equal shapes it would have been silent).
+        self.names: dict[int, tuple[object, str]] = {}
 
     def delta(self, name: str, x, out_shape):
         a, b = self.tables[name]  # [N, in, r], [N, r, *out]
@@ -92,7 +96,7 @@ def bind(module, prefix: str = ""):
     for path, node in nnx.iter_graph(module):
         name = prefix + ".".join(str(p) for p in path)
         if name in active.tables:
-            active.names[id(node)] = name
+            active.names[id(node)] = (node, name)
     return module
 
 
@@ -102,7 +106,7 @@ def adapted(layer, x, y):
     active = _ACTIVE.get()
     if active is None:
         return y
-    name = active.names.get(id(layer))
-    if name is None:
+    entry = active.names.get(id(layer))
+    if entry is None or entry[0] is not layer:
         return y
-    return y + active.delta(name, x, y.shape[x.ndim - 1 :]).astype(y.dtype)
+    return y + active.delta(entry[1], x, y.shape[x.ndim - 1 :]).astype(y.dtype)
