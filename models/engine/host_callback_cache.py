@@ -25,13 +25,6 @@ logger = logging.getLogger(__name__)
 
 _current = threading.local()  # the host callbacks of the program this thread is compiling
 _installed = False
-# One compile-and-cache-write at a time per process. Twice a full test run lost a pytest worker inside XLA:CPU's
-# executable.serialize() during the cache write (2026-11-23: SIGABRT on Wan's vae_decode, SIGSEGV on an SDXL
-# denoise program), both times in a worker process whose pool threads compile concurrently, and never in a
-# single-threaded process; a race between serializing one executable and compiling another is the suspect, not
-# proven. Pools compile at warm-up, so holding compiles in a process to one at a time costs start-up time there
-# only. Reentrant: a compile may trace and compile another program on the same thread.
-_compile_lock = threading.RLock()
 
 # The signatures the wrappers forward to (jax 0.10); anything else leaves jax alone.
 _EXPECTED = {
@@ -86,10 +79,9 @@ def cache_programs_with_host_callbacks() -> bool:
     ):
         _current.host_callbacks = host_callbacks
         try:
-            with _compile_lock:
-                return compile_or_get_cached(
-                    backend, computation, devices, compile_options, host_callbacks, *a, **k
-                )
+            return compile_or_get_cached(
+                backend, computation, devices, compile_options, host_callbacks, *a, **k
+            )
         finally:
             _current.host_callbacks = ()
 

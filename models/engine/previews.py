@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -103,12 +104,24 @@ class LatentPreviews:
     """A pipeline's previews: its latent-to-RGB map (fitted once) and the host end of the preview callback."""
 
     def __init__(self, pipe):
-        self.pipe = pipe
+        # Weakly: this object is the preview io_callback's host function, which every compiled program that
+        # previews keeps alive from C++, where Python's collector cannot see it. A strong reference closed a
+        # cycle (pipeline -> its programs -> the callback -> the pipeline) that nothing could free: every
+        # pipeline a process loaded stayed, with its weights and its executables' memory mappings, until the
+        # process hit vm.max_map_count (65,530) and XLA:CPU crashed in its next compile or cache write.
+        self._pipe = weakref.ref(pipe)
         self.rgb_map: np.ndarray | None = None
         self.fit_seconds: float | None = None
         self.fitted = False
         self.listener: PreviewCallback | None = None
         self.total = 0
+
+    @property
+    def pipe(self):
+        pipe = self._pipe()
+        if pipe is None:
+            raise RuntimeError("the pipeline of these previews was freed")
+        return pipe
 
     # -- the map ---------------------------------------------------------------------------------------------
 

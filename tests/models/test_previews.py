@@ -91,3 +91,21 @@ def test_preview_every_compiles_nothing(pipe):
     with pytest.raises(PipelineError, match="preview_every"):
         pipe(PROMPT, preview_every=-1, num_inference_steps=1)
     assert default_every(50) == 5 and default_every(3) == 1
+
+
+def test_a_dropped_pipeline_is_freed():
+    # Every denoise program keeps its preview callback alive from C++, out of the collector's sight; the
+    # callback once held its pipeline, so no pipeline a process loaded was ever freed (its weights, and its
+    # executables' memory mappings, until XLA:CPU crashed at vm.max_map_count). It holds it weakly now.
+    import gc
+    import weakref
+
+    from meshserve.models import load_pipeline
+
+    pipe = load_pipeline(None)
+    pipe([PROMPT, PROMPT], seed=[0, 1], guidance_scale=2.0, num_inference_steps=2, output_type="np")
+    assert pipe.compilations > 0
+    dropped = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert dropped() is None
