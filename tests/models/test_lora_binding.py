@@ -11,19 +11,10 @@ from flax import nnx
 from meshserve.models.components import clip
 from meshserve.models.components.layers import Linear
 from meshserve.models.lora.apply import adapted, adapters_active, bind
+from tests.fixtures.tiny_sdxl import TEXT_ENCODER
 
-CONFIG = clip.CLIPTextConfig(
-    vocab_size=100,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_hidden_layers=2,
-    max_position_embeddings=77,
-    projection_dim=32,
-    hidden_act="quick_gelu",
-    layer_norm_eps=1e-5,
-    eos_token_id=2,
-)
+# The tiny SDXL checkpoint's CLIP sizes (tests/fixtures/tiny_sdxl.py).
+CONFIG = clip.CLIPTextConfig(vocab_size=100, eos_token_id=99, **TEXT_ENCODER)
 TARGETS = ("self_attn.q_proj", "mlp.fc1")
 
 
@@ -64,7 +55,7 @@ def test_a_layer_built_after_a_bound_one_was_freed_is_not_adapted():
     tables = _tables(nnx.merge(*first), "text_encoder.")
     with adapters_active(tables, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1))):
         bind(nnx.merge(*first), prefix="text_encoder.")  # bound and dropped, as the program's merged encoders
-        for _ in range(20):  # (without the fix, ids were reused within the first few merges: 6 of 20 here)
+        for _ in range(20):  # (without the fix, ids were reused within the first few merges)
             module = nnx.merge(*second)
             for layer in _linears(module):
                 x = jnp.ones((1, 3, layer.in_features))
