@@ -133,7 +133,11 @@ def test_a_paused_worker_is_fenced_off_and_its_late_result_refused(env):
             assert job.status == JobStatus.SUCCEEDED and job.worker.endswith("/b") and job.attempt == 2
         finally:
             os.kill(a.pid, signal.SIGCONT)
-        await asyncio.sleep(1.5)  # a resumes, finishes its steps, and its writes are refused
+        # a resumes, finishes its steps (about a second) and its writes are refused: wait for its log to say so.
+        for _ in range(60):
+            if "owned by another delivery; dropping it" in env.log("a"):
+                break
+            await asyncio.sleep(0.5)
         job = await store.get(job_id)
         assert job.worker.endswith("/b") and job.attempt == 2
         events = await all_events(store, job_id)

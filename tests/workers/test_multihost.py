@@ -273,6 +273,13 @@ class _Processes:
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
+    async def wait_for_line(self, name: str, text: str, timeout: float = 60.0) -> None:
+        """Wait until `text` is in the process's log, then require it (the assertion shows the log)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log(name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert text in self.log(name), self.log(name)[-3000:]
+
     def close(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -393,14 +400,10 @@ def test_two_processes_serve_one_pool_equal_to_one_process_and_lose_no_job_when_
             (info,) = await store.list_pools()
             # One registry entry for the group, the leader's; its mesh spans both processes' devices.
             assert info.pid == leader.pid and info.mesh == {"data": 1, "cfg": 2, "context": 2, "tensor": 1}
-            assert "devices [0, 1, 2, 3]" in processes.log("leader")
-            # The leader registers ready once its own warm-up is done; the follower logs its own a little later
-            # (under a loaded machine, seconds later): wait for the line, then require it.
-            for _ in range(120):
-                if "follower of pool group: ready" in processes.log("follower"):
-                    break
-                await asyncio.sleep(0.5)
-            assert "follower of pool group: ready" in processes.log("follower")
+            # The leader logs its ready line just after registering (CI once read the log in between), and the
+            # follower logs its own once its warm-up is done (under a loaded machine, seconds later).
+            await processes.wait_for_line("leader", "devices [0, 1, 2, 3]")
+            await processes.wait_for_line("follower", "follower of pool group: ready")
 
             # 1. Jobs from Redis, end to end.
             ids = await submit_many(store, jobs)
@@ -422,7 +425,7 @@ def test_two_processes_serve_one_pool_equal_to_one_process_and_lose_no_job_when_
             assert job.status == JobStatus.CANCELED and job.progress.step < 200
             (after,) = await submit_many(store, [params("after", model="tiny-sdxl", steps=2, size=64)])
             assert (await wait_ended(store, [after], timeout=60))[after].status == JobStatus.SUCCEEDED
-            assert "follower: batch ended as on the leader: stopped after" in processes.log("follower")
+            await processes.wait_for_line("follower", "follower: batch ended as on the leader: stopped after")
 
             # 3. Kill the follower mid-job: the leader exits non-zero at once, the job is left to its lease.
             (victim,) = await submit_many(
