@@ -4,7 +4,7 @@ captions' pictures with the cache against the same seeds without it (PSNR, SSIM)
 
     python bench/step_cache.py                      # the embedded tiny SDXL (deep_features)
     python bench/step_cache.py --model tiny-flux --call '{"true_cfg_scale": 2, "negative_prompt": ""}'
-    python bench/step_cache.py --model tiny-wan     # clips: every held-out combination in every motion
+    python bench/step_cache.py --model tiny-wan --method teacache   # clips: each held-out motion
 
 Random weights say nothing here: a cache's error is only meaningful on a model that draws something.
 Results: docs/step-cache.md and bench/README.md.
@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--model", default=None, help="a model id or folder (default: the embedded tiny SDXL)"
     )
+    parser.add_argument("--method", default=None, help="the cache method (default: the model's first)")
     parser.add_argument("--steps", type=int, nargs="+", default=[20, 30, 50])
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
@@ -81,9 +82,10 @@ def main(argv=None) -> None:
     from meshserve.training.shape_score import adherence
 
     pipe = load_pipeline(args.model)
-    (method,) = list(pipe.limits["cache"] or {}) or [None]
-    if method is None:
-        raise SystemExit(f"{args.model or 'the embedded model'} has no step cache")
+    methods = list(pipe.limits["cache"] or {})
+    method = args.method or (methods[0] if methods else None)
+    if method not in methods:
+        raise SystemExit(f"{args.model or 'the embedded model'} has no step cache {method!r}; it has {methods}")
     video = "frames" in pipe.limits
     prompts, seeds, wanted = (held_out_clip_prompts if video else held_out_prompts)(range(args.seeds))
     score_of = clip_adherence if video else adherence

@@ -97,14 +97,17 @@ class CacheRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     method: str = Field(
-        min_length=1, max_length=64, description="A method the model lists in `limits.cache` (`first_block`)."
+        min_length=1,
+        max_length=64,
+        description="A method the model lists in `limits.cache` (`deep_features`, `first_block`, `teacache`).",
     )
     threshold: float | None = Field(
         None,
         ge=0,
         le=1,
-        description="How much the first block's residual may change (relative mean) before a step runs every "
-        "block again: higher skips more steps. 0 never skips. Left out: the method's `default_threshold`.",
+        description="How much the method's signal (the first block's residual or output; for `teacache` its "
+        "modulated input, summed over steps) may change (relative mean) before a step runs every block again: "
+        "higher skips more steps. 0 never skips. Left out: the method's `default_threshold`.",
     )
 
 

@@ -200,7 +200,8 @@ class DiffusionPipeline:
     cfg_field: str = "guidance_scale"
     cfg_needs_negative: bool = False
     # Step cache methods (models/engine/step_cache.py) -> their default thresholds; a family whose denoiser
-    # routes its blocks through step_cache.after_first_block declares "first_block".
+    # routes its blocks through step_cache.after_first_block declares "first_block", through before_blocks
+    # "teacache".
     cache_methods: Mapping[str, float] = {}
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
@@ -933,7 +934,7 @@ class DiffusionPipeline:
                 start=start,
                 after_step=after_step,
                 preview=self.previews.in_loop(preview, shape),
-                step_cache=None if cache is None else CacheSlot(init["cache_threshold"]),
+                step_cache=None if cache is None else CacheSlot(cache, init["cache_threshold"]),
             )
 
     # ---------------------------------------------------------------------------------------------

@@ -2,11 +2,23 @@
 
     pipe(prompt, cache={"method": "first_block", "threshold": 0.08})
 
-First-block cache (the method of ParaAttention's FBCache and diffusers' FirstBlockCacheConfig): every step
-runs the denoiser's first block. Its residual r = output - input is compared with r_ref, the residual of the
+Three methods, each deciding per step whether the denoiser's expensive part runs or its last result is reused:
+
+First-block cache ("first_block", the method of ParaAttention's FBCache and diffusers' FirstBlockCacheConfig):
+every step runs the denoiser's first block. Its residual r = output - input is compared with r_ref, the residual of the
 last step that ran every block: when mean|r - r_ref| / mean|r_ref| < threshold, the other blocks are skipped
 and the residual they added on that step (tail = their output - their input) is added to the first block's
 output instead. The reference moves only on a computed step, so small changes add up until one computes.
+
+TeaCache ("teacache", Liu et al. 2024, "Timestep Embedding Tells: It's Time to Cache"): the signal is the first
+block's modulated input (its normalised input shifted and scaled by the timestep embedding), which costs one
+small matmul, so a skipped step runs no block at all. Its relative change from the previous step (not from
+the last computed one) is summed over the steps since the blocks last ran; while the sum stays under the
+threshold the blocks are skipped and the residual of the whole stack (output - input, from the last step that
+ran it) is added to this step's input. The paper rescales each change by a polynomial fitted to one checkpoint
+(its Flux.1-dev coefficients are meaningless for another model); here the change is used as measured, so a
+threshold reads the same on every checkpoint of a family: the sum of relative L1 changes allowed between two
+computed steps.
 
 How it fits the compiled loop (models/engine/denoise_loop.py):
 - The decision is a traced value: `lax.cond` picks "add the cached tail" or "run the other blocks", so the
@@ -18,14 +30,16 @@ How it fits the compiled loop (models/engine/denoise_loop.py):
 - The cache's state (r_ref, tail, whether a step computed yet, how many steps were skipped) rides in the
   loop's carry. Its shapes come from tracing the denoiser once abstractly (`init_state`).
 
-A family supports it by routing its blocks through one of two hooks; without an active cache each is
-rest(first), the plain model:
+A family supports a method by routing its blocks through the method's hook; without an active cache of that
+method a hook is the plain model:
 - `after_first_block(x_in, first, rest)` (method "first_block", the DiTs): x_in the first block's input,
   first its output, rest(first) the remaining blocks (the output head stays outside: it runs on every step).
 - `deep_features(first, deep)` (method "deep_features", the UNet; DeepCache's idea, with the first-block
   rule deciding instead of a fixed interval): first the first down block's output, deep(first) everything
   down to the last up block's input. A skipped step runs conv_in, the first down block, the last up block and
   the output head, and reuses the deep features of the last step that computed them.
+- `before_blocks(x, signal, blocks)` (method "teacache", the DiTs): x the first block's input, signal its
+  modulated input, blocks(x) the whole stack (which may itself route through `after_first_block`).
 """
 
 from __future__ import annotations
@@ -82,9 +96,11 @@ def parse_cache(cache, defaults: Mapping[str, float]) -> CacheSpec | None:
 
 class CacheSlot:
     """Trace-time exchange between the loop and the denoiser's blocks: the loop puts the carried state here
-    before calling the model, `after_first_block` leaves the next state. `threshold`: a traced [] float32."""
+    before calling the model, the method's hook leaves the next state. `method`: static (it is part of the
+    program); `threshold`: a traced [] float32."""
 
-    def __init__(self, threshold):
+    def __init__(self, method: str, threshold):
+        self.method = method
         self.threshold = threshold
         self.state = None
         self.new_state = None
@@ -100,7 +116,7 @@ class CacheSlot:
 
         shapes = jax.eval_shape(probe)
         if shapes is None:
-            raise ValueError("the denoiser never called after_first_block: it has no step cache")
+            raise ValueError(f"the denoiser has no {self.method!r} step cache (its hook was never called)")
         self.state = self.new_state = None
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -110,7 +126,7 @@ class CacheSlot:
         with _activate(self):
             out = model(x, t)
         if self.new_state is None:
-            raise ValueError("the denoiser never called after_first_block: it has no step cache")
+            raise ValueError(f"the denoiser has no {self.method!r} step cache (its hook was never called)")
         new, self.state, self.new_state = self.new_state, None, None
         return out, new
 
@@ -129,24 +145,73 @@ def skipped_steps(state) -> jax.Array:
     return state[3]
 
 
+def _slot_for(method: str) -> CacheSlot | None:
+    slot = _ACTIVE.get()
+    return slot if slot is not None and slot.method == method else None
+
+
+def _relative_change(signal, ref) -> jax.Array:
+    """mean|signal - ref| / mean|ref|, a replicated fp32 scalar (the means run over every row and token)."""
+    s, s_ref = signal.astype(jnp.float32), ref.astype(jnp.float32)
+    return jnp.mean(jnp.abs(s - s_ref)) / jnp.maximum(jnp.mean(jnp.abs(s_ref)), 1e-12)
+
+
 def after_first_block(x_in, first, rest: Callable):
-    """A DiT's blocks after the first: rest(first), or, under an active cache on a step whose first block's
-    residual (first - x_in) changed little, first + the residual the other blocks added when they last ran."""
+    """A DiT's blocks after the first: rest(first), or, under an active "first_block" cache on a step whose
+    first block's residual (first - x_in) changed little, first + the residual the other blocks added when
+    they last ran."""
+    if _slot_for("first_block") is None:
+        return rest(first)
     return _cached(first - x_in, first, rest, residual=True)
 
 
 def deep_features(first, deep: Callable):
     """A UNet's deep part: deep(first) (the first down block's output -> the last up block's input), or, under
-    an active cache on a step whose `first` changed little, the deep part's output when it last ran."""
+    an active "deep_features" cache on a step whose `first` changed little, the deep part's output when it
+    last ran."""
+    if _slot_for("deep_features") is None:
+        return deep(first)
     return _cached(first, first, deep, residual=False)
+
+
+def before_blocks(x, signal, blocks: Callable):
+    """A DiT's whole block stack: blocks(x), or, under an active "teacache" cache on a step where `signal`
+    (the first block's modulated input) has moved less than the threshold in all since the stack last ran,
+    x + the residual the stack added when it last ran."""
+    slot = _slot_for("teacache")
+    if slot is None:
+        return blocks(x)
+    if slot.state is None:  # init_state's abstract trace: only the shapes matter
+        out = blocks(x)
+        slot.new_state = (signal, out - x, jnp.bool_(False), jnp.int32(0), jnp.float32(0))
+        return out
+    prev, stored, computed, skipped, moved = slot.state
+    moved = moved + _relative_change(signal, prev)
+    skip = computed & (moved < slot.threshold)
+
+    def cached(x):
+        return x + stored.astype(x.dtype), stored, moved
+
+    def computed_now(x):
+        out = blocks(x)
+        return out, (out - x).astype(stored.dtype), jnp.float32(0)
+
+    out, stored, moved = jax.lax.cond(skip, cached, computed_now, x)
+    # The reference is always the previous step: TeaCache sums step-to-step changes.
+    slot.new_state = (
+        signal.astype(prev.dtype),
+        stored,
+        jnp.bool_(True),
+        skipped + skip.astype(jnp.int32),
+        moved,
+    )
+    return out
 
 
 def _cached(signal, first, rest: Callable, *, residual: bool):
     """rest(first), or its stored result when `signal` moved less than the threshold since the last step that
     ran `rest` (stored as rest(first) - first with `residual`, else rest(first))."""
     slot = _ACTIVE.get()
-    if slot is None:
-        return rest(first)
 
     def stored_of(out, first):
         return out - first if residual else out
@@ -156,9 +221,7 @@ def _cached(signal, first, rest: Callable, *, residual: bool):
         slot.new_state = (signal, stored_of(out, first), jnp.bool_(False), jnp.int32(0))
         return out
     ref, stored, computed, skipped = slot.state
-    s, s_ref = signal.astype(jnp.float32), ref.astype(jnp.float32)
-    change = jnp.mean(jnp.abs(s - s_ref)) / jnp.maximum(jnp.mean(jnp.abs(s_ref)), 1e-12)
-    skip = computed & (change < slot.threshold)
+    skip = computed & (_relative_change(signal, ref) < slot.threshold)
 
     def cached(first, signal):
         out = first + stored.astype(first.dtype) if residual else stored

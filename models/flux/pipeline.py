@@ -84,9 +84,9 @@ class FluxPipeline(DiffusionPipeline):
     batch_fields = (*DiffusionPipeline.batch_fields, "max_sequence_length")
     cfg_field = "true_cfg_scale"
     cfg_needs_negative = True
-    # The first-block step cache (models/engine/step_cache.py). The default threshold is a starting value, not
-    # yet measured on trained weights (docs/step-cache.md).
-    cache_methods = {"first_block": 0.08}
+    # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
+    # values, not yet measured on trained weights (docs/step-cache.md).
+    cache_methods = {"first_block": 0.08, "teacache": 0.1}
     scheduler_classes = ("FlowMatchEulerDiscreteScheduler",)  # flow matching: velocity prediction
     latents_layout = "[B, (h/2)(w/2), 4C] (packed)"
     strength_rule = "float"  # FluxImg2ImgPipeline's get_timesteps: int(steps - steps * strength) is the start

@@ -56,7 +56,7 @@ from meshserve.models.checkpoints.loading import (
     read_json,
 )
 from meshserve.models.components.layers import TimestepEmbedding, linear, timestep_embedding
-from meshserve.models.engine.step_cache import after_first_block
+from meshserve.models.engine.step_cache import after_first_block, before_blocks
 
 # Parameter path regex (checkpoint names; our split proj_out parts) -> logical axes, in NNX layout ([in, out]
 # for a Linear). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the FSDP axes.
@@ -501,19 +501,25 @@ class FluxTransformer2DModel(nnx.Module):
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
 
         joint = list(self.transformer_blocks)
-        first_context, first = joint[0](x, context, temb, rope) if joint else (context, x)
 
-        def rest(x):  # the blocks after the first, on its image output: the image tokens they end with
-            context = first_context
-            for block in joint[1:]:
-                context, x = block(x, context, temb, rope)
-            x = jnp.concatenate([context, x], axis=1)
-            for block in self.single_transformer_blocks:
-                x = block(x, temb, rope)
-            return x[:, s_txt:]
+        def blocks(x):  # every block, on the embedded image tokens: the image tokens they end with
+            first_context, first = joint[0](x, context, temb, rope) if joint else (context, x)
 
-        # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first.
-        x = after_first_block(x, first, rest)
+            def rest(x):  # the blocks after the first, on its image output
+                context = first_context
+                for block in joint[1:]:
+                    context, x = block(x, context, temb, rope)
+                x = jnp.concatenate([context, x], axis=1)
+                for block in self.single_transformer_blocks:
+                    x = block(x, temb, rope)
+                return x[:, s_txt:]
+
+            return after_first_block(x, first, rest)
+
+        # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first
+        # ("first_block") or of all of them ("teacache", decided from the first block's modulated input).
+        signal = joint[0].norm1(x, temb)[0] if joint else x
+        x = before_blocks(x, signal, blocks)
         x = self.norm_out(x, temb)
         return self.proj_out(x).astype(hidden_states.dtype)
 

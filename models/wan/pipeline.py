@@ -86,9 +86,9 @@ class WanPipeline(DiffusionPipeline):
         "max_sequence_length",
     )
     pads_batches = False
-    # The first-block step cache (models/engine/step_cache.py). The default threshold is a starting value, not
-    # yet measured on trained weights (docs/step-cache.md).
-    cache_methods = {"first_block": 0.08}
+    # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
+    # values, not yet measured on trained weights (docs/step-cache.md).
+    cache_methods = {"first_block": 0.08, "teacache": 0.1}
     scheduler_classes = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
     latents_axes = (0, 4, 1, 2, 3)
     latents_layout = "[B, C, T, h, w]"

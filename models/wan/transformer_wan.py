@@ -89,7 +89,7 @@ from meshserve.models.checkpoints.loading import (
     read_json,
 )
 from meshserve.models.components.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
-from meshserve.models.engine.step_cache import after_first_block
+from meshserve.models.engine.step_cache import after_first_block, before_blocks
 from meshserve.models.flux.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
 
 # Parameter path regex (checkpoint names) -> logical axes, in NNX layout ([in, out] for a Linear, [pt, ph, pw,
@@ -477,14 +477,19 @@ class WanTransformerBlock(nnx.Module):
             jax.random.normal(rngs.params(), (1, 6, dim), jnp.float32) / dim**0.5
         )
 
+    def modulated_input(self, x, timestep_proj):
+        """(norm1(x) shifted and scaled by the timestep, in x's dtype; the fp32 gate of self-attention and the
+        feed-forward's shift, scale and gate): what the block's self-attention sees."""
+        modulation = self.scale_shift_table[...] + timestep_proj.astype(jnp.float32)  # [B, 6, dim] fp32
+        shift, scale, gate, c_shift, c_scale, c_gate = jnp.split(modulation, 6, axis=1)
+        h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + scale) + shift).astype(x.dtype)
+        return h, gate, c_shift, c_scale, c_gate
+
     def __call__(self, x, context, timestep_proj, rope, image=None):
         """x [B, S, dim], context [B, S_txt, dim], timestep_proj [B, 6, dim], image [B, S_img, dim] or None
         -> [B, S, dim] (x's dtype)."""
         dtype = x.dtype
-        modulation = self.scale_shift_table[...] + timestep_proj.astype(jnp.float32)  # [B, 6, dim] fp32
-        shift, scale, gate, c_shift, c_scale, c_gate = jnp.split(modulation, 6, axis=1)
-
-        h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + scale) + shift).astype(dtype)
+        h, gate, c_shift, c_scale, c_gate = self.modulated_input(x, timestep_proj)
         x = (x.astype(jnp.float32) + self.attn1(h, rope=rope).astype(jnp.float32) * gate).astype(dtype)
 
         h = x if self.norm2 is None else self.norm2(x.astype(jnp.float32)).astype(dtype)
@@ -566,13 +571,17 @@ class WanTransformer3DModel(nnx.Module):
         timestep_proj = timestep_proj.reshape(b, 6, -1)
         blocks = list(self.blocks)
 
-        def rest(x):
-            for block in blocks[1:]:
-                x = block(x, context, timestep_proj, rope, image)
-            return x
+        def all_blocks(x):
+            def rest(x):
+                for block in blocks[1:]:
+                    x = block(x, context, timestep_proj, rope, image)
+                return x
 
-        # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first.
-        x = after_first_block(x, blocks[0](x, context, timestep_proj, rope, image), rest)
+            return after_first_block(x, blocks[0](x, context, timestep_proj, rope, image), rest)
+
+        # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first
+        # ("first_block") or of all of them ("teacache", decided from the first block's modulated input).
+        x = before_blocks(x, blocks[0].modulated_input(x, timestep_proj)[0], all_blocks)
 
         # Output head: the chunks are (shift, scale), fp32 (the fp32 table promotes temb).
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None].astype(jnp.float32), 2, axis=1)

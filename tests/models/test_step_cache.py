@@ -19,6 +19,7 @@ from meshserve.models.engine.step_cache import (
     CacheSlot,
     _activate,
     after_first_block,
+    before_blocks,
     deep_features,
     parse_cache,
 )
@@ -41,7 +42,7 @@ def _step(slot, state, x_in, first):
 def test_the_rule_computes_first_then_skips_while_the_first_residual_holds():
     x_in = jnp.ones((2, 4, 3))
     first = x_in + 0.5  # residual 0.5 everywhere
-    slot = CacheSlot(jnp.float32(0.1))
+    slot = CacheSlot("first_block", jnp.float32(0.1))
     zeros = jnp.zeros_like(x_in)
     state = (zeros, zeros, jnp.bool_(False), jnp.int32(0))
 
@@ -70,7 +71,7 @@ def test_the_rule_computes_first_then_skips_while_the_first_residual_holds():
 def test_deep_features_reuse_the_deep_output_itself():
     """The UNet's form: the signal is the first down block's output, a skipped step returns the stored deep
     output (not a residual added to this step's input)."""
-    slot = CacheSlot(jnp.float32(0.1))
+    slot = CacheSlot("deep_features", jnp.float32(0.1))
     first = jnp.full((1, 4, 4, 2), 2.0)
     state = (jnp.zeros_like(first), jnp.zeros_like(first), jnp.bool_(False), jnp.int32(0))
 
@@ -89,15 +90,61 @@ def test_deep_features_reuse_the_deep_output_itself():
     np.testing.assert_allclose(out3, _rest(first * 1.2))
 
 
+def test_teacache_sums_step_to_step_changes_and_reuses_the_whole_stack():
+    """TeaCache: the signal's change from the previous step (not from the last computed one) is summed since
+    the stack last ran; under the threshold the stack's stored residual is added to this step's input."""
+    slot = CacheSlot("teacache", jnp.float32(0.1))
+    x = jnp.full((2, 4, 3), 1.0)
+    signal = jnp.full((2, 4, 3), 2.0)
+    zeros = jnp.zeros_like(x)
+    state = (zeros, zeros, jnp.bool_(False), jnp.int32(0), jnp.float32(0))
+
+    def call(state, x, signal):
+        slot.state = state
+        with _activate(slot):
+            out = before_blocks(x, signal, _rest)
+        return out, slot.new_state
+
+    out, state = call(state, x, signal)  # nothing stored yet: the stack runs
+    np.testing.assert_allclose(out, _rest(x))
+    np.testing.assert_allclose(state[1], _rest(x) - x)
+    assert int(state[3]) == 0 and float(state[4]) == 0.0
+
+    x2 = x * 2  # the stored residual goes on this step's input
+    out2, state2 = call(state, x2, signal * 1.04)  # moved 4 %: skipped
+    np.testing.assert_allclose(out2, x2 + state[1], rtol=1e-6)
+    assert int(state2[3]) == 1 and float(state2[4]) == pytest.approx(0.04, rel=1e-4)
+    np.testing.assert_allclose(state2[0], signal * 1.04)  # the reference is always the previous step
+
+    out3, state3 = call(state2, x2, signal * 1.04 * 1.04)  # another 4 %: 8 % in all, still skipped
+    np.testing.assert_allclose(out3, x2 + state[1], rtol=1e-6)
+    assert int(state3[3]) == 2
+
+    out4, state4 = call(state3, x2, signal * 1.04**3)  # 12 % in all: the stack runs, the sum restarts
+    np.testing.assert_allclose(out4, _rest(x2), rtol=1e-6)
+    assert int(state4[3]) == 2 and float(state4[4]) == 0.0
+
+
+def test_a_hook_of_another_method_just_runs():
+    """Flux and Wan route through both DiT hooks: only the active method's acts."""
+    x = jnp.ones((1, 2, 3))
+    slot = CacheSlot("teacache", jnp.float32(1.0))
+    slot.state = (x, x, jnp.bool_(True), jnp.int32(0), jnp.float32(0))
+    with _activate(slot):
+        np.testing.assert_allclose(after_first_block(x, x + 1, _rest), _rest(x + 1))
+        np.testing.assert_allclose(deep_features(x, _rest), _rest(x))
+
+
 def test_without_an_active_cache_the_blocks_just_run():
     x = jnp.arange(6.0).reshape(2, 3)
     np.testing.assert_allclose(after_first_block(x, x + 1, _rest), _rest(x + 1))
+    np.testing.assert_allclose(before_blocks(x, x, _rest), _rest(x))
 
 
 @pytest.mark.parametrize(
     "cache,match",
     [
-        ({"method": "teacache"}, "method must be one of"),
+        ({"method": "magcache"}, "method must be one of"),
         ({"threshold": 0.1}, "method must be one of"),
         ({"method": "first_block", "threshold": -0.1}, "between 0 and 1"),
         ({"method": "first_block", "threshold": 1.5}, "between 0 and 1"),
@@ -143,7 +190,7 @@ def wan(tiny_wan_path):
     return load_pipeline(tiny_wan_path)
 
 
-METHOD = {"sdxl": "deep_features", "flux": "first_block", "wan": "first_block"}
+METHODS = {"sdxl": ["deep_features"], "flux": ["first_block", "teacache"], "wan": ["first_block", "teacache"]}
 
 
 def _kw(pipe):
@@ -153,10 +200,12 @@ def _kw(pipe):
     return kw
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "wan"])
-def test_cache_in_the_loop(family, request, record_property):
-    pipe, method = request.getfixturevalue(family), METHOD[family]
-    assert list(pipe.limits["cache"]) == [method]
+@pytest.mark.parametrize(
+    "family,method", [(family, method) for family, methods in METHODS.items() for method in methods]
+)
+def test_cache_in_the_loop(family, method, request, record_property):
+    pipe = request.getfixturevalue(family)
+    assert list(pipe.limits["cache"]) == METHODS[family]
     kw = _kw(pipe)
     plain = pipe("a red circle", **kw)
     assert plain.cached_steps is None
@@ -168,21 +217,22 @@ def test_cache_in_the_loop(family, request, record_property):
     record_property("threshold_0_max_abs_err", err)
     assert err <= 1e-5, err
 
-    # The highest threshold skips steps (every one but the first for the DiTs here; the tiny random UNet's
-    # first down block moves more than 100 % on some step), and a new threshold is an input: it compiles
-    # nothing.
+    # The highest threshold skips steps (every one but the first for the first-block rule here; the tiny
+    # random UNet's first down block moves more than 100 % on some step, and TeaCache's sum of step-to-step
+    # changes passes 100 % within a few steps), and a new threshold is an input: it compiles nothing.
     before = pipe.compilations
     lazy = pipe("a red circle", cache={"method": method, "threshold": 1.0}, **kw)
     assert pipe.compilations == before
     record_property("threshold_1_cached_steps", lazy.cached_steps)
-    assert lazy.cached_steps == STEPS - 1 if family != "sdxl" else 0 < lazy.cached_steps < STEPS
+    every_but_first = method == "first_block"
+    assert lazy.cached_steps == STEPS - 1 if every_but_first else 0 < lazy.cached_steps < STEPS
     assert np.abs(lazy.images - plain.images).max() > 1e-4  # skipping changed the output: the test can fail
     assert np.isfinite(lazy.images).all()
 
     # With CFG the uncond and cond rows share each step's decision.
     cfg = dict(kw, **({"true_cfg_scale": 4.0, "negative_prompt": "blurry"} if family == "flux" else {}))
     both = pipe("a red circle", cache={"method": method, "threshold": 1.0}, **cfg)
-    assert both.cached_steps == STEPS - 1 if family != "sdxl" else 0 < both.cached_steps < STEPS
+    assert both.cached_steps == STEPS - 1 if every_but_first else 0 < both.cached_steps < STEPS
 
 
 def test_cache_settings_join_the_batch_key(flux, tiny_sdxl_path):
@@ -197,15 +247,17 @@ def test_cache_settings_join_the_batch_key(flux, tiny_sdxl_path):
 def test_a_method_of_another_family_is_refused(embedded_sdxl, flux):
     with pytest.raises(PipelineError, match=r"one of \['deep_features'\]"):
         embedded_sdxl("a cat", num_inference_steps=1, cache={"method": "first_block"})
-    with pytest.raises(PipelineError, match=r"one of \['first_block'\]"):
+    with pytest.raises(PipelineError, match=r"one of \['first_block', 'teacache'\]"):
         flux("a cat", num_inference_steps=1, height=H, width=W, cache={"method": "deep_features"})
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
-@pytest.mark.parametrize("family", ["sdxl", "flux"])
-def test_a_layout_takes_the_single_device_decisions(family, request, record_property):
+@pytest.mark.parametrize(
+    "family,method", [("sdxl", "deep_features"), ("flux", "first_block"), ("flux", "teacache")]
+)
+def test_a_layout_takes_the_single_device_decisions(family, method, request, record_property):
     """cfg2 x context2: the change is a reduction over sharded rows and tokens, replicated, so every device
-    takes the branch one device takes (thresholds 0 and 1: all computed, all but the first skipped)."""
+    takes the branch one device takes (thresholds 0 and 1: all computed, most skipped)."""
     single = request.getfixturevalue(family)
     folder = request.getfixturevalue({"sdxl": "tiny_sdxl_path", "flux": "tiny_flux_dev_path"}[family])
     layout = load_pipeline(folder, mesh={"cfg": 2, "context": 2}, devices=jax.devices()[:4])
@@ -213,7 +265,7 @@ def test_a_layout_takes_the_single_device_decisions(family, request, record_prop
     kw = dict(_kw(single), negative_prompt="blurry", **cfg)
     results = {}
     for threshold in (0.0, 1.0):
-        cache = {"method": METHOD[family], "threshold": threshold}
+        cache = {"method": method, "threshold": threshold}
         one, four = single("a red circle", cache=cache, **kw), layout("a red circle", cache=cache, **kw)
         assert one.cached_steps == four.cached_steps
         err = float(np.abs(one.images - four.images).max())

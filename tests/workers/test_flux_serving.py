@@ -211,7 +211,10 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
 
                 # A step cache reaches the pipeline: listed on the card, carried in the job, and at threshold
                 # 0 (never skips) the plain job's picture from the cached program (docs/step-cache.md).
-                assert flux["limits"]["cache"] == {"first_block": {"default_threshold": 0.08}}
+                assert flux["limits"]["cache"] == {
+                    "first_block": {"default_threshold": 0.08},
+                    "teacache": {"default_threshold": 0.1},
+                }
                 assert cards["tiny-sdxl"]["limits"]["cache"] == {"deep_features": {"default_threshold": 0.1}}
                 cached = {**bodies["plain"], "cache": {"method": "first_block", "threshold": 0.0}}
                 r = await client.post("/v1/generate", json=cached)
