@@ -27,7 +27,7 @@ all reproduced:
 Module names follow diffusers' `autoencoders/autoencoder_kl_wan.py` (WanCausalConv3d, WanRMS_norm,
 WanResample, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanUpBlock, WanEncoder3d, WanDecoder3d), so
 checkpoint keys map by models/checkpoints/loading.py's rules (Conv3d [O, I, t, h, w] -> [t, h, w, I, O]) plus two
-renames in `_to_our_names`: each `resample` is diffusers' nn.Sequential (zero pad or upsample, conv) whose
+renames in `diffusers_to_ours`: each `resample` is diffusers' nn.Sequential (zero pad or upsample, conv) whose
 conv is `resample.1`, ours the conv itself; WanRMS_norm's `gamma` [C, 1, 1(, 1)] is stored as [C].
 Only the Wan 2.1 form is built: the Wan 2.2 options (is_residual, patch_size) and attention outside the mid
 blocks (attn_scales, which diffusers' encoder cannot run either) are rejected.
@@ -551,7 +551,7 @@ class AutoencoderKLWan(nnx.Module):
         return cache.constrain(jnp.clip(out, -1.0, 1.0))
 
 
-def _to_our_names(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def diffusers_to_ours(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """diffusers' keys -> ours: `resample.1.` (the conv of an nn.Sequential) -> `resample.`; WanRMS_norm's
     gamma [C, 1, 1(, 1)] -> [C]."""
     out = {}
@@ -573,6 +573,6 @@ def load_autoencoder_kl_wan(
     dtype = jnp.dtype(dtype)
     model = abstract_module(lambda rngs: AutoencoderKLWan(config, settings=settings, dtype=dtype, rngs=rngs))
     load_weights(
-        model, _to_our_names(read_component_weights(folder)), where=str(folder), dtype=dtype, place=place
+        model, diffusers_to_ours(read_component_weights(folder)), where=str(folder), dtype=dtype, place=place
     )
     return model

@@ -94,7 +94,7 @@ def random_wan_path() -> Path:
 
 
 def vae_to_diffusers(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Our VAE names -> diffusers' (models/autoencoder_kl_wan._to_our_names inverted): each resample conv is
+    """Our VAE names -> diffusers' (models/autoencoder_kl_wan.diffusers_to_ours inverted): each resample conv is
     `resample.1` of diffusers' nn.Sequential; WanRMS_norm's gamma [C] is [C, 1, 1, 1] ([C, 1, 1] in the
     mid blocks' attention, a 2-D norm)."""
     out = {}

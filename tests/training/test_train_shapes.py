@@ -26,10 +26,13 @@ def runs(tmp_path_factory):
     # "1" trains the VAE stage alone: compiling the UNet stage's step for a second mesh cost ~1 minute of
     # the suite, and the stages share the placement code (one `put` of every batch over `data`).
     runs = {"1": (1, RECIPE.model_copy(update={"denoiser_steps": 0})), "2": (2, RECIPE), "again": (2, RECIPE)}
-    return {
+    done = {
         name: (out / name, train(out / name, "sdxl", recipe, devices=jax.devices()[:n], log_every=1))
         for name, (n, recipe) in runs.items()
     }
+    # "reuse" trains the denoiser on run 2's VAE (--vae-from): the same programs as run 2, from the cache.
+    reused = train(out / "reuse", "sdxl", RECIPE, devices=jax.devices()[:2], log_every=1, vae_from=out / "2")
+    return done | {"reuse": (out / "reuse", reused)}
 
 
 def test_a_run_is_a_function_of_its_seed(runs):
@@ -65,6 +68,24 @@ def test_data_parallel_training_computes_the_single_device_losses(runs):
         rtol=1e-3,
         atol=1e-5,
     )
+
+
+def test_a_run_can_reuse_an_earlier_runs_vae(runs):
+    (source, record), (folder, reused) = runs["2"], runs["reuse"]
+    assert (
+        reused["recipe"]["vae_steps"] == 0 and reused["vae_mse"] == [] and reused["vae_from"] == str(source)
+    )
+    vae, again = read_component_weights(source / "vae"), read_component_weights(folder / "vae")
+    assert vae.keys() == again.keys() and all(np.array_equal(vae[k], again[k]) for k in vae)
+    # The latent statistics are measured again on the same VAE and probe pictures: the same to rounding.
+    for name, value in record["latent_normalisation"].items():
+        np.testing.assert_allclose(reused["latent_normalisation"][name], value, rtol=1e-5, atol=1e-6)
+
+    def architecture(run):  # the VAE's config less the statistics just compared
+        config = json.loads((run / "vae" / "config.json").read_text())
+        return {k: v for k, v in config.items() if k not in record["latent_normalisation"]}
+
+    assert architecture(folder) == architecture(source)
 
 
 def test_the_folder_it_writes_serves(runs):
@@ -110,3 +131,9 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     assert np.isfinite(images).all()
     if frames is not None:  # the folder's num_frames default is the clips' length
         assert pipe.defaults["num_frames"] == frames and images.shape[1] == frames
+        # Wan's VAE is written in diffusers' names and shapes: --vae-from reads it back into ours.
+        again = train(tmp_path / "again", trained, FAMILY_RECIPE, devices=jax.devices()[:2], vae_from=folder)
+        for name, value in record["latent_normalisation"].items():
+            np.testing.assert_allclose(again["latent_normalisation"][name], value, rtol=1e-5, atol=1e-6)
+        vae, reused = (read_component_weights(f / "vae") for f in (folder, tmp_path / "again"))
+        assert vae.keys() == reused.keys() and all(np.array_equal(vae[k], reused[k]) for k in vae)

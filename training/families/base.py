@@ -69,6 +69,13 @@ class TrainingFamily(ABC):
         """The denoiser's output for noisy latents at t, from the text encoders' outputs on `inputs`, as the
         serving pipeline computes it."""
 
+    def read_vae(self, folder: Path) -> dict[str, np.ndarray]:
+        """The VAE weights a run wrote to `folder`, named as `vae`'s module exports them (undoing what
+        write_folder changed)."""
+        from meshserve.models.checkpoints.loading import read_component_weights
+
+        return read_component_weights(Path(folder) / self.vae.name)
+
     @abstractmethod
     def write_folder(self, out: Path, configs: dict, weights: dict, record: dict) -> None:
         """The diffusers folder (tokenizers already in it): `weights` are each component's exported state

@@ -122,6 +122,9 @@ class Family(TrainingFamily):
         # The transformer takes the scheduler's timestep, sigma x 1000.
         return modules["transformer"](noisy, t * 1000.0, embeds, self.rope)
 
+    def read_vae(self, folder):
+        return wan_vae.diffusers_to_ours(super().read_vae(folder))
+
     def write_folder(self, out, configs, weights, record):
         weights = dict(weights, vae=random_tiny.vae_to_diffusers(weights["vae"]))
         entries = {name: write_component(out / name, configs[name], w) for name, w in weights.items()}
