@@ -85,7 +85,9 @@ def main(argv=None) -> None:
     methods = list(pipe.limits["cache"] or {})
     method = args.method or (methods[0] if methods else None)
     if method not in methods:
-        raise SystemExit(f"{args.model or 'the embedded model'} has no step cache {method!r}; it has {methods}")
+        raise SystemExit(
+            f"{args.model or 'the embedded model'} has no step cache {method!r}; it has {methods}"
+        )
     video = "frames" in pipe.limits
     prompts, seeds, wanted = (held_out_clip_prompts if video else held_out_prompts)(range(args.seeds))
     score_of = clip_adherence if video else adherence

@@ -156,7 +156,8 @@ class PoolConfig(_Strict):
     # that no image job compiles on the request path (each adds a denoise program per bucket and batch size).
     warm_up_tasks: list[str] | None = None
     # Compile each model's step cache programs at start too (docs/step-cache.md): a cached job then compiles
-    # nothing; it adds one denoise program per bucket, batch size and CFG on/off for each method.
+    # nothing; it adds one denoise program per bucket, batch size and CFG on/off for each method (Flux and Wan
+    # have two, first_block and teacache; SDXL one).
     warm_up_cache: bool = False
     # The prompt-embedding cache's bound per model, in MiB of device memory (models/engine/prompt_cache.py;
     # 0: none). 64 MiB holds ~200 SDXL text rows or ~16 of Flux's or Wan's (bf16).
