@@ -27,8 +27,8 @@ How it fits the compiled loop (models/engine/denoise_loop.py):
   so the rows of a batch share it and a pool puts only jobs with equal cache settings in one batch (the
   settings are in `batch_key`). The means are reductions to a replicated scalar, so every device of a layout
   takes the same branch: the collectives inside the skipped blocks are skipped everywhere or nowhere.
-- The cache's state (r_ref, tail, whether a step computed yet, how many steps were skipped) rides in the
-  loop's carry. Its shapes come from tracing the denoiser once abstractly (`init_state`).
+- The cache's state (r_ref, tail, whether a step computed yet, how many steps were skipped; TeaCache's also
+  the sum of changes since the last computed step) rides in the loop's carry. Its shapes come from tracing the denoiser once abstractly (`init_state`).
 
 A family supports a method by routing its blocks through the method's hook; without an active cache of that
 method a hook is the plain model:
