@@ -50,8 +50,8 @@ EMBEDDED = "embedded:tiny-sdxl"
 # as: `load_pipeline` takes the id itself or "embedded:<id>" (a folder of that name wins over the bare id).
 EMBEDDED_MODELS = {
     "tiny-sdxl": ("meshserve.models.sdxl.embedded", "embedded_model_path"),
-    # Random weights until trained ones ship (training/families/flux.py, wan.py; issue 22).
-    "tiny-flux": ("meshserve.models.flux.random_tiny", "random_flux_path"),
+    "tiny-flux": ("meshserve.models.flux.embedded", "embedded_model_path"),
+    # Random weights until trained ones ship (training/families/wan.py; issue 22).
     "tiny-wan": ("meshserve.models.wan.random_tiny", "random_wan_path"),
 }
 
@@ -107,7 +107,7 @@ def load_pipeline(
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
     into the Hub cache by models/checkpoints/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
     (or "embedded:tiny-sdxl") is the embedded default model, "tiny-flux" (or "embedded:tiny-flux") the
-    embedded tiny Flux.
+    embedded tiny Flux, "tiny-wan" the embedded tiny Wan.
 
     `mesh` (sizes for data/cfg/context/tensor) and `devices` place the pipeline on a device slice;
     `attention` (AttentionSettings or a dict of its fields) picks the kernel and context strategy;

@@ -1,5 +1,5 @@
-"""Flux served end to end (issue 9, "Served"): a worker pool on the embedded tiny Flux beside one on the tiny
-SDXL, driven over HTTP (the app over ASGI, the real Redis): /v1/models shows the Flux card, a job with and
+"""Flux served end to end (issue 9, "Served"): a worker pool on the random tiny dev-type Flux (guidance
+embedding; models/flux/random_tiny.py) beside one on the tiny SDXL, driven over HTTP (the app over ASGI, the real Redis): /v1/models shows the Flux card, a job with and
 without true CFG returns PNGs equal to the pipeline called directly with the same seed, a batch may mix
 true-CFG and plain jobs, the SDXL model refuses `true_cfg_scale` with a 422; `meshserve serve --model
 tiny-flux` serves it from a fresh process."""
@@ -20,6 +20,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from meshserve.models.flux.random_tiny import random_flux_path
 from meshserve.service.app import create_app
 from meshserve.service.contract import JobParams
 from meshserve.service.store import Store
@@ -96,7 +97,11 @@ def test_flux_cards_dev_and_schnell(tiny_flux_dev_path, tiny_flux_schnell_path):
 def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
     cfg = WorkerConfig.model_validate(
         {
-            "models": {"tiny-flux": {"path": "tiny-flux"}, "tiny-sdxl": {"path": "embedded:tiny-sdxl"}},
+            # The random dev-type folder (the trained tiny-flux has no guidance embedding), served as "tiny-flux".
+            "models": {
+                "tiny-flux": {"path": str(random_flux_path())},
+                "tiny-sdxl": {"path": "embedded:tiny-sdxl"},
+            },
             "pools": [
                 # max_batch 2 with a wait: the plain and the true-CFG job below may share one batch (one
                 # true-CFG program, the plain row selected per row); both batch sizes are warmed up.
@@ -250,7 +255,7 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
 
 
 def test_serve_tiny_flux_in_one_command(tmp_path):
-    """`meshserve serve --model tiny-flux`: the embedded tiny Flux made on first use, API + worker + Redis."""
+    """`meshserve serve --model tiny-flux`: the shipped trained tiny Flux, API + worker + Redis."""
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("MESHSERVE_REDIS_URL", None)
@@ -283,8 +288,8 @@ def test_serve_tiny_flux_in_one_command(tmp_path):
                 "/v1/generate",
                 headers={"Prefer": "wait=60"},
                 json={
-                    "prompt": "a lighthouse",
-                    "negative_prompt": "fog",
+                    "prompt": "a red circle on a blue background",
+                    "negative_prompt": "",
                     "true_cfg_scale": 3.0,
                     "seed": 1,
                     "num_inference_steps": STEPS,
