@@ -86,6 +86,9 @@ def test_a_run_can_reuse_an_earlier_runs_vae(runs):
         return {k: v for k, v in config.items() if k not in record["latent_normalisation"]}
 
     assert architecture(folder) == architecture(source)
+    # The VAE stage's data is drawn and dropped, so the denoiser stage saw run 2's batches, noise and initial
+    # weights: the same losses, to rounding.
+    np.testing.assert_allclose(reused["denoiser_loss"], record["denoiser_loss"], rtol=1e-2)
 
 
 def test_the_folder_it_writes_serves(runs):
