@@ -57,7 +57,7 @@ class _Strict(BaseModel):
 
 class ModelSpec(_Strict):
     # A diffusers folder; None: the embedded tiny default model (tiny-sdxl); "tiny-flux" (or "embedded:tiny-flux"):
-    # the embedded tiny Flux (meshserve.models.load_pipeline resolves the names); a Hugging Face Hub id
+    # the embedded tiny Flux, "tiny-wan" the tiny Wan (meshserve.models.load_pipeline resolves the names); a Hub id
     # "owner/name" or "owner/name@revision" (models/checkpoints/hub.py; `options: {variant: fp16}` picks a weights variant).
     path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

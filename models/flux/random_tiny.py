@@ -1,6 +1,6 @@
 """A random tiny Flux: a Flux.1-dev-architecture checkpoint with random weights, made deterministically on first use.
 
-The tests' Flux checkpoint, and what "tiny-flux" serves until a trained one ships (training/families/flux.py). No
+The tests' dev-type Flux checkpoint (the shipped "tiny-flux" is trained and schnell-type: models/flux/embedded.py). No
 download, no torch: the weights come from our own NNX modules (shapes only) filled by numpy from a fixed seed,
 written as an ordinary diffusers FluxPipeline folder (model_index.json, configs, safetensors in PyTorch layout, CLIP and T5
 tokenizers built offline), so it goes through exactly the loading path a real checkpoint takes, and diffusers'
