@@ -7,8 +7,9 @@ serving pictures nobody measured.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from meshserve.models.checkpoints.loading import CheckpointError
@@ -28,3 +29,9 @@ def checked_folder(folder: Path, sha256: Mapping[str, str], command: str, module
                 f"(or, after retraining with `{command}`, update {module}'s SHA256)"
             )
     return folder
+
+
+def shipped_folder(folder: Path, sha256: Mapping[str, str], command: str, module: str) -> Callable[[], Path]:
+    """An embedded model's path function (what models/registry.py's EMBEDDED_MODELS names): `folder`, checked by
+    `checked_folder` the first time it is asked for in a process."""
+    return functools.cache(lambda: checked_folder(folder, sha256, command, module))

@@ -14,10 +14,9 @@ Its weights' sha256 sums are kept here and checked on first use: a damaged insta
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
-from meshserve.models.checkpoints.shipped import checked_folder
+from meshserve.models.checkpoints.shipped import shipped_folder
 
 FOLDER = Path(__file__).resolve().parent / "weights" / "tiny-sdxl"
 # The command that made the weights (on a 2-core CPU; docs/embedded-model.md has the run's record).
@@ -31,7 +30,5 @@ SHA256 = {
 }
 
 
-@functools.cache
-def embedded_model_path() -> Path:
-    """The embedded model's folder, its weights checked against SHA256 (once per process)."""
-    return checked_folder(FOLDER, SHA256, TRAINING_COMMAND, "models/sdxl/embedded.py")
+# The folder, its weights checked against SHA256 (once per process).
+embedded_model_path = shipped_folder(FOLDER, SHA256, TRAINING_COMMAND, "models/sdxl/embedded.py")
