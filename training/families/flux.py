@@ -81,8 +81,8 @@ TOKENS = (IMAGE_SIZE // 4 // 2) ** 2  # packed latent tokens of a 64x64 picture
 class Family(TrainingFamily):
     name = "flux"
     # 2,200 denoiser steps drew the asked colours as round blobs (shape 42 % held out); 4,400 drew the shapes
-    # (96 %, docs/embedded-model.md). 2-core EPYC, 2 XLA host devices, 2026-11-24: 0.31 s per VAE step of 16,
-    # 0.23 s per denoiser step of 32, about 21 minutes in all.
+    # (85 % held out, docs/embedded-model.md). 2-core EPYC, 2 XLA host devices, 2026-11-24: 0.31 s per VAE step
+    # of 16, 0.22 s per denoiser step of 32, 19.4 minutes in all.
     recipe = Recipe(vae_steps=600, denoiser_steps=4400)
     vae = Component(
         "vae", autoencoder_kl.AutoencoderKL, autoencoder_kl.AutoencoderKLConfig, autoencoder_kl.SHARDING_RULES
