@@ -1,8 +1,9 @@
 """Flux served end to end (issue 9, "Served"): a worker pool on the random tiny dev-type Flux (guidance
-embedding; models/flux/random_tiny.py) beside one on the tiny SDXL, driven over HTTP (the app over ASGI, the real Redis): /v1/models shows the Flux card, a job with and
-without true CFG returns PNGs equal to the pipeline called directly with the same seed, a batch may mix
-true-CFG and plain jobs, the SDXL model refuses `true_cfg_scale` with a 422; `meshserve serve --model
-tiny-flux` serves it from a fresh process."""
+embedding; models/flux/random_tiny.py) beside one on the tiny SDXL, driven over HTTP (the app over ASGI, the
+real Redis): /v1/models shows the Flux card, a job with and without true CFG returns PNGs equal to the
+pipeline called directly with the same seed, a batch may mix true-CFG and plain jobs, the SDXL model refuses
+`true_cfg_scale` with a 422; `meshserve serve --model tiny-flux` serves the trained tiny Flux from a fresh
+process."""
 
 from __future__ import annotations
 
