@@ -100,15 +100,30 @@ def random_clip_scene(
 
 
 def clip_batch(
-    rng: np.random.Generator, batch: int, frames: int = 9, size: int = 64, jitter: float = 2.0
+    rng: np.random.Generator,
+    batch: int,
+    frames: int = 9,
+    size: int = 64,
+    jitter: float = 2.0,
+    anywhere: bool = False,
 ) -> tuple[np.ndarray, list[str]]:
     """Clips float32 [batch, frames, size, size, 3] in [-1, 1] and their captions. Each clip's whole path
-    moves by up to `jitter` pixels (scaled with the image), as shapes.training_batch moves a picture."""
+    moves by up to `jitter` pixels (scaled with the image), as shapes.training_batch moves a picture; with
+    `anywhere`, by any offset that keeps the shape inside the frame all along its path, drawn uniformly."""
     scenes = [random_clip_scene(rng) for _ in range(batch)]
-    scale = size / 64
-    offsets = rng.uniform(-jitter * scale, jitter * scale, size=(batch, 2))
+    if anywhere:
+        offsets = np.stack([rng.uniform(-1.0, 1.0, 2) * _slack(scene, frames, size) for scene in scenes])
+    else:
+        scale = size / 64
+        offsets = rng.uniform(-jitter * scale, jitter * scale, size=(batch, 2))
     clips = np.stack([render_clip(s, frames, size, tuple(o)) for s, o in zip(scenes, offsets, strict=True)])
     return clips.astype(np.float32) / 127.5 - 1.0, [s.caption for s in scenes]
+
+
+def _slack(scene: ClipScene, frames: int, size: int) -> np.ndarray:
+    """How far (x, y) pixels the scene's whole path can move and keep the shape inside the frame."""
+    reach = np.abs(centre_path(scene, frames, size)).max(axis=0)
+    return np.maximum(size / 2 - SIZES[scene.size] * size / 2 - reach - 1e-3, 0.0)
 
 
 def held_out_clip_prompts(

@@ -35,14 +35,21 @@ def v_prediction(alphas_cumprod) -> Objective:
     return noised
 
 
-def flow_matching(shift: float) -> Objective:
+def flow_matching(shift: float, logit_normal: float = 0.0) -> Objective:
     """t: sigma in [0, 1], u uniform shifted as the flow schedulers shift theirs (shift u / (1 + (shift - 1) u),
     diffusers' time_shift with exp(mu) = shift), so training sees the sigmas sampling visits; the noisy
-    latents are (1 - sigma) x0 + sigma noise and the target the velocity noise - x0."""
+    latents are (1 - sigma) x0 + sigma noise and the target the velocity noise - x0. A `logit_normal` share
+    of the rows draws u from SD3's logit-normal (mean 0, std 1) instead, which concentrates on the middle
+    noise levels."""
 
     def noised(latents, key):
         k_u, k_noise = jax.random.split(key)
-        u = jax.random.uniform(k_u, (latents.shape[0],))
+        rows = (latents.shape[0],)
+        u = jax.random.uniform(k_u, rows)
+        if logit_normal:  # its keys from k_u's, so the uniform draws (and tiny-flux's run) stay as they were
+            k_pick, k_ln = jax.random.split(jax.random.fold_in(k_u, 1))
+            from_normal = jax.nn.sigmoid(jax.random.normal(k_ln, rows))
+            u = jnp.where(jax.random.uniform(k_pick, rows) < logit_normal, from_normal, u)
         sigma = shift * u / (1.0 + (shift - 1.0) * u)
         noise = jax.random.normal(k_noise, latents.shape)
         s = _per_row(sigma, latents)

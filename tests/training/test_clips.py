@@ -112,6 +112,26 @@ def test_clip_batch_is_a_function_of_the_generator():
     assert a.shape == (6, 5, 64, 64, 3) and a.dtype == np.float32 and a.min() >= -1 and a.max() <= 1
 
 
+def test_clips_placed_anywhere_keep_the_whole_path_inside_and_cover_the_frame():
+    """`anywhere` moves each path by any offset that keeps the shape inside on every frame: the shape's
+    pixels never touch the border's ring unless the path reaches it, the path keeps its length, and the
+    centres spread over most of the frame (a jittered batch stays within 2 pixels of the centre)."""
+    pixels, captions = clip_batch(np.random.default_rng(5), 64, frames=9, anywhere=True)
+    clips = np.round((pixels + 1) * 127.5).astype(np.uint8)
+    middles = []
+    for clip, caption in zip(clips, captions, strict=True):
+        colour = caption.split(" ")[2] if caption.split(" ")[1] in SIZES else caption.split(" ")[1]
+        centres = _centroids(clip, colour)
+        assert np.isfinite(centres).all(), caption  # the shape is on every frame
+        travel = np.abs(centres[-1] - centres[0]).max()
+        assert abs(travel - (0 if "moving" not in caption else TRAVEL * 64)) < 1.0, caption
+        middles.append(centres[4])
+    middles = np.asarray(middles) - 32
+    assert np.abs(middles).max() > 12  # centred within 2 pixels without `anywhere`
+    jittered = clip_batch(np.random.default_rng(5), 8, frames=9)[0]
+    assert not np.array_equal(jittered, pixels[:8])
+
+
 def _box_blur(clips: np.ndarray) -> np.ndarray:
     """A 3x3 box blur of every frame of float or uint8 [..., H, W, 3] (edges repeated), vectorized: the loop of
     test_shape_score's blur over 120 clips of 9 frames would take most of this file's time."""

@@ -113,8 +113,10 @@ FAMILY_RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=2, denoiser_batc
 def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (XLA_FLAGS host device count)")
-    # Wan on 5-frame clips (2 latent frames), not the shipped 9: the same programs, a smaller compile.
-    trained = families.family(family) if frames is None else wan_family.Family(frames=frames)
+    # Wan on 5-frame clips (2 latent frames), not the shipped 9: the same programs, a smaller compile; with
+    # the trial settings on, so their wiring runs too.
+    trial = dict(anywhere=True, flow_shift=1.5, logit_normal=0.5)
+    trained = families.family(family) if frames is None else wan_family.Family(frames=frames, **trial)
     record = train(tmp_path / family, trained, FAMILY_RECIPE, devices=jax.devices()[:2], log_every=1)
     assert record["family"] == family and set(record["latent_normalisation"]) == stats
     assert all(np.isfinite(record["vae_mse"])) and all(np.isfinite(record["denoiser_loss"]))
@@ -134,6 +136,8 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     assert np.isfinite(images).all()
     if frames is not None:  # the folder's num_frames default is the clips' length
         assert pipe.defaults["num_frames"] == frames and images.shape[1] == frames
+        # The folder samples at the shift it was trained at.
+        assert json.loads((folder / "scheduler/scheduler_config.json").read_text())["flow_shift"] == 1.5
         # Wan's VAE is written in diffusers' names and shapes: --vae-from reads it back into ours.
         again = train(tmp_path / "again", trained, FAMILY_RECIPE, devices=jax.devices()[:2], vae_from=folder)
         for name, value in record["latent_normalisation"].items():

@@ -78,14 +78,26 @@ class Family(TrainingFamily):
     )
     command = "meshserve train-embedded --family wan --out models/wan/weights/tiny-wan --seed 0"
 
-    def __init__(self, frames: int = FRAMES):
-        # Clips of `frames` frames (1 + 4k, whole latent frames); the tests train on 5 to cut the compile.
+    def __init__(
+        self,
+        frames: int = FRAMES,
+        *,
+        anywhere: bool = False,
+        flow_shift: float = SCHEDULER["flow_shift"],
+        logit_normal: float = 0.0,
+    ):
+        """Clips of `frames` frames (1 + 4k, whole latent frames; the tests train on 5 to cut the compile).
+        The rest are for recipe trials (docs/embedded-model.md: what each gave): `anywhere` places the clips'
+        paths anywhere they fit instead of through the centre (clips.clip_batch), `flow_shift` is the shift
+        of both the training sigmas and the folder's scheduler, and a `logit_normal` share of the training
+        rows draws its sigma from SD3's logit-normal (objectives.flow_matching)."""
         if frames < 5 or (frames - 1) % 4:
             raise ValueError(f"frames must be 1 + 4k and at least 5, not {frames}")
-        self.frames = frames
+        self.frames, self.anywhere = frames, anywhere
+        self.flow_shift, self.logit_normal = flow_shift, logit_normal
 
     def data(self, rng, batch):
-        return clips.clip_batch(rng, batch, self.frames, SIZE)
+        return clips.clip_batch(rng, batch, self.frames, SIZE, anywhere=self.anywhere)
 
     def write_tokenizers(self, out: Path) -> None:
         words = (*caption_tokenizer.WORDS, *clips.CLIP_WORDS)
@@ -110,7 +122,7 @@ class Family(TrainingFamily):
         return update, mean, 1.0 / std
 
     def objective(self):
-        return objectives.flow_matching(SCHEDULER["flow_shift"])
+        return objectives.flow_matching(self.flow_shift, self.logit_normal)
 
     def text_inputs(self, captions, keep):
         captions = [c if k else "" for c, k in zip(captions, keep, strict=True)]
@@ -133,7 +145,7 @@ class Family(TrainingFamily):
             "WanPipeline",
             entries,
             tokenizers={"tokenizer": "T5TokenizerFast"},
-            scheduler=("UniPCMultistepScheduler", SCHEDULER),
+            scheduler=("UniPCMultistepScheduler", dict(SCHEDULER, flow_shift=self.flow_shift)),
         )
         defaults = dict(SERVING_DEFAULTS, num_frames=self.frames)
         write_json(out, {"defaults": defaults, "training": record}, "meshserve.json")

@@ -1,0 +1,42 @@
+"""The training objectives' noise levels: flow matching draws sigma as its scheduler shifts it, or from a
+logit-normal share, and the noisy latents and targets are the straight path's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshserve.training.objectives import flow_matching
+
+ROWS = 20_000
+
+
+def _sigmas(objective):
+    latents = jnp.zeros((ROWS, 1))
+    _, sigma, _ = objective(latents, jax.random.key(0))
+    return np.asarray(sigma)
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_flow_matching_draws_the_shifted_uniform_sigmas(shift):
+    sigma = _sigmas(flow_matching(shift))
+    # P(sigma <= s) = u(s), the inverse of the shift: s / (shift - (shift - 1) s).
+    for s in (0.25, 0.5, 0.75):
+        assert abs(np.mean(sigma <= s) - s / (shift - (shift - 1.0) * s)) < 0.015
+
+
+def test_a_logit_normal_share_concentrates_the_middle_noise_levels():
+    middle = {
+        p: np.mean(np.abs(_sigmas(flow_matching(1.0, logit_normal=p)) - 0.5) <= 0.23) for p in (0, 0.5, 1)
+    }
+    # sigmoid(N(0, 1)) is within 0.23 of 0.5 with probability 2 Phi(1) - 1 = 0.68; uniform: 0.46.
+    assert abs(middle[0] - 0.46) < 0.015 and abs(middle[0.5] - 0.57) < 0.015 and abs(middle[1] - 0.68) < 0.015
+
+
+def test_the_noisy_latents_lie_on_the_straight_path():
+    latents = jax.random.normal(jax.random.key(1), (64, 3, 4))
+    noisy, sigma, target = flow_matching(1.0, logit_normal=0.5)(latents, jax.random.key(2))
+    noise = target + latents  # the target is the velocity noise - latents
+    s = sigma[:, None, None]
+    assert float(jnp.abs(noisy - ((1 - s) * latents + s * noise)).max()) < 1e-5
+    assert float(noise.std()) == pytest.approx(1.0, abs=0.05)
