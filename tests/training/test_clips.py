@@ -113,9 +113,9 @@ def test_clip_batch_is_a_function_of_the_generator():
 
 
 def test_clips_placed_anywhere_keep_the_whole_path_inside_and_cover_the_frame():
-    """`anywhere` moves each path by any offset that keeps the shape inside on every frame: the shape's
-    pixels never touch the border's ring unless the path reaches it, the path keeps its length, and the
-    centres spread over most of the frame (a jittered batch stays within 2 pixels of the centre)."""
+    """`anywhere` moves each path by any offset that keeps the shape inside on every frame: the shape is on
+    every frame, its path keeps its whole length (render_clip refuses a path that would leave the frame),
+    and the middle frames' centres spread far from the centre (a jittered batch stays within 2 pixels)."""
     pixels, captions = clip_batch(np.random.default_rng(5), 64, frames=9, anywhere=True)
     clips = np.round((pixels + 1) * 127.5).astype(np.uint8)
     middles = []
