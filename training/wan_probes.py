@@ -27,7 +27,7 @@ SQUARE = 6  # latent pixels on a side
 SAMPLES = 16
 
 
-def _transformer(layers: int):
+def _transformer(layers: int, ffn_dim: int | None = None):
     import jax
 
     from meshserve.models.parallel.placement import pipeline_placement
@@ -36,6 +36,7 @@ def _transformer(layers: int):
 
     placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
     config = {"_class_name": "WanTransformer3DModel", **family.TRANSFORMER, "num_layers": layers}
+    config["ffn_dim"] = ffn_dim or config["ffn_dim"]
     trainee = _build(family.Family.denoiser[0], config, np.random.default_rng(2), placement)
     c = family.TRANSFORMER
     grid = (GRID[0], GRID[1] // 2, GRID[2] // 2)
@@ -63,14 +64,22 @@ def count_squares(latents: np.ndarray) -> int:
     return int(found)
 
 
-def grow(steps: int, lr: float, layers: int = 3, shift: float = 3.0, batch: int = 16, seed: int = 0) -> list:
+def grow(
+    steps: int,
+    lr: float,
+    layers: int = 3,
+    ffn_dim: int | None = None,
+    shift: float = 3.0,
+    batch: int = 16,
+    seed: int = 0,
+) -> list:
     """Trains as train_shapes trains the denoiser (the same optimiser and schedule, flow matching at Wan's
     shifted sigmas) and returns (step, loss over the last 100, squares out of 16) every 500 steps."""
     import jax
     import jax.numpy as jnp
     import optax
 
-    trainee, rope = _transformer(layers)
+    trainee, rope = _transformer(layers, ffn_dim)
     context = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 16, 32)), jnp.float32)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 200, steps, end_value=lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
@@ -103,7 +112,7 @@ def grow(steps: int, lr: float, layers: int = 3, shift: float = 3.0, batch: int 
         return x
 
     rng, key = np.random.default_rng(seed), jax.random.key(seed)
-    params, state, losses, rows, started = trainee.params, None, [], [], time.monotonic()
+    params, losses, rows, started = trainee.params, [], [], time.monotonic()
     state = opt.init(params)
     for i in range(steps):
         params, state, loss = step(
@@ -164,10 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument(
+        "--ffn-dim", type=int, default=None, help="grow: the blocks' ffn_dim (default: the recipe's)"
+    )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
-        grow(args.steps, args.lr, args.layers)
+        grow(args.steps, args.lr, args.layers, args.ffn_dim)
     else:
         position(args.steps, args.lr, args.layers)
     return 0
