@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from meshserve.training import objectives
 from meshserve.training.train_shapes import _build, _cpu_devices_flag
 
 GRID = (3, 16, 16)  # latent frames, height, width: the 9-frame 64 x 64 clips' latents
@@ -87,19 +88,15 @@ def grow(
     def velocity(p, x, sigma):
         return trainee.module(p)(x, sigma * 1000.0, jnp.repeat(context, x.shape[0], 0), rope)
 
-    def shifted(u):
+    def shifted(u):  # sampling visits the sigmas the objective trains at
         return shift * u / (1 + (shift - 1) * u)
+
+    objective = objectives.flow_matching(shift)
 
     @jax.jit
     def step(p, state, clean, key):
-        k_sigma, k_noise = jax.random.split(key)
-        sigma = shifted(jax.random.uniform(k_sigma, (batch,)))
-        noise = jax.random.normal(k_noise, clean.shape)
-        s = sigma[:, None, None, None, None]
-        noisy = (1 - s) * clean + s * noise
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((velocity(p, noisy, sigma) - (noise - clean)) ** 2)
-        )(p)
+        noisy, sigma, target = objective(clean, key)
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((velocity(p, noisy, sigma) - target) ** 2))(p)
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
