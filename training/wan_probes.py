@@ -1,6 +1,6 @@
-"""Two synthetic probes of the tiny Wan transformer (training/families/wan.py's config), on hand-made latents
-instead of a VAE's, so each answers in minutes what a whole run answers in 40 (docs/embedded-model.md: what
-they found and how the recipe changed).
+"""Probes of the tiny Wan recipe (training/families/wan.py) that answer in minutes what a whole run answers in 40
+(docs/embedded-model.md: what they found and how the recipe changed). Two train the transformer on hand-made
+latents instead of a VAE's; one reads a trained VAE alone.
 
 - `position`: pure noise in, a fixed centred square out. Wan's DiT sees positions only through RoPE in
   self-attention (relative offsets), and its patch embedding pads nothing, so it cannot tell the centre from the
@@ -8,9 +8,14 @@ they found and how the recipe changed).
 - `grow`: flow matching on latents that hold one square (channels 0-3 raised on a 6 x 6 patch of the 16 x 16
   grid, every latent frame), then sampling 16 latents from noise with Euler: how many hold a square. The model
   has to place it where the noise leans (nothing else tells it where), as the real model has to place a shape.
+- `roundtrip FOLDER`: the VAE of a tiny-wan folder (a whole run's, or `meshserve train-embedded --family wan
+  --denoiser-steps 0`'s) encodes and decodes a clip of every held-out combination in every motion, and
+  training/motion_score.py reads them as it reads generated clips: the most any denoiser on these latents
+  can score.
 
-    python -m meshserve.training.wan_probes grow --steps 2000 --lr 1e-3
+    python -m meshserve.training.wan_probes grow --steps 2000 --lr 6e-3 --heads 2
     python -m meshserve.training.wan_probes position --steps 400
+    python -m meshserve.training.wan_probes roundtrip FOLDER
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ SQUARE = 6  # latent pixels on a side
 SAMPLES = 16
 
 
-def _transformer(layers: int, ffn_dim: int | None = None):
+def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = None):
     import jax
 
     from meshserve.models.parallel.placement import pipeline_placement
@@ -38,10 +43,12 @@ def _transformer(layers: int, ffn_dim: int | None = None):
     placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
     config = {"_class_name": "WanTransformer3DModel", **family.TRANSFORMER, "num_layers": layers}
     config["ffn_dim"] = ffn_dim or config["ffn_dim"]
+    if heads is not None:  # the same width, split into `heads` heads
+        width = config["num_attention_heads"] * config["attention_head_dim"]
+        config |= {"num_attention_heads": heads, "attention_head_dim": width // heads}
     trainee = _build(family.Family.denoiser[0], config, np.random.default_rng(2), placement)
-    c = family.TRANSFORMER
     grid = (GRID[0], GRID[1] // 2, GRID[2] // 2)
-    return trainee, wan.wan_rope(grid, c["attention_head_dim"], c["rope_max_seq_len"])
+    return trainee, wan.wan_rope(grid, config["attention_head_dim"], config["rope_max_seq_len"])
 
 
 def _squares(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -70,6 +77,7 @@ def grow(
     lr: float,
     layers: int = 3,
     ffn_dim: int | None = None,
+    heads: int | None = None,
     shift: float = 3.0,
     batch: int = 16,
     seed: int = 0,
@@ -80,7 +88,7 @@ def grow(
     import jax.numpy as jnp
     import optax
 
-    trainee, rope = _transformer(layers, ffn_dim)
+    trainee, rope = _transformer(layers, ffn_dim, heads)
     context = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 16, 32)), jnp.float32)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 200, steps, end_value=lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
@@ -164,19 +172,76 @@ def position(
     return float(inside.mean()), float(outside)
 
 
+def held_out_clips(seed: int = 12345) -> tuple[np.ndarray, list[tuple[str, str, str, str]]]:
+    """Every held-out combination in every direction and still, as the evaluation prompts them (medium, 9
+    frames of 64 x 64), each path moved by up to 2 pixels as training moves it: float32 [120, 9, 64, 64, 3]
+    in [-1, 1] and what motion_score should read from each."""
+    from meshserve.training.clips import DIRECTIONS, ClipScene, render_clip
+    from meshserve.training.families.wan import FRAMES, SIZE
+    from meshserve.training.shapes import HELD_OUT
+
+    rng = np.random.default_rng(seed)
+    scenes = [ClipScene(*combo, direction) for combo in HELD_OUT for direction in (*DIRECTIONS, None)]
+    clips = [render_clip(s, FRAMES, SIZE, tuple(rng.uniform(-2.0, 2.0, 2))) for s in scenes]
+    wanted = [(s.colour, s.shape, s.background, s.motion) for s in scenes]
+    return np.stack(clips).astype(np.float32) / 127.5 - 1.0, wanted
+
+
+def roundtrip(folder, batch: int = 8):
+    """The folder's VAE on held_out_clips (encode to the posterior's mean, decode), read by motion_score:
+    (ClipAdherence, reconstruction MSE)."""
+    import json
+    from pathlib import Path
+
+    import jax
+
+    from meshserve.models.parallel.placement import pipeline_placement
+    from meshserve.training.families import wan as family
+    from meshserve.training.motion_score import clip_adherence
+
+    folder, wan = Path(folder), family.Family()
+    placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
+    config = json.loads((folder / "vae" / "config.json").read_text())
+    vae = _build(wan.vae, config, None, placement, wan.read_vae(folder))
+
+    @jax.jit
+    def encode_decode(x):
+        model = vae.module()
+        return model.decode(model.encode(x).mean)
+
+    clips, wanted = held_out_clips()
+    out = np.concatenate(
+        [np.asarray(encode_decode(clips[i : i + batch])) for i in range(0, len(clips), batch)]
+    )
+    pixels = np.clip((out + 1.0) * 127.5, 0, 255).round().astype(np.uint8)
+    return clip_adherence(pixels, wanted), float(np.mean((out - clips) ** 2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshserve.training.wan_probes", description=__doc__)
-    parser.add_argument("probe", choices=("grow", "position"))
+    parser.add_argument("probe", choices=("grow", "position", "roundtrip"))
+    parser.add_argument("folder", nargs="?", help="roundtrip: a tiny-wan model folder")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument(
         "--ffn-dim", type=int, default=None, help="grow: the blocks' ffn_dim (default: the recipe's)"
     )
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="grow: the recipe's width in this many heads (default: its own)",
+    )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
-        grow(args.steps, args.lr, args.layers, args.ffn_dim)
+        grow(args.steps, args.lr, args.layers, args.ffn_dim, args.heads)
+    elif args.probe == "roundtrip":
+        if args.folder is None:
+            parser.error("roundtrip needs a model folder")
+        adherence, mse = roundtrip(args.folder)
+        print(f"{adherence}, reconstruction MSE {mse:.5f}")  # noqa: T201 - the output
     else:
         position(args.steps, args.lr, args.layers)
     return 0

@@ -1,4 +1,5 @@
-"""The synthetic Wan probe's square counter: it must find every square the probe's data draws, and none in noise."""
+"""The synthetic Wan probes' square counter (it must find every square the probe's data draws, and none in noise)
+and the held-out clips the VAE round trip reads."""
 
 import numpy as np
 
@@ -13,3 +14,17 @@ def test_counts_every_drawn_square_and_none_in_noise():
     big = np.full((1, *wan_probes.GRID, 16), -0.5, np.float32)
     big[:, :, 2:14, 2:14, :4] = 1.5
     assert wan_probes.count_squares(big) == 0
+
+
+def test_held_out_clips_read_back_as_prompted_and_a_frozen_clip_does_not_move():
+    from meshserve.training.motion_score import clip_adherence
+
+    clips, wanted = wan_probes.held_out_clips()
+    assert clips.shape == (120, 9, 64, 64, 3) and len(wanted) == 120
+    assert {w[3] for w in wanted} == {"left", "right", "up", "down", "still"}
+    pixels = ((clips + 1.0) * 127.5).round().astype(np.uint8)
+    exact = clip_adherence(pixels, wanted)
+    assert (exact.colour, exact.background, exact.shape, exact.direction) == (1.0, 1.0, 1.0, 1.0)
+    # Every frame replaced by the middle one: the pictures still read right, the 96 moving clips do not.
+    frozen = clip_adherence(np.repeat(pixels[:, 4:5], 9, axis=1), wanted)
+    assert (frozen.colour, frozen.shape, frozen.direction) == (1.0, 1.0, 24 / 120)
