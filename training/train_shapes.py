@@ -14,7 +14,8 @@ tensor=1):
    the family's scheduler samples with (training/objectives.py: SDXL's v-prediction on a zero-terminal-SNR
    schedule, Flux's and Wan's flow matching with their shifts), through the serving pipeline's own modules
    and text encoding, with captions dropped at `caption_dropout` to what the pipeline feeds for an empty
-   negative prompt (classifier-free guidance). The weights written are an EMA of the trained ones.
+   negative prompt (classifier-free guidance). The weights written are an EMA of the trained ones. Each
+   step encodes fresh pictures, or, with a `latent_pool`, draws rows from a pool encoded once.
 
 The folder written is an ordinary diffusers folder (model_index.json, tokenizers, configs, safetensors in
 PyTorch layout) plus meshserve.json (serving defaults and the record of the run). A run is a function of the
@@ -110,6 +111,7 @@ def train(
     from jax.sharding import NamedSharding, PartitionSpec
 
     from meshserve.models.checkpoints.loading import export_weights
+    from meshserve.models.components.autoencoder_kl import DiagonalGaussian
     from meshserve.models.parallel.placement import pipeline_placement
     from meshserve.training.families import family as family_named
 
@@ -121,9 +123,9 @@ def train(
     devices = list(jax.devices() if devices is None else devices)
     placement = pipeline_placement({"data": len(devices)}, devices)["placement"]
     data = placement.batch_spec  # (batch, ndim) -> the batch split over `data`
-    for batch in (recipe.vae_batch, recipe.denoiser_batch):
+    for batch in (recipe.vae_batch, recipe.denoiser_batch, recipe.latent_pool):
         if batch % len(devices):
-            raise ValueError(f"batch {batch} does not split over {len(devices)} devices")
+            raise ValueError(f"batch or pool {batch} does not split over {len(devices)} devices")
 
     family.write_tokenizers(out)
     configs = family.configs()
@@ -186,12 +188,15 @@ def train(
 
     @jax.jit
     def encode(params, pixels):
-        return vae.module(params).encode(pixels).mean
+        return vae.module(params).encode(pixels)
+
+    def encode_all(pixels, chunk: int = 64):
+        """The posterior of every picture, as numpy mean and logvar, `chunk` at a time."""
+        parts = [encode(vae.params, put(pixels[i : i + chunk])) for i in range(0, len(pixels), chunk)]
+        return tuple(np.concatenate([np.asarray(getattr(q, f)) for q in parts]) for f in ("mean", "logvar"))
 
     probe, _ = family.data(np.random.default_rng(recipe.seed + 100), 512)
-    latents = np.concatenate(
-        [np.asarray(encode(vae.params, put(probe[i : i + 64]))) for i in range(0, 512, 64)]
-    )
+    latents, _ = encode_all(probe)
     update, shift, scale = family.latent_normalisation(latents)
     configs[family.vae.name] |= update
     _log(f"  latent normalisation {update}")
@@ -218,9 +223,10 @@ def train(
         return jnp.mean((pred.astype(jnp.float32) - target) ** 2)
 
     @jax.jit
-    def denoiser_step(p, ema, opt_state, vae_params, pixels, inputs, key, step):
+    def denoiser_step(p, ema, opt_state, vae_params, source, inputs, key, step):
+        """`source`: the step's pictures, or their posteriors drawn from the latent pool."""
         k_latent, k_loss = jax.random.split(key)
-        posterior = vae.module(vae_params).encode(pixels)
+        posterior = source if isinstance(source, DiagonalGaussian) else vae.module(vae_params).encode(source)
         latents = (jax.lax.stop_gradient(posterior.sample(k_latent)) - shift) * scale
         loss, grads = jax.value_and_grad(denoiser_loss)(p, latents, inputs, k_loss)
         updates, opt_state = opt.update(grads, opt_state, p)
@@ -230,10 +236,30 @@ def train(
         return p, ema, opt_state, loss
 
     names = " + ".join(c.name for c in family.denoiser)
+    t0 = time.monotonic()
+    if recipe.latent_pool:
+        pool_pixels, pool_captions = [], []
+        for start in range(0, recipe.latent_pool, 64):
+            pixels, captions = family.data(data_rng, min(64, recipe.latent_pool - start))
+            pool_pixels.append(pixels)
+            pool_captions += captions
+        pool = encode_all(np.concatenate(pool_pixels))
+        del pool_pixels
+        _log(f"  latent pool: {recipe.latent_pool} encoded ({time.monotonic() - t0:.0f} s)")
+
+    def batch():
+        """The step's rows: fresh pictures, or posteriors and captions drawn from the pool."""
+        if not recipe.latent_pool:
+            pixels, captions = family.data(data_rng, recipe.denoiser_batch)
+            return put(pixels), captions
+        rows = data_rng.integers(recipe.latent_pool, size=recipe.denoiser_batch)
+        mean, logvar = (put(moment[rows]) for moment in pool)
+        return DiagonalGaussian(mean=mean, logvar=logvar), [pool_captions[i] for i in rows]
+
     _log(f"stage 2: {names}, {recipe.denoiser_steps} steps of {recipe.denoiser_batch}")
-    t0, losses, denoiser_curve = time.monotonic(), [], []
+    losses, denoiser_curve = [], []
     for step in range(recipe.denoiser_steps):
-        pixels, captions = family.data(data_rng, recipe.denoiser_batch)
+        source, captions = batch()
         keep = (data_rng.random(recipe.denoiser_batch) >= recipe.caption_dropout).astype(np.float32)
         inputs = {name: put(np.asarray(x)) for name, x in family.text_inputs(captions, keep).items()}
         params, ema, opt_state, loss = denoiser_step(
@@ -241,7 +267,7 @@ def train(
             ema,
             opt_state,
             vae.params,
-            put(pixels),
+            source,
             inputs,
             jax.random.fold_in(key, 1_000_000 + step),
             step,
