@@ -237,7 +237,8 @@ def train(
 
     names = " + ".join(c.name for c in family.denoiser)
     t0 = time.monotonic()
-    if recipe.latent_pool:
+    # A VAE-only run (--denoiser-steps 0) has no use for the pool (its 4,096 Wan clips take 2-3 minutes).
+    if recipe.latent_pool and recipe.denoiser_steps:
         pool_pixels, pool_captions = [], []
         for start in range(0, recipe.latent_pool, 64):
             pixels, captions = family.data(data_rng, min(64, recipe.latent_pool - start))
