@@ -1,5 +1,5 @@
 """Probes of the tiny Wan recipe (training/families/wan.py) that answer in minutes what a whole run answers in 40
-(docs/embedded-model.md: what they found and how the recipe changed). Two train the transformer on hand-made
+(docs/embedded-model.md: what they found and how the recipe changed). Three train the transformer on hand-made
 latents instead of a VAE's; one reads a trained VAE alone.
 
 - `position`: pure noise in, a fixed centred square out. Wan's DiT sees positions only through RoPE in
@@ -8,6 +8,10 @@ latents instead of a VAE's; one reads a trained VAE alone.
 - `grow`: flow matching on latents that hold one square (channels 0-3 raised on a 6 x 6 patch of the 16 x 16
   grid, every latent frame), then sampling 16 latents from noise with Euler: how many hold a square. The model
   has to place it where the noise leans (nothing else tells it where), as the real model has to place a shape.
+- `motion`: flow matching on latents whose square moves a few latent pixels a latent frame, left, right, up,
+  down or still, each direction conditioned on its own fixed text states, then 20 clips sampled with CFG 5:
+  how many move the asked way. It asks what tiny-wan's direction words ask of the DiT, without the VAE and
+  the text encoder.
 - `roundtrip FOLDER`: the VAE of a tiny-wan folder (a whole run's, or `meshserve train-embedded --family wan
   --denoiser-steps 0`'s) encodes and decodes a clip of every held-out combination in every motion, and
   training/motion_score.py reads them as it reads generated clips: the most any denoiser on these latents
@@ -15,6 +19,7 @@ latents instead of a VAE's; one reads a trained VAE alone.
 
     python -m meshserve.training.wan_probes grow --steps 2000 --lr 6e-3 --heads 2
     python -m meshserve.training.wan_probes position --steps 400
+    python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 [--anywhere]
     python -m meshserve.training.wan_probes roundtrip FOLDER
 """
 
@@ -132,6 +137,219 @@ def grow(
     return rows
 
 
+DIRECTIONS = ((0, -1), (0, 1), (-1, 0), (1, 0), (0, 0))  # (row, column) steps: left, right, up, down, still
+
+
+def _moving_squares(
+    rng: np.random.Generator, n: int, travel: int, anywhere: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """[n, F, H, W, 16] latents holding one square that moves `travel` latent pixels a latent frame in one of
+    DIRECTIONS, and each row's direction index. The path is centred on the grid (as tiny-wan's clips are,
+    so the word says where the square is in the first and last frames), or `anywhere` it fits."""
+    x = np.full((n, *GRID, 16), -0.5, np.float32)
+    labels = rng.integers(0, len(DIRECTIONS), n)
+    frames = np.arange(GRID[0]) - (GRID[0] - 1) / 2
+    for i, label in enumerate(labels):
+        step = np.asarray(DIRECTIONS[label]) * travel
+        reach = np.abs(step) * frames.max()
+        low, high = reach, GRID[1] - SQUARE - reach  # the top-left corner's range for the path's centre
+        centre = rng.integers(low, high + 1) if anywhere else np.full(2, (GRID[1] - SQUARE) // 2)
+        for f, k in enumerate(frames):
+            r, c = (centre + k * step).astype(int)
+            x[i, f, r : r + SQUARE, c : c + SQUARE, :4] = 1.5
+    return x, labels
+
+
+def read_direction(latents: np.ndarray, travel: int) -> list[int | None]:
+    """Each sample's direction index from its first and last latent frames' centroids (channels 0-3 above
+    0.5), None where either frame holds no square; still below half the path's length."""
+    found = []
+    for sample in np.asarray(latents)[..., :4].mean(-1):
+        centroids = []
+        for frame in (sample[0], sample[-1]):
+            rows, cols = np.nonzero(frame > 0.5)
+            centroids.append(None if len(rows) < 9 else np.asarray([rows.mean(), cols.mean()]))
+        if centroids[0] is None or centroids[1] is None:
+            found.append(None)
+            continue
+        d = centroids[1] - centroids[0]
+        if np.hypot(*d) < travel * (GRID[0] - 1) / 2:
+            found.append(4)
+        elif abs(d[1]) >= abs(d[0]):
+            found.append(1 if d[1] > 0 else 0)
+        else:
+            found.append(3 if d[0] > 0 else 2)
+    return found
+
+
+def motion(
+    steps: int,
+    lr: float,
+    travel: int = 2,
+    anywhere: bool = False,
+    captions: bool = False,
+    latents_from=None,
+    every_combination: bool = False,
+    guidance: float = 5.0,
+    layers: int = 3,
+    shift: float = 3.0,
+    batch: int = 16,
+    seed: int = 0,
+) -> list:
+    """Flow matching on _moving_squares, conditioned on each direction's own fixed random text states, or with
+    `captions` on tiny-wan's UMT5 (trained alongside, from random) reading a training clip's caption in that
+    direction (the square's colour and shape are not drawn: only the motion words matter); 10 % of the rows
+    unconditioned, for CFG. Then 20 samples (4 a direction) by Euler with CFG: (step, loss, squares moving
+    the asked way out of 20) every 500 steps.
+
+    `latents_from` (a tiny-wan folder): instead of hand-made squares, the normalised latents of that folder's
+    VAE for clips of one training combination (medium, every direction and still, the training jitter), and
+    each sample decoded and read by motion_score: the same question on what the VAE makes of motion; with
+    `every_combination`, clips of every training combination, still conditioned on the direction alone."""
+    import tempfile
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from meshserve.models.parallel.placement import pipeline_placement
+    from meshserve.training.clips import ClipScene
+    from meshserve.training.families import wan as family
+    from meshserve.training.shapes import HELD_OUT, TRAINING
+
+    if captions and latents_from is not None:
+        raise ValueError("captions name a random training combination, not the VAE clips' own")
+    trainee, rope = _transformer(layers)
+    trainees = {"transformer": trainee}
+    contexts = jnp.asarray(np.random.default_rng(seed).normal(size=(len(DIRECTIONS), 16, 32)), jnp.float32)
+    names = ("left", "right", "up", "down", None)
+    wan = family.Family()
+    if captions:
+        wan.write_tokenizers(Path(tempfile.mkdtemp(prefix="motion-probe-")))
+        placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
+        text = wan.denoiser[1]
+        trainees[text.name] = _build(text, wan.configs()[text.name], np.random.default_rng(3), placement)
+
+    def condition(p, rng_or_none, labels, keep):
+        """The text states per row: the fixed ones, or the UMT5's on captions (training combinations while
+        training, a held-out one when sampling)."""
+        if not captions:
+            return contexts[labels] * jnp.asarray(keep, jnp.float32)[:, None, None]
+        combos = [HELD_OUT[0]] * len(labels) if rng_or_none is None else None
+        if combos is None:
+            combos = [TRAINING[k] for k in rng_or_none.integers(len(TRAINING), size=len(labels))]
+        lines = [ClipScene(*c, names[int(k)]).caption for c, k in zip(combos, labels, strict=True)]
+        return wan.text_inputs(lines, np.asarray(keep))
+
+    draw, read = _moving_squares, read_direction
+    if latents_from is not None:
+        draw, read = _vae_clips(latents_from, names, seed, every_combination)
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 200, steps, end_value=lr / 10)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
+    objective = objectives.flow_matching(shift)
+
+    def velocity(p, x, sigma, context):
+        if not captions:
+            return trainee.module(p["transformer"])(x, sigma * 1000.0, context, rope)
+        modules = {name: t.module(p[name]) for name, t in trainees.items()}
+        return wan.predict(modules, x, sigma, context)
+
+    @jax.jit
+    def step(p, state, clean, context, key):
+        noisy, sigma, target = objective(clean, key)
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((velocity(p, noisy, sigma, context) - target) ** 2)
+        )(p)
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    asked = np.repeat(np.arange(len(DIRECTIONS)), 4)
+    cond = condition(None, None, asked, np.ones(len(asked)))
+    uncond = condition(None, None, asked, np.zeros(len(asked)))
+
+    @jax.jit
+    def sample(p, key):
+        n = len(asked)
+        x = jax.random.normal(key, (n, *GRID, 16))
+        u = jnp.linspace(1.0, 0.0, 21)
+        sigmas = shift * u / (1 + (shift - 1) * u)
+        for i in range(20):
+            s = jnp.full((n,), sigmas[i])
+            v_uncond, v_cond = velocity(p, x, s, uncond), velocity(p, x, s, cond)
+            x = x + (sigmas[i + 1] - sigmas[i]) * (v_uncond + guidance * (v_cond - v_uncond))
+        return x
+
+    rng, key = np.random.default_rng(seed), jax.random.key(seed)
+    params = {name: t.params for name, t in trainees.items()}
+    losses, rows, started = [], [], time.monotonic()
+    state = opt.init(params)
+    for i in range(steps):
+        clean, labels = draw(rng, batch, travel, anywhere)
+        context = condition(None, rng, labels, rng.random(batch) >= 0.1)
+        params, state, loss = step(params, state, jnp.asarray(clean), context, jax.random.fold_in(key, i))
+        losses.append(loss)
+        if (i + 1) % 500 == 0 or i + 1 == steps:
+            found = read(sample(params, jax.random.key(99)), travel)
+            right = sum(r == a for r, a in zip(found, asked, strict=True))
+            rows.append((i + 1, float(np.mean([float(x) for x in losses[-100:]])), right))
+            report = f"step {i + 1}: loss {rows[-1][1]:.4f}, moving as asked {right}/{len(asked)}"
+            print(f"{report} {found} ({time.monotonic() - started:.0f} s)", flush=True)  # noqa: T201
+    return rows
+
+
+def _vae_clips(folder, names, seed: int, every_combination: bool = False, pool: int = 400):
+    """(draw, read) for `motion` on a folder's VAE: draw(rng, n, travel, anywhere) gives n rows of a pool of
+    normalised latents (the posterior means of `pool` clips of TRAINING[0], or of combinations drawn from all
+    of TRAINING with `every_combination`, directions uniform), read(latents,
+    travel) decodes them and gives motion_score's direction index per clip (None: no shape found)."""
+    import json
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    from meshserve.models.parallel.placement import pipeline_placement
+    from meshserve.training.clips import ClipScene, render_clip
+    from meshserve.training.families import wan as family
+    from meshserve.training.motion_score import read_motion
+    from meshserve.training.shapes import TRAINING
+
+    folder, wan = Path(folder), family.Family()
+    placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
+    config = json.loads((folder / "vae" / "config.json").read_text())
+    vae = _build(wan.vae, config, None, placement, wan.read_vae(folder))
+    mean, std = np.asarray(config["latents_mean"], np.float32), np.asarray(config["latents_std"], np.float32)
+    encode = jax.jit(lambda x: vae.module().encode(x).mean)
+    decode = jax.jit(lambda z: vae.module().decode(z * std + mean))
+
+    rng = np.random.default_rng(seed + 7)
+    labels = rng.integers(0, len(names), pool)
+    combos = rng.integers(0, len(TRAINING), pool) if every_combination else np.zeros(pool, int)
+    latents = []
+    for i in range(0, pool, 8):
+        clips = [
+            render_clip(ClipScene(*TRAINING[c], names[k]), family.FRAMES, family.SIZE, rng.uniform(-2, 2, 2))
+            for k, c in zip(labels[i : i + 8], combos[i : i + 8], strict=True)
+        ]
+        clips = jnp.asarray(np.stack(clips).astype(np.float32) / 127.5 - 1.0)
+        latents.append((np.asarray(encode(clips)) - mean) / std)
+    latents = np.concatenate(latents)
+
+    def draw(rng, n, travel, anywhere):
+        rows = rng.integers(0, pool, n)
+        return latents[rows], labels[rows]
+
+    def read(samples, travel):
+        pixels = np.asarray(decode(samples))
+        pixels = np.clip((pixels + 1.0) * 127.5, 0, 255).round().astype(np.uint8)
+        motions = [read_motion(clip).direction for clip in pixels]
+        return [None if m is None else ("left", "right", "up", "down", "still").index(m) for m in motions]
+
+    return draw, read
+
+
 def position(
     steps: int, lr: float = 1e-3, layers: int = 3, batch: int = 8, seed: int = 0
 ) -> tuple[float, float]:
@@ -219,7 +437,7 @@ def roundtrip(folder, batch: int = 8):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshserve.training.wan_probes", description=__doc__)
-    parser.add_argument("probe", choices=("grow", "position", "roundtrip"))
+    parser.add_argument("probe", choices=("grow", "position", "roundtrip", "motion"))
     parser.add_argument("folder", nargs="?", help="roundtrip: a tiny-wan model folder")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -233,10 +451,30 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="grow: the recipe's width in this many heads (default: its own)",
     )
+    parser.add_argument("--travel", type=int, default=2, help="motion: latent pixels a latent frame")
+    parser.add_argument("--anywhere", action="store_true", help="motion: paths anywhere, not centred")
+    parser.add_argument(
+        "--captions", action="store_true", help="motion: tiny-wan's UMT5 on captions, not fixed states"
+    )
+    parser.add_argument("--latents-from", help="motion: a tiny-wan folder whose VAE's latents to train on")
+    parser.add_argument(
+        "--every-combination", action="store_true", help="motion --latents-from: every training combination"
+    )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
         grow(args.steps, args.lr, args.layers, args.ffn_dim, args.heads)
+    elif args.probe == "motion":
+        motion(
+            args.steps,
+            args.lr,
+            args.travel,
+            args.anywhere,
+            args.captions,
+            args.latents_from,
+            args.every_combination,
+            layers=args.layers,
+        )
     elif args.probe == "roundtrip":
         if args.folder is None:
             parser.error("roundtrip needs a model folder")

@@ -28,3 +28,21 @@ def test_held_out_clips_read_back_as_prompted_and_a_frozen_clip_does_not_move():
     # Every frame replaced by the middle one: the pictures still read right, the 96 moving clips do not.
     frozen = clip_adherence(np.repeat(pixels[:, 4:5], 9, axis=1), wanted)
     assert (frozen.colour, frozen.shape, frozen.direction) == (1.0, 1.0, 24 / 120)
+
+
+def test_moving_squares_read_back_their_direction_and_reversed_ones_the_opposite():
+    rng = np.random.default_rng(0)
+    opposite = {0: 1, 1: 0, 2: 3, 3: 2, 4: 4}
+    for anywhere in (False, True):
+        latents, labels = wan_probes._moving_squares(rng, 64, 2, anywhere)
+        assert set(labels) == set(range(len(wan_probes.DIRECTIONS)))
+        assert wan_probes.read_direction(latents, 2) == list(labels)
+        reversed_time = wan_probes.read_direction(latents[:, ::-1], 2)
+        assert reversed_time == [opposite[int(k)] for k in labels]
+    # Centred paths: the middle frame's square is where a still one is, whatever the direction.
+    latents, _ = wan_probes._moving_squares(rng, 16, 2, anywhere=False)
+    assert (latents[:, 1] == latents[0, 1]).all()
+    # A frozen square is still; pure noise holds no square.
+    frozen = np.repeat(latents[:, 1:2], wan_probes.GRID[0], axis=1)
+    assert wan_probes.read_direction(frozen, 2) == [4] * 16
+    assert wan_probes.read_direction(rng.normal(size=(4, *wan_probes.GRID, 16)) * 0.1, 2) == [None] * 4
