@@ -11,7 +11,8 @@ latents instead of a VAE's; one reads a trained VAE alone.
 - `motion`: flow matching on latents whose square moves a few latent pixels a latent frame, left, right, up,
   down or still, each direction conditioned on its own fixed text states, then 20 clips sampled with CFG 5:
   how many move the asked way. It asks what tiny-wan's direction words ask of the DiT, without the VAE and
-  the text encoder.
+  the text encoder; `--captions` conditions on tiny-wan's UMT5 instead, `--latents-from FOLDER` trains on a
+  folder's VAE latents of real clips (one combination, or `--every-combination`).
 - `roundtrip FOLDER`: the VAE of a tiny-wan folder (a whole run's, or `meshserve train-embedded --family wan
   --denoiser-steps 0`'s) encodes and decodes a clip of every held-out combination in every motion, and
   training/motion_score.py reads them as it reads generated clips: the most any denoiser on these latents
@@ -19,7 +20,8 @@ latents instead of a VAE's; one reads a trained VAE alone.
 
     python -m meshserve.training.wan_probes grow --steps 2000 --lr 6e-3 --heads 2
     python -m meshserve.training.wan_probes position --steps 400
-    python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 [--anywhere]
+    python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 [--anywhere | --captions]
+    python -m meshserve.training.wan_probes motion --steps 1500 --lr 5e-3 --latents-from FOLDER
     python -m meshserve.training.wan_probes roundtrip FOLDER
 """
 
@@ -31,7 +33,7 @@ import time
 import numpy as np
 
 from meshserve.training import objectives
-from meshserve.training.train_shapes import _build, _cpu_devices_flag
+from meshserve.training.train_shapes import _build, _cpu_devices_flag, _schedule
 
 GRID = (3, 16, 16)  # latent frames, height, width: the 9-frame 64 x 64 clips' latents
 SQUARE = 6  # latent pixels on a side
@@ -231,14 +233,15 @@ def motion(
         text = wan.denoiser[1]
         trainees[text.name] = _build(text, wan.configs()[text.name], np.random.default_rng(3), placement)
 
-    def condition(p, rng_or_none, labels, keep):
-        """The text states per row: the fixed ones, or the UMT5's on captions (training combinations while
-        training, a held-out one when sampling)."""
+    def condition(rng, labels, keep):
+        """The text states per row: the fixed ones, or the UMT5's inputs for captions of training
+        combinations drawn from `rng` (training) or of one held-out combination (rng None: sampling)."""
         if not captions:
             return contexts[labels] * jnp.asarray(keep, jnp.float32)[:, None, None]
-        combos = [HELD_OUT[0]] * len(labels) if rng_or_none is None else None
-        if combos is None:
-            combos = [TRAINING[k] for k in rng_or_none.integers(len(TRAINING), size=len(labels))]
+        if rng is None:
+            combos = [HELD_OUT[0]] * len(labels)
+        else:
+            combos = [TRAINING[k] for k in rng.integers(len(TRAINING), size=len(labels))]
         lines = [ClipScene(*c, names[int(k)]).caption for c, k in zip(combos, labels, strict=True)]
         return wan.text_inputs(lines, np.asarray(keep))
 
@@ -246,7 +249,7 @@ def motion(
     if latents_from is not None:
         draw, read = _vae_clips(latents_from, names, seed, every_combination)
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 200, steps, end_value=lr / 10)
+    schedule = _schedule(lr, 200, steps)  # the same schedule as grow's, and short runs allowed
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
     objective = objectives.flow_matching(shift)
 
@@ -266,8 +269,8 @@ def motion(
         return optax.apply_updates(p, updates), state, loss
 
     asked = np.repeat(np.arange(len(DIRECTIONS)), 4)
-    cond = condition(None, None, asked, np.ones(len(asked)))
-    uncond = condition(None, None, asked, np.zeros(len(asked)))
+    cond = condition(None, asked, np.ones(len(asked)))
+    uncond = condition(None, asked, np.zeros(len(asked)))
 
     @jax.jit
     def sample(p, key):
@@ -287,7 +290,7 @@ def motion(
     state = opt.init(params)
     for i in range(steps):
         clean, labels = draw(rng, batch, travel, anywhere)
-        context = condition(None, rng, labels, rng.random(batch) >= 0.1)
+        context = condition(rng, labels, rng.random(batch) >= 0.1)
         params, state, loss = step(params, state, jnp.asarray(clean), context, jax.random.fold_in(key, i))
         losses.append(loss)
         if (i + 1) % 500 == 0 or i + 1 == steps:
@@ -302,8 +305,8 @@ def motion(
 def _vae_clips(folder, names, seed: int, every_combination: bool = False, pool: int = 400):
     """(draw, read) for `motion` on a folder's VAE: draw(rng, n, travel, anywhere) gives n rows of a pool of
     normalised latents (the posterior means of `pool` clips of TRAINING[0], or of combinations drawn from all
-    of TRAINING with `every_combination`, directions uniform), read(latents,
-    travel) decodes them and gives motion_score's direction index per clip (None: no shape found)."""
+    of TRAINING with `every_combination`, directions uniform); read(latents, travel) decodes them and gives
+    motion_score's direction index per clip (None: no shape found)."""
     import json
     from pathlib import Path
 
