@@ -12,7 +12,7 @@ latents instead of a VAE's; one reads a trained VAE alone.
   down or still, each direction conditioned on its own fixed text states, then 20 clips sampled with CFG 5:
   how many move the asked way. It asks what tiny-wan's direction words ask of the DiT, without the VAE and
   the text encoder; `--captions` conditions on tiny-wan's UMT5 instead, `--latents-from FOLDER` trains on a
-  folder's VAE latents of real clips (one combination, or `--every-combination`).
+  folder's VAE latents of real clips (of one training combination, or `--combinations N`).
 - `roundtrip FOLDER`: the VAE of a tiny-wan folder (a whole run's, or `meshserve train-embedded --family wan
   --denoiser-steps 0`'s) encodes and decodes a clip of every held-out combination in every motion, and
   training/motion_score.py reads them as it reads generated clips: the most any denoiser on these latents
@@ -191,7 +191,7 @@ def motion(
     anywhere: bool = False,
     captions: bool = False,
     latents_from=None,
-    every_combination: bool = False,
+    combinations: int = 1,
     guidance: float = 5.0,
     layers: int = 3,
     shift: float = 3.0,
@@ -207,7 +207,8 @@ def motion(
     `latents_from` (a tiny-wan folder): instead of hand-made squares, the normalised latents of that folder's
     VAE for clips of one training combination (medium, every direction and still, the training jitter), and
     each sample decoded and read by motion_score: the same question on what the VAE makes of motion; with
-    `every_combination`, clips of every training combination, still conditioned on the direction alone."""
+    `combinations` > 1, clips of that many training combinations (144: all), still conditioned on the
+    direction alone."""
     import tempfile
     from pathlib import Path
 
@@ -247,7 +248,7 @@ def motion(
 
     draw, read = _moving_squares, read_direction
     if latents_from is not None:
-        draw, read = _vae_clips(latents_from, names, seed, every_combination)
+        draw, read = _vae_clips(latents_from, names, seed, combinations)
 
     schedule = _schedule(lr, 200, steps)  # the same schedule as grow's, and short runs allowed
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
@@ -302,10 +303,11 @@ def motion(
     return rows
 
 
-def _vae_clips(folder, names, seed: int, every_combination: bool = False, pool: int = 400):
+def _vae_clips(folder, names, seed: int, combinations: int = 1, pool: int = 400):
     """(draw, read) for `motion` on a folder's VAE: draw(rng, n, travel, anywhere) gives n rows of a pool of
-    normalised latents (the posterior means of `pool` clips of TRAINING[0], or of combinations drawn from all
-    of TRAINING with `every_combination`, directions uniform); read(latents, travel) decodes them and gives
+    normalised latents (the posterior means of `pool` clips of `combinations` training combinations spread
+    evenly over TRAINING, each clip's drawn uniformly, as are the directions; 1: TRAINING[0]); read(latents,
+    travel) decodes them and gives
     motion_score's direction index per clip (None: no shape found)."""
     import json
     from pathlib import Path
@@ -329,7 +331,8 @@ def _vae_clips(folder, names, seed: int, every_combination: bool = False, pool: 
 
     rng = np.random.default_rng(seed + 7)
     labels = rng.integers(0, len(names), pool)
-    combos = rng.integers(0, len(TRAINING), pool) if every_combination else np.zeros(pool, int)
+    chosen = np.linspace(0, len(TRAINING), combinations, endpoint=False).astype(int)
+    combos = chosen[rng.integers(0, combinations, pool)] if combinations > 1 else np.zeros(pool, int)
     latents = []
     for i in range(0, pool, 8):
         clips = [
@@ -461,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--latents-from", help="motion: a tiny-wan folder whose VAE's latents to train on")
     parser.add_argument(
-        "--every-combination", action="store_true", help="motion --latents-from: every training combination"
+        "--combinations",
+        type=int,
+        default=1,
+        help="motion --latents-from: clips of this many training combinations (144: all)",
     )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
@@ -475,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             args.anywhere,
             args.captions,
             args.latents_from,
-            args.every_combination,
+            args.combinations,
             layers=args.layers,
         )
     elif args.probe == "roundtrip":
