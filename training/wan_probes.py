@@ -192,6 +192,7 @@ def motion(
     captions: bool = False,
     latents_from=None,
     combinations: int = 1,
+    name_combination: bool = False,
     guidance: float = 5.0,
     layers: int = 3,
     shift: float = 3.0,
@@ -207,8 +208,8 @@ def motion(
     `latents_from` (a tiny-wan folder): instead of hand-made squares, the normalised latents of that folder's
     VAE for clips of one training combination (medium, every direction and still, the training jitter), and
     each sample decoded and read by motion_score: the same question on what the VAE makes of motion; with
-    `combinations` > 1, clips of that many training combinations (144: all), still conditioned on the
-    direction alone."""
+    `combinations` > 1, clips of that many training combinations (144: all), conditioned on the direction
+    alone, or with `name_combination` on states of their own for each (combination, direction)."""
     import tempfile
     from pathlib import Path
 
@@ -225,7 +226,10 @@ def motion(
         raise ValueError("captions name a random training combination, not the VAE clips' own")
     trainee, rope = _transformer(layers)
     trainees = {"transformer": trainee}
-    contexts = jnp.asarray(np.random.default_rng(seed).normal(size=(len(DIRECTIONS), 16, 32)), jnp.float32)
+    # One set of states a direction, or with `name_combination` one a (combination, direction): a label is
+    # direction + 5 x the combination's index (0 for hand-made squares and one combination).
+    states = len(DIRECTIONS) * (combinations if name_combination else 1)
+    contexts = jnp.asarray(np.random.default_rng(seed).normal(size=(states, 16, 32)), jnp.float32)
     names = ("left", "right", "up", "down", None)
     wan = family.Family()
     if captions:
@@ -238,6 +242,7 @@ def motion(
         """The text states per row: the fixed ones, or the UMT5's inputs for captions of training
         combinations drawn from `rng` (training) or of one held-out combination (rng None: sampling)."""
         if not captions:
+            labels = labels if name_combination else labels % len(DIRECTIONS)
             return contexts[labels] * jnp.asarray(keep, jnp.float32)[:, None, None]
         if rng is None:
             combos = [HELD_OUT[0]] * len(labels)
@@ -270,7 +275,8 @@ def motion(
         return optax.apply_updates(p, updates), state, loss
 
     asked = np.repeat(np.arange(len(DIRECTIONS)), 4)
-    cond = condition(None, asked, np.ones(len(asked)))
+    shown = asked + len(DIRECTIONS) * (np.arange(len(asked)) % combinations) if name_combination else asked
+    cond = condition(None, shown, np.ones(len(asked)))
     uncond = condition(None, asked, np.zeros(len(asked)))
 
     @jax.jit
@@ -295,7 +301,7 @@ def motion(
         params, state, loss = step(params, state, jnp.asarray(clean), context, jax.random.fold_in(key, i))
         losses.append(loss)
         if (i + 1) % 500 == 0 or i + 1 == steps:
-            found = read(sample(params, jax.random.key(99)), travel)
+            found = read(sample(params, jax.random.key(99)), travel)  # direction indices
             right = sum(r == a for r, a in zip(found, asked, strict=True))
             rows.append((i + 1, float(np.mean([float(x) for x in losses[-100:]])), right))
             report = f"step {i + 1}: loss {rows[-1][1]:.4f}, moving as asked {right}/{len(asked)}"
@@ -331,7 +337,7 @@ def _vae_clips(folder, names, seed: int, combinations: int = 1, pool: int = 400)
 
     rng = np.random.default_rng(seed + 7)
     labels = rng.integers(0, len(names), pool)
-    chosen = np.linspace(0, len(TRAINING), combinations, endpoint=False).astype(int)
+    chosen = np.linspace(0, len(TRAINING), max(combinations, 1), endpoint=False).astype(int)
     combos = chosen[rng.integers(0, combinations, pool)] if combinations > 1 else np.zeros(pool, int)
     latents = []
     for i in range(0, pool, 8):
@@ -345,7 +351,7 @@ def _vae_clips(folder, names, seed: int, combinations: int = 1, pool: int = 400)
 
     def draw(rng, n, travel, anywhere):
         rows = rng.integers(0, pool, n)
-        return latents[rows], labels[rows]
+        return latents[rows], labels[rows] + len(names) * np.searchsorted(chosen, combos[rows])
 
     def read(samples, travel):
         pixels = np.asarray(decode(samples))
@@ -469,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="motion --latents-from: clips of this many training combinations (144: all)",
     )
+    parser.add_argument(
+        "--name-combination", action="store_true", help="motion: states a (combination, direction)"
+    )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
@@ -482,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             args.captions,
             args.latents_from,
             args.combinations,
+            args.name_combination,
             layers=args.layers,
         )
     elif args.probe == "roundtrip":
