@@ -40,6 +40,12 @@ SQUARE = 6  # latent pixels on a side
 SAMPLES = 16
 
 
+def _shifted(u, shift: float):
+    """Sampling's sigmas, shifted as objectives.flow_matching shifts the training ones, so the probes' Euler
+    samplers visit the sigmas the model trained at."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
 def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = None):
     import jax
 
@@ -103,9 +109,6 @@ def grow(
     def velocity(p, x, sigma):
         return trainee.module(p)(x, sigma * 1000.0, jnp.repeat(context, x.shape[0], 0), rope)
 
-    def shifted(u):  # sampling visits the sigmas the objective trains at
-        return shift * u / (1 + (shift - 1) * u)
-
     objective = objectives.flow_matching(shift)
 
     @jax.jit
@@ -118,7 +121,7 @@ def grow(
     @jax.jit
     def sample(p, key):
         x = jax.random.normal(key, (SAMPLES, *GRID, 16))
-        sigmas = shifted(jnp.linspace(1.0, 0.0, 21))
+        sigmas = _shifted(jnp.linspace(1.0, 0.0, 21), shift)
         for i in range(20):
             x = x + (sigmas[i + 1] - sigmas[i]) * velocity(p, x, jnp.full((SAMPLES,), sigmas[i]))
         return x
@@ -283,8 +286,7 @@ def motion(
     def sample(p, key):
         n = len(asked)
         x = jax.random.normal(key, (n, *GRID, 16))
-        u = jnp.linspace(1.0, 0.0, 21)
-        sigmas = shift * u / (1 + (shift - 1) * u)
+        sigmas = _shifted(jnp.linspace(1.0, 0.0, 21), shift)
         for i in range(20):
             s = jnp.full((n,), sigmas[i])
             v_uncond, v_cond = velocity(p, x, s, uncond), velocity(p, x, s, cond)
@@ -309,28 +311,37 @@ def motion(
     return rows
 
 
+def _folder_vae(folder):
+    """The VAE of a tiny-wan folder, built as `train(vae_from=)` builds it, on one device: (trainee, config)."""
+    import json
+    from pathlib import Path
+
+    import jax
+
+    from meshserve.models.parallel.placement import pipeline_placement
+    from meshserve.training.families import wan as family
+
+    wan = family.Family()
+    placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
+    config = json.loads((Path(folder) / "vae" / "config.json").read_text())
+    return _build(wan.vae, config, None, placement, wan.read_vae(folder)), config
+
+
 def _vae_clips(folder, names, seed: int, combinations: int = 1, pool: int = 400):
     """(draw, read) for `motion` on a folder's VAE: draw(rng, n, travel, anywhere) gives n rows of a pool of
     normalised latents (the posterior means of `pool` clips of `combinations` training combinations spread
     evenly over TRAINING, each clip's drawn uniformly, as are the directions; 1: TRAINING[0]); read(latents,
     travel) decodes them and gives
     motion_score's direction index per clip (None: no shape found)."""
-    import json
-    from pathlib import Path
-
     import jax
     import jax.numpy as jnp
 
-    from meshserve.models.parallel.placement import pipeline_placement
     from meshserve.training.clips import ClipScene, render_clip
     from meshserve.training.families import wan as family
     from meshserve.training.motion_score import read_motion
     from meshserve.training.shapes import TRAINING
 
-    folder, wan = Path(folder), family.Family()
-    placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
-    config = json.loads((folder / "vae" / "config.json").read_text())
-    vae = _build(wan.vae, config, None, placement, wan.read_vae(folder))
+    vae, config = _folder_vae(folder)
     mean, std = np.asarray(config["latents_mean"], np.float32), np.asarray(config["latents_std"], np.float32)
     encode = jax.jit(lambda x: vae.module().encode(x).mean)
     decode = jax.jit(lambda z: vae.module().decode(z * std + mean))
@@ -420,19 +431,11 @@ def held_out_clips(seed: int = 12345) -> tuple[np.ndarray, list[tuple[str, str, 
 def roundtrip(folder, batch: int = 8):
     """The folder's VAE on held_out_clips (encode to the posterior's mean, decode), read by motion_score:
     (ClipAdherence, reconstruction MSE)."""
-    import json
-    from pathlib import Path
-
     import jax
 
-    from meshserve.models.parallel.placement import pipeline_placement
-    from meshserve.training.families import wan as family
     from meshserve.training.motion_score import clip_adherence
 
-    folder, wan = Path(folder), family.Family()
-    placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
-    config = json.loads((folder / "vae" / "config.json").read_text())
-    vae = _build(wan.vae, config, None, placement, wan.read_vae(folder))
+    vae, _ = _folder_vae(folder)
 
     @jax.jit
     def encode_decode(x):
