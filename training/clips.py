@@ -90,13 +90,23 @@ def render_clip(
 
 
 def random_clip_scene(
-    rng: np.random.Generator, combinations: Sequence[tuple[str, str, str]] = TRAINING, p_still: float = 0.2
+    rng: np.random.Generator,
+    combinations: Sequence[tuple[str, str, str]] = TRAINING,
+    p_still: float = 0.2,
+    sizes: Sequence[str] = CLIP_SIZES,
 ) -> ClipScene:
     """A training clip scene: a combination drawn uniformly; still with probability p_still, else a direction
-    drawn uniformly; a size drawn uniformly from CLIP_SIZES."""
+    drawn uniformly; a size drawn uniformly from `sizes`."""
     colour, shape, background = combinations[rng.integers(len(combinations))]
     direction = None if rng.random() < p_still else DIRECTIONS[rng.integers(len(DIRECTIONS))]
-    return ClipScene(colour, shape, background, direction, CLIP_SIZES[rng.integers(len(CLIP_SIZES))])
+    return ClipScene(colour, shape, background, direction, sizes[rng.integers(len(sizes))])
+
+
+def still_caption(caption: str) -> str:
+    """The caption of the clip's scene standing still: a moving clip's caption without "moving <direction>"."""
+    for direction in DIRECTIONS:
+        caption = caption.replace(f" moving {direction} ", " ")
+    return caption
 
 
 def clip_batch(
@@ -106,11 +116,13 @@ def clip_batch(
     size: int = 64,
     jitter: float = 2.0,
     anywhere: bool = False,
+    sizes: Sequence[str] = CLIP_SIZES,
 ) -> tuple[np.ndarray, list[str]]:
     """Clips float32 [batch, frames, size, size, 3] in [-1, 1] and their captions. Each clip's whole path
     moves by up to `jitter` pixels (scaled with the image), as shapes.training_batch moves a picture; with
-    `anywhere`, by any offset that keeps the shape inside the frame all along its path, drawn uniformly."""
-    scenes = [random_clip_scene(rng) for _ in range(batch)]
+    `anywhere`, by any offset that keeps the shape inside the frame all along its path, drawn uniformly; each
+    clip's size is drawn from `sizes`."""
+    scenes = [random_clip_scene(rng, sizes=sizes) for _ in range(batch)]
     if anywhere:
         offsets = np.stack([rng.uniform(-1.0, 1.0, 2) * _slack(scene, frames, size) for scene in scenes])
     else:

@@ -92,6 +92,25 @@ def _schedule(lr: float, warmup: int, total: int):
 _logger = logging.getLogger("meshserve.training")
 
 
+def curriculum_order(scenes: list[str], seed: int) -> list[int]:
+    """The latent pool's rows (each row's scene) in the order a curriculum widens over: grouped by scene, so
+    that a prefix holds few scenes, each in every motion; the scenes in a random order drawn from `seed`. In
+    caption order the first 500 steps drew black shapes only, and after 6,000 steps the model drew the
+    background's colour on the shape and the shape's on the background in 69 of 120 held-out clips."""
+    names = sorted(set(scenes))
+    rank = dict(zip(names, np.random.default_rng(seed + 3).permutation(len(names)), strict=True))
+    return sorted(range(len(scenes)), key=lambda i: rank[scenes[i]])
+
+
+def pool_reach(recipe, step: int) -> int:
+    """How many of the latent pool's clips (in curriculum_order) denoiser step `step` draws from: a prefix that
+    doubles in equal numbers of steps, from `curriculum_start` to the whole pool at `curriculum_steps`."""
+    if step >= recipe.curriculum_steps:
+        return recipe.latent_pool
+    start = min(recipe.curriculum_start, recipe.latent_pool)
+    return int(start * (recipe.latent_pool / start) ** (step / recipe.curriculum_steps))
+
+
 def _log(message: str) -> None:
     _logger.info(message)
 
@@ -246,21 +265,25 @@ def train(
             pool_captions += captions
         pool = encode_all(np.concatenate(pool_pixels))
         del pool_pixels
+        if recipe.curriculum_steps:
+            order = curriculum_order([family.scene(c) for c in pool_captions], recipe.seed)
+            pool = tuple(moment[order] for moment in pool)
+            pool_captions = [pool_captions[i] for i in order]
         _log(f"  latent pool: {recipe.latent_pool} encoded ({time.monotonic() - t0:.0f} s)")
 
-    def batch():
+    def batch(step: int):
         """The step's rows: fresh pictures, or posteriors and captions drawn from the pool."""
         if not recipe.latent_pool:
             pixels, captions = family.data(data_rng, recipe.denoiser_batch)
             return put(pixels), captions
-        rows = data_rng.integers(recipe.latent_pool, size=recipe.denoiser_batch)
+        rows = data_rng.integers(pool_reach(recipe, step), size=recipe.denoiser_batch)
         mean, logvar = (put(moment[rows]) for moment in pool)
         return DiagonalGaussian(mean=mean, logvar=logvar), [pool_captions[i] for i in rows]
 
     _log(f"stage 2: {names}, {recipe.denoiser_steps} steps of {recipe.denoiser_batch}")
     losses, denoiser_curve = [], []
     for step in range(recipe.denoiser_steps):
-        source, captions = batch()
+        source, captions = batch(step)
         keep = (data_rng.random(recipe.denoiser_batch) >= recipe.caption_dropout).astype(np.float32)
         inputs = {name: put(np.asarray(x)) for name, x in family.text_inputs(captions, keep).items()}
         params, ema, opt_state, loss = denoiser_step(

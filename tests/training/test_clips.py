@@ -17,6 +17,7 @@ from meshserve.training.clips import (
     held_out_clip_prompts,
     random_clip_scene,
     render_clip,
+    still_caption,
 )
 from meshserve.training.motion_score import STILL_SHIFT, clip_adherence, read_motion
 from meshserve.training.shapes import HELD_OUT, PALETTE, SHAPES, SIZES, Scene, plain_caption
@@ -51,6 +52,24 @@ def test_captions_add_the_motion_to_the_plain_form():
         w for d in (*DIRECTIONS, None) for w in ClipScene("red", "circle", "blue", d, "small").caption.split()
     }
     assert words <= set(WORDS) | set(CLIP_WORDS)
+
+
+def test_a_moving_caption_without_its_motion_is_its_scene_standing_still():
+    for size in CLIP_SIZES:
+        still = ClipScene("orange", "triangle", "white", None, size)
+        for direction in (*DIRECTIONS, None):
+            moving = ClipScene("orange", "triangle", "white", direction, size)
+            assert still_caption(moving.caption) == still.caption
+    assert (
+        still_caption("a red circle moving left on a blue background") == "a red circle on a blue background"
+    )
+
+
+def test_clips_draw_only_the_sizes_asked_for():
+    _, captions = clip_batch(np.random.default_rng(0), 32, frames=5, size=32, sizes=("medium",))
+    assert not any("small" in c for c in captions)
+    _, captions = clip_batch(np.random.default_rng(0), 32, frames=5, size=32)
+    assert any("small" in c for c in captions)
 
 
 def test_held_out_combinations_never_reach_training_in_any_motion():

@@ -12,7 +12,7 @@ from meshserve.models.checkpoints.loading import read_component_weights
 from meshserve.training import families
 from meshserve.training.families import wan as wan_family
 from meshserve.training.recipe import Recipe
-from meshserve.training.train_shapes import train
+from meshserve.training.train_shapes import curriculum_order, pool_reach, train
 
 RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=4, denoiser_batch=4, warmup_steps=1)
 
@@ -117,8 +117,10 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     # the trial settings on, so their wiring runs too.
     trial = dict(anywhere=True, flow_shift=1.5, logit_normal=0.5)
     trained = families.family(family) if frames is None else wan_family.Family(frames=frames, **trial)
-    # Wan draws its rows from a latent pool (its recipe's way), Flux encodes fresh pictures every step.
-    recipe = FAMILY_RECIPE.model_copy(update={"latent_pool": 6} if frames else {})
+    # Wan draws its rows from a latent pool (its recipe's way), sorted by scene for a curriculum over the
+    # first step; Flux encodes fresh pictures every step.
+    pooled = {"latent_pool": 6, "curriculum_steps": 1, "curriculum_start": 2}
+    recipe = FAMILY_RECIPE.model_copy(update=pooled if frames else {})
     record = train(tmp_path / family, trained, recipe, devices=jax.devices()[:2], log_every=1)
     assert record["family"] == family and set(record["latent_normalisation"]) == stats
     assert all(np.isfinite(record["vae_mse"])) and all(np.isfinite(record["denoiser_loss"]))
@@ -146,3 +148,27 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
             np.testing.assert_allclose(again["latent_normalisation"][name], value, rtol=1e-5, atol=1e-6)
         vae, reused = (read_component_weights(f / "vae") for f in (folder, tmp_path / "again"))
         assert vae.keys() == reused.keys() and all(np.array_equal(vae[k], reused[k]) for k in vae)
+
+
+def test_a_curriculum_widens_the_pool_it_draws_from_to_the_whole_pool():
+    recipe = Recipe(latent_pool=4096, curriculum_steps=3000, curriculum_start=32)
+    reach = [pool_reach(recipe, step) for step in range(0, 6001, 100)]
+    assert reach[0] == 32 and reach[30:] == [4096] * 31
+    assert all(a <= b for a, b in zip(reach, reach[1:], strict=False))
+    # Doubling in equal numbers of steps: 32 -> 4096 is 7 doublings over 3,000 steps.
+    assert 60 <= pool_reach(recipe, 3000 // 7) <= 64
+    assert {pool_reach(Recipe(latent_pool=64), step) for step in (0, 1, 1000)} == {64}
+    with pytest.raises(ValueError, match="latent pool"):
+        Recipe(curriculum_steps=10)
+
+
+def test_a_curriculum_meets_the_scenes_one_group_at_a_time_in_a_random_order():
+    rng = np.random.default_rng(0)
+    scenes = [f"scene {i:02d}" for i in rng.integers(40, size=400)]
+    order = curriculum_order(scenes, seed=0)
+    assert sorted(order) == list(range(400))
+    met = [scenes[i] for i in order]
+    groups = [s for i, s in enumerate(met) if i == 0 or s != met[i - 1]]
+    assert len(groups) == len(set(scenes))  # each scene's rows together
+    assert groups != sorted(groups)  # not in caption order (which drew black shapes only for 500 steps)
+    assert curriculum_order(scenes, seed=0) == order and curriculum_order(scenes, seed=1) != order

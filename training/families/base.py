@@ -44,6 +44,11 @@ class TrainingFamily(ABC):
     def data(self, rng: np.random.Generator, batch: int) -> tuple[np.ndarray, list[str]]:
         """float32 pixels in [-1, 1] ([B, H, W, 3] pictures or [B, F, H, W, 3] clips) and their captions."""
 
+    def scene(self, caption: str) -> str:
+        """What a curriculum (Recipe.curriculum_steps) groups a pool's rows by: the caption itself, unless a
+        family's captions vary inside one scene."""
+        return caption
+
     @abstractmethod
     def write_tokenizers(self, out: Path) -> None:
         """Writes the folder's tokenizers and loads them for `text_inputs`."""

@@ -101,19 +101,24 @@ class Family(TrainingFamily):
         anywhere: bool = False,
         flow_shift: float = SCHEDULER["flow_shift"],
         logit_normal: float = 0.0,
+        sizes: tuple[str, ...] = clips.CLIP_SIZES,
     ):
         """Clips of `frames` frames (1 + 4k, whole latent frames; the tests train on 5 to cut the compile).
         The rest are for recipe trials (docs/embedded-model.md: what each gave): `anywhere` places the clips'
         paths anywhere they fit instead of through the centre (clips.clip_batch), `flow_shift` is the shift
         of both the training sigmas and the folder's scheduler, and a `logit_normal` share of the training
-        rows draws its sigma from SD3's logit-normal (objectives.flow_matching)."""
+        rows draws its sigma from SD3's logit-normal (objectives.flow_matching), and `sizes` are the shape
+        sizes the clips draw from."""
         if frames < 5 or (frames - 1) % 4:
             raise ValueError(f"frames must be 1 + 4k and at least 5, not {frames}")
         self.frames, self.anywhere = frames, anywhere
-        self.flow_shift, self.logit_normal = flow_shift, logit_normal
+        self.flow_shift, self.logit_normal, self.sizes = flow_shift, logit_normal, tuple(sizes)
 
     def data(self, rng, batch):
-        return clips.clip_batch(rng, batch, self.frames, SIZE, anywhere=self.anywhere)
+        return clips.clip_batch(rng, batch, self.frames, SIZE, anywhere=self.anywhere, sizes=self.sizes)
+
+    def scene(self, caption):
+        return clips.still_caption(caption)
 
     def write_tokenizers(self, out: Path) -> None:
         words = (*caption_tokenizer.WORDS, *clips.CLIP_WORDS)
