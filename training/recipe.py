@@ -26,7 +26,7 @@ class Recipe(BaseModel):
     # pool grouped by scene (TrainingFamily.scene: a clip's scene without its motion; train_shapes.
     # curriculum_order), which widens geometrically from `curriculum_start` clips (about two scenes in every
     # motion) to the whole pool. A trial, off in every recipe: the tiny Wan DiT learnt every direction of one
-    # scene in 1,000 steps (training/wan_probes.py motion), but 3,000 of 6,000 steps widening so left tiny-wan
+    # scene in 1,000 steps (training/wan_probes.py motion), but widening over 3,000 of 6,000 steps left tiny-wan
     # painting the shape's colour on the background (held-out background 14-22 % against 100 % without).
     curriculum_steps: int = 0
     curriculum_start: int = 32

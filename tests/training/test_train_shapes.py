@@ -117,7 +117,7 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     # the trial settings on, so their wiring runs too.
     trial = dict(anywhere=True, flow_shift=1.5, logit_normal=0.5)
     trained = families.family(family) if frames is None else wan_family.Family(frames=frames, **trial)
-    # Wan draws its rows from a latent pool (its recipe's way), sorted by scene for a curriculum over the
+    # Wan draws its rows from a latent pool (its recipe's way), grouped by scene for a curriculum over the
     # first step; Flux encodes fresh pictures every step.
     pooled = {"latent_pool": 6, "curriculum_steps": 1, "curriculum_start": 2}
     recipe = FAMILY_RECIPE.model_copy(update=pooled if frames else {})
