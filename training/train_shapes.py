@@ -94,9 +94,10 @@ _logger = logging.getLogger("meshserve.training")
 
 def curriculum_order(scenes: list[str], seed: int) -> list[int]:
     """The latent pool's rows (each row's scene) in the order a curriculum widens over: grouped by scene, so
-    that a prefix holds few scenes, each in every motion; the scenes in a random order drawn from `seed`. In
-    caption order the first 500 steps drew black shapes only, and after 6,000 steps the model drew the
-    background's colour on the shape and the shape's on the background in 69 of 120 held-out clips."""
+    that a prefix holds few scenes, each in every motion; the scenes in a random order drawn from `seed`
+    (in caption order the first 500 steps drew black shapes only). Tried on tiny-wan either way, the model
+    came out drawing the background's colour on the shape and the shape's on the background in 69 (caption
+    order) and 78 (this order) of 120 held-out clips, against none without a curriculum."""
     names = sorted(set(scenes))
     rank = dict(zip(names, np.random.default_rng(seed + 3).permutation(len(names)), strict=True))
     return sorted(range(len(scenes)), key=lambda i: rank[scenes[i]])

@@ -170,5 +170,5 @@ def test_a_curriculum_meets_the_scenes_one_group_at_a_time_in_a_random_order():
     met = [scenes[i] for i in order]
     groups = [s for i, s in enumerate(met) if i == 0 or s != met[i - 1]]
     assert len(groups) == len(set(scenes))  # each scene's rows together
-    assert groups != sorted(groups)  # not in caption order (which drew black shapes only for 500 steps)
+    assert groups != sorted(groups)  # not in caption order
     assert curriculum_order(scenes, seed=0) == order and curriculum_order(scenes, seed=1) != order
