@@ -331,8 +331,7 @@ def _vae_clips(folder, names, seed: int, combinations: int = 1, pool: int = 400)
     """(draw, read) for `motion` on a folder's VAE: draw(rng, n, travel, anywhere) gives n rows of a pool of
     normalised latents (the posterior means of `pool` clips of `combinations` training combinations spread
     evenly over TRAINING, each clip's drawn uniformly, as are the directions; 1: TRAINING[0]); read(latents,
-    travel) decodes them and gives
-    motion_score's direction index per clip (None: no shape found)."""
+    travel) decodes them and gives motion_score's direction index per clip (None: no shape found)."""
     import jax
     import jax.numpy as jnp
 
