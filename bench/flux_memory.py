@@ -79,6 +79,7 @@ from meshserve.models.attention import AttentionSettings  # noqa: E402
 from meshserve.models.checkpoints.loading import abstract_module  # noqa: E402
 from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RULES  # noqa: E402
 from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  # noqa: E402
+from meshserve.models.components.block_stack import stack_blocks  # noqa: E402
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
 from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel  # noqa: E402
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
@@ -133,11 +134,13 @@ LAYOUTS = {
 }
 
 
-def flux_module(units: int, settings: AttentionSettings):
+def flux_module(units: int, settings: AttentionSettings, scan: bool = True):
+    """scan: the blocks stacked (models/components/block_stack.py), as a pipeline holds them by default."""
     cfg = FluxTransformer2DConfig(**dict(FLUX_DEV, num_layers=units, num_single_layers=2 * units))
-    return abstract_module(
+    module = abstract_module(
         lambda r: FluxTransformer2DModel(cfg, settings=settings, dtype=jnp.bfloat16, rngs=r)
     )
+    return stack_blocks(module) if scan else module
 
 
 def other_modules():
@@ -153,13 +156,18 @@ def other_modules():
     yield "VAE", abstract_module(lambda r: AutoencoderKL(vae, dtype=f32, rngs=r)), VAE_RULES, f32
 
 
-def compile_denoise(units: int, placement, settings, rows: int, tie: bool = True):
-    """The transformer's denoise loop at 1024x1024 (`rows` = 1: CFG off, 2: true CFG), compiled.
+def compile_denoise(*args, **kwargs):
+    return lower_denoise(*args, **kwargs).compile()
+
+
+def lower_denoise(units: int, placement, settings, rows: int, tie: bool = True, scan: bool = True):
+    """The transformer's denoise loop at 1024x1024 (`rows` = 1: CFG off, 2: true CFG), lowered.
 
     tie: without shard_over too, the weights pass an optimization barrier with the step's input (as
     `gather_weights_per_step` does with shard_over), so XLA:CPU cannot hoist its bf16 -> f32 weight converts
-    out of the loop (module docstring); False: the program the engine compiles (hoisted converts on CPU)."""
-    graph, state = placed_state(flux_module(units, settings), FLUX_RULES, placement, jnp.bfloat16)
+    out of the loop (module docstring); False: the program the engine compiles (hoisted converts on CPU).
+    scan: the blocks under a lax.scan (the engine's default) or unrolled."""
+    graph, state = placed_state(flux_module(units, settings, scan), FLUX_RULES, placement, jnp.bfloat16)
     bf16 = jnp.bfloat16
     cos = np.zeros((TEXT + IMAGE, 128), np.float32)
     replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
@@ -191,17 +199,22 @@ def compile_denoise(units: int, placement, settings, rows: int, tie: bool = True
         jax.ShapeDtypeStruct((201,), jnp.float32, sharding=replicated),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    return jax.jit(_denoise).lower(state, *args).compile()
+    return jax.jit(_denoise).lower(state, *args)
 
 
-def compile_t5(placement, rows: int):
+def compile_t5(*args, **kwargs):
+    return lower_t5(*args, **kwargs).compile()
+
+
+def lower_t5(placement, rows: int, scan: bool = True):
     name, module, rules, dtype = next(other_modules())
+    module = stack_blocks(module) if scan else module
     graph, state = placed_state(module, rules, placement, dtype)
 
     def _encode(state, ids):
         return nnx.merge(graph, placement.gather_weights(state, rules))(ids).last_hidden_state
 
-    return jax.jit(_encode).lower(state, batch_arg(placement, (rows, TEXT), jnp.int32)).compile()
+    return jax.jit(_encode).lower(state, batch_arg(placement, (rows, TEXT), jnp.int32))
 
 
 def compile_vae(placement):

@@ -171,6 +171,13 @@ class Bench:
         self.results: dict = {"env": env_info(), "args": vars(args), "rows": [], "errors": {}}
         self.compile = not args.no_compile
 
+    def as_served(self, model):
+        """A DiT with its blocks stacked under a scan, as a pipeline holds it (components/block_stack.py), unless
+        --unrolled."""
+        from meshserve.models.components.block_stack import stack_blocks
+
+        return model if self.args.unrolled else stack_blocks(model)
+
     def tsync(self, _out=None) -> None:
         import torch
 
@@ -553,7 +560,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
     gh, gw = lh // 2, lw // 2  # the 2x2 packing
     tokens = gh * gw
     ours, ref = twin(bench, TorchFlux, cfg, torch.bfloat16, torch.bfloat16, load_flux_transformer)
-    graph, state = nnx.split(ours)
+    graph, state = nnx.split(bench.as_served(ours))
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal((1, tokens, cfg["in_channels"])).astype(np.float32)
     emb_np = rng.standard_normal((1, text, cfg["joint_attention_dim"])).astype(np.float32)
@@ -786,7 +793,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
     # Built and saved fp32 (as the released checkpoint), read in bf16: both keep _keep_in_fp32_modules fp32.
     ours, ref = twin(bench, TorchWan, cfg, torch.float32, torch.bfloat16, load_wan_transformer)
     rope = tuple(jnp.asarray(a) for a in ours.rope(f, h, w))
-    graph, state = nnx.split(ours)
+    graph, state = nnx.split(bench.as_served(ours))
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal((1, cfg["in_channels"], f, h, w)).astype(np.float32)
     ctx_np = rng.standard_normal((2, text, cfg["text_dim"])).astype(np.float32)  # [negative, positive]
@@ -938,6 +945,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny configs and shapes: a CPU check")
     ap.add_argument("--no-compile", action="store_true", help="leave diffusers' torch.compile out")
     ap.add_argument("--vae-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument(
+        "--unrolled", action="store_true", help="DiT blocks unrolled (a pool's scan_blocks: false)"
+    )
     ap.add_argument(
         "--kernel", default="auto", help="meshserve's attention kernel (AttentionSettings.kernel)"
     )

@@ -88,6 +88,7 @@ from bench.memory_analysis import (  # noqa: E402
 from bench.weight_memory import placed_state  # noqa: E402
 from meshserve.models.attention import AttentionSettings  # noqa: E402
 from meshserve.models.checkpoints.loading import abstract_module  # noqa: E402
+from meshserve.models.components.block_stack import stack_blocks  # noqa: E402
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
 from meshserve.models.components.t5 import T5Config, T5EncoderModel  # noqa: E402
 from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES  # noqa: E402
@@ -150,15 +151,23 @@ LAYOUTS = {
 }
 
 
-def wan_module(base: dict, layers: int, settings: AttentionSettings):
+def wan_module(base: dict, layers: int, settings: AttentionSettings, scan: bool = True):
+    """scan: the blocks stacked (models/components/block_stack.py), as a pipeline holds them by default."""
     cfg = WanTransformer3DConfig(**dict(base, num_layers=layers))
-    return abstract_module(
+    module = abstract_module(
         lambda r: WanTransformer3DModel(cfg, settings=settings, dtype=jnp.bfloat16, rngs=r)
     )
+    return stack_blocks(module) if scan else module
 
 
-def compile_denoise(base: dict, layers: int, placement, settings, latent: tuple[int, int, int]):
-    graph, state = placed_state(wan_module(base, layers, settings), WAN_RULES, placement, jnp.bfloat16)
+def compile_denoise(*args, **kwargs):
+    return lower_denoise(*args, **kwargs).compile()
+
+
+def lower_denoise(
+    base: dict, layers: int, placement, settings, latent: tuple[int, int, int], scan: bool = True
+):
+    graph, state = placed_state(wan_module(base, layers, settings, scan), WAN_RULES, placement, jnp.bfloat16)
     frames, h, w = latent
     tokens = frames * (h // 2) * (w // 2)
     replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
@@ -189,7 +198,7 @@ def compile_denoise(base: dict, layers: int, placement, settings, latent: tuple[
         jax.ShapeDtypeStruct((201,), jnp.float32, sharding=replicated),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    return jax.jit(_denoise).lower(state, *args).compile()
+    return jax.jit(_denoise).lower(state, *args)
 
 
 def sent_per_step(hlo: str) -> dict:

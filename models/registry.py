@@ -103,6 +103,7 @@ def load_pipeline(
     lora_budget_mb: float = 512.0,
     lora_targets: str | None = None,
     quantize: str | None = None,
+    scan_blocks: bool = True,
 ):
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
     into the Hub cache by models/checkpoints/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
@@ -118,6 +119,8 @@ def load_pipeline(
     devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
     it holds (docs/lora.md). `quantize`: "int8" stores the denoiser's Linear kernels as int8 with per-channel
     scales (models/components/quantize.py), "none" or None keeps them in `dtype`; "fp8" is refused.
+    `scan_blocks`: the DiTs' and T5's repeated blocks run under one lax.scan (compiled once; False: unrolled,
+    models/components/block_stack.py).
     """
     import importlib
 
@@ -155,6 +158,7 @@ def load_pipeline(
         "lora_budget_mb": lora_budget_mb,
         "lora_targets": lora_targets,
         "quantize": quantize,
+        "scan_blocks": scan_blocks,
     }
     if vae_dtype is not None:
         if vae_dtype not in _VAE_DTYPES:

@@ -136,6 +136,9 @@ class PoolConfig(_Strict):
     # The VAE's dtype (load_pipeline's vae_dtype; docs/outputs.md): None keeps the family's default. A pool-level
     # field rather than a model option, since it trades the decode's error for its time per pool.
     vae_dtype: Literal["float32", "bfloat16"] | None = None
+    # The DiTs' and T5's repeated blocks under one lax.scan (load_pipeline's scan_blocks): each program compiles
+    # one block, not every one. False unrolls them, to compare a step's speed on an accelerator.
+    scan_blocks: bool = True
     models: list[str] = Field(min_length=1)
     max_batch: int = Field(1, ge=1)  # images per device batch, summed over the jobs in it
     batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company

@@ -35,6 +35,7 @@ from meshserve.models.checkpoints.loading import (
     read_component_weights,
     read_json,
 )
+from meshserve.models.components.block_stack import block_at, run_blocks
 
 # Parameter path regex -> logical axes (models.parallel.placement maps "embed" to the pool's FSDP axes and
 # "heads"/"mlp" to `tensor`). T5 v1.1 XXL is 4.76 B parameters (24 layers of d_model 4096, 64 heads x 64,
@@ -309,6 +310,10 @@ class T5Block(nnx.Module):
 
 
 class T5Stack(nnx.Module):
+    # components/block_stack.py: T5's first block alone holds the relative position bias (its head); UMT5's
+    # blocks each hold their own, so all of them stack.
+    scanned_blocks = ("block",)
+
     def __init__(self, config: T5Config, *, dtype, rngs: nnx.Rngs):
         self.bias_in_every_layer = config.bias_in_every_layer
         self.block = nnx.List(
@@ -321,12 +326,18 @@ class T5Stack(nnx.Module):
 
     def __call__(self, x: jax.Array, kv_mask: jax.Array | None) -> jax.Array:
         seq_len = x.shape[1]
-        position_bias = None
-        for block in self.block:
-            if position_bias is None or self.bias_in_every_layer:
-                position_bias = block.layer[0].SelfAttention.position_bias(seq_len)
-            x = block(x, position_bias, kv_mask)
-        return self.final_layer_norm(x)
+        # T5: the first block's bias, shared by all; UMT5: each block's own.
+        shared = (
+            None
+            if self.bias_in_every_layer
+            else block_at(self.block, 0).layer[0].SelfAttention.position_bias(seq_len)
+        )
+
+        def layer(block, x):
+            bias = block.layer[0].SelfAttention.position_bias(seq_len) if shared is None else shared
+            return block(x, bias, kv_mask)
+
+        return self.final_layer_norm(run_blocks(self.block, layer, x))
 
 
 # --------------------------------------------------------------------------------------------------

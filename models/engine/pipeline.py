@@ -88,6 +88,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.components.block_stack import stack_blocks
 from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
 from meshserve.models.components.quantize import check_mode as check_quantize
 from meshserve.models.components.quantize import load_quantized, quantized_rules
@@ -246,8 +247,12 @@ class DiffusionPipeline:
         lora_budget_mb: float = 512.0,
         lora_targets: str | None = None,
         quantize: str | None = None,
+        scan_blocks: bool = True,
     ):
         self.programs = CompiledPrograms(type(self).__name__, max_programs)
+        # The DiTs' and T5's repeated blocks stacked and run under a lax.scan (models/components/block_stack.py):
+        # a program compiles one block instead of each. False keeps them unrolled (to compare).
+        self.scan_blocks = bool(scan_blocks)
         # Weight-only int8 for the denoiser's Linear layers (models/components/quantize.py), or None.
         self.quantize = check_quantize(quantize)
         # LoRA adapters per request (docs/lora.md): a fixed-shape table on the pool's devices, made on first load.
@@ -320,6 +325,8 @@ class DiffusionPipeline:
 
         self._graphs, self._states = {}, {}
         for name, module in modules.items():
+            if self.scan_blocks:
+                stack_blocks(module)
             self._graphs[name], self._states[name] = nnx.split(module)
         self._text_states = {k: v for k, v in self._states.items() if k not in (self.denoiser_name, "vae")}
 

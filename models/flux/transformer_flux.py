@@ -55,6 +55,7 @@ from meshserve.models.checkpoints.loading import (
     read_component_weights,
     read_json,
 )
+from meshserve.models.components.block_stack import block_at, run_blocks
 from meshserve.models.components.layers import TimestepEmbedding, linear, timestep_embedding
 from meshserve.models.engine.step_cache import after_first_block, before_blocks
 
@@ -443,6 +444,8 @@ class FluxSingleTransformerBlock(nnx.Module):
 
 
 class FluxTransformer2DModel(nnx.Module):
+    scanned_blocks = ("transformer_blocks", "single_transformer_blocks")  # components/block_stack.py
+
     def __init__(
         self,
         config: FluxTransformer2DConfig,
@@ -500,25 +503,26 @@ class FluxTransformer2DModel(nnx.Module):
         x = self.x_embedder(hidden_states.astype(dtype))
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
 
-        joint = list(self.transformer_blocks)
+        joint, single = self.transformer_blocks, self.single_transformer_blocks
+        first_block = block_at(joint, 0) if len(joint) else None
 
         def blocks(x):  # every block, on the embedded image tokens: the image tokens they end with
-            first_context, first = joint[0](x, context, temb, rope) if joint else (context, x)
+            first_context, first = first_block(x, context, temb, rope) if first_block else (context, x)
 
             def rest(x):  # the blocks after the first, on its image output
-                context = first_context
-                for block in joint[1:]:
-                    context, x = block(x, context, temb, rope)
+                def double(block, carry):
+                    return block(carry[1], carry[0], temb, rope)
+
+                context, x = run_blocks(joint, double, (first_context, x), start=1)
                 x = jnp.concatenate([context, x], axis=1)
-                for block in self.single_transformer_blocks:
-                    x = block(x, temb, rope)
+                x = run_blocks(single, lambda block, x: block(x, temb, rope), x)
                 return x[:, s_txt:]
 
             return after_first_block(x, first, rest)
 
         # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first
         # ("first_block") or of all of them ("teacache", decided from the first block's modulated input).
-        signal = joint[0].norm1(x, temb)[0] if joint else x
+        signal = first_block.norm1(x, temb)[0] if first_block else x
         x = before_blocks(x, signal, blocks)
         x = self.norm_out(x, temb)
         return self.proj_out(x).astype(hidden_states.dtype)

@@ -40,6 +40,7 @@ class _Active:
         # gave a layer of the second the stale id of an adapted layer of the first, which then added the
         # wrong factors (a served job failed on their shapes; with equal shapes it would have been silent).
         self.names: dict[int, tuple[object, str]] = {}
+        self.stacks: dict[int, tuple[object, str]] = {}  # id(BlockStack) -> (it, its name): bind
 
     def delta(self, name: str, x, out_shape):
         a, b = self.tables[name]  # [N, in, r], [N, r, *out]
@@ -87,17 +88,75 @@ def adapters_from(state, lora):
 def bind(module, prefix: str = ""):
     """Registers a merged module's adapted layers (by diffusers' dotted names, after `prefix`: a text
     encoder's "text_encoder." as in the tables' keys; the denoiser's names have none) with the active
-    adapters; the module unchanged, and nothing done without active adapters."""
+    adapters; the module unchanged, and nothing done without active adapters. A BlockStack's stacked
+    blocks are bound per trip of its scan (`layer_adapters`); the stack itself is registered under its name."""
     active = _ACTIVE.get()
     if active is None:
         return module
-    from flax import nnx
+    from meshserve.models.components.block_stack import BlockStack, named_nodes
 
-    for path, node in nnx.iter_graph(module):
-        name = prefix + ".".join(str(p) for p in path)
-        if name in active.tables:
-            active.names[id(node)] = (node, name)
+    for name, node, stacked in named_nodes(module):
+        if stacked:
+            continue
+        if isinstance(node, BlockStack):
+            active.stacks[id(node)] = (node, prefix + name)
+        elif prefix + name in active.tables:
+            active.names[id(node)] = (node, prefix + name)
     return module
+
+
+def bind_stacked(stack, index: int, block):
+    """A block sliced out of a BlockStack (`index`: its place in the block list) bound to the active adapters
+    under the list's name, as `bind` binds an unstacked block; the block unchanged."""
+    active = _ACTIVE.get()
+    entry = None if active is None else active.stacks.get(id(stack))
+    if entry is None or entry[0] is not stack:
+        return block
+    return bind(block, prefix=f"{entry[1]}.{index}.")
+
+
+def stacked_adapters(stack, first: int, n: int):
+    """Inside a BlockStack's scan: the active adapters' factors of its blocks first .. first + n - 1 (their
+    indices in the block list), stacked per layer: {name within a block: (A [n, N, in, r], B [n, N, r,
+    *out])}, zeros for a block the table does not hold that layer of; None when no active table names one of
+    these blocks. Stacked in the program from the per-layer tables (loop-invariant: once per program run)."""
+    active = _ACTIVE.get()
+    entry = None if active is None else active.stacks.get(id(stack))
+    if entry is None or entry[0] is not stack:
+        return None
+    prefix = entry[1] + "."
+    per_layer: dict[str, dict[int, tuple]] = {}
+    for name, factors in active.tables.items():
+        if name.startswith(prefix):
+            index, _, layer = name[len(prefix) :].partition(".")
+            if index.isdigit() and first <= int(index) < first + n:
+                per_layer.setdefault(layer, {})[int(index)] = factors
+    stacked = {}
+    for layer, blocks in per_layer.items():
+        a0, b0 = next(iter(blocks.values()))
+        stacked[layer] = tuple(
+            jnp.stack(
+                [blocks[i][k] if i in blocks else jnp.zeros_like(zero) for i in range(first, first + n)]
+            )
+            for k, zero in enumerate((a0, b0))
+        )
+    return stacked or None
+
+
+@contextlib.contextmanager
+def layer_adapters(block, tables):
+    """Inside one trip of a BlockStack's scan: `block`'s layers add the factors `tables` ({name within the
+    block: (A, B)}, this trip's slice of `stacked_adapters`); nothing when None."""
+    if tables is None:
+        yield
+        return
+    parent = _ACTIVE.get()
+    token = _ACTIVE.set(_Active(tables, parent.index, parent.scale))
+    try:
+        bind(block)
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def adapted(layer, x, y):

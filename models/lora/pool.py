@@ -68,23 +68,25 @@ class Target:
 def adaptable_layers(module) -> tuple[dict[str, list[Target]], dict[str, dict]]:
     """(diffusers' module name -> the table targets it writes, {module: {"in", "out"}} as a LoRA file sees
     it) for every Linear, GEGLU projection and two-input Linear of the denoiser."""
-    from flax import nnx
-
+    from meshserve.models.components.block_stack import named_nodes
     from meshserve.models.components.layers import Linear
 
     writes, shapes = {}, {}
-    for path, node in nnx.iter_graph(module):
-        name = ".".join(str(p) for p in path)
+    for name, node, stacked in named_nodes(module):  # a BlockStack's blocks one by one, by their own names
+        per_block = slice(1 if stacked else 0, None)  # a stacked parameter's leading axis is the blocks'
         if isinstance(node, Linear):
-            kernel = tuple(node.kernel.shape)
+            kernel = tuple(node.kernel.shape)[per_block]
             writes[name] = [Target(name, kernel[0], kernel[1:], name + ".weight", kernel)]
             shapes[name] = {"in": kernel[0], "out": kernel[1]}
         elif hasattr(node, "halves_kernel"):  # SDXL GEGLU: [in, 2, out] holds the checkpoint's [2 out, in]
-            kernel = tuple(node.halves_kernel.shape)
+            kernel = tuple(node.halves_kernel.shape)[per_block]
             writes[name] = [Target(name, kernel[0], kernel[1:], name + ".weight", kernel)]
             shapes[name] = {"in": kernel[0], "out": kernel[1] * kernel[2]}
         elif hasattr(node, "from_attn") and hasattr(node, "from_mlp"):  # Flux: proj_out over cat[attn, mlp]
-            ka, km = tuple(node.from_attn.kernel.shape), tuple(node.from_mlp.kernel.shape)
+            ka, km = (
+                tuple(node.from_attn.kernel.shape)[per_block],
+                tuple(node.from_mlp.kernel.shape)[per_block],
+            )
             writes[name] = [
                 Target(f"{name}.from_attn", ka[0], ka[1:], f"{name}.from_attn.weight", ka),
                 Target(f"{name}.from_mlp", km[0], km[1:], f"{name}.from_mlp.weight", km),

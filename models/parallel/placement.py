@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from meshserve.models.attention import AttentionSettings
 from meshserve.models.attention.context import batch_axes_for
 from meshserve.models.checkpoints.loading import torch_key
+from meshserve.models.components.block_stack import STACKED
 from meshserve.models.parallel.mesh import (
     LayoutError,
     MeshSizes,
@@ -71,7 +72,12 @@ class Placement:
     def param_spec(self, rules: Rules, key: str, shape: tuple[int, ...]) -> P:
         """The PartitionSpec of parameter `key` (a checkpoint name) of this shape: by the first rule whose
         pattern matches and whose rank is the parameter's (a layer may be a Linear or a 1x1 conv by config);
-        replicated when no pattern matches. A pattern that matches only with other ranks is a rules bug."""
+        replicated when no pattern matches. A pattern that matches only with other ranks is a rules bug.
+        A stacked block's parameter (models/components/block_stack.py: `<list>.stacked.<path>`, one more
+        axis in front) is placed as the block's own, that leading axis unsplit."""
+        if f".{STACKED}." in key:
+            block_key = re.sub(rf"\.{STACKED}\.", ".0.", key, count=1)
+            return P(None, *self.param_spec(rules, block_key, shape[1:]))
         matched = [logical for pattern, logical in rules if re.search(pattern, key)]
         for logical in matched:
             if len(logical) == len(shape):

@@ -88,6 +88,7 @@ from meshserve.models.checkpoints.loading import (
     read_component_weights,
     read_json,
 )
+from meshserve.models.components.block_stack import block_at, run_blocks
 from meshserve.models.components.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
 from meshserve.models.engine.step_cache import after_first_block, before_blocks
 from meshserve.models.flux.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
@@ -504,6 +505,8 @@ class WanTransformerBlock(nnx.Module):
 
 
 class WanTransformer3DModel(nnx.Module):
+    scanned_blocks = ("blocks",)  # components/block_stack.py
+
     def __init__(
         self,
         config: WanTransformer3DConfig,
@@ -569,19 +572,19 @@ class WanTransformer3DModel(nnx.Module):
             timestep, encoder_hidden_states.astype(dtype), None if image is None else image.astype(dtype)
         )
         timestep_proj = timestep_proj.reshape(b, 6, -1)
-        blocks = list(self.blocks)
+        first_block = block_at(self.blocks, 0)
 
         def all_blocks(x):
             def rest(x):
-                for block in blocks[1:]:
-                    x = block(x, context, timestep_proj, rope, image)
-                return x
+                return run_blocks(
+                    self.blocks, lambda block, x: block(x, context, timestep_proj, rope, image), x, start=1
+                )
 
-            return after_first_block(x, blocks[0](x, context, timestep_proj, rope, image), rest)
+            return after_first_block(x, first_block(x, context, timestep_proj, rope, image), rest)
 
         # A step cache (models/engine/step_cache.py) may reuse the residual of the blocks after the first
         # ("first_block") or of all of them ("teacache", decided from the first block's modulated input).
-        x = before_blocks(x, blocks[0].modulated_input(x, timestep_proj)[0], all_blocks)
+        x = before_blocks(x, first_block.modulated_input(x, timestep_proj)[0], all_blocks)
 
         # Output head: the chunks are (shift, scale), fp32 (the fp32 table promotes temb).
         shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None].astype(jnp.float32), 2, axis=1)

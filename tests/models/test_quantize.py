@@ -54,11 +54,15 @@ def _check_stored_int8(full, quantized):
     """Every Linear of the quantized denoiser holds an int8 kernel and an fp32 scale per output channel; the
     full-precision one none; the denoiser's bytes drop by what that saves."""
     layers = _denoiser_layers(quantized)
-    assert layers and all(
-        layer.kernel.dtype == np.int8
-        and layer.kernel_scale.dtype == np.float32
-        and layer.kernel_scale.shape == (layer.kernel.shape[1],)
-        for layer in layers
+    assert (
+        layers
+        and all(
+            layer.kernel.dtype == np.int8
+            and layer.kernel_scale.dtype == np.float32
+            # A stacked block's Linear (models/components/block_stack.py): [blocks, in, out], scales [blocks, out].
+            and layer.kernel_scale.shape == (*layer.kernel.shape[:-2], layer.kernel.shape[-1])
+            for layer in layers
+        )
     )
     assert not any(hasattr(layer, "kernel_scale") for layer in _denoiser_layers(full))
     name = full.denoiser_name

@@ -91,5 +91,6 @@ def test_weights_are_stored_split(tiny_flux_dev_path):
     pipe = load_pipeline(
         tiny_flux_dev_path, mesh=sizes, devices=list(range(8)), attention=settings, weights=weights
     )
-    q = pipe._states["transformer"]["transformer_blocks"][0]["attn"]["to_q"]["kernel"][...]
-    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // 8, q.shape[1])}
+    # The blocks are stacked (models/components/block_stack.py): [blocks, in, out], the blocks' axis whole.
+    q = pipe._states["transformer"]["transformer_blocks"]["stacked"]["attn"]["to_q"]["kernel"][...]
+    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], q.shape[1] // 8, q.shape[2])}

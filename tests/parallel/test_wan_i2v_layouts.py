@@ -76,8 +76,9 @@ def test_wan_i2v_layout_matches_single_device(tiny_wan_i2v_path, reference, name
     if weights:
         # The layout really stores split weights: each of the 8 devices holds 1/8 of the image K projection
         # and of the CLIP encoder's first MLP.
-        k = pipe._states["transformer"]["blocks"][0]["attn2"]["add_k_proj"]["kernel"][...]
-        assert {s.data.shape for s in k.addressable_shards} == {(k.shape[0] // 8, k.shape[1])}
+        # The blocks are stacked (models/components/block_stack.py): [blocks, in, out], the blocks' axis whole.
+        k = pipe._states["transformer"]["blocks"]["stacked"]["attn2"]["add_k_proj"]["kernel"][...]
+        assert {s.data.shape for s in k.addressable_shards} == {(k.shape[0], k.shape[1] // 8, k.shape[2])}
         fc1 = pipe._states["image_encoder"]["vision_model"]["encoder"]["layers"][0]["mlp"]["fc1"]["kernel"][
             ...
         ]

@@ -76,10 +76,6 @@ def test_wan_layout_matches_single_device(tiny_wan_path, reference, name, record
     print(f"{name}: latent max abs err {latent_err:.2e}, video max abs err {video_err:.2e}")
     assert latent_err <= 1e-4, f"{name}: one denoise step, latents max abs error {latent_err:.2e}"
     assert video_err <= 1e-4, f"{name}: {STEPS}-step video max abs frame error {video_err:.2e}"
-    if weights:
-        # The layout really stores split weights: each device holds 1/8 of a q projection.
-        q = pipe._states["transformer"]["blocks"][0]["attn1"]["to_q"]["kernel"][...]
-        assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // 8, q.shape[1])}
 
 
 def test_ulysses_refuses_heads_that_do_not_divide(tiny_wan_path):
