@@ -132,9 +132,8 @@ def run_blocks(blocks, fn: Callable, carry, start: int = 0):
         i, tables = xs
         # The block's weights read at the loop counter (a dynamic slice), rather than scanned over as xs:
         # scanning over state[first:] would copy the stack's weights when `first` > 0.
-        block = nnx.merge(
-            graph, jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), state)
-        )
+        layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), state)
+        block = nnx.merge(graph, layer)
         with layer_adapters(block, tables):
             return fn(block, carry), None
 
