@@ -179,7 +179,7 @@ def lower_denoise(units: int, placement, settings, rows: int, tie: bool = True, 
             weights, rows_in = placement.gather_weights_per_step(state, rows_in, FLUX_RULES)
             if tie and not placement.shard_over:
                 weights, rows_in = jax.lax.optimization_barrier((weights, rows_in))
-            model = nnx.merge(graph, weights)
+            model = placement.gather_blocks(nnx.merge(graph, weights), FLUX_RULES)
             t = jnp.broadcast_to(sigmas[i], (rows_in.shape[0],))
             v = model(rows_in, embeds, pooled, t, rope, guidance).astype(jnp.float32)
             v = placement.constrain_batch(v)
@@ -212,7 +212,8 @@ def lower_t5(placement, rows: int, scan: bool = True):
     graph, state = placed_state(module, rules, placement, dtype)
 
     def _encode(state, ids):
-        return nnx.merge(graph, placement.gather_weights(state, rules))(ids).last_hidden_state
+        t5 = placement.gather_blocks(nnx.merge(graph, placement.gather_weights(state, rules)), rules)
+        return t5(ids).last_hidden_state
 
     return jax.jit(_encode).lower(state, batch_arg(placement, (rows, TEXT), jnp.int32))
 

@@ -181,7 +181,7 @@ def lower_denoise(
             weights, rows = placement.gather_weights_per_step(state, rows, WAN_RULES)
             if not placement.shard_over:
                 weights, rows = jax.lax.optimization_barrier((weights, rows))
-            model = nnx.merge(graph, weights)
+            model = placement.gather_blocks(nnx.merge(graph, weights), WAN_RULES)
             t = jnp.broadcast_to(sigmas[i] * 1000, (2,))
             v = model(rows.astype(jnp.bfloat16), t, embeds, rope)
             v = placement.constrain_batch(v)

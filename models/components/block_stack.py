@@ -21,6 +21,7 @@ are stacked too, inside the program, and each trip binds its own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -43,6 +44,9 @@ class BlockStack(nnx.Module):
         self.head = nnx.List(list(head))
         self.stacked = stacked
         self.size = size
+        # Inside a program with FSDP-split weights: gather(block state) -> the block's weights gathered
+        # (Placement.gather_blocks sets it after the merge), applied to each block where it runs.
+        self.gather = None
 
     def __len__(self) -> int:
         return len(self.head) + self.size
@@ -51,7 +55,12 @@ class BlockStack(nnx.Module):
         """Stacked block i (0-based within the stack) as a block module (its weights sliced), bound to the
         active LoRA adapters by its name in the block list."""
         graph, state = nnx.split(self.stacked)
-        return bind_stacked(self, len(self.head) + i, nnx.merge(graph, jax.tree.map(lambda a: a[i], state)))
+        return bind_stacked(
+            self, len(self.head) + i, nnx.merge(graph, self._gathered(jax.tree.map(lambda a: a[i], state)))
+        )
+
+    def _gathered(self, block_state):
+        return block_state if self.gather is None else self.gather(block_state)
 
 
 def stack_blocks(model: nnx.Module, *, consume: bool = True) -> nnx.Module:
@@ -133,7 +142,7 @@ def run_blocks(blocks, fn: Callable, carry, start: int = 0):
         # The block's weights read at the loop counter (a dynamic slice), rather than scanned over as xs:
         # scanning over state[first:] would copy the stack's weights when `first` > 0.
         layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), state)
-        block = nnx.merge(graph, layer)
+        block = nnx.merge(graph, blocks._gathered(layer))
         with layer_adapters(block, tables):
             return fn(block, carry), None
 
@@ -160,3 +169,12 @@ def named_nodes(module):
                 break
         else:
             yield ".".join(path), node, False
+
+
+def gather_blocks_with(module, gather: Callable) -> nnx.Module:
+    """`module` with each of its BlockStacks gathering a block's weights with gather(list name, block state)
+    where the block runs; the module itself (Placement.gather_blocks)."""
+    for name, node, stacked in named_nodes(module):
+        if isinstance(node, BlockStack) and not stacked:
+            node.gather = functools.partial(gather, name)
+    return module

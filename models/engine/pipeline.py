@@ -110,7 +110,7 @@ from meshserve.models.engine.step_cache import CacheSlot, parse_cache
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
-from meshserve.models.parallel.placement import Placement, gathered, gathered_per_step
+from meshserve.models.parallel.placement import Placement, gathered, gathered_blocks, gathered_per_step
 from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
 
 # Every schedule is padded to this many steps, so the step count is a traced value and never compiles.
@@ -335,7 +335,10 @@ class DiffusionPipeline:
         where used (placement.gather_weights says why)."""
         from flax import nnx
 
-        module = nnx.merge(self._graphs[name], gathered(self.placement, state, self._rules.get(name)))
+        rules = self._rules.get(name)
+        module = gathered_blocks(
+            self.placement, nnx.merge(self._graphs[name], gathered(self.placement, state, rules)), rules
+        )
         # In the text_encode program with text-encoder adapters, the encoder's Linears find theirs by
         # "<name>.<module>" (models/lora/apply.py); elsewhere this does nothing.
         return lora_bind(module, prefix=f"{name}.")
@@ -347,8 +350,9 @@ class DiffusionPipeline:
         from flax import nnx
 
         name = self.denoiser_name
-        state, x = gathered_per_step(self.placement, state, x, self._rules.get(name))
-        return lora_bind(nnx.merge(self._graphs[name], state)), x
+        rules = self._rules.get(name)
+        state, x = gathered_per_step(self.placement, state, x, rules)
+        return lora_bind(gathered_blocks(self.placement, nnx.merge(self._graphs[name], state), rules)), x
 
     # ---------------------------------------------------------------------------------------------
     # LoRA adapters (docs/lora.md; models/lora/): registered once, then picked per row by name

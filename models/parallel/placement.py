@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from meshserve.models.attention import AttentionSettings
 from meshserve.models.attention.context import batch_axes_for
 from meshserve.models.checkpoints.loading import torch_key
-from meshserve.models.components.block_stack import STACKED
+from meshserve.models.components.block_stack import STACKED, gather_blocks_with
 from meshserve.models.parallel.mesh import (
     LayoutError,
     MeshSizes,
@@ -134,11 +134,35 @@ class Placement:
             spec = whole.param_spec(rules, torch_key(path), value.shape)
             return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
 
+        # A stacked block's weights stay split here, gathered one block at a time where it runs (gather_blocks):
+        # gathered here, a stack would be every block's weights on every device at once.
         flat = [
-            (path, var.replace(gather(path, var.get_value())) if isinstance(var, nnx.Variable) else var)
+            (path, var.replace(gather(path, var.get_value())) if _gathers(path, var) else var)
             for path, var in state.flat_state()
         ]
         return nnx.State.from_flat_path(flat)
+
+    def gather_blocks(self, module, rules: Rules):
+        """Inside a jitted program, after the merge: `module` with each BlockStack (models/components/
+        block_stack.py) gathering its blocks' FSDP-split weights one block at a time, inside its scan, as
+        `gather_weights` gathers the unstacked weights (gathered whole, FLUX.1-dev's stacks on context4 with
+        FSDP took 15 GB of temporaries per device; bench/flux_memory.py). Identity without shard_over."""
+        if not self.shard_over:
+            return module
+        whole = dataclasses.replace(self, shard_over=())
+
+        def gather(name: str, block_state):
+            def one(path: tuple, value: jax.Array) -> jax.Array:
+                spec = whole.param_spec(rules, f"{name}.0.{torch_key(path)}", value.shape)
+                return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
+
+            flat = [
+                (path, var.replace(one(path, var.get_value())) if isinstance(var, nnx.Variable) else var)
+                for path, var in block_state.flat_state()
+            ]
+            return nnx.State.from_flat_path(flat)
+
+        return gather_blocks_with(module, gather)
 
     def gather_weights_per_step(self, state, x, rules: Rules):
         """`gather_weights` inside a loop body, tied to the loop-variant activation x: returns (gathered state,
@@ -204,6 +228,15 @@ def pipeline_placement(
 def gathered(placement: Placement | None, state, rules: Rules):
     """`placement.gather_weights(state, rules)`, or `state` itself without a placement (one device)."""
     return placement.gather_weights(state, rules) if placement is not None else state
+
+
+def gathered_blocks(placement: Placement | None, module, rules: Rules):
+    """`placement.gather_blocks(module, rules)`, or `module` itself without a placement (one device)."""
+    return placement.gather_blocks(module, rules) if placement is not None else module
+
+
+def _gathers(path: tuple, var) -> bool:
+    return isinstance(var, nnx.Variable) and STACKED not in path
 
 
 def gathered_per_step(placement: Placement | None, state, x, rules: Rules):

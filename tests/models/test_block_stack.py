@@ -174,3 +174,50 @@ def test_wan_pipeline_scanned_equals_unrolled(tiny_wan_path):
     for extra in ({}, {"cache": {"method": "teacache", "threshold": 1.0}}):
         a, b = (pipe("a red circle moving left", **kw, **extra) for pipe in (scanned, unrolled))
         assert max_abs(a.images, b.images) <= 1e-5, extra
+
+
+def _all_gathered_shapes(gather_stacks_whole: bool, monkeypatch) -> set[tuple[int, ...]]:
+    """The result shapes of the all-gathers in a tiny Flux forward with FSDP over 4 devices, its blocks
+    stacked: as the engine gathers (one block at a time, inside the scan), or with the stacks gathered whole."""
+    import re
+
+    from jax.sharding import NamedSharding
+
+    from meshserve.models.checkpoints.loading import torch_key
+    from meshserve.models.flux.transformer_flux import SHARDING_RULES
+    from meshserve.models.parallel import placement as placement_module
+
+    if gather_stacks_whole:
+        monkeypatch.setattr(placement_module, "_gathers", lambda path, var: isinstance(var, nnx.Variable))
+    placement = pipeline_placement({"context": 4}, [0, 1, 2, 3], weights={"shard_over": ["context"]})[
+        "placement"
+    ]
+    model = stack_blocks(_flux_model(layers=3, single=4), consume=False)
+    graph, state = nnx.split(model)
+    flat = []
+    for path, var in state.flat_state():
+        value = var.get_value()
+        spec = placement.param_spec(SHARDING_RULES, torch_key(path), value.shape)
+        flat.append((path, var.replace(jax.device_put(value, NamedSharding(placement.mesh, spec)))))
+    state = nnx.State.from_flat_path(flat)
+
+    def forward(state, *inputs):
+        weights = placement.gather_weights(state, SHARDING_RULES)
+        module = nnx.merge(graph, weights)
+        return (module if gather_stacks_whole else placement.gather_blocks(module, SHARDING_RULES))(*inputs)
+
+    hlo = jax.jit(forward).lower(state, *_flux_inputs(model)).compile().as_text()
+    return {
+        tuple(int(d) for d in m.split(",")) for m in re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather", hlo)
+    }
+
+
+def test_fsdp_gathers_one_block_at_a_time(monkeypatch):
+    """With FSDP, a stack's weights are gathered block by block where each runs, never the whole stack at once
+    (which would hold every block's weights on every device): no all-gather has a stack's leading axis."""
+    stacked_axes = {3, 4}  # 3 double blocks (the first read apart), 4 single
+    whole = _all_gathered_shapes(True, monkeypatch)
+    assert any(len(s) == 3 and s[0] in stacked_axes for s in whole), whole  # the check can fail
+    monkeypatch.undo()
+    per_block = _all_gathered_shapes(False, monkeypatch)
+    assert per_block and not any(len(s) == 3 and s[0] in stacked_axes for s in per_block), per_block
