@@ -64,6 +64,7 @@ from flax import nnx  # noqa: E402
 
 from bench.attention_memory import MIB, memory_parts  # noqa: E402
 from bench.memory_analysis import (  # noqa: E402
+    ACCELERATOR_LIKE,
     GB,
     batch_arg,
     fits,
@@ -157,7 +158,10 @@ def other_modules():
 
 
 def compile_denoise(*args, **kwargs):
-    return lower_denoise(*args, **kwargs).compile()
+    """lower_denoise's program compiled: as an accelerator's stand-in (ACCELERATOR_LIKE), or with tie=False as
+    the engine's program on this CPU, with XLA:CPU's own passes."""
+    engine = kwargs.get("tie", True) is False
+    return lower_denoise(*args, **kwargs).compile(compiler_options=None if engine else ACCELERATOR_LIKE)
 
 
 def lower_denoise(units: int, placement, settings, rows: int, tie: bool = True, scan: bool = True):
@@ -203,7 +207,7 @@ def lower_denoise(units: int, placement, settings, rows: int, tie: bool = True, 
 
 
 def compile_t5(*args, **kwargs):
-    return lower_t5(*args, **kwargs).compile()
+    return lower_t5(*args, **kwargs).compile(compiler_options=ACCELERATOR_LIKE)
 
 
 def lower_t5(placement, rows: int, scan: bool = True):

@@ -75,6 +75,7 @@ from flax import nnx  # noqa: E402
 
 from bench.attention_memory import COLLECTIVES, collectives, memory_parts  # noqa: E402
 from bench.memory_analysis import (  # noqa: E402
+    ACCELERATOR_LIKE,
     GB,
     batch_arg,
     fits,
@@ -161,7 +162,7 @@ def wan_module(base: dict, layers: int, settings: AttentionSettings, scan: bool 
 
 
 def compile_denoise(*args, **kwargs):
-    return lower_denoise(*args, **kwargs).compile()
+    return lower_denoise(*args, **kwargs).compile(compiler_options=ACCELERATOR_LIKE)
 
 
 def lower_denoise(
