@@ -1,6 +1,6 @@
 """FLUX.1-dev per-device memory on 1, 4 and 8 devices, from compiled programs of the real shapes (no weights).
 
-    python bench/flux_memory.py                    # every layout, prints the tables (19 min on 2 busy cores)
+    python bench/flux_memory.py                    # every layout, prints the tables (2.4 min on 2 cores)
     python bench/flux_memory.py --layouts 1,tensor4 --units 2      # a subset at 2 of 19 units: quick
     python bench/flux_memory.py --write-docs       # and replaces the generated part of docs/flux.md
 
@@ -23,8 +23,9 @@ Programs compiled (lowered with abstract arguments and compiled for XLA:CPU on N
 - vae_decode: the VAE decoder on [1, 128, 128, 16] latents -> [1, 1024, 1024, 3] (plain attention, batch
   replicated: one image), as the pipeline decodes one image per call.
 
-The whole 57-block transformer compiles in 1-2.5 min per program here (abstract: nothing is allocated), so no
-block count is extrapolated; `--units k` compiles k units of (1 double + 2 single) blocks for a quick run
+The whole 57-block transformer compiles in 3-5 s per program on a 2-core EPYC, its blocks stacked under a scan
+as the engine holds them (1-2.5 min unrolled, `scan=False`; bench/compile_time.py), so no block count is
+extrapolated; `--units k` compiles k units of (1 double + 2 single) blocks for a quick run
 (FLUX.1-dev is 19 units) and marks the tables as not FLUX.1-dev's size.
 
 XLA:CPU has no bf16 matmul: it converts bf16 weights to f32 before each dot, and in the denoise loop those

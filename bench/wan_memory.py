@@ -44,11 +44,11 @@ directly. So, as bench/flux_memory.py does, the program ties the weights to the 
 optimization barrier also without shard_over, and runs XLA:CPU's memory-minimizing scheduler
 (`--default-scheduler` to compare); with shard_over it is exactly the engine's program.
 
-Layers: the whole 40-block model is compiled (abstract: nothing is allocated; 16-200 s per layout on this
-shared 2-core machine, depending on its load). `--layers 1,2` compiles two smaller block counts per cell and extrapolates each byte
+Layers: the whole 40-block model is compiled (abstract: nothing is allocated; 2-4 s per layout on a 2-core
+EPYC with the blocks under a scan as the engine holds them, 16-200 s unrolled). `--layers 1,2` compiles two smaller block counts per cell and extrapolates each byte
 count linearly to 40 for a quick look, but the temporaries are NOT linear in the block count (measured on one
-device at 480p: 6.26 GB at 1 block, 15.87 GB at 2, 4 and 40 blocks: the peak is one block's working set once
-there are two), so only the arguments and the bytes sent extrapolate; the tables say which was done.
+device at 480p, unrolled: 6.26 GB at 1 block, 15.87 GB at 2, 4 and 40 blocks: the peak is one block's working
+set once there are two), so only the arguments and the bytes sent extrapolate; the tables say which was done.
 """
 
 from __future__ import annotations

@@ -13,10 +13,15 @@ axis unsplit), and the leading blocks whose structure differs as `head` (T5's fi
 the relative position bias).
 
 Why: XLA compiles an unrolled stack block by block, so compile time grows with depth (FLUX.1-dev's 57 blocks,
-Wan 14B's 40, T5-XXL's 24); under a scan it compiles the body once. The loop costs each block a dynamic slice
-of its weights (its parameters indexed by the loop counter), which XLA reads in place where it can. LoRA
-factors follow the blocks (models/lora/apply.py: `stacked_adapters`): the per-layer tables of a stack's blocks
-are stacked too, inside the program, and each trip binds its own.
+Wan 14B's 40, T5-XXL's 24); under a scan it compiles the body once (bench/compile_time.py, docs/compilation.md:
+FLUX.1-dev's denoise program 4-5x faster to compile on the CPU). Each trip reads its block's weights by a
+dynamic slice at the loop counter. What that costs a step on an accelerator is not measured yet (no device
+in the session that built this): a pool's `scan_blocks: false` keeps the blocks unrolled to compare.
+
+What follows the blocks: LoRA factors (models/lora/apply.py: `stacked_adapters` stacks the per-layer tables of
+a stack's blocks in the program, each trip binds its own); FSDP gathers (Placement.gather_blocks: one block's
+weights at a time, inside the loop); the step caches' first block (`block_at`); int8 kernels and their scales
+(stacked like any parameter).
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ def stacked_adapters(stack, first: int, n: int):
     """Inside a BlockStack's scan: the active adapters' factors of its blocks first .. first + n - 1 (their
     indices in the block list), stacked per layer: {name within a block: (A [n, N, in, r], B [n, N, r,
     *out])}, zeros for a block the table does not hold that layer of; None when no active table names one of
-    these blocks. Stacked in the program from the per-layer tables (loop-invariant: once per program run)."""
+    these blocks. Stacked in the program from the per-layer tables: a copy the size of the table's share for
+    these blocks, not of their weights."""
     active = _ACTIVE.get()
     entry = None if active is None else active.stacks.get(id(stack))
     if entry is None or entry[0] is not stack:
