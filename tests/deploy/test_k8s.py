@@ -660,8 +660,17 @@ def test_worker_pods_match_their_pools(name):
         assert f"127.0.0.1:{cfg.metrics_port}/metrics" in probe
         # The drain ends before Kubernetes' SIGKILL.
         assert cfg.drain_seconds < pod["spec"]["terminationGracePeriodSeconds"]
-        # Writable places: the compilation cache and MESHSERVE_CACHE are on volumes (the root fs is read-only).
-        writable = {m for n, m in mounts.items() if "emptyDir" in volumes[n]}
+        # Writable places: the compilation cache and MESHSERVE_CACHE are on volumes (the root fs is read-only):
+        # the pod's emptyDirs, or a claim it mounts writable (components/shared-compilation-cache).
+        writable = {
+            m
+            for n, m in mounts.items()
+            if "emptyDir" in volumes[n]
+            or (
+                "persistentVolumeClaim" in volumes[n]
+                and not volumes[n]["persistentVolumeClaim"].get("readOnly")
+            )
+        }
         assert any(cfg.compilation_cache_dir.startswith(m + "/") for m in writable)
         assert env["MESHSERVE_CACHE"]["value"] in writable and "/tmp" in writable
         for model in cfg.models.values():

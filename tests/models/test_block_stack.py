@@ -19,7 +19,7 @@ from meshserve.models.components.t5 import T5Config, T5EncoderModel
 from meshserve.models.flux.transformer_flux import FluxTransformer2DConfig, FluxTransformer2DModel, image_ids
 from meshserve.models.lora.pool import adaptable_layers
 from meshserve.models.parallel.placement import pipeline_placement
-from tests.fixtures.tiny_lora import random_factors, write_diffusers_lora
+from tests.fixtures.tiny_lora import pipelines_with_adapter
 
 H = W = 32
 # The pool's LoRA table holds these layers only: the first double block's (run apart from the scan, as the
@@ -140,15 +140,19 @@ def flux_pair(tiny_flux_dev_path, tmp_path_factory):
     from diffusers import FluxTransformer2DModel as TorchFlux
 
     reference = TorchFlux.from_pretrained(str(tiny_flux_dev_path / "transformer"), torch_dtype=torch.float32)
-    factors = random_factors(reference, SOME_BLOCKS, rank=4, seed=5)
-    adapter = write_diffusers_lora(
-        tmp_path_factory.mktemp("lora") / "a.safetensors", factors, prefix="transformer"
-    )
     pool = dict(max_loras=1, max_lora_rank=4, lora_budget_mb=1, lora_targets=SOME_BLOCKS)
-    pipes = [load_pipeline(tiny_flux_dev_path, scan_blocks=scan, **pool) for scan in (True, False)]
-    for pipe in pipes:
-        pipe.load_lora("a", adapter)
-    return pipes
+    adapter = tmp_path_factory.mktemp("lora") / "a.safetensors"
+    variants = ({"scan_blocks": True}, {"scan_blocks": False})
+    return pipelines_with_adapter(
+        tiny_flux_dev_path,
+        reference,
+        SOME_BLOCKS,
+        adapter,
+        prefix="transformer",
+        seed=5,
+        variants=variants,
+        **pool,
+    )
 
 
 def test_flux_pipeline_scanned_equals_unrolled(flux_pair):
@@ -221,3 +225,12 @@ def test_fsdp_gathers_one_block_at_a_time(monkeypatch):
     monkeypatch.undo()
     per_block = _all_gathered_shapes(False, monkeypatch)
     assert per_block and not any(len(s) == 3 and s[0] in stacked_axes for s in per_block), per_block
+
+
+def test_a_pools_scan_blocks_reaches_load_pipeline():
+    from meshserve.workers.config import ModelSpec, PoolConfig
+    from meshserve.workers.pool import runner_options
+
+    unrolled = PoolConfig(name="p", models=["m"], scan_blocks=False)
+    assert runner_options(unrolled, ModelSpec())["scan_blocks"] is False
+    assert "scan_blocks" not in runner_options(PoolConfig(name="p", models=["m"]), ModelSpec())  # the default

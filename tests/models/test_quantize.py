@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from meshserve.models import PipelineError, load_pipeline
 from meshserve.models.components.layers import Linear
 from meshserve.models.components.quantize import quantize_int8
-from tests.fixtures.tiny_lora import random_factors, write_diffusers_lora
+from tests.fixtures.tiny_lora import pipelines_with_adapter
 
 # The shapes and settings of tests/models/test_lora.py, so the full-precision programs are the ones that file
 # compiles (read back from the persistent compilation cache).
@@ -86,15 +86,21 @@ def sdxl(tiny_sdxl_path, tmp_path_factory):
     from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_sdxl_path / "unet"), torch_dtype=torch.float32)
-    factors = random_factors(unet, SDXL_TEST_TARGETS, rank=4, seed=1)
-    adapter = write_diffusers_lora(
-        tmp_path_factory.mktemp("q_lora") / "a.safetensors", factors, prefix="unet"
-    )
     options = dict(max_loras=2, max_lora_rank=8, lora_budget_mb=4, lora_targets=SDXL_TEST_TARGETS)
-    pipes = tuple(load_pipeline(tiny_sdxl_path, quantize=q, **options) for q in (None, "int8"))
-    for pipe in pipes:
-        pipe.load_lora("a", adapter)
-    return pipes
+    adapter = tmp_path_factory.mktemp("q_lora") / "a.safetensors"
+    variants = ({"quantize": None}, {"quantize": "int8"})
+    return tuple(
+        pipelines_with_adapter(
+            tiny_sdxl_path,
+            unet,
+            SDXL_TEST_TARGETS,
+            adapter,
+            prefix="unet",
+            seed=1,
+            variants=variants,
+            **options,
+        )
+    )
 
 
 def _run_sdxl(pipe, **kw):
