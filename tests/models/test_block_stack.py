@@ -185,9 +185,6 @@ def _all_gathered_shapes(gather_stacks_whole: bool, monkeypatch) -> set[tuple[in
     stacked: as the engine gathers (one block at a time, inside the scan), or with the stacks gathered whole."""
     import re
 
-    from jax.sharding import NamedSharding
-
-    from meshserve.models.checkpoints.loading import torch_key
     from meshserve.models.flux.transformer_flux import SHARDING_RULES
     from meshserve.models.parallel import placement as placement_module
 
@@ -198,12 +195,10 @@ def _all_gathered_shapes(gather_stacks_whole: bool, monkeypatch) -> set[tuple[in
     ]
     model = stack_blocks(_flux_model(layers=3, single=4), consume=False)
     graph, state = nnx.split(model)
-    flat = []
-    for path, var in state.flat_state():
-        value = var.get_value()
-        spec = placement.param_spec(SHARDING_RULES, torch_key(path), value.shape)
-        flat.append((path, var.replace(jax.device_put(value, NamedSharding(placement.mesh, spec)))))
-    state = nnx.State.from_flat_path(flat)
+    place = placement.placer(SHARDING_RULES)  # as load_weights places a pipeline's weights
+    state = nnx.State.from_flat_path(
+        [(path, var.replace(place(path, var.get_value()))) for path, var in state.flat_state()]
+    )
 
     def forward(state, *inputs):
         weights = placement.gather_weights(state, SHARDING_RULES)
