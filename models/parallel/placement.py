@@ -128,19 +128,9 @@ class Placement:
         tests/parallel/test_weight_sharding.py keeps a repro). Identity without shard_over."""
         if not self.shard_over:
             return state
-        whole = dataclasses.replace(self, shard_over=())
-
-        def gather(path: tuple, value: jax.Array) -> jax.Array:
-            spec = whole.param_spec(rules, torch_key(path), value.shape)
-            return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
-
         # A stacked block's weights stay split here, gathered one block at a time where it runs (gather_blocks):
         # gathered here, a stack would be every block's weights on every device at once.
-        flat = [
-            (path, var.replace(gather(path, var.get_value())) if _gathers(path, var) else var)
-            for path, var in state.flat_state()
-        ]
-        return nnx.State.from_flat_path(flat)
+        return self._gathered(state, rules, torch_key, _gathers)
 
     def gather_blocks(self, module, rules: Rules):
         """Inside a jitted program, after the merge: `module` with each BlockStack (models/components/
@@ -149,20 +139,26 @@ class Placement:
         FSDP took 15 GB of temporaries per device; bench/flux_memory.py). Identity without shard_over."""
         if not self.shard_over:
             return module
-        whole = dataclasses.replace(self, shard_over=())
 
-        def gather(name: str, block_state):
-            def one(path: tuple, value: jax.Array) -> jax.Array:
-                spec = whole.param_spec(rules, f"{name}.0.{torch_key(path)}", value.shape)
-                return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
-
-            flat = [
-                (path, var.replace(one(path, var.get_value())) if isinstance(var, nnx.Variable) else var)
-                for path, var in block_state.flat_state()
-            ]
-            return nnx.State.from_flat_path(flat)
+        def gather(name: str, block_state):  # a block's own paths, named as the unstacked block's
+            return self._gathered(block_state, rules, lambda path: f"{name}.0.{torch_key(path)}")
 
         return gather_blocks_with(module, gather)
+
+    def _gathered(self, state, rules: Rules, key_of, gathers=lambda path, var: isinstance(var, nnx.Variable)):
+        """`state` with each variable `gathers` picks constrained to its tensor-only sharding (by the rule of
+        its checkpoint name `key_of(path)`)."""
+        whole = dataclasses.replace(self, shard_over=())
+
+        def gather(path: tuple, value: jax.Array) -> jax.Array:
+            spec = whole.param_spec(rules, key_of(path), value.shape)
+            return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
+
+        flat = [
+            (path, var.replace(gather(path, var.get_value())) if gathers(path, var) else var)
+            for path, var in state.flat_state()
+        ]
+        return nnx.State.from_flat_path(flat)
 
     def gather_weights_per_step(self, state, x, rules: Rules):
         """`gather_weights` inside a loop body, tied to the loop-variant activation x: returns (gathered state,
