@@ -84,6 +84,7 @@ from meshserve.models.components.autoencoder_kl import AutoencoderKL, Autoencode
 from meshserve.models.components.block_stack import stack_blocks  # noqa: E402
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
 from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel  # noqa: E402
+from meshserve.models.components.quantize import quantized_rules  # noqa: E402
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
 from meshserve.models.components.t5 import T5Config, T5EncoderModel  # noqa: E402
 from meshserve.models.flux.transformer_flux import SHARDING_RULES as FLUX_RULES  # noqa: E402
@@ -165,14 +166,26 @@ def compile_denoise(*args, **kwargs):
     return lower_denoise(*args, **kwargs).compile(compiler_options=None if engine else ACCELERATOR_LIKE)
 
 
-def lower_denoise(units: int, placement, settings, rows: int, tie: bool = True, scan: bool = True):
+def lower_denoise(
+    units: int,
+    placement,
+    settings,
+    rows: int,
+    tie: bool = True,
+    scan: bool = True,
+    quantize: str | None = None,
+    activations: str | None = None,
+):
     """The transformer's denoise loop at 1024x1024 (`rows` = 1: CFG off, 2: true CFG), lowered.
 
     tie: without shard_over too, the weights pass an optimization barrier with the step's input (as
     `gather_weights_per_step` does with shard_over), so XLA:CPU cannot hoist its bf16 -> f32 weight converts
     out of the loop (module docstring); False: the program the engine compiles (hoisted converts on CPU).
-    scan: the blocks under a lax.scan (the engine's default) or unrolled."""
-    graph, state = placed_state(flux_module(units, settings, scan), FLUX_RULES, placement, jnp.bfloat16)
+    scan: the blocks under a lax.scan (the engine's default) or unrolled. quantize, activations: the Linear
+    kernels as a pool with `quantize` stores them (bench/weight_memory.py's placed_state)."""
+    module = flux_module(units, settings, scan)
+    rules = quantized_rules(FLUX_RULES) if quantize else FLUX_RULES
+    graph, state = placed_state(module, FLUX_RULES, placement, jnp.bfloat16, quantize, activations)
     bf16 = jnp.bfloat16
     cos = np.zeros((TEXT + IMAGE, 128), np.float32)
     replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
@@ -181,10 +194,10 @@ def lower_denoise(units: int, placement, settings, rows: int, tie: bool = True, 
         def body(carry):
             i, x = carry
             rows_in = placement.constrain_batch(jnp.repeat(x, rows, axis=0))  # [neg0, pos0, ...] with CFG
-            weights, rows_in = placement.gather_weights_per_step(state, rows_in, FLUX_RULES)
+            weights, rows_in = placement.gather_weights_per_step(state, rows_in, rules)
             if tie and not placement.shard_over:
                 weights, rows_in = jax.lax.optimization_barrier((weights, rows_in))
-            model = placement.gather_blocks(nnx.merge(graph, weights), FLUX_RULES)
+            model = placement.gather_blocks(nnx.merge(graph, weights), rules)
             t = jnp.broadcast_to(sigmas[i], (rows_in.shape[0],))
             v = model(rows_in, embeds, pooled, t, rope, guidance).astype(jnp.float32)
             v = placement.constrain_batch(v)

@@ -414,9 +414,10 @@ def scratch_dir(nbytes: int) -> Path:
     return Path(tempfile.mkdtemp(prefix="meshserve-gpu-bench-"))
 
 
-def twin(bench: Bench, torch_cls, config: dict, build_dtype, dtype, load_ours):
+def twin(bench: Bench, torch_cls, config: dict, build_dtype, dtype, load_ours, denoiser: bool = True):
     """(ours, diffusers') copies of one random model: diffusers builds it in `build_dtype` (seed 0) and saves it;
-    diffusers' from_pretrained(torch_dtype=dtype) and our `load_ours(folder, dtype, settings)` read the folder."""
+    diffusers' from_pretrained(torch_dtype=dtype) and our `load_ours(folder, dtype, settings)` read the folder.
+    A denoiser of ours is quantized as a pool with `quantize: --quantize` stores it (diffusers' stays bf16)."""
     import jax.numpy as jnp
     import torch
 
@@ -440,6 +441,15 @@ def twin(bench: Bench, torch_cls, config: dict, build_dtype, dtype, load_ours):
         ref = torch_cls.from_pretrained(str(folder / "model"), torch_dtype=dtype)
         ref = ref.to(bench.dev).eval().requires_grad_(False)
         settings = AttentionSettings(kernel=bench.args.kernel)
+        if denoiser and bench.args.quantize != "none":
+            import jax
+
+            from meshserve.models.components.quantize import activation_mode, load_quantized
+
+            mode = bench.args.quantize
+            activations = activation_mode(mode, None, jax.devices()[:1])
+            bench.results["quantize"] = {"mode": mode, "activations": activations}
+            load_ours = partial(load_quantized, load_ours, place=None, mode=mode, activations=activations)
         ours = load_ours(
             folder / "model", dtype=jnp.dtype(str(dtype).removeprefix("torch.")), settings=settings
         )
@@ -459,13 +469,22 @@ def free_memory(bench: Bench) -> None:
         torch.cuda.empty_cache()
 
 
+# What XLA:GPU calls for an fp8 dot (cuBLASLt); issue 24: check what the dots lower to, not only their dtype.
+FP8_GEMM = "__cublas$lt$matmul$f8"
+
+
 def jit_compiled(fn, *inputs):
-    """(compiled fn, seconds) of jax.jit(fn) for these inputs."""
+    """(compiled fn, seconds) of jax.jit(fn) for these inputs. A program that holds e4m3 arrays (--quantize
+    fp8) logs how many fp8 GEMMs it calls: none means its dots run upcast."""
     import jax
 
     t = time.perf_counter()
     compiled = jax.jit(fn).lower(*inputs).compile()
-    return compiled, time.perf_counter() - t
+    seconds = time.perf_counter() - t
+    hlo = compiled.as_text()
+    if "f8e4m3fn" in hlo:
+        log(f"{getattr(fn, '__name__', fn)}: {hlo.count(FP8_GEMM)} calls of {FP8_GEMM}")
+    return compiled, seconds
 
 
 def denoise_program(graph, scheduler, make_model, do_cfg: bool):
@@ -885,11 +904,15 @@ def vae_decode(bench: Bench, family: str, spec: dict) -> None:
     config, latent, name = spec["vae"], spec["latent"], bench.args.vae_dtype
     dtype = getattr(torch, name)
     if family == "wan":
-        ours, ref = twin(bench, AutoencoderKLWan, config, torch.float32, dtype, load_autoencoder_kl_wan)
+        ours, ref = twin(
+            bench, AutoencoderKLWan, config, torch.float32, dtype, load_autoencoder_kl_wan, denoiser=False
+        )
         channels, (f, h, w) = config["z_dim"], latent
         what = f"1x{f}x{h}x{w} -> {1 + 4 * (f - 1)} frames of {8 * h}x{8 * w}, {name}"
     else:
-        ours, ref = twin(bench, AutoencoderKL, config, torch.float32, dtype, load_autoencoder_kl)
+        ours, ref = twin(
+            bench, AutoencoderKL, config, torch.float32, dtype, load_autoencoder_kl, denoiser=False
+        )
         channels, factor = config["latent_channels"], 2 ** (len(config["block_out_channels"]) - 1)
         what = f"1x{latent[0]}x{latent[1]} -> {latent[0] * factor}x{latent[1] * factor}, {name}"
     graph, state = nnx.split(ours)
@@ -951,6 +974,13 @@ def main() -> None:
     ap.add_argument(
         "--kernel", default="auto", help="meshserve's attention kernel (AttentionSettings.kernel)"
     )
+    ap.add_argument(
+        "--quantize",
+        default="none",
+        choices=("none", "int8", "fp8"),
+        help="our denoiser's Linear kernels as a pool's `quantize:` stores them (fp8 with activations where "
+        "the GPU has fp8 dots); diffusers' stays bf16",
+    )
     ap.add_argument("--deadline", type=float, default=0, help="seconds after which no new measure starts")
     ap.add_argument("--out", help="JSON results file (rewritten after every measure)")
     args = ap.parse_args()
@@ -970,6 +1000,15 @@ def main() -> None:
     header = f"{env['date_utc']} UTC, {env['device']}, JAX on {', '.join(env['jax_devices'])}; {versions}"
     if args.tiny:
         header += "; --tiny configs"
+    if args.quantize != "none":
+        import jax
+
+        from meshserve.models.components.quantize import activation_mode
+
+        rows = activation_mode(args.quantize, None, jax.devices()[:1])
+        header += (
+            f"; our denoisers quantize: {args.quantize} ({'activations: ' + rows if rows else 'weight-only'})"
+        )
     if bench.dev == "cpu":  # bench/compare_harness.py: in one process XLA's and torch's CPU threads compete
         header += "; no GPU: a check that the script runs, its times compare nothing (both sides share the CPU threads)"
     print(header + "\n\n" + HEADER, flush=True)

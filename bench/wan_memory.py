@@ -90,6 +90,7 @@ from bench.weight_memory import placed_state  # noqa: E402
 from meshserve.models.attention import AttentionSettings  # noqa: E402
 from meshserve.models.checkpoints.loading import abstract_module  # noqa: E402
 from meshserve.models.components.block_stack import stack_blocks  # noqa: E402
+from meshserve.models.components.quantize import quantized_rules  # noqa: E402
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES  # noqa: E402
 from meshserve.models.components.t5 import T5Config, T5EncoderModel  # noqa: E402
 from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES  # noqa: E402
@@ -166,9 +167,20 @@ def compile_denoise(*args, **kwargs):
 
 
 def lower_denoise(
-    base: dict, layers: int, placement, settings, latent: tuple[int, int, int], scan: bool = True
+    base: dict,
+    layers: int,
+    placement,
+    settings,
+    latent: tuple[int, int, int],
+    scan: bool = True,
+    quantize: str | None = None,
+    activations: str | None = None,
 ):
-    graph, state = placed_state(wan_module(base, layers, settings, scan), WAN_RULES, placement, jnp.bfloat16)
+    """quantize, activations: the Linear kernels as a pool with `quantize` stores them (bench/weight_memory.py's
+    placed_state)."""
+    module = wan_module(base, layers, settings, scan)
+    rules = quantized_rules(WAN_RULES) if quantize else WAN_RULES
+    graph, state = placed_state(module, WAN_RULES, placement, jnp.bfloat16, quantize, activations)
     frames, h, w = latent
     tokens = frames * (h // 2) * (w // 2)
     replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
@@ -179,10 +191,10 @@ def lower_denoise(
             rows = placement.constrain_batch(
                 jnp.repeat(x, 2, axis=0)
             )  # [neg0, pos0]: the cfg axis splits them
-            weights, rows = placement.gather_weights_per_step(state, rows, WAN_RULES)
+            weights, rows = placement.gather_weights_per_step(state, rows, rules)
             if not placement.shard_over:
                 weights, rows = jax.lax.optimization_barrier((weights, rows))
-            model = placement.gather_blocks(nnx.merge(graph, weights), WAN_RULES)
+            model = placement.gather_blocks(nnx.merge(graph, weights), rules)
             t = jnp.broadcast_to(sigmas[i] * 1000, (2,))
             v = model(rows.astype(jnp.bfloat16), t, embeds, rope)
             v = placement.constrain_batch(v)

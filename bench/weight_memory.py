@@ -53,6 +53,8 @@ from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RUL
 from meshserve.models.components.autoencoder_kl import AutoencoderKL, AutoencoderKLConfig  # noqa: E402
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
 from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
+from meshserve.models.components.layers import Linear  # noqa: E402
+from meshserve.models.components.quantize import ACTIVATIONS, FP8, SCALE, quantized_rules  # noqa: E402
 from meshserve.models.parallel.placement import pipeline_placement  # noqa: E402
 from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES  # noqa: E402
 from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel  # noqa: E402
@@ -106,14 +108,36 @@ def modules():
     yield "VAE", abstract_module(lambda r: AutoencoderKL(vae_cfg, rngs=r)), VAE_RULES, jnp.float32
 
 
-def placed_state(module, rules, placement, dtype):
-    """The module's state as ShapeDtypeStructs with the shardings `placement` gives the real weights."""
+def placed_state(
+    module, rules, placement, dtype, quantize: str | None = None, activations: str | None = None
+):
+    """The module's state as ShapeDtypeStructs with the shardings `placement` gives the real weights.
+
+    `quantize` ("int8" | "fp8"): as models/components/quantize.py's load_quantized stores them, each
+    layers.Linear's kernel (a stacked block's too: [blocks, in, out]) in that dtype under its own rule, an
+    fp32 scale per output channel under `quantized_rules`, and `activations` (fp8: "fp8" | "fp8-upcast") set
+    on the layer; everything else in `dtype`."""
+    kernels = set()
+    if quantize:
+        rules = quantized_rules(rules)
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, Linear):
+                scale = (*node.kernel.shape[:-2], node.kernel.shape[-1])
+                node.kernel_scale = nnx.Param(jax.ShapeDtypeStruct(scale, jnp.float32))
+                if activations:
+                    setattr(node, ACTIVATIONS, activations)
+                kernels.add((*path, "kernel"))
     graph, state = nnx.split(module)
     flat = []
     for path, var in state.flat_state():
         value = var.get_value()
         spec = placement.param_spec(rules, torch_key(path), value.shape)
-        leaf_dtype = dtype if jnp.issubdtype(value.dtype, jnp.floating) else value.dtype
+        if tuple(path) in kernels:
+            leaf_dtype = {"int8": jnp.int8, "fp8": FP8}[quantize]
+        elif path[-1] == SCALE:
+            leaf_dtype = jnp.float32
+        else:
+            leaf_dtype = dtype if jnp.issubdtype(value.dtype, jnp.floating) else value.dtype
         abstract = jax.ShapeDtypeStruct(value.shape, leaf_dtype, sharding=NamedSharding(placement.mesh, spec))
         flat.append((path, var.replace(abstract)))
     return graph, nnx.State.from_flat_path(flat)

@@ -103,6 +103,7 @@ def load_pipeline(
     lora_budget_mb: float = 512.0,
     lora_targets: str | None = None,
     quantize: str | None = None,
+    fp8_activations: bool | None = None,
     scan_blocks: bool = True,
 ):
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
@@ -117,8 +118,11 @@ def load_pipeline(
     `vae_dtype` ("float32" | "bfloat16"; None: the family's default, docs/outputs.md) is the VAE's dtype.
     `max_loras` (adapters per row), `max_lora_rank` and `lora_budget_mb` (the adapter table's bytes on the
     devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
-    it holds (docs/lora.md). `quantize`: "int8" stores the denoiser's Linear kernels as int8 with per-channel
-    scales (models/components/quantize.py), "none" or None keeps them in `dtype`; "fp8" is refused.
+    it holds (docs/lora.md). `quantize`: "int8" or "fp8" stores the denoiser's Linear kernels as int8 or e4m3
+    with per-channel scales (models/components/quantize.py), "none" or None keeps them in `dtype`; fp8
+    quantizes the activations too where the devices have fp8 dots (GPUs of compute capability 8.9+) and is
+    weight-only elsewhere; `fp8_activations` True quantizes them on any backend (the dot then runs upcast
+    where there are no fp8 dots), False never.
     `scan_blocks`: the DiTs' and T5's repeated blocks run under one lax.scan (compiled once; False: unrolled,
     models/components/block_stack.py).
     """
@@ -144,10 +148,10 @@ def load_pipeline(
         if dtype not in _DTYPES:
             raise PipelineError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
-    from meshserve.models.components.quantize import QuantizeError, check_mode
+    from meshserve.models.components.quantize import QuantizeError, activation_mode, check_mode
 
-    try:
-        check_mode(quantize)  # before anything is read: an fp8 pool on a CPU fails at once, with the reason
+    try:  # before anything is read: an unknown mode fails at once, with the reason
+        activation_mode(check_mode(quantize), fp8_activations, devices=[])
     except QuantizeError as e:
         raise PipelineError(str(e)) from None
     cls = getattr(importlib.import_module(module_name), cls_name)
@@ -158,6 +162,7 @@ def load_pipeline(
         "lora_budget_mb": lora_budget_mb,
         "lora_targets": lora_targets,
         "quantize": quantize,
+        "fp8_activations": fp8_activations,
         "scan_blocks": scan_blocks,
     }
     if vae_dtype is not None:

@@ -130,8 +130,9 @@ class PoolConfig(_Strict):
     mesh: MeshSizes = Field(default_factory=MeshSizes)
     attention: AttentionOptions = Field(default_factory=AttentionOptions)
     weights: WeightOptions = Field(default_factory=WeightOptions)
-    # The denoiser's Linear weights: int8 (weight-only, per-channel scales) or as the model's dtype; fp8 is
-    # refused at load (models/components/quantize.py, docs/weights.md "Quantization").
+    # The denoiser's Linear weights: int8 (weight-only, per-channel scales), fp8 (e4m3 with per-channel scales;
+    # the activations too on GPUs with fp8 dots, weight-only elsewhere) or as the model's dtype
+    # (models/components/quantize.py, docs/weights.md "Quantization").
     quantize: Literal["none", "int8", "fp8"] = "none"
     # The VAE's dtype (load_pipeline's vae_dtype; docs/outputs.md): None keeps the family's default. A pool-level
     # field rather than a model option, since it trades the decode's error for its time per pool.

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from meshserve.models.components.quantize import int8_matmul
+from meshserve.models.components.quantize import ACTIVATIONS, quantized_matmul
 from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 from meshserve.models.lora.apply import adapted
 
@@ -181,14 +181,22 @@ def conv2d(
 
 class Linear(nnx.Linear):
     """nnx.Linear (same parameters and keys) that adds its LoRA adapters while a program with adapters is
-    traced (models/lora/apply.py); otherwise exactly nnx.Linear. Loaded with `quantize="int8"` it holds an int8
-    kernel and a per-output-channel `kernel_scale` (models/components/quantize.py) and dequantizes in its
-    matmul; the adapters add to that output the same way."""
+    traced (models/lora/apply.py); otherwise exactly nnx.Linear. Loaded with `quantize="int8"` or "fp8" it
+    holds an int8 or e4m3 kernel and a per-output-channel `kernel_scale` (models/components/quantize.py), and
+    with fp8 activations a static `quantize_activations`; its matmul dequantizes; the adapters add to that
+    output the same way."""
 
     def __call__(self, inputs):
         if hasattr(self, "kernel_scale"):
             bias = self.bias[...] if self.bias is not None else None
-            y = int8_matmul(inputs, self.kernel[...], self.kernel_scale[...], bias, self.dtype)
+            y = quantized_matmul(
+                inputs,
+                self.kernel[...],
+                self.kernel_scale[...],
+                bias,
+                self.dtype,
+                activations=getattr(self, ACTIVATIONS, None),
+            )
         else:
             y = super().__call__(inputs)
         return adapted(self, inputs, y)

@@ -90,8 +90,8 @@ from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.block_stack import stack_blocks
 from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
+from meshserve.models.components.quantize import activation_mode, load_quantized, quantized_rules
 from meshserve.models.components.quantize import check_mode as check_quantize
-from meshserve.models.components.quantize import load_quantized, quantized_rules
 from meshserve.models.engine.common import (
     GenerationCancelled,
     PipelineError,
@@ -247,14 +247,18 @@ class DiffusionPipeline:
         lora_budget_mb: float = 512.0,
         lora_targets: str | None = None,
         quantize: str | None = None,
+        fp8_activations: bool | None = None,
         scan_blocks: bool = True,
     ):
         self.programs = CompiledPrograms(type(self).__name__, max_programs)
         # The DiTs' and T5's repeated blocks stacked and run under a lax.scan (models/components/block_stack.py):
         # a program compiles one block instead of each. False keeps them unrolled (to compare).
         self.scan_blocks = bool(scan_blocks)
-        # Weight-only int8 for the denoiser's Linear layers (models/components/quantize.py), or None.
+        # int8 or fp8 kernels for the denoiser's Linear layers (models/components/quantize.py), or None; with
+        # fp8, the activations too where the devices have fp8 dots (or when asked: the same numbers upcast).
         self.quantize = check_quantize(quantize)
+        devices = list(placement.mesh.devices.flat) if placement is not None else jax.devices()[:1]
+        self.activation_quantization = activation_mode(self.quantize, fp8_activations, devices)
         # LoRA adapters per request (docs/lora.md): a fixed-shape table on the pool's devices, made on first load.
         self.lora = AdapterPool(
             self,
@@ -310,7 +314,9 @@ class DiffusionPipeline:
         place = self.placement.placer(rules) if self.placement else None
         kwargs = {} if attention is None else {"settings": attention}
         if quantized:
-            loader = partial(load_quantized, loader)
+            loader = partial(
+                load_quantized, loader, mode=self.quantize, activations=self.activation_quantization
+            )
         return loader(path, dtype=self.dtype if dtype is None else dtype, place=place, **kwargs)
 
     def validate_heads(self, heads: set[int]) -> None:
