@@ -116,7 +116,7 @@ def at_rest_table(layouts) -> list[str]:
                 count = count or parameters  # bf16's: the model's own parameters, without the scales
                 cells.append(nbytes)
             rows.append(
-                f"| {name} | {layout_text(sizes, shard_over)} | {count:,} | {100 * linear / count:.1f} % | "
+                f"| {name} | {layout_text(sizes, shard_over)} | {count:,} | {100 * linear / count:.2f} % | "
                 + " | ".join(f"{b / MIB:,.1f}" for b in cells)
                 + f" | {cells[1] / cells[0]:.3f} |"
             )

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache, partial
@@ -112,6 +113,8 @@ from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
 from meshserve.models.parallel.placement import Placement, gathered, gathered_blocks, gathered_per_step
 from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
+
+log = logging.getLogger(__name__)
 
 # Every schedule is padded to this many steps, so the step count is a traced value and never compiles.
 MAX_STEPS = 200
@@ -259,6 +262,9 @@ class DiffusionPipeline:
         self.quantize = check_quantize(quantize)
         devices = list(placement.mesh.devices.flat) if placement is not None else jax.devices()[:1]
         self.activation_quantization = activation_mode(self.quantize, fp8_activations, devices)
+        if self.quantize == "fp8":
+            rows = self.activation_quantization
+            log.info("quantize fp8: %s", f"activations too ({rows})" if rows else "weight-only (no fp8 dots)")
         # LoRA adapters per request (docs/lora.md): a fixed-shape table on the pool's devices, made on first load.
         self.lora = AdapterPool(
             self,
