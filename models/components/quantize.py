@@ -24,9 +24,9 @@ fp8 stores the same kernels as float8_e4m3fn with one fp32 scale per output chan
 `DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM` (issue 24: a plain dot_general on e4m3 inputs ran at bf16's
 speed on an H100, 477 against 506 TFLOP/s, the preset at 933); the f32 result is scaled by the row's and the
 column's scales. Elsewhere (the CPU, older GPUs) fp8 runs weight-only: the e4m3 kernel converted to the
-compute dtype, as int8's is, and the activations untouched. `activations=True` asks for the activation
-quantization on any backend (on the CPU the e4m3 dot runs on upcast values: the GPU path's numbers, to the
-order of the sums, for measuring its error here).
+compute dtype, as int8's is, and the activations untouched. `load_pipeline(..., fp8_activations=True)` asks
+for the activation quantization on any backend (on the CPU the e4m3 dot runs on upcast values: the GPU path's
+numbers, to the order of the sums, for measuring its error here).
 """
 
 from __future__ import annotations

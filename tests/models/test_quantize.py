@@ -254,6 +254,20 @@ def test_sdxl_fp8_with_activations_stays_close_and_takes_lora_adapters(sdxl):
 # Tiny random Flux.1-dev and Wan
 
 
+def _flux_call() -> dict:
+    """The tiny Flux's call: 3 steps at 32x32 from fixed latents, guidance 3.5."""
+    latents = np.random.default_rng(0).standard_normal((1, (FLUX_H // 4) * (FLUX_W // 4), 16))
+    return dict(
+        height=FLUX_H,
+        width=FLUX_W,
+        num_inference_steps=3,
+        guidance_scale=3.5,
+        max_sequence_length=TEXT,
+        latents=latents.astype(np.float32),
+        output_type="np",
+    )
+
+
 def test_flux_int8_and_fp8_store_their_kernels_and_stay_close(tiny_flux_dev_path):
     """int8; fp8 as this CPU runs it (weight-only); fp8 as a GPU with fp8 dots runs it (activations too)."""
     full, quantized, fp8, fp8_activations = (
@@ -263,16 +277,7 @@ def test_flux_int8_and_fp8_store_their_kernels_and_stay_close(tiny_flux_dev_path
     _check_stored(full, quantized)
     _check_stored(full, fp8, qz.FP8)
     _check_stored(full, fp8_activations, qz.FP8, "fp8-upcast")
-    latents = np.random.default_rng(0).standard_normal((1, (FLUX_H // 4) * (FLUX_W // 4), 16))
-    kw = dict(
-        height=FLUX_H,
-        width=FLUX_W,
-        num_inference_steps=3,
-        guidance_scale=3.5,
-        max_sequence_length=TEXT,
-        latents=latents.astype(np.float32),
-        output_type="np",
-    )
+    kw = _flux_call()
     expected = full(PROMPT, **kw).images
     worst, mean = _abs(quantized(PROMPT, **kw).images, expected)  # measured 2.4e-3 / 4.2e-4
     assert 1e-5 < worst <= 1e-2 and mean <= 1.5e-3, (worst, mean)
@@ -291,16 +296,7 @@ def test_flux_fp8_activations_on_tensor2_match_one_device(tiny_flux_dev_path):
         load_pipeline(tiny_flux_dev_path, quantize="fp8", fp8_activations=True, **layout)
         for layout in ({}, {"mesh": {"tensor": 2}, "devices": jax.devices()[:2]})
     )
-    latents = np.random.default_rng(0).standard_normal((1, (FLUX_H // 4) * (FLUX_W // 4), 16))
-    kw = dict(
-        height=FLUX_H,
-        width=FLUX_W,
-        num_inference_steps=3,
-        guidance_scale=3.5,
-        max_sequence_length=TEXT,
-        latents=latents.astype(np.float32),
-        output_type="np",
-    )
+    kw = _flux_call()
     worst, mean = _abs(two(PROMPT, **kw).images, one(PROMPT, **kw).images)
     # Measured: max 3.6e-7, mean 5.5e-8. A scale per device's half row would move the picture by about fp8's
     # own error (1.7e-2 / 2.9e-3 against fp32), which the mean bound catches.
