@@ -96,24 +96,27 @@ def activation_mode(mode: str | None, activations: bool | None, devices) -> str 
 # The numbers
 
 
+def _per_channel(kernel: np.ndarray, top: float) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel / scale as float32, fp32 scale [out]) with scale = each output channel's absmax / `top` (an
+    all-zero column: scale 1)."""
+    w = np.asarray(kernel, dtype=np.float32)
+    absmax = np.max(np.abs(w), axis=0)
+    scale = np.where(absmax > 0, absmax / top, 1.0).astype(np.float32)
+    return w / scale, scale
+
+
 def quantize_int8(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Linear kernel [in, out] -> (int8 [in, out], fp32 scale [out]): symmetric per output channel,
     scale = absmax / 127 (an all-zero column gets scale 1 and zeros)."""
-    w = np.asarray(kernel, dtype=np.float32)
-    absmax = np.max(np.abs(w), axis=0)
-    scale = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return q, scale
+    scaled, scale = _per_channel(kernel, 127.0)
+    return np.clip(np.rint(scaled), -127, 127).astype(np.int8), scale
 
 
 def quantize_fp8(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Linear kernel [in, out] -> (float8_e4m3fn [in, out], fp32 scale [out]): per output channel, scale =
     absmax / 448, each weight / scale rounded to the nearest e4m3 value (an all-zero column: scale 1)."""
-    w = np.asarray(kernel, dtype=np.float32)
-    absmax = np.max(np.abs(w), axis=0)
-    scale = np.where(absmax > 0, absmax / FP8_MAX, 1.0).astype(np.float32)
-    q = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(FP8)
-    return q, scale
+    scaled, scale = _per_channel(kernel, FP8_MAX)
+    return np.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
 def quantize_kernel(kernel: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
