@@ -198,6 +198,7 @@ def motion(
     name_combination: bool = False,
     guidance: float = 5.0,
     layers: int = 3,
+    heads: int | None = None,
     shift: float = 3.0,
     batch: int = 16,
     seed: int = 0,
@@ -227,7 +228,7 @@ def motion(
 
     if captions and latents_from is not None:
         raise ValueError("captions name a random training combination, not the VAE clips' own")
-    trainee, rope = _transformer(layers)
+    trainee, rope = _transformer(layers, heads=heads)
     trainees = {"transformer": trainee}
     # One set of states a direction, or with `name_combination` one a (combination, direction): a label is
     # direction + 5 x the combination's index (0 for hand-made squares and one combination).
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "--heads",
         type=int,
         default=None,
-        help="grow: the recipe's width in this many heads (default: its own)",
+        help="grow, motion: the recipe's width in this many heads (default: its own)",
     )
     parser.add_argument("--travel", type=int, default=2, help="motion: latent pixels a latent frame")
     parser.add_argument("--anywhere", action="store_true", help="motion: paths anywhere, not centred")
@@ -495,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             args.combinations,
             args.name_combination,
             layers=args.layers,
+            heads=args.heads,
         )
     elif args.probe == "roundtrip":
         if args.folder is None:
