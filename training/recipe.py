@@ -22,6 +22,10 @@ class Recipe(BaseModel):
     # once, after the VAE stage, and draws each step's rows from them (a new posterior sample every time),
     # for when the encoder costs more than the denoiser's step (Wan's: 0.67 of the 0.97 s per step of 16).
     latent_pool: int = 0
+    # Pictures (Wan: clips) the trained VAE encodes once to measure its latents' per-channel statistics, the
+    # normalisation written to its config. The tests' 2-step runs take a few: 512 Wan clips are most of such
+    # a run's forward work.
+    latent_stats: int = 512
     # 0: every denoiser step draws its rows from the whole pool. N: the first N steps draw from a prefix of the
     # pool grouped by scene (TrainingFamily.scene: a clip's scene without its motion; train_shapes.
     # curriculum_order), which widens geometrically from `curriculum_start` clips (about two scenes in every

@@ -143,7 +143,7 @@ def train(
     devices = list(jax.devices() if devices is None else devices)
     placement = pipeline_placement({"data": len(devices)}, devices)["placement"]
     data = placement.batch_spec  # (batch, ndim) -> the batch split over `data`
-    for batch in (recipe.vae_batch, recipe.denoiser_batch, recipe.latent_pool):
+    for batch in (recipe.vae_batch, recipe.denoiser_batch, recipe.latent_pool, recipe.latent_stats):
         if batch % len(devices):
             raise ValueError(f"batch or pool {batch} does not split over {len(devices)} devices")
 
@@ -215,7 +215,7 @@ def train(
         parts = [encode(vae.params, put(pixels[i : i + chunk])) for i in range(0, len(pixels), chunk)]
         return tuple(np.concatenate([np.asarray(getattr(q, f)) for q in parts]) for f in ("mean", "logvar"))
 
-    probe, _ = family.data(np.random.default_rng(recipe.seed + 100), 512)
+    probe, _ = family.data(np.random.default_rng(recipe.seed + 100), recipe.latent_stats)
     latents, _ = encode_all(probe)
     update, shift, scale = family.latent_normalisation(latents)
     configs[family.vae.name] |= update

@@ -298,9 +298,11 @@ def test_flux_fp8_activations_on_tensor2_match_one_device(tiny_flux_dev_path):
     )
     kw = _flux_call()
     worst, mean = _abs(two(PROMPT, **kw).images, one(PROMPT, **kw).images)
-    # Measured: max 3.6e-7, mean 5.5e-8. A scale per device's half row would move the picture by about fp8's
-    # own error (1.7e-2 / 2.9e-3 against fp32), which the mean bound catches.
-    assert worst <= 5e-3 and mean <= 1e-4, (worst, mean)
+    # Measured: max 3.6e-7, mean 5.5e-8 with XLA's default backend optimisation (no rounding flipped); 1.9e-3 /
+    # 1.5e-4 at the suite's level 0 (tests/conftest.py), where the two layouts' sums round a few e4m3 values the
+    # other way. A scale per device's half row would move the picture by about fp8's own error (1.7e-2 / 2.9e-3
+    # against fp32): the mean bound sits 6x under that and 3x over the flips.
+    assert worst <= 5e-3 and mean <= 5e-4, (worst, mean)
 
 
 def test_wan_fp8_with_activations_stays_close(tiny_wan_path):

@@ -14,7 +14,7 @@ from meshserve.training.families import wan as wan_family
 from meshserve.training.recipe import Recipe
 from meshserve.training.train_shapes import curriculum_order, pool_reach, train
 
-RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=4, denoiser_batch=4, warmup_steps=1)
+RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=4, denoiser_batch=4, warmup_steps=1, latent_stats=16)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,9 @@ def test_the_folder_it_writes_serves(runs):
 
 # The other two families run the same loop (training/families/): two steps of each stage write a folder that
 # the serving pipeline loads and runs, with the family's latent normalisation and serving defaults.
-FAMILY_RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=2, denoiser_batch=2, warmup_steps=1)
+FAMILY_RECIPE = Recipe(
+    vae_steps=2, denoiser_steps=2, vae_batch=2, denoiser_batch=2, warmup_steps=1, latent_stats=8
+)
 
 
 @pytest.mark.parametrize(
