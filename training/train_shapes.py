@@ -145,7 +145,9 @@ def train(
     data = placement.batch_spec  # (batch, ndim) -> the batch split over `data`
     for batch in (recipe.vae_batch, recipe.denoiser_batch, recipe.latent_pool, recipe.latent_stats):
         if batch % len(devices):
-            raise ValueError(f"batch or pool {batch} does not split over {len(devices)} devices")
+            raise ValueError(
+                f"batch, pool or latent_stats {batch} does not split over {len(devices)} devices"
+            )
 
     family.write_tokenizers(out)
     configs = family.configs()
