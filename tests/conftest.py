@@ -7,9 +7,10 @@ import os
 # optimisation level 0. The suite is mostly compiling (each test builds its own small programs and runs them
 # a few times): tests/models/test_wan_pipeline.py on a cold cache took 144 -> 94 s of CPU at level 0 (level 1:
 # 120 s; --xla_llvm_disable_expensive_passes: 142 s; user time, beside a training run, so only the ratios
-# count), and the whole suite on a clean clone 38:29 -> 28:30 (2026-11-25, a 2-core EPYC). Results move at
-# rounding level only: every tolerance, bit-identity and HLO check holds as at the default, but one, fp8
-# activations on two devices against one, where a few e4m3 roundings flip (test_quantize.py says by how much).
+# count), and the whole suite on a clean clone 38:29 -> 28:30-31:06 (three runs; 2026-11-25, a 2-core EPYC).
+# Results move at rounding level only: every tolerance, bit-identity and HLO check holds as at the default,
+# but one, fp8 activations on two devices against one, where a few e4m3 roundings flip (test_quantize.py says
+# by how much).
 # Serving, the CLI and the benches keep XLA's default; the CLI and workers that tests start inherit this.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"

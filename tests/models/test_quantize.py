@@ -301,7 +301,7 @@ def test_flux_fp8_activations_on_tensor2_match_one_device(tiny_flux_dev_path):
     # Measured: max 3.6e-7, mean 5.5e-8 with XLA's default backend optimisation (no rounding flipped); 1.9e-3 /
     # 1.5e-4 at the suite's level 0 (tests/conftest.py), where the two layouts' sums round a few e4m3 values the
     # other way. A scale per device's half row would move the picture by about fp8's own error (1.7e-2 / 2.9e-3
-    # against fp32): the mean bound sits 6x under that and 3x over the flips.
+    # against fp32; an estimate, that bug was not simulated): the mean bound sits 6x under that, 3x over the flips.
     assert worst <= 5e-3 and mean <= 5e-4, (worst, mean)
 
 
