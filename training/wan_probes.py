@@ -46,7 +46,9 @@ def _shifted(u, shift: float):
     return shift * u / (1 + (shift - 1) * u)
 
 
-def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = None):
+def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = None, width: int | None = None):
+    """The recipe's transformer with `layers` blocks; `width` (default the recipe's 96) split into `heads`
+    heads (default the recipe's 4) and an ffn of `ffn_dim` (default 4 x the width, the recipe's ratio)."""
     import jax
 
     from meshserve.models.parallel.placement import pipeline_placement
@@ -55,10 +57,15 @@ def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = No
 
     placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
     config = {"_class_name": "WanTransformer3DModel", **family.TRANSFORMER, "num_layers": layers}
-    config["ffn_dim"] = ffn_dim or config["ffn_dim"]
-    if heads is not None:  # the same width, split into `heads` heads
-        width = config["num_attention_heads"] * config["attention_head_dim"]
-        config |= {"num_attention_heads": heads, "attention_head_dim": width // heads}
+    heads = heads or config["num_attention_heads"]
+    width = width or config["num_attention_heads"] * config["attention_head_dim"]
+    if width % heads:
+        raise ValueError(f"a width of {width} does not split into {heads} heads")
+    config |= {
+        "num_attention_heads": heads,
+        "attention_head_dim": width // heads,
+        "ffn_dim": ffn_dim or 4 * width,
+    }
     trainee = _build(family.Family.denoiser[0], config, np.random.default_rng(2), placement)
     grid = (GRID[0], GRID[1] // 2, GRID[2] // 2)
     return trainee, wan.wan_rope(grid, config["attention_head_dim"], config["rope_max_seq_len"])
@@ -94,6 +101,7 @@ def grow(
     shift: float = 3.0,
     batch: int = 16,
     seed: int = 0,
+    width: int | None = None,
 ) -> list:
     """Trains as train_shapes trains the denoiser (the same optimiser and schedule, flow matching at Wan's
     shifted sigmas) and returns (step, loss over the last 100, squares out of 16) every 500 steps."""
@@ -101,7 +109,7 @@ def grow(
     import jax.numpy as jnp
     import optax
 
-    trainee, rope = _transformer(layers, ffn_dim, heads)
+    trainee, rope = _transformer(layers, ffn_dim, heads, width)
     context = jnp.asarray(np.random.default_rng(seed).normal(size=(1, 16, 32)), jnp.float32)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 200, steps, end_value=lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
@@ -202,6 +210,8 @@ def motion(
     shift: float = 3.0,
     batch: int = 16,
     seed: int = 0,
+    width: int | None = None,
+    ffn_dim: int | None = None,
 ) -> list:
     """Flow matching on _moving_squares, conditioned on each direction's own fixed random text states, or with
     `captions` on tiny-wan's UMT5 (trained alongside, from random) reading a training clip's caption in that
@@ -228,7 +238,7 @@ def motion(
 
     if captions and latents_from is not None:
         raise ValueError("captions name a random training combination, not the VAE clips' own")
-    trainee, rope = _transformer(layers, heads=heads)
+    trainee, rope = _transformer(layers, ffn_dim, heads, width)
     trainees = {"transformer": trainee}
     # One set of states a direction, or with `name_combination` one a (combination, direction): a label is
     # direction + 5 x the combination's index (0 for hand-made squares and one combination).
@@ -458,13 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument(
-        "--ffn-dim", type=int, default=None, help="grow: the blocks' ffn_dim (default: the recipe's)"
+        "--ffn-dim", type=int, default=None, help="grow, motion: the blocks' ffn_dim (default: 4 x the width)"
     )
     parser.add_argument(
-        "--heads",
-        type=int,
-        default=None,
-        help="grow, motion: the recipe's width in this many heads (default: its own)",
+        "--heads", type=int, default=None, help="grow, motion: the width in this many heads (default: 4)"
+    )
+    parser.add_argument(
+        "--width", type=int, default=None, help="grow, motion: the transformer's width (default: 96)"
     )
     parser.add_argument("--travel", type=int, default=2, help="motion: latent pixels a latent frame")
     parser.add_argument("--anywhere", action="store_true", help="motion: paths anywhere, not centred")
@@ -484,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
-        grow(args.steps, args.lr, args.layers, args.ffn_dim, args.heads)
+        grow(args.steps, args.lr, args.layers, args.ffn_dim, args.heads, width=args.width)
     elif args.probe == "motion":
         motion(
             args.steps,
@@ -497,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             args.name_combination,
             layers=args.layers,
             heads=args.heads,
+            width=args.width,
+            ffn_dim=args.ffn_dim,
         )
     elif args.probe == "roundtrip":
         if args.folder is None:
