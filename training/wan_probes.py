@@ -21,6 +21,7 @@ latents instead of a VAE's; one reads a trained VAE alone.
     python -m meshserve.training.wan_probes grow --steps 2000 --lr 6e-3 --heads 2
     python -m meshserve.training.wan_probes position --steps 400
     python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 [--anywhere | --captions]
+    python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 --layers 6 --width 64 --heads 2
     python -m meshserve.training.wan_probes motion --steps 1500 --lr 5e-3 --latents-from FOLDER
     python -m meshserve.training.wan_probes roundtrip FOLDER
 """
