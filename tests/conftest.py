@@ -8,6 +8,9 @@ import os
 # a few times): tests/models/test_wan_pipeline.py on a cold cache took 144 -> 94 s of CPU at level 0 (level 1:
 # 120 s; --xla_llvm_disable_expensive_passes: 142 s; user time, beside a training run, so only the ratios
 # count), and the whole suite on a clean clone 38:29 -> 28:30-31:06 (three runs; 2026-11-25, a 2-core EPYC).
+# Level 0 runs the programs slower (the embedded SDXL's 24 held-out captions: 8.5 s against 3.6-3.7 s at
+# levels 1, 2 and the default), but the whole suite at level 1 still took 22:19 against 20:10 at 0 (one run
+# each, another 2-core EPYC, README "Development").
 # Results move at rounding level only: every tolerance, bit-identity and HLO check holds as at the default,
 # but one, fp8 activations on two devices against one, where a few e4m3 roundings flip (test_quantize.py says
 # by how much).
