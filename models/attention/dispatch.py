@@ -6,9 +6,11 @@
 Models call it on globally shaped arrays (under jit). When `settings.mesh` has a "context" axis larger than 1
 the entry point does the shard_map itself (models.attention.context). Otherwise an XLA kernel (xla_blockwise,
 reference) runs on the global arrays and XLA's partitioner splits batch and heads along whatever sharding they
-carry, while a fused kernel (cudnn, splash) runs inside shard_map on each device's block
+carry, while a fused kernel (cudnn, splash) and xla_chunked run inside shard_map on each device's block
 (`run_local_kernel`): Mosaic refuses to be partitioned ("Mosaic kernels cannot be automatically
-partitioned"), so a splash call on globally sharded arrays fails to compile on any multi-chip TPU mesh.
+partitioned"), so a splash call on globally sharded arrays fails to compile on any multi-chip TPU mesh; and
+xla_chunked loops over the batch rows (`lax.map`), which XLA can only run on a batch sharded over devices by
+gathering it.
 Kernel choice: models.attention.kernels; strategy choice: models.attention.context.select_strategy.
 """
 
@@ -55,8 +57,13 @@ def attention(
         causal=causal,
         sq=q.shape[1],
         sk=k.shape[1],
+        heads=q.shape[2],
     )
     mesh = settings.mesh
+    if kernel == "xla_chunked" and mesh is None and q.shape[0] > 1 and jax.device_count() > 1:
+        # Without a mesh the batch may still be sharded (a pool's text encoders and VAE run on the pool's
+        # devices with mesh-free settings), and xla_chunked's loop over batch rows would gather it.
+        kernel = "xla_blockwise"
     if mesh is not None and dict(mesh.shape).get("context", 1) > 1:
         return context_attention(
             q,
@@ -72,16 +79,16 @@ def attention(
     return run_local_kernel(kernel, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
 
 
-FUSED_KERNELS = ("cudnn", "splash")
+LOCAL_KERNELS = ("cudnn", "splash", "xla_chunked")  # run on each device's block, inside shard_map
 
 
 def run_local_kernel(name: str, q, k, v, *, causal: bool, kv_mask, scale, settings: AttentionSettings):
-    """run_kernel on globally shaped arrays without context parallelism. A fused kernel (cudnn, splash) runs
-    inside shard_map over settings.mesh on each device's block: batch over ("data", "cfg"), heads over
-    "tensor" (where they divide: the rule of models.attention.context, so inputs placed by
+    """run_kernel on globally shaped arrays without context parallelism. A fused kernel (cudnn, splash) or
+    xla_chunked runs inside shard_map over settings.mesh on each device's block: batch over ("data", "cfg"),
+    heads over "tensor" (where they divide: the rule of models.attention.context, so inputs placed by
     models.parallel.placement need no resharding); the XLA kernels are left to XLA's partitioner."""
     mesh = settings.mesh
-    if name not in FUSED_KERNELS or mesh is None or mesh.size == 1:
+    if name not in LOCAL_KERNELS or mesh is None or mesh.size == 1:
         return run_kernel(name, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
     batch_axes = batch_axes_for(mesh, q.shape[0])
     qkv_spec = P(batch_axes, None, head_axis_for(mesh, q.shape[2]), None)

@@ -4,7 +4,9 @@
     cuda       cudnn when models.attention.cudnn accepts the call (bf16/fp16, head dim % 8 == 0 and <= 128,
                causal only with Sq == Sk), else xla_blockwise
     tpu        splash
-    other      xla_blockwise (CPU; ROCm GPUs, where cuDNN does not exist)
+    cpu        xla_chunked where its score tile fits (models.attention.chunked: short sequences), else
+               xla_blockwise
+    other      xla_blockwise (ROCm GPUs, where cuDNN does not exist)
 
 A forced "cudnn" or "splash" is likewise used only for the calls it can run (one settings object serves every
 attention of a model: SDXL's VAE has one head of dim 512, beyond cuDNN's limit), the rest go to xla_blockwise,
@@ -12,7 +14,8 @@ as does a forced kernel on the wrong platform.
 
 Inside context-parallel strategies (run_kernel's extra arguments): chunk positions matter only under causal
 masking, which neither fused kernel takes (cuDNN's causal mask has no offsets, splash's is static), so causal
-calls with positions (causal allgather, causal ring) run xla_blockwise. The log-sum-exp that ring and hybrid
+calls with positions (causal allgather, causal ring) run xla_blockwise, and so does every call of xla_chunked that
+needs positions or a log-sum-exp, or whose local sizes it refuses. The log-sum-exp that ring and hybrid
 merge chunks by: cuDNN returns it (models.attention.cudnn, `return_lse`), splash does not through this code,
 so non-causal ring/hybrid keep cuDNN and splash goes to xla_blockwise there. Ulysses and non-causal allgather
 keep either.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import jax
 
 from meshserve.models.attention.blockwise import xla_blockwise
+from meshserve.models.attention.chunked import chunk_rows, xla_chunked
 from meshserve.models.attention.cudnn import cudnn_attention, cudnn_unsupported_reason
 from meshserve.models.attention.reference import reference_attention
 from meshserve.models.attention.settings import AttentionSettings
@@ -42,10 +46,14 @@ def platform_of(settings: AttentionSettings) -> str:
     return device.platform
 
 
-def select_kernel(kernel: str, *, platform: str, head_dim: int, dtype, causal: bool, sq: int, sk: int) -> str:
+def select_kernel(
+    kernel: str, *, platform: str, head_dim: int, dtype, causal: bool, sq: int, sk: int, heads: int = 1
+) -> str:
     """The kernel that runs one call (pure: the platform is an argument so tests can fake it)."""
     if kernel in ("reference", "xla_blockwise"):
         return kernel
+    if kernel == "xla_chunked" or (kernel == "auto" and platform == "cpu"):
+        return "xla_chunked" if chunk_rows(heads, sq, sk) is not None else "xla_blockwise"
     cudnn_ok = cudnn_unsupported_reason(head_dim=head_dim, dtype=dtype, causal=causal, sq=sq, sk=sk) is None
     if kernel == "cudnn" or (kernel == "auto" and platform == "cuda"):
         return "cudnn" if cudnn_ok and platform == "cuda" else "xla_blockwise"
@@ -74,6 +82,10 @@ def run_kernel(
     positional = causal and (q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0))
     if (name == "cudnn" and positional) or (name == "splash" and (positional or return_lse)):
         name = "xla_blockwise"
+    if name == "xla_chunked" and (
+        positional or return_lse or chunk_rows(q.shape[2], q.shape[1], k.shape[1]) is None
+    ):
+        name = "xla_blockwise"
     if name == "reference":
         return reference_attention(
             q,
@@ -87,6 +99,9 @@ def run_kernel(
             return_lse=return_lse,
             out_dtype=out_dtype,
         )
+    if name == "xla_chunked":
+        out = xla_chunked(q, k, v, causal=causal, kv_mask=kv_mask, scale=scale)
+        return out if out_dtype is None else out.astype(out_dtype)
     if name == "xla_blockwise":
         return xla_blockwise(
             q,

@@ -21,8 +21,9 @@ __all__ = ["CONTEXT_STRATEGIES", "KERNELS", "AttentionSettings", "ContextStrateg
 class AttentionSettings:
     """How attention runs; what it computes never depends on these fields (up to float rounding).
 
-    kernel: "auto" picks cudnn on GPU (bf16/fp16, head dim a multiple of 8 up to 128), splash on TPU and
-        xla_blockwise elsewhere (models.attention.dispatch.select_kernel); the others force one kernel.
+    kernel: "auto" picks cudnn on GPU (bf16/fp16, head dim a multiple of 8 up to 128), splash on TPU,
+        xla_chunked on the CPU where its score tile fits, and xla_blockwise elsewhere
+        (models.attention.kernels.select_kernel); the others force one kernel.
     context_strategy: used only when `mesh` has a "context" axis larger than 1 (models.attention.context).
     mesh: the pool mesh, axes ("data", "cfg", "context", "tensor") (models.parallel.mesh.make_mesh).
     block_q, block_kv: tile sizes of xla_blockwise (and splash); the score tile is [B, H, block_q, block_kv].

@@ -22,6 +22,7 @@ import meshserve.models.attention.dispatch as dispatch
 import meshserve.models.attention.kernels as kernels
 from meshserve.models.attention import AttentionSettings, attention
 from meshserve.models.attention.blockwise import MIN_BLOCK, fit_blocks, xla_blockwise
+from meshserve.models.attention.chunked import MAX_CHUNKS, chunk_rows, xla_chunked
 from meshserve.models.attention.context import select_strategy
 from meshserve.models.attention.cudnn import cudnn_attention
 from meshserve.models.attention.hybrid import hybrid_degrees
@@ -138,6 +139,50 @@ def test_blockwise_program_never_holds_the_score_matrix():
     )
     assert size < s * s // 8, f"largest buffer [{dims}] is within 8x of the {s}x{s} score matrix"
     assert size <= max(block * block, s * 64), dims  # one score tile, or one q/k/v/out array
+
+
+# --- xla_chunked (the CPU's kernel for short sequences) on one device ----------------------------------------
+
+
+@pytest.mark.parametrize("b", [1, B])
+@pytest.mark.parametrize("sq,sk", [(128, 128), (300, 300), (100, 77), (45, 150), (5, 9)])
+@pytest.mark.parametrize("masks", MASKS)
+def test_chunked_matches_reference(b, sq, sk, masks):
+    """Chunks of 128 queries and a remainder (300), cross-attention, fewer rows than a chunk, one batch row
+    (called directly) and several (lax.map), and a batch row that may see no key (output 0)."""
+    q, k, v = _qkv(sq + 3 * sk, sq, sk, b=b)
+    causal = "causal" in masks
+    kv_mask = _mask(5, b, sk) if "kv_mask" in masks else None
+    if kv_mask is not None:
+        kv_mask = kv_mask.at[b - 1].set(False)
+    out = jax.jit(lambda q, k, v, m: xla_chunked(q, k, v, causal=causal, kv_mask=m))(q, k, v, kv_mask)
+    assert _max_err(out, _reference(q, k, v, causal=causal, kv_mask=kv_mask)) <= TOL
+    if kv_mask is not None:
+        assert np.all(np.asarray(out[b - 1]) == 0)
+
+
+def test_chunked_takes_only_calls_whose_score_tile_is_small():
+    assert chunk_rows(4, 1152, 1152) == 128  # Flux at 512x512: 9 chunks of 128
+    assert chunk_rows(2, 256, 77) == 128
+    assert chunk_rows(2, 5, 9) == 5
+    assert chunk_rows(1, 128 * MAX_CHUNKS, 4096) == 128
+    assert chunk_rows(1, 128 * MAX_CHUNKS + 1, 4096) is None  # more chunks than MAX_CHUNKS
+    assert chunk_rows(10, 4096, 4096) is None  # SDXL's 1024x1024 level 2: 48 rows a chunk, 86 chunks
+    assert chunk_rows(40, 1024, 32760) is None  # Wan 14B's video: not one row fits
+    with pytest.raises(ValueError, match="do not fit"):
+        xla_chunked(*_qkv(0, 8192, 8192, b=1, h=1))
+    # What the kernel refuses runs as xla_blockwise: a log-sum-exp (ring), causal positions, a large tile.
+    q, k, v = _qkv(11, 64, 64)
+    settings = AttentionSettings(kernel="xla_chunked")
+    out, lse = kernels.run_kernel(
+        "xla_chunked", q, k, v, causal=False, kv_mask=None, scale=None, settings=settings, return_lse=True
+    )
+    ref, ref_lse = _reference(q, k, v, causal=False, kv_mask=None, return_lse=True)
+    assert _max_err(out, ref) <= TOL and _max_err(lse, ref_lse) <= TOL
+    out = kernels.run_kernel(
+        "xla_chunked", q, k, v, causal=True, kv_mask=None, scale=None, settings=settings, q_offset=32
+    )
+    assert _max_err(out, _reference(q, k, v, causal=True, kv_mask=None, q_offset=32)) <= TOL
 
 
 # --- context parallelism on the 8 CPU devices ---------------------------------------------------------------
@@ -364,12 +409,25 @@ def test_strategy_selection_and_layout_errors():
 
 
 def test_kernel_selection_by_platform():
-    def pick(kernel="auto", platform="cpu", head_dim=64, dtype=jnp.bfloat16, causal=False, sq=64, sk=64):
+    def pick(
+        kernel="auto", platform="cpu", head_dim=64, dtype=jnp.bfloat16, causal=False, sq=64, sk=64, heads=4
+    ):
         return kernels.select_kernel(
-            kernel, platform=platform, head_dim=head_dim, dtype=dtype, causal=causal, sq=sq, sk=sk
+            kernel,
+            platform=platform,
+            head_dim=head_dim,
+            dtype=dtype,
+            causal=causal,
+            sq=sq,
+            sk=sk,
+            heads=heads,
         )
 
-    assert pick() == "xla_blockwise"
+    assert pick() == "xla_chunked"
+    assert pick(sq=8192, sk=8192) == "xla_blockwise"  # more chunks than xla_chunked takes
+    assert pick(heads=40, sq=1024, sk=32760) == "xla_blockwise"  # a score tile over its budget
+    assert pick("xla_blockwise") == "xla_blockwise"
+    assert pick("xla_chunked", platform="cuda") == "xla_chunked"
     assert pick(platform="cuda") == "cudnn"
     assert pick(platform="cuda", dtype=jnp.float32) == "xla_blockwise"  # cuDNN flash: fp16/bf16 only
     assert pick(platform="cuda", head_dim=512) == "xla_blockwise"  # e.g. SDXL's VAE attention
