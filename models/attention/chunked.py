@@ -26,7 +26,7 @@ from jax import lax
 BLOCK_Q = 128  # query rows per chunk, at most
 MIN_CHUNK = 8
 MAX_CHUNKS = 32  # straight-line code grows with the chunks: compile time
-# One row's fp32 scores [H, chunk, Sk]: Flux's 4.5 MiB at 512x512 is the largest measured; not tuned beyond.
+# One row's fp32 scores [H, chunk, Sk]: Flux's 2.25 MiB at 512x512 is the largest measured; not tuned beyond.
 MAX_TILE_BYTES = 8 << 20
 
 
