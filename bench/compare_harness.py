@@ -162,8 +162,9 @@ def _pin(threads: int) -> None:
 
 
 def run_side(args: argparse.Namespace, run_ours: Side, run_diffusers: Side) -> bool:
-    """In a child process (started with --side): pin, measure one side, save its images to --images and print
-    its measurements as JSON on the last line; True. In the parent: False."""
+    """In a child process (started with --side): pin, measure one side, save its images to --images (a side
+    that returns None for them has none) and print its measurements as JSON on the last line; True. In the
+    parent: False."""
     if not args.side:
         return False
     import numpy as np
@@ -181,7 +182,8 @@ def run_side(args: argparse.Namespace, run_ours: Side, run_diffusers: Side) -> b
         torch.set_num_threads(args.threads)
         images, result = run_diffusers(Path(args.ckpt), args)
         threads = torch.get_num_threads()
-    np.save(args.images, images)
+    if images is not None:
+        np.save(args.images, images)
     result.update(threads=threads, xla_flags=os.environ.get("XLA_FLAGS", ""))
     print(json.dumps(result))
     return True
@@ -205,6 +207,21 @@ def compare(script: str, args: argparse.Namespace, build_checkpoint, flags: tupl
 
     tmp = Path(tempfile.mkdtemp(prefix=f"meshserve-{Path(script).stem}-"))
     ckpt = build_checkpoint(tmp, args)
+    runs, started, load_before, load_after = alternate_sides(script, args, ckpt, tmp, flags)
+    # A step as the generation runs it: what one more step adds, loop overhead included.
+    for rs in runs.values():
+        for r in rs:
+            r["in_gen"] = (r["gen"] - r["gen_1"]) / max(args.steps - 1, 1)
+    err = float(np.abs(np.load(tmp / "ours.npy") - np.load(tmp / "diffusers.npy")).max())
+    return Rounds(runs["ours"], runs["diffusers"], err, started, load_before, load_after)
+
+
+def alternate_sides(
+    script: str, args: argparse.Namespace, ckpt: Path, tmp: Path, flags: tuple[str, ...]
+) -> tuple[dict[str, list[dict]], datetime.datetime, float, float]:
+    """`args.rounds` rounds of both sides of `script` on `ckpt`, each a child process given --side, --images
+    in `tmp` and `flags` (names of args attributes), alternating which goes first. Returns (each side's
+    measurement dicts, start time, 1-minute load average before, after)."""
     started, load_before = datetime.datetime.now(datetime.UTC), os.getloadavg()[0]
     runs = {side: [] for side in SIDES}
     for r in range(args.rounds):
@@ -217,13 +234,7 @@ def compare(script: str, args: argparse.Namespace, build_checkpoint, flags: tupl
             if done.returncode:
                 sys.exit(f"{side} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    load_after = os.getloadavg()[0]
-    # A step as the generation runs it: what one more step adds, loop overhead included.
-    for rs in runs.values():
-        for r in rs:
-            r["in_gen"] = (r["gen"] - r["gen_1"]) / max(args.steps - 1, 1)
-    err = float(np.abs(np.load(tmp / "ours.npy") - np.load(tmp / "diffusers.npy")).max())
-    return Rounds(runs["ours"], runs["diffusers"], err, started, load_before, load_after)
+    return runs, started, load_before, os.getloadavg()[0]
 
 
 def report(rounds: Rounds, args: argparse.Namespace, model: str, step_label: str, config: str) -> None:
@@ -232,7 +243,7 @@ def report(rounds: Rounds, args: argparse.Namespace, model: str, step_label: str
     cell)."""
     ours, ref = rounds.ours, rounds.ref
     print(
-        f"\n{rounds.started:%Y-%m-%d %H:%M} UTC, {_cpu_name()}, {os.cpu_count()} cores, load average "
+        f"\n{rounds.started:%Y-%m-%d %H:%M} UTC, {cpu_name()}, {os.cpu_count()} cores, load average "
         f"{rounds.load_before:.2f} before / {rounds.load_after:.2f} after (1 min)\n"
         f"{model}; threads: ours {ours[0]['threads']}, diffusers {ref[0]['threads']}; each side in its own process, {args.rounds} alternating rounds (median, min-max over "
         f"rounds); our XLA_FLAGS={ours[0]['xla_flags']!r}; max |ours - diffusers| pixel = {rounds.err:.1e}; "
@@ -291,7 +302,7 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

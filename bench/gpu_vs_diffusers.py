@@ -393,9 +393,9 @@ def env_info() -> dict:
             "cudnn": torch.backends.cudnn.allow_tf32,
         }
     else:
-        from bench.compare_harness import _cpu_name
+        from bench.compare_harness import cpu_name
 
-        info["device"] = f"CPU: {_cpu_name()}, {os.cpu_count()} cores (no GPU)"
+        info["device"] = f"CPU: {cpu_name()}, {os.cpu_count()} cores (no GPU)"
     info["jax_default_matmul_precision"] = str(jax.config.jax_default_matmul_precision)
     return info
 

@@ -20,11 +20,8 @@ per round; the sides alternate for `--rounds` rounds; medians over rounds with t
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -119,8 +116,10 @@ def run_diffusers(ckpt: Path, args) -> dict:
     added = {"text_embeds": pooled, "time_ids": time_ids}
     t = torch.tensor(500.0)
 
-    def transformer_identity(self, hidden_states, *a, return_dict=True, **kw):
-        return (hidden_states,) if not return_dict else type("Out", (), {"sample": hidden_states})()
+    def transformer_identity(
+        self, hidden_states, *a, **kw
+    ):  # the UNet's blocks call it with return_dict=False
+        return (hidden_states,)
 
     def resnet_shortcut(self, input_tensor, temb=None, *a, **kw):
         return self.conv_shortcut(input_tensor) if self.conv_shortcut is not None else input_tensor
@@ -166,47 +165,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--side", choices=harness.SIDES, help=argparse.SUPPRESS)
-    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    harness.add_harness_options(ap)
+    ap.set_defaults(repeats=7)
     args = ap.parse_args()
-
-    if args.side:  # a child: pin, measure one side, print JSON
-        harness._pin(args.threads)
-        if args.side == "ours":
-            from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults
-
-            apply_cpu_defaults()
-            result = run_ours(Path(args.ckpt), args)
-        else:
-            import torch
-
-            torch.set_num_threads(args.threads)
-            result = run_diffusers(Path(args.ckpt), args)
-        print(json.dumps(result))
+    # A side returns no images: the knocked-out UNets have no output to compare.
+    if harness.run_side(
+        args,
+        lambda ckpt, args: (None, run_ours(ckpt, args)),
+        lambda ckpt, args: (None, run_diffusers(ckpt, args)),
+    ):
         return
 
-    ckpt = sdxl.build_checkpoint(Path(tempfile.mkdtemp(prefix="meshserve-sdxl-breakdown-")), args.width)
-    started, load_before = datetime.datetime.now(datetime.UTC), os.getloadavg()[0]
-    runs = {side: [] for side in harness.SIDES}
-    for r in range(args.rounds):
-        for side in harness.SIDES if r % 2 == 0 else harness.SIDES[::-1]:
-            cmd = [sys.executable, __file__, "--side", side, "--ckpt", str(ckpt), "--size", str(args.size)]
-            cmd += ["--repeats", str(args.repeats), "--threads", str(args.threads)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{side} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    load_after = os.getloadavg()[0]
+    tmp = Path(tempfile.mkdtemp(prefix="meshserve-sdxl-breakdown-"))
+    ckpt = sdxl.build_checkpoint(tmp, args.width)
+    flags = ("size", "repeats", "threads")
+    runs, started, load_before, load_after = harness.alternate_sides(__file__, args, ckpt, tmp, flags)
 
     def spread(values):
         return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
     ours, ref = runs["ours"], runs["diffusers"]
     print(
-        f"\n{started:%Y-%m-%d %H:%M} UTC, {harness._cpu_name()}, {os.cpu_count()} cores, load average "
+        f"\n{started:%Y-%m-%d %H:%M} UTC, {harness.cpu_name()}, {os.cpu_count()} cores, load average "
         f"{load_before:.2f} before / {load_after:.2f} after (1 min); SDXL-shaped UNet, width {args.width}, "
         f"{args.size}x{args.size}, CFG batch 2, fp32; {args.threads} threads each side; {args.rounds} "
         f"alternating rounds, median (min-max) in ms; max |output| ours {ours[0]['max_abs']:.3f}, "

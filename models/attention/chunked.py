@@ -65,9 +65,7 @@ def xla_chunked(q, k, v, *, causal: bool = False, kv_mask=None, scale: float | N
             stop = min(start + rows, sq)
             s = jnp.einsum("hqd,hdk->hqk", qh[:, start:stop], kh, preferred_element_type=jnp.float32) * scale
             if masked:
-                allowed = jnp.ones((1, stop - start, sk), bool)
-                if causal:
-                    allowed = allowed_causal[:, start:stop]
+                allowed = allowed_causal[:, start:stop] if causal else True
                 if mask is not None:
                     allowed = allowed & mask[None, None, :]
                 s = jnp.where(allowed, s, -jnp.inf)

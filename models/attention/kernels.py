@@ -47,7 +47,7 @@ def platform_of(settings: AttentionSettings) -> str:
 
 
 def select_kernel(
-    kernel: str, *, platform: str, head_dim: int, dtype, causal: bool, sq: int, sk: int, heads: int = 1
+    kernel: str, *, platform: str, head_dim: int, dtype, causal: bool, sq: int, sk: int, heads: int
 ) -> str:
     """The kernel that runs one call (pure: the platform is an argument so tests can fake it)."""
     if kernel in ("reference", "xla_blockwise"):

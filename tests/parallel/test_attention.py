@@ -185,6 +185,28 @@ def test_chunked_takes_only_calls_whose_score_tile_is_small():
     assert _max_err(out, _reference(q, k, v, causal=True, kv_mask=None, q_offset=32)) <= TOL
 
 
+def test_mesh_free_batches_take_xla_chunked_only_where_nothing_can_be_sharded(monkeypatch):
+    """With mesh-free settings a batch of several rows may be sharded over this process's 8 devices (a pool's
+    text encoders and VAE), where xla_chunked's loop over the rows would gather it: those calls run
+    xla_blockwise. One row, or a mesh (inside shard_map), keeps xla_chunked."""
+    assert jax.device_count() > 1
+    chosen = []
+    run = dispatch.run_local_kernel
+
+    def record(name, *args, **kwargs):
+        chosen.append(name)
+        return run(name, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "run_local_kernel", record)
+    for b in (1, B):
+        q, k, v = _qkv(13, 64, 64, b=b)
+        out = attention(q, k, v)
+        assert _max_err(out, _reference(q, k, v, causal=False, kv_mask=None)) <= TOL
+    q, k, v = _qkv(13, 64, 64)
+    attention(q, k, v, settings=AttentionSettings(mesh=make_mesh(MeshSizes(data=2), jax.devices()[:2])))
+    assert chosen == ["xla_chunked", "xla_blockwise", "xla_chunked"]
+
+
 # --- context parallelism on the 8 CPU devices ---------------------------------------------------------------
 
 # degree -> a mesh that also puts the batch on data/cfg and heads on tensor where devices are left over.
