@@ -23,7 +23,8 @@ fp8 stores the same kernels as float8_e4m3fn with one fp32 scale per output chan
 (token) with its own scale, absmax / 448, and the dot takes both e4m3 operands with
 `DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM` (issue 24: a plain dot_general on e4m3 inputs ran at bf16's
 speed on an H100, 477 against 506 TFLOP/s, the preset at 933); the f32 result is scaled by the row's and the
-column's scales. Elsewhere (the CPU, older GPUs) fp8 runs weight-only: the e4m3 kernel converted to the
+column's scales; an input of fewer than FP8_MIN_ROWS rows (the modulation layers at batch 1) runs
+weight-only. Elsewhere (the CPU, older GPUs) fp8 runs weight-only: the e4m3 kernel converted to the
 compute dtype, as int8's is, and the activations untouched. `load_pipeline(..., fp8_activations=True)` asks
 for the activation quantization on any backend (on the CPU the e4m3 dot runs on upcast values: the GPU path's
 numbers, to the order of the sums, for measuring its error here).
@@ -31,6 +32,7 @@ numbers, to the order of the sums, for measuring its error here).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -49,6 +51,13 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 # Compute capability from which NVIDIA GPUs have fp8 tensor-core dots (Ada, Hopper and later).
 FP8_DOTS_FROM = (8, 9)
+# Fewer input rows than this and an fp8 Linear runs weight-only even where its activations are quantized. XLA:GPU
+# rewrites a dot with a one-row operand (the modulation and embedding layers at batch 1) into a multiply and a
+# reduce (its DotStrengthReduction pass), which takes no fp8 algorithm: the FLUX.1-dev step failed to compile so
+# ("Unsupported dot precision algorithm: 2") on an H200 with jax 0.11.2 (2026-11-26). 16, not 2: cuBLASLt's
+# fp8 GEMM wants dimensions in multiples of 16, and a dot of a few rows is bound by reading its kernel, which is
+# e4m3 weight-only too.
+FP8_MIN_ROWS = 16
 
 
 class QuantizeError(ValueError):
@@ -146,9 +155,9 @@ def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None
     dtype = dtype or x.dtype
     x, q = jax.lax.optimization_barrier((x.astype(dtype), q))
     dims = (((x.ndim - 1,), (0,)), ((), ()))
-    if activations:
-        if q.dtype != FP8 or activations not in ACTIVATION_MODES:
-            raise QuantizeError(f"activation quantization {activations!r} on a {q.dtype} kernel")
+    if activations and (q.dtype != FP8 or activations not in ACTIVATION_MODES):
+        raise QuantizeError(f"activation quantization {activations!r} on a {q.dtype} kernel")
+    if activations and math.prod(x.shape[:-1]) >= FP8_MIN_ROWS:
         rows, row_scale = quantize_rows_fp8(x)
         fast = activations == "fp8"
         precision = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if fast else None

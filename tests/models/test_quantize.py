@@ -96,13 +96,15 @@ def test_fp8_matmul_weight_only_and_with_activations_match_the_host():
 def test_fp8_activations_lower_to_an_fp8_dot_with_fast_accumulation_for_a_gpu():
     """What XLA:GPU gets (lowered for CUDA here, nothing compiled): the dot takes both operands as e4m3 with
     the fast-accumulation algorithm (issue 24: a plain e4m3 dot_general ran no faster than bf16 on an H100);
-    weight-only, the dot takes the kernel converted to the compute dtype."""
+    weight-only, the dot takes the kernel converted to the compute dtype. Inputs of fewer than FP8_MIN_ROWS
+    rows run weight-only: XLA:GPU rewrites a one-row dot into a multiply and a reduce, which refuses the fp8
+    algorithm (the FLUX.1-dev step at batch 1 failed to compile so on an H200, 2026-11-26)."""
 
-    def dot_lines(activations):
+    def dot_lines(activations, rows=(16,)):
         lowered = (
             jax.jit(qz.quantized_matmul, static_argnames=("dtype", "activations"))
             .trace(
-                jax.ShapeDtypeStruct((4, 64), jax.numpy.bfloat16),
+                jax.ShapeDtypeStruct((*rows, 64), jax.numpy.bfloat16),
                 jax.ShapeDtypeStruct((64, 32), qz.FP8),
                 jax.ShapeDtypeStruct((32,), jax.numpy.float32),
                 None,
@@ -113,13 +115,17 @@ def test_fp8_activations_lower_to_an_fp8_dot_with_fast_accumulation_for_a_gpu():
         )
         return [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
 
-    (fp8,) = dot_lines("fp8")
-    assert (
-        "tensor<4x64xf8E4M3FN>, tensor<64x32xf8E4M3FN>" in fp8
-        and "allow_imprecise_accumulation = true" in fp8
-    )
+    assert qz.FP8_MIN_ROWS == 16
+    for rows in ((16,), (2, 8)):
+        (fp8,) = dot_lines("fp8", rows)
+        shape = "x".join(map(str, rows))
+        assert f"tensor<{shape}x64xf8E4M3FN>, tensor<64x32xf8E4M3FN>" in fp8, fp8
+        assert "allow_imprecise_accumulation = true" in fp8
     (weight_only,) = dot_lines(None)
     assert "f8E4M3FN" not in weight_only and "tensor<64x32xbf16>" in weight_only
+    for rows in ((1,), (1, 1), (15,)):
+        (few_rows,) = dot_lines("fp8", rows)
+        assert "f8E4M3FN" not in few_rows and "algorithm" not in few_rows, (rows, few_rows)
 
 
 class _Device:
