@@ -32,9 +32,12 @@ numbers, to the order of the sums, for measuring its error here).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -105,27 +108,45 @@ def activation_mode(mode: str | None, activations: bool | None, devices) -> str 
 # The numbers
 
 
-def _per_channel(kernel: np.ndarray, top: float) -> tuple[np.ndarray, np.ndarray]:
-    """(kernel / scale as float32, fp32 scale [out]) with scale = each output channel's absmax / `top` (an
-    all-zero column: scale 1)."""
-    w = np.asarray(kernel, dtype=np.float32)
-    absmax = np.max(np.abs(w), axis=0)
+# Host quantization runs in blocks of rows on a thread pool: numpy's loops release the GIL, and a block fits the
+# cache better than the whole kernel. A [3072, 12288] bf16 kernel to fp8: 0.15 s instead of 0.37-0.51 s on 2
+# cores, bit-identical (2026-11-26); FLUX.1-dev had taken 210 s to load quantized against 49 s unquantized on a
+# 16-core GPU host the same day.
+ROW_BLOCK = 512
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="quantize")
+
+
+def _per_channel(kernel: np.ndarray, top: float, convert: Callable, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(convert(kernel / scale) as `dtype`, fp32 scale [out]) with scale = each output channel's absmax / `top`
+    (an all-zero column: scale 1), computed in float32 block by block."""
+    blocks = [slice(i, i + ROW_BLOCK) for i in range(0, kernel.shape[0], ROW_BLOCK)]
+    absmax = np.zeros(kernel.shape[1], np.float32)
+    for block_max in _pool().map(lambda b: np.abs(np.asarray(kernel[b], np.float32)).max(axis=0), blocks):
+        np.maximum(absmax, block_max, out=absmax)
     scale = np.where(absmax > 0, absmax / top, 1.0).astype(np.float32)
-    return w / scale, scale
+    out = np.empty(kernel.shape, dtype)
+
+    def fill(b: slice) -> None:
+        out[b] = convert(np.asarray(kernel[b], np.float32) / scale)
+
+    list(_pool().map(fill, blocks))
+    return out, scale
 
 
 def quantize_int8(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Linear kernel [in, out] -> (int8 [in, out], fp32 scale [out]): symmetric per output channel,
     scale = absmax / 127 (an all-zero column gets scale 1 and zeros)."""
-    scaled, scale = _per_channel(kernel, 127.0)
-    return np.clip(np.rint(scaled), -127, 127).astype(np.int8), scale
+    return _per_channel(kernel, 127.0, lambda scaled: np.clip(np.rint(scaled), -127, 127), np.int8)
 
 
 def quantize_fp8(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A Linear kernel [in, out] -> (float8_e4m3fn [in, out], fp32 scale [out]): per output channel, scale =
     absmax / 448, each weight / scale rounded to the nearest e4m3 value (an all-zero column: scale 1)."""
-    scaled, scale = _per_channel(kernel, FP8_MAX)
-    return np.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8), scale
+    return _per_channel(kernel, FP8_MAX, lambda scaled: np.clip(scaled, -FP8_MAX, FP8_MAX), FP8)
 
 
 def quantize_kernel(kernel: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
