@@ -2,6 +2,7 @@
 
     python bench/gpu_vs_diffusers.py --stages flux,sdxl,wan [--rounds 5] [--out results.json] [--tiny]
                                      [--measures step,program,vae] [--steps N] [--no-compile] [--deadline S]
+                                     [--profile N]
 
 Per family (FLUX.1-dev, SDXL base, Wan 2.1 T2V 1.3B), at the real configs and shapes with random weights, bf16
 (the VAEs in fp32, as meshserve's pipelines decode; `--vae-dtype` changes both sides):
@@ -36,6 +37,8 @@ speed-up (diffusers / meshserve, above 1: meshserve faster) is the median of the
 medians, with their min-max. Same computation: the max relative difference max|ours - diffusers| / max|diffusers|
 of the outputs on the same inputs (step: the model output; program: the final latents; vae: the decoded pixels)
 is printed beside every row, and torch.compile's against eager for scale, so a fast wrong result shows.
+`--profile N`: after the timed rounds, N more calls of each side under its profiler, and a table per side of
+the device time by kernel category and the longest kernels (bench/kernel_profile.py), kept in the JSON row.
 
 `--tiny`: small configs of the same block types and small shapes (3 steps), so the script runs on the CPU: the
 check that it works before a device run (2 minutes on 2 cores with `--no-compile`, 7 with torch.compile's CPU
@@ -247,9 +250,34 @@ class Bench:
             for name in sides
             if name != SIDES[0]
         }
+        if self.args.profile:
+            self.profile(row, sides)
         self.results["rows"].append(row)
         self.save()
         print(table_row(row), flush=True)
+
+    def profile(self, row: dict, sides: dict) -> None:
+        """--profile N: each side's device kernels over N more calls (bench/kernel_profile.py), printed and kept
+        in the row (categories and the 40 longest kernels)."""
+        from bench.kernel_profile import by_category, jax_kernels, report, torch_kernels
+
+        try:
+            profiles = {
+                name: (jax_kernels if name == SIDES[0] else torch_kernels)(fn, self.args.profile)
+                for name, (fn, _sync) in sides.items()
+            }
+        except Exception as e:  # noqa: BLE001
+            self.error(f"{row['family']} {row['measure']} profile", e)
+            return
+        print(f"\n{row['family']} {row['measure']}: device kernels\n\n{report(profiles)}", flush=True)
+        row["profile"] = {
+            name: {
+                "per_call_ms": p["per_call_ms"],
+                "categories": by_category(p),
+                "kernels": dict(sorted(p["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:40]),
+            }
+            for name, p in profiles.items()
+        }
 
 
 class TorchSide:
@@ -980,6 +1008,13 @@ def main() -> None:
         choices=("none", "int8", "fp8"),
         help="our denoiser's Linear kernels as a pool's `quantize:` stores them (fp8 with activations where "
         "the GPU has fp8 dots); diffusers' stays bf16",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed rounds, N more calls of each side under its profiler: device time by kernel",
     )
     ap.add_argument("--deadline", type=float, default=0, help="seconds after which no new measure starts")
     ap.add_argument("--out", help="JSON results file (rewritten after every measure)")

@@ -1,0 +1,41 @@
+"""bench/kernel_profile.py, the per-kernel breakdown behind `gpu_vs_diffusers.py --profile`: its categories on
+the kernel names a GPU reports, and a real profile of a jitted function on this CPU."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ is no package of the install
+from bench import kernel_profile as kp  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+        ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNN", "matmul"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+        ("sm90_xmma_fprop_implicit_gemm_indexed_bf16bf16_bf16f32", "convolution"),
+        ("loop_convert_fusion_12", "fusion"),  # "convert" is no convolution
+        ("input_reduce_fusion", "fusion"),
+        ("Memcpy DtoD (Device -> Device)", "copy"),
+        ("void at::native::vectorized_elementwise_kernel<4>", "fusion"),
+        ("some_custom_kernel", "other"),
+    ],
+)
+def test_kernel_names_fall_in_their_category(name, expected):
+    assert kp.category(name) == expected
+
+
+def test_a_jitted_function_is_profiled_kernel_by_kernel():
+    x = jnp.ones((256, 256))
+    f = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    profile = kp.jax_kernels(lambda: f(x), calls=2)
+    assert profile["per_call_ms"] > 0 and profile["kernels"]
+    assert sum(kp.by_category(profile).values()) == pytest.approx(profile["per_call_ms"])
+    assert all(entry["count"] > 0 for entry in profile["kernels"].values())
+    text = kp.report({"meshserve": profile}, top=3)
+    assert text.startswith("**meshserve**") and text.count("\n| `") <= 3
