@@ -2,7 +2,7 @@
 
     python bench/gpu_vs_diffusers.py --stages flux,sdxl,wan [--rounds 5] [--out results.json] [--tiny]
                                      [--measures step,program,vae] [--steps N] [--no-compile] [--deadline S]
-                                     [--profile N]
+                                     [--profile N] [--variants 'NAME:xla_option=value,...;...']
 
 Per family (FLUX.1-dev, SDXL base, Wan 2.1 T2V 1.3B), at the real configs and shapes with random weights, bf16
 (the VAEs in fp32, as meshserve's pipelines decode; `--vae-dtype` changes both sides):
@@ -39,6 +39,9 @@ of the outputs on the same inputs (step: the model output; program: the final la
 is printed beside every row, and torch.compile's against eager for scale, so a fast wrong result shows.
 `--profile N`: after the timed rounds, N more calls of each side under its profiler, and a table per side of
 the device time by kernel category and the longest kernels (bench/kernel_profile.py), kept in the JSON row.
+`--variants 'NAME:option=value,...;NAME2:...'`: our program of each row compiled again with those XLA options
+(`compiler_options`, so one process and one checkpoint serve them all), checked against the default's output
+and timed against it in alternating rounds.
 
 `--tiny`: small configs of the same block types and small shapes (3 steps), so the script runs on the CPU: the
 check that it works before a device run (2 minutes on 2 cores with `--no-compile`, 7 with torch.compile's CPU
@@ -217,10 +220,12 @@ class Bench:
         *,
         channels_last: bool,
         per_round: int,
+        program: tuple | None = None,
     ) -> None:
         """ours: () -> meshserve's output (its program compiled in `ours_compile_s`); eager: diffusers' side.
         channels_last: ours is [B, ..., C] where diffusers' is [B, C, ...]. Checks the outputs, torch.compiles
-        (unless --no-compile), times the sides in alternating rounds, prints and records the row."""
+        (unless --no-compile), times the sides in alternating rounds, prints and records the row. program:
+        (fn, inputs) that `ours` runs compiled, for --variants."""
         import numpy as np
 
         def to_host(side, out):
@@ -252,9 +257,48 @@ class Bench:
         }
         if self.args.profile:
             self.profile(row, sides)
+        if self.args.variants and program is not None:
+            self.variants(row, ours, *program)
         self.results["rows"].append(row)
         self.save()
         print(table_row(row), flush=True)
+
+    def variants(self, row: dict, ours, fn, inputs) -> None:
+        """--variants: our program compiled again with each variant's XLA options (`compiler_options`, so one
+        process and one checkpoint serve every variant), its output checked against the default's, and timed
+        against the default in alternating rounds. Kept in the row as "variants"."""
+        import numpy as np
+
+        row["variants"] = {}
+        reference = to_numpy(timed(ours, self.jsync)[1])
+        for name, options in self.args.variants.items():
+            try:
+                compiled, seconds = jit_compiled(fn, *inputs, compiler_options=options)
+                run = partial(compiled, *inputs)
+                diff = rel_diff(to_numpy(timed(run, self.jsync)[1]), reference)
+                times = alternate(
+                    {"default": (ours, self.jsync), name: (run, self.jsync)},
+                    self.args.rounds,
+                    self.args.per_round,
+                )
+            except Exception as e:  # noqa: BLE001
+                self.error(f"{row['family']} {row['measure']} variant {name}", e)
+                continue
+            ratios = [d / v for d, v in zip(times["default"]["rounds"], times[name]["rounds"], strict=True)]
+            result = {
+                "options": options,
+                "compile_s": seconds,
+                "rel_diff_vs_default": diff,
+                "ms": summary(times[name]["all"]),
+                "default_ms": summary(times["default"]["all"]),
+                "speedup": summary(ratios),
+            }
+            row["variants"][name] = result
+            print(
+                f"| {row['family']} | {row['measure']} | variant {name} {options} | {_ms(result['ms'])} "
+                f"against {_ms(result['default_ms'])} | **{np.median(ratios):.2f}x** | {diff:.1e} |",
+                flush=True,
+            )
 
     def profile(self, row: dict, sides: dict) -> None:
         """--profile N: each side's device kernels over N more calls (bench/kernel_profile.py), printed and kept
@@ -501,13 +545,13 @@ def free_memory(bench: Bench) -> None:
 FP8_GEMM = "__cublas$lt$matmul$f8"
 
 
-def jit_compiled(fn, *inputs):
+def jit_compiled(fn, *inputs, compiler_options: dict | None = None):
     """(compiled fn, seconds) of jax.jit(fn) for these inputs. A program that holds e4m3 arrays (--quantize
     fp8) logs how many fp8 GEMMs it calls: none means its dots run upcast."""
     import jax
 
     t = time.perf_counter()
-    compiled = jax.jit(fn).lower(*inputs).compile()
+    compiled = jax.jit(fn).lower(*inputs).compile(compiler_options=compiler_options)
     seconds = time.perf_counter() - t
     hlo = compiled.as_text()
     if "f8e4m3fn" in hlo:
@@ -651,6 +695,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
                 TorchSide(lambda m: transformer(m, tx, tt), ref),
                 channels_last=False,
                 per_round=args.per_round,
+                program=(fwd, inputs),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("flux step", e)
@@ -698,6 +743,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
                 loop,
                 channels_last=False,
                 per_round=1,
+                program=(program, inputs),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("flux program", e)
@@ -762,6 +808,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
                 TorchSide(lambda m: unet(m, torch.cat([tx, tx]), tt), ref),
                 channels_last=True,
                 per_round=args.per_round,
+                program=(fwd, inputs),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("sdxl step", e)
@@ -810,6 +857,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
                 loop,
                 channels_last=True,
                 per_round=1,
+                program=(program, inputs),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("sdxl program", e)
@@ -882,6 +930,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
                 TorchSide(lambda m: torch.cat(cfg_calls(m, tx, tt)), ref),
                 channels_last=True,
                 per_round=args.per_round,
+                program=(fwd, inputs),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("wan step", e)
@@ -912,6 +961,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
                 loop,
                 channels_last=True,
                 per_round=1,
+                program=(program, inputs),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("wan program", e)
@@ -961,7 +1011,24 @@ def vae_decode(bench: Bench, family: str, spec: dict) -> None:
         TorchSide(lambda decode: decode(tz), lambda z: ref.decode(z, return_dict=False)[0]),
         channels_last=True,
         per_round=bench.args.per_round,
+        program=(decode, (state, z)),
     )
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+    """'notriton:xla_gpu_enable_triton_gemm=false;nocmd:xla_gpu_enable_command_buffer=' -> {name: options}."""
+    variants: dict[str, dict] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, settings = part.partition(":")
+        options: dict = {}
+        for setting in filter(None, (x.strip() for x in settings.split(","))):
+            key, _, value = setting.partition("=")
+            low = value.lower()
+            options[key] = (
+                low == "true" if low in ("true", "false") else int(value) if value.isdigit() else value
+            )
+        variants[name.strip()] = options
+    return variants
 
 
 DENOISERS = {"flux": flux_denoiser, "sdxl": sdxl_denoiser, "wan": wan_denoiser}
@@ -1016,9 +1083,16 @@ def main() -> None:
         metavar="N",
         help="after the timed rounds, N more calls of each side under its profiler: device time by kernel",
     )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="our programs compiled again with other XLA options and timed against the default: "
+        "'NAME:option=value,option=value;NAME2:...' (values: true/false, integers, or strings)",
+    )
     ap.add_argument("--deadline", type=float, default=0, help="seconds after which no new measure starts")
     ap.add_argument("--out", help="JSON results file (rewritten after every measure)")
     args = ap.parse_args()
+    args.variants = parse_variants(args.variants)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     args.measures = [m.strip() for m in args.measures.split(",") if m.strip()]
     for name, given, known in (("stage", args.stages, DENOISERS), ("measure", args.measures, MEASURES)):
@@ -1029,6 +1103,14 @@ def main() -> None:
     from meshserve.models.cpu.xla_cpu_flags import apply_cpu_defaults
 
     apply_cpu_defaults()  # as meshserve runs, where JAX runs on the CPU (a no-op on a GPU host)
+    for name, options in args.variants.items():  # a misspelt option fails here, not after a 24 GB load
+        import jax
+        import jax.numpy as jnp
+
+        try:
+            jax.jit(jnp.sin).lower(jnp.ones(2)).compile(compiler_options=options)
+        except Exception as e:  # noqa: BLE001
+            ap.error(f"--variants {name}: {e}")
     bench = Bench(args)
     env = bench.results["env"]
     versions = ", ".join(f"{k} {env[k]}" for k in ("jax", "jaxlib", "flax", "torch", "diffusers") if k in env)
