@@ -11,6 +11,8 @@ Per family (FLUX.1-dev, SDXL base, Wan 2.1 T2V 1.3B), at the real configs and sh
   distilled, no CFG), 1024x1024 = 4096 image + 512 text tokens. SDXL: the UNet on the CFG batch of 2 at 128x128
   latents (1024x1024), 77 text tokens. Wan: 480x832, 81 frames (21 x 60 x 104 latents, 32,760 tokens), 512
   text tokens, CFG: meshserve runs the two rows as one batch of 2, diffusers' WanPipeline two calls of batch 1.
+  `wan14b`: the same with Wan 2.1 T2V 14B's transformer (40 blocks of 40 heads, ffn 13,824; built in bf16,
+  28 GB), for issue 24's 14B step target (its VAE is the 1.3B's: `--measures step`).
 - program: the whole denoise loop of `--steps` steps (default: the family's, 28 / 30 / 50). meshserve: one
   jitted program around models/engine/denoise_loop.py's `denoise_loop` (the loop every pipeline runs: a
   lax.while_loop over a schedule padded to MAX_STEPS, CFG, the family's scheduler from models/schedulers, the
@@ -115,6 +117,8 @@ WAN_1_3B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )  # fmt: skip
+# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json: the 1.3B's blocks, wider and deeper.
+WAN_14B = dict(WAN_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
 WAN_VAE = dict(
     base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
     temperal_downsample=[False, True, True], dropout=0.0,
@@ -125,6 +129,10 @@ FAMILIES = {
     "flux": dict(model=FLUX_DEV, vae=FLUX_VAE, latent=(128, 128), text=512, steps=28, guidance=3.5),
     "sdxl": dict(model=SDXL_UNET, vae=SDXL_VAE, latent=(128, 128), text=77, steps=30, guidance=5.0),
     "wan": dict(model=WAN_1_3B, vae=WAN_VAE, latent=(21, 60, 104), text=512, steps=50, guidance=5.0),
+    # Built in bf16 (28 GB; in fp32 it would be 56 GB on the card before either side loads it).
+    "wan14b": dict(
+        model=WAN_14B, vae=WAN_VAE, latent=(21, 60, 104), text=512, steps=50, guidance=5.0, build="bfloat16"
+    ),
 }
 _TWO_LEVELS = dict(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)
 TINY = {
@@ -144,6 +152,7 @@ TINY = {
         vae=dict(base_dim=8, num_res_blocks=1), latent=(3, 8, 8), text=16,
     ),
 }  # fmt: skip
+TINY["wan14b"] = dict(TINY["wan"], model=dict(TINY["wan"]["model"], num_layers=2))
 TINY_STEPS = 3
 MEASURES = ("step", "program", "vae")
 SIDES = ("meshserve", "diffusers eager", "diffusers torch.compile")
@@ -863,7 +872,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
             bench.error("sdxl program", e)
 
 
-def wan_denoiser(bench: Bench, spec: dict) -> None:
+def wan_denoiser(bench: Bench, spec: dict, family: str = "wan") -> None:
     import jax.numpy as jnp
     import numpy as np
     import torch
@@ -885,8 +894,10 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
         spec["guidance"],
     )
     tokens = f * (h // 2) * (w // 2)
-    # Built and saved fp32 (as the released checkpoint), read in bf16: both keep _keep_in_fp32_modules fp32.
-    ours, ref = twin(bench, TorchWan, cfg, torch.float32, torch.bfloat16, load_wan_transformer)
+    # Built and saved fp32 (as the released checkpoint; wan14b: bf16), read in bf16: both sides keep
+    # _keep_in_fp32_modules fp32.
+    build = getattr(torch, spec.get("build", "float32"))
+    ours, ref = twin(bench, TorchWan, cfg, build, torch.bfloat16, load_wan_transformer)
     rope = tuple(jnp.asarray(a) for a in ours.rope(f, h, w))
     graph, state = nnx.split(bench.as_served(ours))
     rng = np.random.default_rng(0)
@@ -912,7 +923,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
         return model
 
     what = f"transformer, CFG (2 rows), {tokens} + {text} tokens"
-    if wanted(bench, "wan", "step"):
+    if wanted(bench, family, "step"):
         try:
 
             def fwd(state, x, t, ctx, rope):
@@ -922,7 +933,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
             step, seconds = jit_compiled(fwd, *inputs)
             tt = torch.tensor(500, device=dev)
             bench.compare(
-                "wan",
+                family,
                 "step",
                 what,
                 lambda: step(*inputs),
@@ -933,8 +944,8 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
                 program=(fwd, inputs),
             )
         except Exception as e:  # noqa: BLE001
-            bench.error("wan step", e)
-    if wanted(bench, "wan", "program"):
+            bench.error(f"{family} step", e)
+    if wanted(bench, family, "program"):
         try:
             sched = make_scheduler(None, {"_class_name": "UniPCMultistepScheduler", **SCHEDULER})
             program = denoise_program(graph, sched, make_model, do_cfg=True)
@@ -953,7 +964,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
                 lambda m: diffusers_loop(tsched, tx, partial(cfg_calls, m), g, num_inference_steps=steps), ref
             )
             bench.compare(
-                "wan",
+                family,
                 "program",
                 f"{steps} steps UniPC, {what}",
                 lambda: compiled(*inputs),
@@ -964,7 +975,7 @@ def wan_denoiser(bench: Bench, spec: dict) -> None:
                 program=(program, inputs),
             )
         except Exception as e:  # noqa: BLE001
-            bench.error("wan program", e)
+            bench.error(f"{family} program", e)
 
 
 def vae_decode(bench: Bench, family: str, spec: dict) -> None:
@@ -981,7 +992,7 @@ def vae_decode(bench: Bench, family: str, spec: dict) -> None:
 
     config, latent, name = spec["vae"], spec["latent"], bench.args.vae_dtype
     dtype = getattr(torch, name)
-    if family == "wan":
+    if family.startswith("wan"):
         ours, ref = twin(
             bench, AutoencoderKLWan, config, torch.float32, dtype, load_autoencoder_kl_wan, denoiser=False
         )
@@ -1031,7 +1042,12 @@ def parse_variants(text: str) -> dict[str, dict]:
     return variants
 
 
-DENOISERS = {"flux": flux_denoiser, "sdxl": sdxl_denoiser, "wan": wan_denoiser}
+DENOISERS = {
+    "flux": flux_denoiser,
+    "sdxl": sdxl_denoiser,
+    "wan": wan_denoiser,
+    "wan14b": partial(wan_denoiser, family="wan14b"),
+}
 
 
 def run_family(bench: Bench, family: str) -> None:
@@ -1053,7 +1069,9 @@ def run_family(bench: Bench, family: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stages", default="flux,sdxl,wan", help="families, comma-separated: flux, sdxl, wan")
+    ap.add_argument(
+        "--stages", default="flux,sdxl,wan", help="families, comma-separated: flux, sdxl, wan, wan14b"
+    )
     ap.add_argument("--measures", default=",".join(MEASURES), help="comma-separated: step, program, vae")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (median, min-max)")
     ap.add_argument("--per-round", type=int, default=3, help="calls of each side per round (step, vae)")
