@@ -56,3 +56,12 @@ def flow_matching(shift: float, logit_normal: float = 0.0) -> Objective:
         return (1.0 - s) * latents + s * noise, sigma, noise - latents
 
     return noised
+
+
+def frame_difference_error(error: jax.Array) -> jax.Array:
+    """The mean square of a video prediction's error [B, F, H, W, C] differenced between consecutive frames:
+    what the frames' errors share cancels, what differs from frame to frame (the motion) stays. A loss term
+    for Wan's trials (training/wan_probes.py motion --frame-weight); 0 for a single frame."""
+    if error.shape[1] < 2:
+        return jnp.zeros((), error.dtype)
+    return jnp.mean((error[:, 1:] - error[:, :-1]) ** 2)

@@ -213,6 +213,7 @@ def motion(
     seed: int = 0,
     width: int | None = None,
     ffn_dim: int | None = None,
+    frame_weight: float = 0.0,
 ) -> list:
     """Flow matching on _moving_squares, conditioned on each direction's own fixed random text states, or with
     `captions` on tiny-wan's UMT5 (trained alongside, from random) reading a training clip's caption in that
@@ -224,7 +225,11 @@ def motion(
     VAE for clips of one training combination (medium, every direction and still, the training jitter), and
     each sample decoded and read by motion_score: the same question on what the VAE makes of motion; with
     `combinations` > 1, clips of that many training combinations (144: all), conditioned on the direction
-    alone, or with `name_combination` on states of their own for each (combination, direction)."""
+    alone, or with `name_combination` on states of their own for each (combination, direction).
+
+    `frame_weight` adds that many times the same error on the differences between consecutive latent frames
+    (objectives.frame_difference_error): an error the frames share costs nothing there, so the loss leans on
+    what differs from frame to frame, the motion."""
     import tempfile
     from pathlib import Path
 
@@ -283,9 +288,12 @@ def motion(
     @jax.jit
     def step(p, state, clean, context, key):
         noisy, sigma, target = objective(clean, key)
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((velocity(p, noisy, sigma, context) - target) ** 2)
-        )(p)
+
+        def loss_of(p):
+            error = velocity(p, noisy, sigma, context) - target
+            return jnp.mean(error**2) + frame_weight * objectives.frame_difference_error(error)
+
+        loss, grads = jax.value_and_grad(loss_of)(p)
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
@@ -492,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--name-combination", action="store_true", help="motion: states a (combination, direction)"
     )
+    parser.add_argument(
+        "--frame-weight",
+        type=float,
+        default=0.0,
+        help="motion: weight of the error on consecutive latent frames' differences",
+    )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
@@ -510,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             heads=args.heads,
             width=args.width,
             ffn_dim=args.ffn_dim,
+            frame_weight=args.frame_weight,
         )
     elif args.probe == "roundtrip":
         if args.folder is None:

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshserve.training import objectives
 from meshserve.training.objectives import flow_matching
 
 ROWS = 20_000
@@ -40,3 +41,16 @@ def test_the_noisy_latents_lie_on_the_straight_path():
     s = sigma[:, None, None]
     assert float(jnp.abs(noisy - ((1 - s) * latents + s * noise)).max()) < 1e-5
     assert float(noise.std()) == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_frame_difference_error_ignores_what_the_frames_share():
+    """objectives.frame_difference_error: an error the same in every frame costs nothing; one that moves does."""
+    rng = np.random.default_rng(0)
+    shared = np.broadcast_to(rng.standard_normal((2, 1, 4, 4, 3)), (2, 5, 4, 4, 3))
+    assert float(objectives.frame_difference_error(jnp.asarray(shared))) == 0.0
+    moving = rng.standard_normal((2, 5, 4, 4, 3)).astype(np.float32)
+    expected = np.mean((moving[:, 1:] - moving[:, :-1]) ** 2)
+    np.testing.assert_allclose(
+        float(objectives.frame_difference_error(jnp.asarray(moving))), expected, rtol=1e-6
+    )
+    assert float(objectives.frame_difference_error(jnp.asarray(moving[:, :1]))) == 0.0  # one frame
