@@ -38,4 +38,4 @@ def test_a_jitted_function_is_profiled_kernel_by_kernel():
     assert sum(kp.by_category(profile).values()) == pytest.approx(profile["per_call_ms"])
     assert all(entry["count"] > 0 for entry in profile["kernels"].values())
     text = kp.report({"meshserve": profile}, top=3)
-    assert text.startswith("**meshserve**") and text.count("\n| `") <= 3
+    assert text.startswith("**meshserve**") and text.count("\n| `") == min(3, len(profile["kernels"]))
