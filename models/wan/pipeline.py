@@ -146,8 +146,6 @@ class WanPipeline(DiffusionPipeline):
                 f"{folder}: transformer channels in {t.in_channels} / out {t.output_channels}; with the VAE's "
                 f"z_dim {v.z_dim} it should take {self.transformer_in_channels} and give {v.z_dim}"
             )
-        if t.patch_size[0] != 1:
-            raise CheckpointError(f"{folder}: temporal patch size {t.patch_size[0]}; Wan 2.1's is 1")
         # diffusers reads the factors from the VAE config; they must be what the VAE really does, or the frame
         # count and the latent size would disagree with the decoded video.
         if (self.temporal_factor, self.spatial_factor) != (v.temporal_compression, v.spatial_compression):
@@ -174,12 +172,25 @@ class WanPipeline(DiffusionPipeline):
         return math.lcm(self.spatial_factor * ph, self.spatial_factor * pw)
 
     @property
+    def _frame_rule(self) -> tuple[int, int]:
+        """(offset, step): the frame counts whose latent frames divide into the temporal patch, offset + k step.
+        Wan 2.1's patch takes one latent frame (1 + 4k frames); a patch of pt latent frames (the embedded
+        tiny-wan's 3) needs a multiple of pt, which diffusers does not check: it would drop the remainder."""
+        pt, tf = self.transformer_config.patch_size[0], self.temporal_factor
+        return (pt - 1) * tf + 1, pt * tf
+
+    def _conforming_frames(self, n: int) -> int:
+        """The largest frame count the rule allows at or below n (its smallest where none is)."""
+        offset, step = self._frame_rule
+        return offset + max(n - offset, 0) // step * step
+
+    @property
     def _small(self) -> bool:
         """Whether the RoPE tables cannot address diffusers' default video's patch grid."""
-        _, ph, pw = self.transformer_config.patch_size
+        pt, ph, pw = self.transformer_config.patch_size
         f = self.spatial_factor
         grid = (
-            (DEFAULT_FRAMES - 1) // self.temporal_factor + 1,
+            ((DEFAULT_FRAMES - 1) // self.temporal_factor + 1) // pt,
             DEFAULT_HEIGHT // f // ph,
             DEFAULT_WIDTH // f // pw,
         )
@@ -209,13 +220,16 @@ class WanPipeline(DiffusionPipeline):
         limits["schedulers"] = list(FLOW_SCHEDULER_NAMES)
         limits["output_formats"] = list(VIDEO_FORMATS)
         limits["max_sequence_length"] = WAN_MAX_SEQUENCE_LENGTH
-        tf = self.temporal_factor
+        offset, step = self._frame_rule
+        pt, tf = self.transformer_config.patch_size[0], self.temporal_factor
+        small = self._conforming_frames(SMALL_FRAMES)
         limits["frames"] = {
-            "min_frames": 1,
-            "max_frames": min(MAX_FRAMES, (rope - 1) * tf + 1),
-            "step": tf,
-            "offset": 1,
-            "default": d.get("num_frames", SMALL_FRAMES if self._small else DEFAULT_FRAMES),
+            "min_frames": offset,
+            # The RoPE tables address rope positions of pt latent frames each.
+            "max_frames": self._conforming_frames(min(MAX_FRAMES, (rope * pt - 1) * tf + 1)),
+            "step": step,
+            "offset": offset,
+            "default": d.get("num_frames", small if self._small else self._conforming_frames(DEFAULT_FRAMES)),
         }
         limits["loras"] = self.lora.limits
         limits["cache"] = self.cache_limits()

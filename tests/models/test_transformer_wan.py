@@ -187,6 +187,21 @@ def test_wan_transformer_matches_diffusers(wan_folder, torch_model):
     assert len(forward.traces) == 2  # int32 and float32 timesteps
 
 
+def test_a_temporal_patch_matches_diffusers(tmp_path):
+    """patch_size (3, 2, 2), the embedded tiny-wan's: three latent frames a token (3 x 6 x 10 -> 1 x 3 x 5
+    tokens), fp32, against diffusers' Conv3d patch embedding and its unpatchify."""
+    from diffusers import WanTransformer3DModel as TorchWan
+
+    folder = build_tiny_wan_transformer(tmp_path / "transformer", seed=1, patch_size=[3, 2, 2])
+    model = load_wan_transformer(folder)
+    assert model.patch_grid(FRAMES, HEIGHT, WIDTH) == (1, 3, 5)
+    inputs = make_inputs()
+    expected = torch_forward(TorchWan.from_pretrained(str(folder)).eval(), inputs)
+    err = rel_err(jitted(model)(inputs), expected)
+    log.info("Wan patch (3, 2, 2) fp32: rel err %.2e", err)
+    assert err <= 1e-4
+
+
 def test_keep_in_fp32_modules_follow_diffusers_bf16_load(wan_folder):
     """Every parameter has the dtype diffusers' bf16 `from_pretrained` gives it (fp32 for
     _keep_in_fp32_modules: time_embedder, scale_shift_table, norm2; bf16 for the rest)."""

@@ -287,3 +287,34 @@ def test_warm_up_compiles_what_a_default_request_needs(wan):
         assert not out.compiled
         assert out.images.shape == (1, 5, 32, 48, 3)
     assert wan.compilations == before
+
+
+def test_a_temporal_patch_serves_whole_patches_and_matches_diffusers(tiny_wan_path, tmp_path):
+    """A transformer whose patch takes three latent frames (the embedded tiny-wan's (3, 2, 2)): the frame
+    counts are those whose latent frames fill whole patches (9, 21, ...: diffusers would drop the rest
+    silently), and a 9-frame CFG generation matches diffusers' WanPipeline on the same folder."""
+    import shutil
+
+    import torch
+    from diffusers import WanPipeline as TorchWanPipeline
+
+    from tests.fixtures.tiny_wan import build_tiny_wan_transformer
+
+    folder = tmp_path / "wan-patch3"
+    shutil.copytree(tiny_wan_path, folder)
+    shutil.rmtree(folder / "transformer")
+    build_tiny_wan_transformer(folder / "transformer", seed=2, patch_size=[3, 2, 2])
+    ours = load_pipeline(folder, dtype="float32")
+    assert ours.limits["frames"] == {"min_frames": 9, "max_frames": 81, "step": 12, "offset": 9, "default": 9}
+    for frames, match in ((5, "between 9 and 81"), (13, "12k\\+9"), (93, "between 9 and 81")):
+        with pytest.raises(PipelineError, match=match):
+            ours(PROMPTS[0], height=H, width=W, num_frames=frames, num_inference_steps=1)
+    reference = TorchWanPipeline.from_pretrained(str(folder), dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    latents = latents_for(1, seed=3)
+    kw = dict(negative_prompt=NEGATIVES[0], guidance_scale=5.0)
+    expected = run_reference(reference, PROMPTS[0], latents, **kw)
+    got = run_ours(ours, PROMPTS[0], latents=latents, **kw)
+    err = max_abs(got, expected)
+    log.info("wan patch (3, 2, 2) fp32 CFG: max abs frame error %.2e", err)
+    assert got.shape == (1, F, H, W, 3) and err <= 1e-3 and expected.std() > 1e-2
