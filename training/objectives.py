@@ -65,3 +65,17 @@ def frame_difference_error(error: jax.Array) -> jax.Array:
     if error.shape[1] < 2:
         return jnp.zeros((), error.dtype)
     return jnp.mean((error[:, 1:] - error[:, :-1]) ** 2)
+
+
+def lead_first_frame(noisy, sigma, target, key, share: float):
+    """A `share` of the rows get their first latent frame less noised than the rest (its sigma scaled by a
+    uniform draw), the timestep still the rest's: a trial for Wan (training/wan_probes.py motion
+    --first-frame-lead). With the first frame showing through, the later frames are predicted best by moving
+    what it shows the way the caption says, which asks the DiT for the coupling between frames that the
+    direction word needs. The target, the velocity noise - x0, does not depend on sigma, so only the input
+    changes: x_s = x0 + s (noise - x0)."""
+    k_pick, k_scale = jax.random.split(key)
+    rows = (noisy.shape[0],)
+    lead = jnp.where(jax.random.uniform(k_pick, rows) < share, jax.random.uniform(k_scale, rows), 1.0)
+    first = noisy[:, :1] - _per_row(sigma * (1.0 - lead), noisy[:, :1]) * target[:, :1]
+    return noisy.at[:, :1].set(first)

@@ -23,6 +23,8 @@ latents instead of a VAE's; one reads a trained VAE alone.
     python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 [--anywhere | --captions]
     python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 --layers 6 --width 64 --heads 2
     python -m meshserve.training.wan_probes motion --steps 1500 --lr 5e-3 --latents-from FOLDER
+    python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 --first-frame-lead 0.5
+    python -m meshserve.training.wan_probes motion --steps 2000 --lr 5e-3 --patch 3,2,2 --width 192
     python -m meshserve.training.wan_probes roundtrip FOLDER
 """
 
@@ -47,9 +49,16 @@ def _shifted(u, shift: float):
     return shift * u / (1 + (shift - 1) * u)
 
 
-def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = None, width: int | None = None):
+def _transformer(
+    layers: int,
+    ffn_dim: int | None = None,
+    heads: int | None = None,
+    width: int | None = None,
+    patch: tuple[int, int, int] | None = None,
+):
     """The recipe's transformer with `layers` blocks; `width` (default the recipe's 96) split into `heads`
-    heads (default the recipe's 4) and an ffn of `ffn_dim` (default 4 x the width, the recipe's ratio)."""
+    heads (default the recipe's 4) and an ffn of `ffn_dim` (default 4 x the width, the recipe's ratio), and
+    `patch` (default the recipe's (1, 2, 2))."""
     import jax
 
     from meshserve.models.parallel.placement import pipeline_placement
@@ -66,9 +75,10 @@ def _transformer(layers: int, ffn_dim: int | None = None, heads: int | None = No
         "num_attention_heads": heads,
         "attention_head_dim": width // heads,
         "ffn_dim": ffn_dim or 4 * width,
+        "patch_size": list(patch or config["patch_size"]),
     }
     trainee = _build(family.Family.denoiser[0], config, np.random.default_rng(2), placement)
-    grid = (GRID[0], GRID[1] // 2, GRID[2] // 2)
+    grid = tuple(n // p for n, p in zip(GRID, config["patch_size"], strict=True))
     return trainee, wan.wan_rope(grid, config["attention_head_dim"], config["rope_max_seq_len"])
 
 
@@ -214,6 +224,8 @@ def motion(
     width: int | None = None,
     ffn_dim: int | None = None,
     frame_weight: float = 0.0,
+    first_frame_lead: float = 0.0,
+    patch: tuple[int, int, int] | None = None,
 ) -> list:
     """Flow matching on _moving_squares, conditioned on each direction's own fixed random text states, or with
     `captions` on tiny-wan's UMT5 (trained alongside, from random) reading a training clip's caption in that
@@ -244,7 +256,7 @@ def motion(
 
     if captions and latents_from is not None:
         raise ValueError("captions name a random training combination, not the VAE clips' own")
-    trainee, rope = _transformer(layers, ffn_dim, heads, width)
+    trainee, rope = _transformer(layers, ffn_dim, heads, width, patch)
     trainees = {"transformer": trainee}
     # One set of states a direction, or with `name_combination` one a (combination, direction): a label is
     # direction + 5 x the combination's index (0 for hand-made squares and one combination).
@@ -288,6 +300,10 @@ def motion(
     @jax.jit
     def step(p, state, clean, context, key):
         noisy, sigma, target = objective(clean, key)
+        if first_frame_lead:
+            noisy = objectives.lead_first_frame(
+                noisy, sigma, target, jax.random.fold_in(key, 1), first_frame_lead
+            )
 
         def loss_of(p):
             error = velocity(p, noisy, sigma, context) - target
@@ -506,6 +522,18 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="motion: weight of the error on consecutive latent frames' differences",
     )
+    parser.add_argument(
+        "--first-frame-lead",
+        type=float,
+        default=0.0,
+        help="motion: share of rows whose first latent frame is less noised (objectives.lead_first_frame)",
+    )
+    parser.add_argument(
+        "--patch",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        default=None,
+        help="motion: the transformer's patch_size as T,H,W (default the recipe's 1,2,2)",
+    )
     args = parser.parse_args(argv)
     _cpu_devices_flag()
     if args.probe == "grow":
@@ -525,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
             width=args.width,
             ffn_dim=args.ffn_dim,
             frame_weight=args.frame_weight,
+            first_frame_lead=args.first_frame_lead,
+            patch=args.patch,
         )
     elif args.probe == "roundtrip":
         if args.folder is None:

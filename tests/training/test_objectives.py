@@ -54,3 +54,22 @@ def test_the_frame_difference_error_ignores_what_the_frames_share():
         float(objectives.frame_difference_error(jnp.asarray(moving))), expected, rtol=1e-6
     )
     assert float(objectives.frame_difference_error(jnp.asarray(moving[:, :1]))) == 0.0  # one frame
+
+
+def test_a_led_first_frame_lies_nearer_the_clean_latents_on_the_same_path():
+    """objectives.lead_first_frame: in the led rows only the first frame moves, toward the clean latents along
+    its own straight path (same noise, a lower sigma); the other rows and frames are untouched."""
+    latents = jax.random.normal(jax.random.key(3), (4000, 3, 2, 2, 1))
+    noisy, sigma, target = flow_matching(3.0)(latents, jax.random.key(4))
+    led = objectives.lead_first_frame(noisy, sigma, target, jax.random.key(5), share=0.5)
+    np.testing.assert_array_equal(np.asarray(led[:, 1:]), np.asarray(noisy[:, 1:]))
+    noise = np.asarray(target + latents)
+    # Each row's first frame is x0 + s' (noise - x0) for one s' in [0, sigma]: s' by least squares per row.
+    first, x0 = np.asarray(led[:, 0]).reshape(len(led), -1), np.asarray(latents[:, 0]).reshape(len(led), -1)
+    path = noise[:, 0].reshape(len(led), -1) - x0
+    lead = ((first - x0) * path).sum(1) / (path**2).sum(1)
+    residual = first - (x0 + lead[:, None] * path)
+    assert np.abs(residual).max() < 1e-4
+    changed = np.abs(lead - np.asarray(sigma)) > 1e-5
+    assert abs(changed.mean() - 0.5) < 0.03  # the share
+    assert np.all(lead[changed] < np.asarray(sigma)[changed]) and np.all(lead >= -1e-5)

@@ -46,3 +46,15 @@ def test_moving_squares_read_back_their_direction_and_reversed_ones_the_opposite
     frozen = np.repeat(latents[:, 1:2], wan_probes.GRID[0], axis=1)
     assert wan_probes.read_direction(frozen, 2) == [4] * 16
     assert wan_probes.read_direction(rng.normal(size=(4, *wan_probes.GRID, 16)) * 0.1, 2) == [None] * 4
+
+
+def test_the_probe_transformer_takes_a_temporal_patch():
+    """`--patch 3,2,2`: the probe's transformer on three latent frames a token (8 x 8 tokens) maps the probe's
+    latents to their own shape, with RoPE tables for that grid."""
+    import jax.numpy as jnp
+
+    trainee, rope = wan_probes._transformer(1, patch=(3, 2, 2), width=48, heads=2)
+    assert rope[0].shape == (64, 24)
+    x = jnp.zeros((1, *wan_probes.GRID, 16))
+    out = trainee.module(trainee.params)(x, jnp.full((1,), 500.0), jnp.zeros((1, 16, 32)), rope)
+    assert out.shape == x.shape
