@@ -174,8 +174,9 @@ class WanPipeline(DiffusionPipeline):
     @property
     def _frame_rule(self) -> tuple[int, int]:
         """(offset, step): the frame counts whose latent frames divide into the temporal patch, offset + k step.
-        Wan 2.1's patch takes one latent frame (1 + 4k frames); a patch of pt latent frames (the embedded
-        tiny-wan's 3) needs a multiple of pt, which diffusers does not check: it would drop the remainder."""
+        Wan 2.1's patch takes one latent frame (1 + 4k frames); a patch of pt latent frames (3 in a tiny-wan
+        trial, docs/embedded-model.md) needs a multiple of pt, which diffusers does not check: it would drop
+        the remainder."""
         pt, tf = self.transformer_config.patch_size[0], self.temporal_factor
         return (pt - 1) * tf + 1, pt * tf
 

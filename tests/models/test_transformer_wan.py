@@ -188,8 +188,8 @@ def test_wan_transformer_matches_diffusers(wan_folder, torch_model):
 
 
 def test_a_temporal_patch_matches_diffusers(tmp_path):
-    """patch_size (3, 2, 2), the embedded tiny-wan's: three latent frames a token (3 x 6 x 10 -> 1 x 3 x 5
-    tokens), fp32, against diffusers' Conv3d patch embedding and its unpatchify."""
+    """patch_size (3, 2, 2), a tiny-wan trial's (docs/embedded-model.md): three latent frames a token
+    (3 x 6 x 10 -> 1 x 3 x 5 tokens), fp32, against diffusers' Conv3d patch embedding and its unpatchify."""
     from diffusers import WanTransformer3DModel as TorchWan
 
     folder = build_tiny_wan_transformer(tmp_path / "transformer", seed=1, patch_size=[3, 2, 2])

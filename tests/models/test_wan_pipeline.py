@@ -290,7 +290,7 @@ def test_warm_up_compiles_what_a_default_request_needs(wan):
 
 
 def test_a_temporal_patch_serves_whole_patches_and_matches_diffusers(tiny_wan_path, tmp_path):
-    """A transformer whose patch takes three latent frames (the embedded tiny-wan's (3, 2, 2)): the frame
+    """A transformer whose patch takes three latent frames ((3, 2, 2), a tiny-wan trial's): the frame
     counts are those whose latent frames fill whole patches (9, 21, ...: diffusers would drop the rest
     silently), and a 9-frame CFG generation matches diffusers' WanPipeline on the same folder."""
     import shutil
