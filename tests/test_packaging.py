@@ -56,6 +56,8 @@ def test_wheel_installs_only_the_meshserve_package(wheel):
     assert "playground.html" in static
     for name in static:
         assert f"meshserve/service/static/{name}" in names, f"{name} is not in the wheel: see package-data"
+    # And the CPU's fused attention kernel, compiled from its source where it runs.
+    assert "meshserve/models/cpu/fused_attention.cc" in names, "the kernel's source is not in the wheel"
 
 
 def test_installed_wheel_imports_from_outside_the_repository(wheel, tmp_path):

@@ -58,11 +58,13 @@ def attention(
         sq=q.shape[1],
         sk=k.shape[1],
         heads=q.shape[2],
+        masked=kv_mask is not None,
     )
     mesh = settings.mesh
-    if kernel == "xla_chunked" and mesh is None and q.shape[0] > 1 and jax.device_count() > 1:
+    if kernel in ("cpu_fused", "xla_chunked") and mesh is None and q.shape[0] > 1 and jax.device_count() > 1:
         # Without a mesh the batch may still be sharded (a pool's text encoders and VAE run on the pool's
-        # devices with mesh-free settings), and xla_chunked's loop over batch rows would gather it.
+        # devices with mesh-free settings), and xla_chunked's loop over batch rows would gather it, as would
+        # XLA's partitioner for cpu_fused's custom call.
         kernel = "xla_blockwise"
     if mesh is not None and dict(mesh.shape).get("context", 1) > 1:
         return context_attention(
@@ -79,7 +81,8 @@ def attention(
     return run_local_kernel(kernel, q, k, v, causal=causal, kv_mask=kv_mask, scale=scale, settings=settings)
 
 
-LOCAL_KERNELS = ("cudnn", "splash", "xla_chunked")  # run on each device's block, inside shard_map
+# Run on each device's block, inside shard_map.
+LOCAL_KERNELS = ("cudnn", "splash", "xla_chunked", "cpu_fused")
 
 
 def run_local_kernel(name: str, q, k, v, *, causal: bool, kv_mask, scale, settings: AttentionSettings):

@@ -4,8 +4,10 @@
     cuda       cudnn when models.attention.cudnn accepts the call (bf16/fp16, head dim % 8 == 0 and <= 128,
                causal only with Sq == Sk), else xla_blockwise
     tpu        splash
-    cpu        xla_chunked where its score tile fits (models.attention.chunked: short sequences), else
-               xla_blockwise
+    cpu        cpu_fused for float32 calls without a mask or causality, heads up to 128, where its library
+               could be built
+               (models.cpu.fused_attention: one fused kernel, an XLA FFI custom call); else xla_chunked
+               where its score tile fits (models.attention.chunked: short sequences), else xla_blockwise
     other      xla_blockwise (ROCm GPUs, where cuDNN does not exist)
 
 A forced "cudnn" or "splash" is likewise used only for the calls it can run (one settings object serves every
@@ -15,7 +17,8 @@ as does a forced kernel on the wrong platform.
 Inside context-parallel strategies (run_kernel's extra arguments): chunk positions matter only under causal
 masking, which neither fused kernel takes (cuDNN's causal mask has no offsets, splash's is static), so causal
 calls with positions (causal allgather, causal ring) run xla_blockwise, and so does every call of xla_chunked that
-needs positions or a log-sum-exp, or whose local sizes it refuses. The log-sum-exp that ring and hybrid
+needs positions or a log-sum-exp, or whose local sizes it refuses; cpu_fused calls that need either go
+the way of xla_chunked. The log-sum-exp that ring and hybrid
 merge chunks by: cuDNN returns it (models.attention.cudnn, `return_lse`), splash does not through this code,
 so non-causal ring/hybrid keep cuDNN and splash goes to xla_blockwise there. Ulysses and non-causal allgather
 keep either.
@@ -35,6 +38,7 @@ from meshserve.models.attention.cudnn import cudnn_attention, cudnn_unsupported_
 from meshserve.models.attention.reference import reference_attention
 from meshserve.models.attention.settings import AttentionSettings
 from meshserve.models.attention.splash import splash_attention
+from meshserve.models.cpu import fused_attention
 
 
 def platform_of(settings: AttentionSettings) -> str:
@@ -47,12 +51,28 @@ def platform_of(settings: AttentionSettings) -> str:
 
 
 def select_kernel(
-    kernel: str, *, platform: str, head_dim: int, dtype, causal: bool, sq: int, sk: int, heads: int
+    kernel: str,
+    *,
+    platform: str,
+    head_dim: int,
+    dtype,
+    causal: bool,
+    sq: int,
+    sk: int,
+    heads: int,
+    masked: bool = False,
 ) -> str:
-    """The kernel that runs one call (pure: the platform is an argument so tests can fake it)."""
+    """The kernel that runs one call (the platform is an argument so tests can fake it; cpu_fused also
+    depends on whether its library could be built here, `fused_attention.available()`)."""
     if kernel in ("reference", "xla_blockwise"):
         return kernel
-    if kernel == "xla_chunked" or (kernel == "auto" and platform == "cpu"):
+    if kernel == "cpu_fused" or (kernel == "auto" and platform == "cpu"):
+        if platform == "cpu" and fused_attention.accepts(
+            dtype=dtype, causal=causal, masked=masked, head_dim=head_dim
+        ):
+            return "cpu_fused"
+        return "xla_chunked" if chunk_rows(heads, sq, sk) is not None else "xla_blockwise"
+    if kernel == "xla_chunked":
         return "xla_chunked" if chunk_rows(heads, sq, sk) is not None else "xla_blockwise"
     cudnn_ok = cudnn_unsupported_reason(head_dim=head_dim, dtype=dtype, causal=causal, sq=sq, sk=sk) is None
     if kernel == "cudnn" or (kernel == "auto" and platform == "cuda"):
@@ -82,6 +102,15 @@ def run_kernel(
     positional = causal and (q_offset is not None or not (isinstance(kv_offset, int) and kv_offset == 0))
     if (name == "cudnn" and positional) or (name == "splash" and (positional or return_lse)):
         name = "xla_blockwise"
+    if name == "cpu_fused" and (
+        positional
+        or return_lse
+        or isinstance(scale, jax.core.Tracer)
+        or not fused_attention.accepts(
+            dtype=q.dtype, causal=causal, masked=kv_mask is not None, head_dim=q.shape[-1]
+        )
+    ):
+        name = "xla_chunked"
     if name == "xla_chunked" and (
         positional or return_lse or chunk_rows(q.shape[2], q.shape[1], k.shape[1]) is None
     ):
@@ -99,6 +128,9 @@ def run_kernel(
             return_lse=return_lse,
             out_dtype=out_dtype,
         )
+    if name == "cpu_fused":
+        out = fused_attention.cpu_fused_attention(q, k, v, scale=scale)
+        return out if out_dtype is None else out.astype(out_dtype)
     if name == "xla_chunked":
         out = xla_chunked(q, k, v, causal=causal, kv_mask=kv_mask, scale=scale)
         return out if out_dtype is None else out.astype(out_dtype)

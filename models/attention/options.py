@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-Kernel = Literal["auto", "reference", "xla_blockwise", "xla_chunked", "cudnn", "splash"]
+Kernel = Literal["auto", "reference", "xla_blockwise", "xla_chunked", "cpu_fused", "cudnn", "splash"]
 ContextStrategy = Literal["auto", "ring", "ulysses", "allgather", "hybrid"]
 
 KERNELS: tuple[str, ...] = get_args(Kernel)

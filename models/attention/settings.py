@@ -22,7 +22,8 @@ class AttentionSettings:
     """How attention runs; what it computes never depends on these fields (up to float rounding).
 
     kernel: "auto" picks cudnn on GPU (bf16/fp16, head dim a multiple of 8 up to 128), splash on TPU,
-        xla_chunked on the CPU where its score tile fits, and xla_blockwise elsewhere
+        on the CPU cpu_fused (float32 calls without a mask or causality, where its library builds) or else
+        xla_chunked where its score tile fits, and xla_blockwise elsewhere
         (models.attention.kernels.select_kernel); the others force one kernel.
     context_strategy: used only when `mesh` has a "context" axis larger than 1 (models.attention.context).
     mesh: the pool mesh, axes ("data", "cfg", "context", "tensor") (models.parallel.mesh.make_mesh).

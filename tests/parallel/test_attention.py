@@ -30,6 +30,7 @@ from meshserve.models.attention.reference import reference_attention
 from meshserve.models.attention.ring import ring_pieces
 from meshserve.models.attention.splash import splash_attention
 from meshserve.models.attention.ulysses import head_groups
+from meshserve.models.cpu import fused_attention
 from meshserve.models.parallel.mesh import LayoutError, MeshSizes, make_mesh
 
 TOL = 1e-5
@@ -185,10 +186,10 @@ def test_chunked_takes_only_calls_whose_score_tile_is_small():
     assert _max_err(out, _reference(q, k, v, causal=True, kv_mask=None, q_offset=32)) <= TOL
 
 
-def test_mesh_free_batches_take_xla_chunked_only_where_nothing_can_be_sharded(monkeypatch):
+def test_mesh_free_batches_take_a_local_kernel_only_where_nothing_can_be_sharded(monkeypatch):
     """With mesh-free settings a batch of several rows may be sharded over this process's 8 devices (a pool's
-    text encoders and VAE), where xla_chunked's loop over the rows would gather it: those calls run
-    xla_blockwise. One row, or a mesh (inside shard_map), keeps xla_chunked."""
+    text encoders and VAE), where xla_chunked's loop over the rows, or cpu_fused's custom call, would gather
+    it: those calls run xla_blockwise. One row, or a mesh (inside shard_map), keeps the local kernel."""
     assert jax.device_count() > 1
     chosen = []
     run = dispatch.run_local_kernel
@@ -204,7 +205,8 @@ def test_mesh_free_batches_take_xla_chunked_only_where_nothing_can_be_sharded(mo
         assert _max_err(out, _reference(q, k, v, causal=False, kv_mask=None)) <= TOL
     q, k, v = _qkv(13, 64, 64)
     attention(q, k, v, settings=AttentionSettings(mesh=make_mesh(MeshSizes(data=2), jax.devices()[:2])))
-    assert chosen == ["xla_chunked", "xla_blockwise", "xla_chunked"]
+    local = "cpu_fused" if fused_attention.available() else "xla_chunked"
+    assert chosen == [local, "xla_blockwise", local]
 
 
 # --- context parallelism on the 8 CPU devices ---------------------------------------------------------------
