@@ -266,6 +266,7 @@ def motion(
     wan = family.Family()
     if captions:
         wan.write_tokenizers(Path(tempfile.mkdtemp(prefix="motion-probe-")))
+        wan.rope = rope  # the probe's transformer's, whose patch may not be the family's
         placement = pipeline_placement({"data": 1}, jax.devices()[:1])["placement"]
         text = wan.denoiser[1]
         trainees[text.name] = _build(text, wan.configs()[text.name], np.random.default_rng(3), placement)
