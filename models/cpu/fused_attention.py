@@ -10,7 +10,7 @@ exp2.
 
 The source is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`/`g++`), `-O3
 -march=native`, into `cache_root()/cpu_kernels/<key>.so`, the key hashing the source, the compiler's version,
-the CPU's model and flags, and the FFI headers' version: a machine, or a container image moved to other
+the CPU's model and flags, and jaxlib's version (its FFI headers): a machine, or a container image moved to other
 hardware, builds its own. Where that fails (no compiler, as in a slim container; a build error) `available()`
 says why once in the log and kernel selection keeps xla_chunked, so nothing but speed depends on it;
 `MESHSERVE_CPU_FUSED_ATTENTION=0` turns it off.
@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jaxlib
 import numpy as np
 
 from meshserve.models.attention.blockwise import xla_blockwise
@@ -116,7 +117,7 @@ def library_path() -> Path | None:
             SOURCE.read_bytes(),
             version.encode(),
             _cpu_identity().encode(),
-            jax.ffi.include_dir().encode(),
+            f"{jax.ffi.include_dir()} jaxlib {jaxlib.__version__}".encode(),
         ):
             key.update(hashlib.sha256(part).digest())
         path = cache_root() / "cpu_kernels" / f"fused_attention-{key.hexdigest()[:20]}.so"
