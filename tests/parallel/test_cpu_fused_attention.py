@@ -148,7 +148,10 @@ def test_on_a_mesh_each_device_runs_the_kernel_on_its_block(monkeypatch):
 def _availability_in_a_fresh_process(env: dict[str, str]) -> str:
     code = (
         "import logging; logging.basicConfig(level=logging.INFO);"
-        "from meshserve.models.cpu import fused_attention as f; print('AVAILABLE', f.available())"
+        "from meshserve.models.cpu import fused_attention as f; print('AVAILABLE', f.available());"
+        "from meshserve.models.attention.kernels import select_kernel;"
+        "print('AUTO', select_kernel('auto', platform='cpu', head_dim=64, dtype='float32', causal=False,"
+        " sq=64, sk=64, heads=4))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
@@ -162,6 +165,6 @@ def test_without_a_compiler_or_switched_off_the_xla_kernels_run(tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
     out = _availability_in_a_fresh_process({"PATH": str(empty), "CXX": "", "MESHSERVE_CACHE": str(tmp_path)})
-    assert "AVAILABLE False" in out and "no C++ compiler" in out
+    assert "AVAILABLE False" in out and "no C++ compiler" in out and "AUTO xla_chunked" in out
     out = _availability_in_a_fresh_process({"MESHSERVE_CPU_FUSED_ATTENTION": "0"})
-    assert "AVAILABLE False" in out and "off" in out
+    assert "AVAILABLE False" in out and "off" in out and "AUTO xla_chunked" in out
