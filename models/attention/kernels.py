@@ -5,9 +5,9 @@
                causal only with Sq == Sk), else xla_blockwise
     tpu        splash
     cpu        cpu_fused for float32 calls without a mask or causality, heads up to 128, where its library
-               could be built
-               (models.cpu.fused_attention: one fused kernel, an XLA FFI custom call); else xla_chunked
-               where its score tile fits (models.attention.chunked: short sequences), else xla_blockwise
+               could be built (models.cpu.fused_attention: one fused kernel, an XLA FFI custom call); else
+               xla_chunked where its score tile fits (models.attention.chunked: short sequences), else
+               xla_blockwise
     other      xla_blockwise (ROCm GPUs, where cuDNN does not exist)
 
 A forced "cudnn" or "splash" is likewise used only for the calls it can run (one settings object serves every
@@ -18,8 +18,7 @@ Inside context-parallel strategies (run_kernel's extra arguments): chunk positio
 masking, which neither fused kernel takes (cuDNN's causal mask has no offsets, splash's is static), so causal
 calls with positions (causal allgather, causal ring) run xla_blockwise, and so does every call of xla_chunked that
 needs positions or a log-sum-exp, or whose local sizes it refuses; cpu_fused calls that need either go
-the way of xla_chunked. The log-sum-exp that ring and hybrid
-merge chunks by: cuDNN returns it (models.attention.cudnn, `return_lse`), splash does not through this code,
+the way of xla_chunked. The log-sum-exp that ring and hybrid merge chunks by: cuDNN returns it (models.attention.cudnn, `return_lse`), splash does not through this code,
 so non-causal ring/hybrid keep cuDNN and splash goes to xla_blockwise there. Ulysses and non-causal allgather
 keep either.
 
