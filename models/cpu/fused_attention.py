@@ -16,7 +16,7 @@ says why once in the log and kernel selection keeps xla_chunked, so nothing but 
 `MESHSERVE_CPU_FUSED_ATTENTION=0` turns it off.
 
 What it takes: float32, no mask, not causal, heads of up to 128 (any [B, S, H, D] is computed right, but
-wider heads ran slower than XLA's kernels). Other calls stay with the XLA kernels
+wider heads were no faster than XLA's kernels). Other calls stay with the XLA kernels
 (models.attention.kernels). Differentiated (training), a call runs xla_chunked (or xla_blockwise, where
 xla_chunked refuses the sizes) forward and backward through a custom VJP, so training computes what it did
 before this kernel; only calls that are not differentiated (serving) run the fused kernel.
@@ -145,8 +145,9 @@ def available() -> bool:
 
 
 # Heads wider than this stay with XLA: at one head of 512 (SDXL's VAE at 256 px, [1, 1024, 1 x 512]) the
-# kernel took 14.3 ms a call against xla_chunked's 12.6 (its [rows, D] output tile outgrows L1 there), while
-# at 64 and 128 it is 1.2-2.2x faster (bench/README.md, "The attention core on the CPU").
+# kernel took 14.3 and 14.6 ms a call in two runs against XLA's 12.6-16.0 (xla_chunked, xla_blockwise) and
+# torch's 12.2-12.8 (presumably its [rows, D] output tile outgrows L1 there; not profiled), while at heads of 64 and 128 it is 1.2-2.9x
+# as fast as xla_chunked (bench/README.md, "One fused kernel: cpu_fused").
 MAX_HEAD_DIM = 128
 
 
