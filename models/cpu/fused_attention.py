@@ -146,8 +146,8 @@ def available() -> bool:
 
 # Heads wider than this stay with XLA: at one head of 512 (SDXL's VAE at 256 px, [1, 1024, 1 x 512]) the
 # kernel took 14.3 and 14.6 ms a call in two runs against XLA's 12.6-16.0 (xla_chunked, xla_blockwise) and
-# torch's 12.2-12.8 (presumably its [rows, D] output tile outgrows L1 there; not profiled), while at heads of 64 and 128 it is 1.2-2.9x
-# as fast as xla_chunked (bench/README.md, "One fused kernel: cpu_fused").
+# torch's 12.2-12.8 (presumably its [rows, D] output tile outgrows L1 there; not profiled), while at heads
+# of 64 and 128 it is 1.2-2.9x as fast as xla_chunked (bench/README.md, "One fused kernel: cpu_fused").
 MAX_HEAD_DIM = 128
 
 
