@@ -264,13 +264,13 @@ def report(rounds: Rounds, args: argparse.Namespace, model: str, step_label: str
         b = [r[key] * scale for r in ref]
         ratio = [y / x for x, y in zip(a, b, strict=True)]
         fmt = ".2f" if unit == "s" else ".1f"
-        print(f"| {name} | {_spread(a, fmt)} {unit} | {_spread(b, fmt)} {unit} | {_spread(ratio, '.2f')}x |")
+        print(f"| {name} | {spread(a, fmt)} {unit} | {spread(b, fmt)} {unit} | {spread(ratio, '.2f')}x |")
         cells.append(
             f"{statistics.median(a):{fmt}} / {statistics.median(b):{fmt}} {unit} "
             f"(**{statistics.median(ratio):.2f}x**, {min(ratio):.2f}-{max(ratio):.2f})"
         )
     compile_s = [r["compile"] for r in ours]
-    print(f"| compile (first call - steady call) | {_spread(compile_s, '.1f')} s | n/a | |")
+    print(f"| compile (first call - steady call) | {spread(compile_s, '.1f')} s | n/a | |")
 
     if "analytic_flops" in ours[0]:  # achieved FLOP/s of our step against the same process's matmul rate
         gflops = [r["xla_flops"] / r["step"] / 1e9 for r in ours]
@@ -280,9 +280,9 @@ def report(rounds: Rounds, args: argparse.Namespace, model: str, step_label: str
         print(
             f"\nOur step: {ours[0]['xla_flops'] / 1e9:.2f} GFLOP by XLA's cost_analysis, "
             f"{ours[0]['analytic_flops'] / 1e9:.2f} GFLOP analytic (matmuls + attention); achieved "
-            f"{_spread(gflops, '.1f')} GFLOP/s (cost_analysis) / {_spread(analytic, '.1f')} GFLOP/s (analytic); "
-            f"plain fp32 2048^3 matmul in the same process {_spread(mm, '.1f')} GFLOP/s; step at "
-            f"{_spread([100 * s for s in share], '.0f')} % of the matmul rate (analytic FLOPs)."
+            f"{spread(gflops, '.1f')} GFLOP/s (cost_analysis) / {spread(analytic, '.1f')} GFLOP/s (analytic); "
+            f"plain fp32 2048^3 matmul in the same process {spread(mm, '.1f')} GFLOP/s; step at "
+            f"{spread([100 * s for s in share], '.0f')} % of the matmul rate (analytic FLOPs)."
         )
         cells.append(
             f"{statistics.median(analytic):.1f} GFLOP/s ({statistics.median(share) * 100:.0f} % of "
@@ -297,7 +297,7 @@ def report(rounds: Rounds, args: argparse.Namespace, model: str, step_label: str
     )
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
     """'median (min-max)' over rounds."""
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 

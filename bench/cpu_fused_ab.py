@@ -61,10 +61,6 @@ def _wan(out: Path):
 MODELS = {"sdxl": _sdxl, "flux": _flux, "wan": _wan}
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def run_model(name: str, rounds: int, repeats: int) -> list[str]:
     import numpy as np
 
@@ -92,7 +88,7 @@ def run_model(name: str, rounds: int, repeats: int) -> list[str]:
         fused, chunked = ([v * scale for v in values[k]] for k in KERNELS)
         ratios = [c / f for c, f in zip(chunked, fused, strict=True)]
         lines.append(
-            f"| {name} | {label} | {_spread(fused, '.3g')} {unit} | {_spread(chunked, '.3g')} {unit} | "
+            f"| {name} | {label} | {harness.spread(fused, '.3g')} {unit} | {harness.spread(chunked, '.3g')} {unit} | "
             f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) |"
         )
     return lines
