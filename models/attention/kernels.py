@@ -16,11 +16,11 @@ as does a forced kernel on the wrong platform.
 
 Inside context-parallel strategies (run_kernel's extra arguments): chunk positions matter only under causal
 masking, which neither fused kernel takes (cuDNN's causal mask has no offsets, splash's is static), so causal
-calls with positions (causal allgather, causal ring) run xla_blockwise, and so does every call of xla_chunked that
-needs positions or a log-sum-exp, or whose local sizes it refuses; cpu_fused calls that need either go
-the way of xla_chunked. The log-sum-exp that ring and hybrid merge chunks by: cuDNN returns it (models.attention.cudnn, `return_lse`), splash does not through this code,
-so non-causal ring/hybrid keep cuDNN and splash goes to xla_blockwise there. Ulysses and non-causal allgather
-keep either.
+calls with positions (causal allgather, causal ring) run xla_blockwise, and so does every call of xla_chunked
+that needs positions or a log-sum-exp, or whose local sizes it refuses; cpu_fused calls that need either go the
+way of xla_chunked. The log-sum-exp that ring and hybrid merge chunks by: cuDNN returns it
+(models.attention.cudnn, `return_lse`), splash does not through this code, so non-causal ring/hybrid keep cuDNN
+and splash goes to xla_blockwise there. Ulysses and non-causal allgather keep either.
 
 Outside context parallelism the fused kernels run inside `shard_map` on each device's block
 (models.attention.dispatch): a Pallas/Mosaic kernel can't be partitioned by XLA ("Mosaic kernels cannot be
