@@ -49,6 +49,13 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pytest_collection_modifyitems(config, items):
+    from tests.file_order import file_seconds, longest_first
+
+    # Longest files first, so that two workers end together (tests/file_order.py).
+    items[:] = longest_first(items, file_seconds())
+
+
 @pytest.fixture(scope="session")
 def tiny_sdxl_path(tmp_path_factory) -> Path:
     """A tiny random SDXL diffusers folder written by diffusers' own save_pretrained."""
