@@ -15,27 +15,8 @@ import os
 # but one, fp8 activations on two devices against one, where a few e4m3 roundings flip (test_quantize.py says
 # by how much).
 # Serving, the CLI and the benches keep XLA's default; the CLI and workers that tests start inherit this.
-# XLA:CPU's MLIR fusion emitters are off too (`--xla_cpu_use_fusion_emitters=false`: fusions go through the
-# older LLVM IR emitters), for the same reason: on a cold cache, alternating, on a 2-core AMD EPYC (Zen 1) at
-# 70 GFLOP/s (2026-11-27) tests/models/test_wan_pipeline.py took 82.6 / 73.4 s with them and 53.7 / 52.2 s
-# without, tests/parallel/test_attention.py 87.2 against 52.2 s, tests/models/test_step_cache.py 115.2
-# against 99.3 s, every test passing either way; the whole suite: README "Development". Only for the jaxlib
-# versions it was checked with, since an XLA flag a jaxlib does not know aborts the process.
-_TEST_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-_CHECKED_TEST_FLAGS = {"0.10": "--xla_cpu_use_fusion_emitters=false"}
-
-
-def _jaxlib_minor() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return ".".join(version("jaxlib").split(".")[:2])
-    except PackageNotFoundError:
-        return ""
-
-
 os.environ.setdefault(
-    "XLA_FLAGS", " ".join(filter(None, (_TEST_FLAGS, _CHECKED_TEST_FLAGS.get(_jaxlib_minor()))))
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
