@@ -37,9 +37,15 @@ def test_uint8_output_equals_host_conversion_of_float_output(embedded_sdxl):
     kwargs = {"seed": [3, 4], "num_inference_steps": 2, "guidance_scale": 5.0}
     prompts = ["a red circle", "a blue square"]
     floats = pipe(prompts, output_type="np", **kwargs).images
-    before = pipe.compilations
+    before = dict(pipe.programs.by_stage)
     out = pipe(prompts, output_type="uint8", **kwargs)
-    assert pipe.compilations - before == 1  # the uint8 decode program alone: denoise and text are shared
+    after = pipe.programs.by_stage
+    # Denoise and text are shared with the float call; only the uint8 decode program may be new. May: the
+    # pipeline is the session's, and a file that ran before on this worker may have compiled it already.
+    assert {k: n for k, n in after.items() if k != "vae_decode"} == {
+        k: n for k, n in before.items() if k != "vae_decode"
+    }
+    assert after.get("vae_decode", 0) - before.get("vae_decode", 0) <= 1
     assert out.images.dtype == np.uint8 and out.images.shape == floats.shape
     assert floats.dtype == np.float32 and floats.nbytes == 4 * out.images.nbytes
     np.testing.assert_array_equal(out.images, to_uint8(floats))
