@@ -105,6 +105,7 @@ def load_pipeline(
     quantize: str | None = None,
     fp8_activations: bool | None = None,
     scan_blocks: bool = True,
+    xla_options: dict | None = None,
 ):
     """Loads a pipeline from a diffusers folder or a Hugging Face Hub id (`owner/name[@revision]`, fetched
     into the Hub cache by models/checkpoints/hub.py; `revision` and `variant`, e.g. "fp16", pick what is fetched); None
@@ -125,6 +126,8 @@ def load_pipeline(
     where there are no fp8 dots), False never.
     `scan_blocks`: the DiTs' and T5's repeated blocks run under one lax.scan (compiled once; False: unrolled,
     models/components/block_stack.py).
+    `xla_options` (XLA's option names and values, e.g. {"xla_gpu_enable_latency_hiding_scheduler": True}) go to
+    every program the pipeline compiles; checked here, so a wrong name or value fails the load with XLA's reason.
     """
     import importlib
 
@@ -154,6 +157,12 @@ def load_pipeline(
         activation_mode(check_mode(quantize), fp8_activations, devices=[])
     except QuantizeError as e:
         raise PipelineError(str(e)) from None
+    from meshserve.models.engine.programs import check_compiler_options
+
+    try:
+        check_compiler_options(xla_options)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
     cls = getattr(importlib.import_module(module_name), cls_name)
     kwargs = {
         "max_programs": max_programs,
@@ -164,6 +173,7 @@ def load_pipeline(
         "quantize": quantize,
         "fp8_activations": fp8_activations,
         "scan_blocks": scan_blocks,
+        "xla_options": xla_options,
     }
     if vae_dtype is not None:
         if vae_dtype not in _VAE_DTYPES:

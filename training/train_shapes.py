@@ -27,6 +27,7 @@ and then drift as any two trainings do; tests/training/test_train_shapes.py boun
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -117,14 +118,21 @@ def _log(message: str) -> None:
 
 
 def train(
-    out: Path, family="sdxl", recipe=None, *, devices=None, log_every: int = 100, vae_from: Path | None = None
+    out: Path,
+    family="sdxl",
+    recipe=None,
+    *,
+    devices=None,
+    log_every: int = 100,
+    vae_from: Path | None = None,
+    xla_options: dict | None = None,
 ) -> dict:
     """Runs both stages for `family` (a name or a TrainingFamily) on `devices` (default: all of jax.devices(),
     on the mesh's `data` axis) and writes the model folder to `out`. Returns the run's record.
 
     `vae_from`: a folder an earlier run of the same family wrote; its VAE is taken as trained and stage 1 is
     skipped (for trying denoiser recipes: the VAE stage is a third to a half of a run). A shipped model comes
-    from one whole run."""
+    from one whole run. `xla_options` go to every training program's compilation (load_pipeline's)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -135,6 +143,7 @@ def train(
     from meshserve.models.parallel.placement import pipeline_placement
     from meshserve.training.families import family as family_named
 
+    jit = functools.partial(jax.jit, compiler_options=xla_options)
     family = family_named(family) if isinstance(family, str) else family
     recipe = recipe or family.recipe
     out = Path(out)
@@ -190,7 +199,7 @@ def train(
         mse = jnp.mean((recon - pixels) ** 2)
         return mse + recipe.vae_kl_weight * kl, mse
 
-    @jax.jit
+    @jit
     def vae_step(params, opt_state, pixels, key):
         (_, mse), grads = jax.value_and_grad(vae_loss, has_aux=True)(params, pixels, key)
         updates, opt_state = vae_opt.update(grads, opt_state, params)
@@ -208,7 +217,7 @@ def train(
             _log(f"  vae step {step}: mse {vae_curve[-1]:.5f} ({time.monotonic() - t0:.0f} s)")
     vae_seconds = time.monotonic() - t0
 
-    @jax.jit
+    @jit
     def encode(params, pixels):
         return vae.module(params).encode(pixels)
 
@@ -244,7 +253,7 @@ def train(
         pred = family.predict(modules, noisy, t, inputs)
         return jnp.mean((pred.astype(jnp.float32) - target) ** 2)
 
-    @jax.jit
+    @jit
     def denoiser_step(p, ema, opt_state, vae_params, source, inputs, key, step):
         """`source`: the step's pictures, or their posteriors drawn from the latent pool."""
         k_latent, k_loss = jax.random.split(key)

@@ -31,10 +31,10 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 # JAX-free: the same slice parser, mesh-size rules and attention option names the pool's mesh and attention are
 # built with (one parser, one error, one set of names).
@@ -140,6 +140,12 @@ class PoolConfig(_Strict):
     # The DiTs' and T5's repeated blocks under one lax.scan (load_pipeline's scan_blocks): each program compiles
     # one block, not every one. False unrolls them, to compare a step's speed on an accelerator.
     scan_blocks: bool = True
+    # XLA options for this pool's programs alone (load_pipeline's xla_options: XLA's names, e.g.
+    # xla_gpu_enable_latency_hiding_scheduler: true), where XLA_FLAGS would bind every pool of the process.
+    # A name XLA does not know fails the pool's start with XLA's reason (docs/compilation.md).
+    xla_options: dict[
+        Annotated[str, StringConstraints(pattern=r"^xla_[a-z0-9_]+$")], bool | int | float | str
+    ] = Field(default_factory=dict)
     models: list[str] = Field(min_length=1)
     max_batch: int = Field(1, ge=1)  # images per device batch, summed over the jobs in it
     batch_wait_ms: float = Field(5.0, ge=0)  # how long a first job waits for compatible company

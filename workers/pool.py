@@ -104,7 +104,8 @@ def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
     """The model's runner options, plus the pool's attention settings for pipeline runners and, for an
     any_size pool, `max_programs` (load_pipeline's bound on the compiled programs it keeps); `weights`
     (shard_over) when the pool stores its weights split; `quantize` when the pool quantizes them; the pool's
-    `vae_dtype` unless the model's options set one; `scan_blocks` when the pool unrolls them."""
+    `vae_dtype` unless the model's options set one; `scan_blocks` when the pool unrolls them;
+    `xla_options` when the pool sets any."""
     options = dict(spec.options)
     attention = cfg.attention.model_dump(exclude_none=True)
     if spec.runner == "pipeline" and attention:
@@ -117,6 +118,8 @@ def runner_options(cfg: PoolConfig, spec: ModelSpec) -> dict:
         options.setdefault("vae_dtype", cfg.vae_dtype)
     if spec.runner == "pipeline" and not cfg.scan_blocks:
         options["scan_blocks"] = False
+    if spec.runner == "pipeline" and cfg.xla_options:
+        options["xla_options"] = dict(cfg.xla_options)
     if spec.runner == "pipeline":  # the pool's LoRA table (docs/lora.md)
         options.update(cfg.lora_options())
     if cfg.any_size:

@@ -252,8 +252,10 @@ class DiffusionPipeline:
         quantize: str | None = None,
         fp8_activations: bool | None = None,
         scan_blocks: bool = True,
+        xla_options: dict | None = None,
     ):
-        self.programs = CompiledPrograms(type(self).__name__, max_programs)
+        # XLA options for every program this pipeline compiles (a pool's `xla_options`; load_pipeline checks them).
+        self.programs = CompiledPrograms(type(self).__name__, max_programs, xla_options)
         # The DiTs' and T5's repeated blocks stacked and run under a lax.scan (models/components/block_stack.py):
         # a program compiles one block instead of each. False keeps them unrolled (to compare).
         self.scan_blocks = bool(scan_blocks)

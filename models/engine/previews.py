@@ -182,7 +182,10 @@ class LatentPreviews:
         pipe = self.pipe
         shape = pipe.noise_shape(self.fit_settings())
         z = blocky_latents(shape, FIT_SAMPLES)
-        decode = jax.jit(lambda vae, x: pipe.decode(vae, pipe.pack(x).astype(pipe.latent_dtype), shape=shape))
+        decode = jax.jit(
+            lambda vae, x: pipe.decode(vae, pipe.pack(x).astype(pipe.latent_dtype), shape=shape),
+            compiler_options=pipe.programs.compiler_options,
+        )
         # Replicated on the pool's devices and read back by `to_host`: in a multi-host pool every process runs
         # this (at warm-up, in the same order) as one program over the group.
         from meshserve.models.engine.pipeline import to_host

@@ -1,6 +1,6 @@
 """A pipeline's compiled programs: compiled ahead of time, counted, logged, optionally bounded (LRU).
 
-    programs = CompiledPrograms(max_programs=None)
+    programs = CompiledPrograms(max_programs=None, compiler_options=None)
     out = programs.run("denoise", fn, {"scheduler": s, "do_cfg": True}, weights, *inputs)
 
 A program is keyed by its stage, its static settings and the shapes, dtypes and shardings of its request
@@ -9,6 +9,9 @@ UNet's state per call would cost more host time than the rest of the dispatch). 
 (`count`) and logged at INFO with its stage, input shapes and seconds, which is what the serving side exports
 as its compilation metric. With `max_programs` set, the least recently used program is dropped past the bound
 (a pool that serves any size keeps its memory bounded; a dropped program compiles again when next needed).
+`compiler_options` (XLA options, e.g. {"xla_gpu_enable_latency_hiding_scheduler": True}) go to every program's
+compilation, so that a pool can set them for its own programs without XLA_FLAGS, which bind every pool of the
+process.
 """
 
 from __future__ import annotations
@@ -20,10 +23,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import jax
+import numpy as np
 
 from meshserve.models.engine.host_callback_cache import cache_programs_with_host_callbacks
 
 log = logging.getLogger(__name__)
+
+
+def check_compiler_options(options: Mapping[str, bool | int | float | str] | None) -> None:
+    """Raises ValueError with XLA's own reason ("No such compile option: ...", "... is not a valid bool value")
+    when `options` would not compile: checked on a trivial program when a pipeline loads, not at its first
+    request."""
+    if not options:
+        return
+    try:
+        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=dict(options))
+    except Exception as e:  # JaxRuntimeError INVALID_ARGUMENT
+        raise ValueError(f"xla_options: {str(e).removeprefix('INVALID_ARGUMENT: ')}") from None
 
 
 def _signature(inputs) -> tuple:
@@ -39,10 +55,16 @@ def _signature(inputs) -> tuple:
 
 
 class CompiledPrograms:
-    def __init__(self, owner: str = "pipeline", max_programs: int | None = None):
+    def __init__(
+        self,
+        owner: str = "pipeline",
+        max_programs: int | None = None,
+        compiler_options: Mapping[str, bool | int | float | str] | None = None,
+    ):
         if max_programs is not None and max_programs < 1:
             raise ValueError(f"max_programs must be at least 1, got {max_programs}")
         self.owner, self.max_programs = owner, max_programs
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         # Wherever JAX's persistent cache is on (enable_compilation_cache, or JAX's own setting such as
         # JAX_COMPILATION_CACHE_DIR), a denoise program read back from it must get this process's host
         # callbacks: JAX's own read loads an entry written by a meshserve process without them, and the first
@@ -76,7 +98,8 @@ class CompiledPrograms:
 
     def _compile(self, stage, fn, static, weights, inputs):
         t0 = time.perf_counter()
-        program = jax.jit(functools.partial(fn, **static)).lower(weights, *inputs).compile()
+        lowered = jax.jit(functools.partial(fn, **static)).lower(weights, *inputs)
+        program = lowered.compile(compiler_options=self.compiler_options)
         seconds = time.perf_counter() - t0
         self.count += 1
         self.seconds += seconds

@@ -19,6 +19,7 @@ from meshserve.models.components import quantize as qz
 from meshserve.models.components.layers import Linear
 from meshserve.models.components.quantize import quantize_int8
 from tests.fixtures.tiny_lora import pipelines_with_adapter
+from tests.xla_level import SERVING_LEVEL
 
 # The shapes and settings of tests/models/test_lora.py, so the full-precision programs are the ones that file
 # compiles (read back from the persistent compilation cache).
@@ -387,7 +388,9 @@ def test_embedded_sdxl_int8_and_fp8_draw_what_they_are_asked(embedded_sdxl):
 
     _, expected = evaluate(embedded_sdxl, (0,))
     for quantize, activations, bound in (("int8", None, 2e-3), ("fp8", True, 1e-2)):
-        result, got = evaluate(load_pipeline(None, quantize=quantize, fp8_activations=activations), (0,))
+        # 24 pictures of 20 steps each: compiled at serving's level (tests/xla_level.py).
+        pipe = load_pipeline(None, quantize=quantize, fp8_activations=activations, xla_options=SERVING_LEVEL)
+        result, got = evaluate(pipe, (0,))
         # The bars of tests/models/test_embedded.py (fp32 and bf16 meet them on the same 24 held-out captions).
         assert result.colour >= 0.9 and result.background >= 0.9 and result.shape >= 0.7, (quantize, result)
         worst, mean = _abs(got / 255.0, expected / 255.0)
