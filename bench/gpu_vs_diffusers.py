@@ -235,7 +235,7 @@ class Bench:
         """ours: () -> meshserve's output (its program compiled in `ours_compile_s`); eager: diffusers' side.
         channels_last: ours is [B, ..., C] where diffusers' is [B, C, ...]. Checks the outputs, torch.compiles
         (unless --no-compile), times the sides in alternating rounds, prints and records the row. program:
-        (fn, inputs) that `ours` runs compiled, for --variants."""
+        (fn, inputs, compiled) that `ours` runs: --variants compiles fn again, --profile reads compiled's text."""
         import numpy as np
 
         def to_host(side, out):
@@ -266,9 +266,9 @@ class Bench:
             if name != SIDES[0]
         }
         if self.args.profile:
-            self.profile(row, sides)
+            self.profile(row, sides, program[2].as_text() if program else None)
         if self.args.variants and program is not None:
-            self.variants(row, ours, *program)
+            self.variants(row, ours, *program[:2])
         self.results["rows"].append(row)
         self.save()
         print(table_row(row), flush=True)
@@ -310,10 +310,11 @@ class Bench:
                 flush=True,
             )
 
-    def profile(self, row: dict, sides: dict) -> None:
+    def profile(self, row: dict, sides: dict, hlo: str | None) -> None:
         """--profile N: each side's device kernels over N more calls (bench/kernel_profile.py), printed and kept
-        in the row (categories and the 40 longest kernels)."""
-        from bench.kernel_profile import by_category, jax_kernels, report, torch_kernels
+        in the row (categories and the 40 longest kernels); hlo: our compiled program's text, which says what
+        each of our kernels named after a fusion computes and where in the code it comes from."""
+        from bench.kernel_profile import annotate, by_category, jax_kernels, report, torch_kernels
 
         try:
             profiles = {
@@ -323,6 +324,8 @@ class Bench:
         except Exception as e:  # noqa: BLE001
             self.error(f"{row['family']} {row['measure']} profile", e)
             return
+        if hlo:
+            annotate(profiles[SIDES[0]], hlo)
         print(f"\n{row['family']} {row['measure']}: device kernels\n\n{report(profiles)}", flush=True)
         row["profile"] = {
             name: {
@@ -710,7 +713,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
                 TorchSide(lambda m: transformer(m, tx, tt), ref),
                 channels_last=False,
                 per_round=args.per_round,
-                program=(fwd, inputs),
+                program=(fwd, inputs, step),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("flux step", e)
@@ -758,7 +761,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
                 loop,
                 channels_last=False,
                 per_round=1,
-                program=(program, inputs),
+                program=(program, inputs, compiled),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("flux program", e)
@@ -823,7 +826,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
                 TorchSide(lambda m: unet(m, torch.cat([tx, tx]), tt), ref),
                 channels_last=True,
                 per_round=args.per_round,
-                program=(fwd, inputs),
+                program=(fwd, inputs, step),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("sdxl step", e)
@@ -872,7 +875,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
                 loop,
                 channels_last=True,
                 per_round=1,
-                program=(program, inputs),
+                program=(program, inputs, compiled),
             )
         except Exception as e:  # noqa: BLE001
             bench.error("sdxl program", e)
@@ -947,7 +950,7 @@ def wan_denoiser(bench: Bench, spec: dict, family: str = "wan") -> None:
                 TorchSide(lambda m: torch.cat(cfg_calls(m, tx, tt)), ref),
                 channels_last=True,
                 per_round=args.per_round,
-                program=(fwd, inputs),
+                program=(fwd, inputs, step),
             )
         except Exception as e:  # noqa: BLE001
             bench.error(f"{family} step", e)
@@ -978,7 +981,7 @@ def wan_denoiser(bench: Bench, spec: dict, family: str = "wan") -> None:
                 loop,
                 channels_last=True,
                 per_round=1,
-                program=(program, inputs),
+                program=(program, inputs, compiled),
             )
         except Exception as e:  # noqa: BLE001
             bench.error(f"{family} program", e)
@@ -1028,7 +1031,7 @@ def vae_decode(bench: Bench, family: str, spec: dict) -> None:
         TorchSide(lambda decode: decode(tz), lambda z: ref.decode(z, return_dict=False)[0]),
         channels_last=True,
         per_round=bench.args.per_round,
-        program=(decode, (state, z)),
+        program=(decode, (state, z), compiled),
     )
 
 

@@ -10,7 +10,10 @@ guesses). Each side runs `calls` times under its profiler after the timed rounds
 summed by name and divided by `calls`, and each name is put in a category by what it is called (matmul,
 attention, convolution, copy, fusion, other): cuBLAS / cuDNN / Triton / XLA kernel names are what the GPU
 reports. JAX's side also keeps each kernel's HLO op where the profiler records it (`hlo_op`), which says which
-instruction of the program launched it.
+instruction of the program launched it. Inside XLA:GPU's command buffers that op is the buffer
+(`command_buffer_1`), so `describe(hlo_text)` reads the compiled program's own text instead: a kernel named after
+a fusion (`loop_dynamic_slice_fusion_9`, XLA's `loop_dynamic_slice_fusion.9`) gets its result shape, the ops
+fused into it and the lines of the project's code it was traced from (`annotate`).
 
 On a GPU the kernels are the events of the `/device:GPU:N` planes (JAX) and the CUDA events of torch's
 profiler; on the CPU (a check that the module runs), the events of XLA's CPU threads and torch's CPU ops, whose
@@ -73,6 +76,13 @@ def jax_kernels(fn, calls: int = 3) -> dict:
             for e in line.events
             if not e.name.startswith(("Threadpool", "ThunkExecutor"))
         ]
+    if not events and jax.devices()[0].platform == "gpu":
+        # Seen on the H200 (2026-11-27): after torch.profiler has run in the process, JAX's CUPTI subscription
+        # fails (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED) and the trace holds no kernels.
+        raise RuntimeError(
+            "jax.profiler recorded no GPU kernel: CUPTI is held by another subscriber (torch.profiler, once it has"
+            " run in this process); profile one measure per process"
+        )
     kernels: dict = defaultdict(lambda: {"ms": 0.0, "count": 0, "hlo_op": ""})
     for event in events:
         entry = kernels[event.name]
@@ -114,6 +124,85 @@ def torch_kernels(fn, calls: int = 3) -> dict:
     return {"per_call_ms": sum(k["ms"] for k in kernels.values()), "kernels": kernels}
 
 
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+(?: \S+)*?) ([\w\-]+)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_SKIP_OPS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def describe(hlo_text: str, ours: tuple[str, ...] = ("/models/", "/bench/")) -> dict[str, str]:
+    """{instruction name: "result shape: fused ops @ file:line function"} of every instruction of an optimized
+    HLO module's text (`compiled.as_text()`) that calls a computation (fusions): the opcodes inside it, and of the
+    stack it was traced from the innermost frame in a file whose path holds one of `ours`."""
+    files, functions, locations, frames = {}, {}, {}, {}
+    section = None  # the module text's tables before its computations, each ended by an empty line
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            continue
+        if not line.strip():
+            section = None
+        if section is None:
+            continue
+        key, _, rest = line.partition(" ")
+        fields = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", rest)}
+        if section == "FileNames":
+            files[int(key)] = rest.strip('"')
+        elif section == "FunctionNames":
+            functions[int(key)] = rest.strip('"')
+        elif section == "FileLocations":
+            locations[int(key)] = fields
+        else:
+            frames[int(key)] = (fields.get("file_location_id", 0), fields.get("parent_frame_id", 0))
+
+    def source(frame_id: int, depth: int = 2) -> str:
+        """The innermost `depth` functions in our files, innermost first ("layers.py:201 Linear.__call__ <
+        transformer_flux.py:286 GELU.__call__")."""
+        found: list[str] = []
+        seen, functions_found = set(), set()
+        while frame_id in frames and frame_id not in seen and len(found) < depth:
+            seen.add(frame_id)
+            location_id, parent = frames[frame_id]
+            location = locations.get(location_id, {})
+            path = files.get(location.get("file_name_id", 0), "")
+            name = functions.get(location.get("function_name_id", 0), "")
+            if any(part in path for part in ours) and name not in functions_found:
+                functions_found.add(name)  # a caller, not another line of the same function
+                found.append(f"{path.rsplit('/', 1)[-1]}:{location.get('line', '?')} {name}")
+            frame_id = parent
+        return " < ".join(found)
+
+    bodies: dict[str, list[str]] = defaultdict(list)
+    callers: list[tuple[str, str, str, int]] = []  # name, shape, called computation, stack frame
+    computation = None
+    for line in hlo_text.splitlines():
+        if match := _COMPUTATION.match(line):
+            computation = match.group(1)
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match or computation is None:
+            continue
+        name, shape, opcode, rest = match.groups()
+        if opcode not in _SKIP_OPS:
+            bodies[computation].append(opcode)
+        if called := re.search(r"\bcalls=%([\w.\-]+)", rest):
+            frame = re.search(r"stack_frame_id=(\d+)", rest)
+            layoutless = re.sub(r"\{[^}]*\}", "", shape)
+            callers.append((name, layoutless, called.group(1), int(frame.group(1)) if frame else 0))
+    out = {}
+    for name, shape, called, frame in callers:
+        ops = list(dict.fromkeys(bodies.get(called, [])))
+        fused = ", ".join(ops[:5]) + (", ..." if len(ops) > 5 else "")
+        where = source(frame)
+        out[name] = f"{shape}: {fused}" + (f" @ {where}" if where else "")
+    return out
+
+
+def hlo_name(kernel: str) -> str:
+    """XLA:GPU names a fusion's kernel after the instruction with its "." made "_": `loop_convert_fusion_4` is
+    `loop_convert_fusion.4`; the CPU keeps the instruction's name."""
+    return re.sub(r"_(\d+)$", r".\1", kernel)
+
+
 def by_category(profile: dict) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for name, entry in profile["kernels"].items():
@@ -121,8 +210,18 @@ def by_category(profile: dict) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def annotate(profile: dict, hlo_text: str) -> dict:
+    """The profile with "what" (`describe`) set on each kernel named after an instruction of the program."""
+    described = describe(hlo_text)
+    for name, entry in profile["kernels"].items():
+        if what := described.get(name) or described.get(hlo_name(name)):
+            entry["what"] = what
+    return profile
+
+
 def report(profiles: dict[str, dict], top: int = 12) -> str:
-    """Markdown: per side, the device time per call by category, then its `top` kernels."""
+    """Markdown: per side, the device time per call by category, then its `top` kernels, and what those that
+    `annotate` found in the program compute."""
     lines = []
     for side, profile in profiles.items():
         total = profile["per_call_ms"] or 1e-30
@@ -138,5 +237,8 @@ def report(profiles: dict[str, dict], top: int = 12) -> str:
                 f"| `{short}` | {category(name)} | {entry['ms']:.3f} | {100 * entry['ms'] / total:.1f} % "
                 f"| {entry['count']:g} | {entry['hlo_op'][:40]} |"
             )
+        if found := [(name, entry["what"]) for name, entry in ranked if entry.get("what")]:
+            lines.append("")
+            lines.extend(f"- `{name}`: {what}" for name, what in found)
         lines.append("")
     return "\n".join(lines)
