@@ -283,7 +283,7 @@ class Bench:
         reference = to_numpy(timed(ours, self.jsync)[1])
         for name, options in self.args.variants.items():
             try:
-                compiled, seconds = jit_compiled(fn, *inputs, compiler_options=options)
+                compiled, seconds = jit_compiled(fn, *inputs, family=row["family"], compiler_options=options)
                 run = partial(compiled, *inputs)
                 diff = rel_diff(to_numpy(timed(run, self.jsync)[1]), reference)
                 times = alternate(
@@ -558,11 +558,27 @@ def free_memory(bench: Bench) -> None:
 FP8_GEMM = "__cublas$lt$matmul$f8"
 
 
-def jit_compiled(fn, *inputs, compiler_options: dict | None = None):
-    """(compiled fn, seconds) of jax.jit(fn) for these inputs. A program that holds e4m3 arrays (--quantize
-    fp8) logs how many fp8 GEMMs it calls: none means its dots run upcast."""
+def served_options(family: str) -> dict:
+    """The XLA options a pool of `family` compiles its programs with on this backend (the family's
+    `gpu_xla_options` on a GPU), so that our side is compiled as served."""
     import jax
 
+    from meshserve.models.engine.programs import compiler_options
+    from meshserve.models.flux.pipeline import FluxPipeline
+    from meshserve.models.sdxl.pipeline import StableDiffusionXLPipeline
+    from meshserve.models.wan.pipeline import WanPipeline
+
+    cls = {"flux": FluxPipeline, "sdxl": StableDiffusionXLPipeline}.get(family, WanPipeline)
+    return compiler_options(cls.gpu_xla_options, jax.devices()[0].platform, None) or {}
+
+
+def jit_compiled(fn, *inputs, family: str, compiler_options: dict | None = None):
+    """(compiled fn, seconds) of jax.jit(fn) for these inputs, with `family`'s served options (under
+    `compiler_options`). A program that holds e4m3 arrays (--quantize fp8) logs how many fp8 GEMMs it calls:
+    none means its dots run upcast."""
+    import jax
+
+    compiler_options = served_options(family) | (compiler_options or {})
     t = time.perf_counter()
     compiled = jax.jit(fn).lower(*inputs).compile(compiler_options=compiler_options)
     seconds = time.perf_counter() - t
@@ -702,7 +718,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
                 return nnx.merge(graph, state)(x, emb, pooled, t, rope, guidance)
 
             inputs = (state, x, emb, pooled, jnp.full((1,), 0.5, jnp.float32), rope, guidance)
-            step, seconds = jit_compiled(fwd, *inputs)
+            step, seconds = jit_compiled(fwd, *inputs, family="flux")
             tt = torch.full((1,), 0.5, device=dev, dtype=torch.bfloat16)
             bench.compare(
                 "flux",
@@ -741,7 +757,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
                 jnp.ones((1,)),
                 (emb, pooled, rope, guidance),
             )
-            compiled, seconds = jit_compiled(program, *inputs)
+            compiled, seconds = jit_compiled(program, *inputs, family="flux")
             tsched = TorchScheduler(**SCHEDULER)
             sigmas = np.linspace(1.0, 1 / steps, steps)
 
@@ -815,7 +831,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
                 return nnx.merge(graph, state)(x, t, ctx, text_embeds=pooled, time_ids=tids)
 
             inputs = (state, interleave(x, x), jnp.full((2,), 500.0, jnp.float32), ctx, pooled, tids)
-            step, seconds = jit_compiled(fwd, *inputs)
+            step, seconds = jit_compiled(fwd, *inputs, family="sdxl")
             tt = torch.tensor(500.0, device=dev)
             bench.compare(
                 "sdxl",
@@ -855,7 +871,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
                 jnp.full((1,), g),
                 (ctx, pooled, tids),
             )
-            compiled, seconds = jit_compiled(program, *inputs)
+            compiled, seconds = jit_compiled(program, *inputs, family="sdxl")
             tsched = TorchScheduler.from_config(SDXL_SCHEDULER)
             tsched.set_timesteps(steps, device=dev)
             tx0 = tx * tsched.init_noise_sigma  # prepare_latents
@@ -939,7 +955,7 @@ def wan_denoiser(bench: Bench, spec: dict, family: str = "wan") -> None:
                 return make_model(nnx.merge(graph, state), (ctx, rope))(x, t)
 
             inputs = (state, interleave(x, x), jnp.float32(500.0), ctx, rope)
-            step, seconds = jit_compiled(fwd, *inputs)
+            step, seconds = jit_compiled(fwd, *inputs, family=family)
             tt = torch.tensor(500, device=dev)
             bench.compare(
                 family,
@@ -966,7 +982,7 @@ def wan_denoiser(bench: Bench, spec: dict, family: str = "wan") -> None:
                 jnp.full((1,), g),
                 (ctx, rope),
             )
-            compiled, seconds = jit_compiled(program, *inputs)
+            compiled, seconds = jit_compiled(program, *inputs, family=family)
             tsched = TorchScheduler(**SCHEDULER)
 
             loop = TorchSide(
@@ -1021,7 +1037,7 @@ def vae_decode(bench: Bench, family: str, spec: dict) -> None:
     def decode(state, z):
         return nnx.merge(graph, state).decode(z)
 
-    compiled, seconds = jit_compiled(decode, state, z)
+    compiled, seconds = jit_compiled(decode, state, z, family=family)
     bench.compare(
         family,
         "vae",

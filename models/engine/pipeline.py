@@ -105,7 +105,7 @@ from meshserve.models.engine.common import (
 from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop, interleave
 from meshserve.models.engine.image_inputs import blend_known, check_scheduler, check_strength, noise_to
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
-from meshserve.models.engine.programs import CompiledPrograms
+from meshserve.models.engine.programs import CompiledPrograms, compiler_options
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
 from meshserve.models.engine.step_cache import CacheSlot, parse_cache
 from meshserve.models.lora.apply import adapters_from
@@ -234,6 +234,8 @@ class DiffusionPipeline:
     # The text encoders a LoRA file may adapt (their Linears join the adapter table; docs/lora.md): the
     # family's CLIP encoders. Others' keys (T5, umT5) are refused at registration.
     lora_text_encoders: tuple[str, ...] = ()
+    # XLA options this family's programs compile with on GPUs, under the pool's own `xla_options` (which win).
+    gpu_xla_options: Mapping[str, bool | int | float | str] = {}
 
     def __init__(
         self,
@@ -254,8 +256,6 @@ class DiffusionPipeline:
         scan_blocks: bool = True,
         xla_options: dict | None = None,
     ):
-        # XLA options for every program this pipeline compiles (a pool's `xla_options`; load_pipeline checks them).
-        self.programs = CompiledPrograms(type(self).__name__, max_programs, xla_options)
         # The DiTs' and T5's repeated blocks stacked and run under a lax.scan (models/components/block_stack.py):
         # a program compiles one block instead of each. False keeps them unrolled (to compare).
         self.scan_blocks = bool(scan_blocks)
@@ -263,6 +263,10 @@ class DiffusionPipeline:
         # fp8, the activations too where the devices have fp8 dots (or when asked: the same numbers upcast).
         self.quantize = check_quantize(quantize)
         devices = list(placement.mesh.devices.flat) if placement is not None else jax.devices()[:1]
+        # XLA options for every program this pipeline compiles: the family's on GPUs, then the pool's
+        # `xla_options` (load_pipeline checks them).
+        options = compiler_options(self.gpu_xla_options, devices[0].platform, xla_options)
+        self.programs = CompiledPrograms(type(self).__name__, max_programs, options)
         self.activation_quantization = activation_mode(self.quantize, fp8_activations, devices)
         if self.quantize == "fp8":
             rows = self.activation_quantization

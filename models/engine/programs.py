@@ -42,6 +42,17 @@ def check_compiler_options(options: Mapping[str, bool | int | float | str] | Non
         raise ValueError(f"xla_options: {str(e).removeprefix('INVALID_ARGUMENT: ')}") from None
 
 
+def compiler_options(
+    gpu_defaults: Mapping[str, bool | int | float | str],
+    platform: str,
+    pool_options: Mapping[str, bool | int | float | str] | None,
+) -> dict | None:
+    """A pipeline's XLA options: its family's `gpu_defaults` where its devices are GPUs, then the pool's own
+    (which win, so a pool can put a default back)."""
+    options = (dict(gpu_defaults) if platform == "gpu" else {}) | dict(pool_options or {})
+    return options or None
+
+
 def _signature(inputs) -> tuple:
     leaves, treedef = jax.tree.flatten(inputs)
     return treedef, tuple(

@@ -55,6 +55,12 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     # The step cache (models/engine/step_cache.py): deep features reused while the first down block changes
     # little. Default threshold: docs/step-cache.md (measured on the embedded trained model).
     cache_methods = {"deep_features": 0.1}
+    # XLA:GPU's dot merger may join the self-attention's to_q, to_k and to_v (one input) into one dot, which
+    # concatenates their kernels and slices q, k and v out of its result every step (the H200 profile's 60
+    # concatenates and 3 x 60 slices a step fit that; not read from the HLO). Off, the UNet's CFG step at
+    # 1024x1024 ran 1.04x and 1.03x faster in two alternating comparisons on an H200 (42.9 against 45.0 ms,
+    # 40.7 against 42.8 ms; bench/README.md, "GPU") and compiled in 18 s instead of 27.
+    gpu_xla_options = {"xla_gpu_dot_merger_threshold_mb": 0}
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")

@@ -7,6 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from meshserve.models import PipelineError, load_pipeline
+from meshserve.models.engine.programs import check_compiler_options, compiler_options
+from meshserve.models.flux.pipeline import FluxPipeline
+from meshserve.models.sdxl.pipeline import StableDiffusionXLPipeline
+from meshserve.models.wan.pipeline import WanPipeline
 from meshserve.workers.config import ModelSpec, PoolConfig
 from meshserve.workers.pool import runner_options
 from tests.xla_level import SERVING_LEVEL
@@ -54,3 +58,24 @@ def test_a_pool_passes_its_xla_options_to_its_pipelines():
     assert "xla_options" not in runner_options(PoolConfig(name="p", models=["m"]), ModelSpec())
     with pytest.raises(ValidationError, match="xla_options"):
         PoolConfig(name="p", models=["m"], xla_options={"backend": "cpu"})  # XLA's names only
+
+
+def test_a_family_sets_its_gpu_options_under_the_pools_own():
+    """SDXL turns XLA:GPU's dot merger off on GPUs (models/sdxl/pipeline.py, measured 1.03-1.04x); a pool's own
+    value wins; other backends get none of a family's GPU options."""
+    gpu = StableDiffusionXLPipeline.gpu_xla_options
+    assert gpu == {"xla_gpu_dot_merger_threshold_mb": 0}
+    check_compiler_options(gpu)  # a name this XLA knows
+    assert compiler_options(gpu, "gpu", None) == gpu
+    assert compiler_options(gpu, "gpu", SERVING_LEVEL) == gpu | SERVING_LEVEL
+    assert compiler_options(gpu, "gpu", {"xla_gpu_dot_merger_threshold_mb": 32}) == {
+        "xla_gpu_dot_merger_threshold_mb": 32
+    }
+    assert compiler_options(gpu, "cpu", None) is None
+    assert compiler_options(gpu, "cpu", SERVING_LEVEL) == SERVING_LEVEL
+    assert FluxPipeline.gpu_xla_options == {} and WanPipeline.gpu_xla_options == {}
+
+
+def test_a_cpu_pipeline_compiles_with_the_pools_options_alone(tiny_sdxl_path):
+    assert load_pipeline(tiny_sdxl_path).programs.compiler_options is None
+    assert load_pipeline(tiny_sdxl_path, xla_options=SERVING_LEVEL).programs.compiler_options == SERVING_LEVEL
