@@ -2,7 +2,7 @@
 
     python bench/attention_fp8.py                                  # Wan 2.1 14B's self-attention: 2 x 32760 x 40 x 128
     python bench/attention_fp8.py --shape 1,4608,24,128            # FLUX.1-dev's joint attention
-    python bench/attention_fp8.py --tiny                           # CPU: the emulation alone, a check that it runs
+    python bench/attention_fp8.py --tiny                           # CPU: bf16 (XLA) and the emulation: a check that it runs
 
 Why: the 2026-11-27 H200 profiles put attention at 70 % of Wan 2.1 1.3B's step (one cuDNN flash kernel, bf16),
 and the fp8 Wan 14B CFG step ran in 5.01 s with its dots already fp8 (issue 24's target: 4.5 s). By FLOPs the
@@ -21,7 +21,7 @@ model's error, which is for the model benches to measure):
   (they are at most 1), the output scaled by 448 / absmax(v) (|out| <= absmax(v)) and dequantized after;
 - **fp8 emulated** (any backend, not timed): the same quantization of q, k, v, the unnormalised probabilities
   and the output, written in XLA on the reference's slice: the recipe's expected error, and on a GPU a check
-  of the cuDNN call's scales (the two should agree far better than either agrees with fp32).
+  of the cuDNN call's scales (read as intended, the two agree more closely than either with fp32).
 
 Errors against an fp32 reference on the first head of the first batch row and the first `--ref-queries`
 queries (the full fp32 reference of the 14B shape would hold 40 x 2 x 32760^2 scores): max |x - ref| / max |ref|
