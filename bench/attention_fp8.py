@@ -21,7 +21,9 @@ model's error, which is for the model benches to measure):
   (they are at most 1), the output scaled by 448 / absmax(v) (|out| <= absmax(v)) and dequantized after;
 - **fp8 emulated** (any backend, not timed): the same quantization of q, k, v, the unnormalised probabilities
   and the output, written in XLA on the reference's slice: the recipe's expected error, and on a GPU a check
-  of the cuDNN call's scales (read as intended, the two agree more closely than either with fp32).
+  of the cuDNN call's scales (read as intended, the two agree more closely than either with fp32);
+- **int8 q/k per token, e4m3 P and v** (emulated, not timed): the finer recipe of SageAttention (q and k with a
+  scale per token, k smoothed; v with a scale per channel), which no JAX kernel offers: what finer scales buy.
 
 Errors against an fp32 reference on the first head of the first batch row and the first `--ref-queries`
 queries (the full fp32 reference of the 14B shape would hold 40 x 2 x 32760^2 scores): max |x - ref| / max |ref|
@@ -117,6 +119,32 @@ def fp8_emulated_attention(q, k, v, sq, sk, sv):
     return through_e4m3(out, sv).astype(jnp.bfloat16)
 
 
+def smoothed_int8_emulated_attention(q, k, v):
+    """A finer recipe no JAX kernel offers yet, SageAttention's shape of it, emulated in fp32 on one head's slice:
+    q and k in int8 with one scale per token, k less its mean over the tokens first (a shift softmax ignores:
+    it adds the same q . mean(k) to a query's every score), the unnormalised probabilities in e4m3 at 448 and v
+    in e4m3 with one scale per channel. What 8-bit attention costs when its scales follow the outliers."""
+    import jax.numpy as jnp
+
+    def absmax(x, axis):
+        return jnp.maximum(jnp.max(jnp.abs(x), axis=axis, keepdims=True), 1e-12)
+
+    def through_int8(x, scale):
+        return jnp.clip(jnp.round(x * scale), -127, 127) / scale
+
+    def through_e4m3(x, scale):
+        return to_e4m3(x, scale).astype(jnp.float32) / scale
+
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k = k - k.mean(axis=1, keepdims=True)
+    qf, kf = through_int8(q, 127 / absmax(q, -1)), through_int8(k, 127 / absmax(k, -1))
+    vf = through_e4m3(v, E4M3_MAX / absmax(v, 1))
+    s = jnp.einsum("btnh,bsnh->bnts", qf, kf) / q.shape[-1] ** 0.5
+    p = jnp.exp(s - s.max(-1, keepdims=True))
+    out = jnp.einsum("bnts,bsnh->btnh", through_e4m3(p, E4M3_MAX), vf)
+    return (out / p.sum(-1).transpose(0, 2, 1)[..., None]).astype(jnp.bfloat16)
+
+
 def head(x, queries: int | None = None):
     """Batch row 0, head 0, the first `queries` positions: the slice the reference covers."""
     return x[:1, :queries, :1]
@@ -171,6 +199,8 @@ def run(args) -> dict:
     scales = [scale_of(x) for x in (q, k, v)]
     emulated = jax.jit(fp8_emulated_attention)(head(q, args.ref_queries), head(k), head(v), *scales)
     result["fp8 emulated"] = errors(emulated, ref)
+    smoothed = jax.jit(smoothed_int8_emulated_attention)(head(q, args.ref_queries), head(k), head(v))
+    result["int8 q/k per token, e4m3 P and v, emulated"] = errors(smoothed, ref)
     sides = {"bf16": jax.jit(lambda q, k, v: bf16_attention(q, k, v, "cudnn" if gpu else "xla"))}
     if gpu:
         sides["fp8 cuDNN"] = jax.jit(fp8_cudnn_attention)
@@ -220,8 +250,9 @@ def main() -> None:
         timing = f"{ms['median']:.2f} ({ms['min']:.2f}-{ms['max']:.2f})" if ms else "not timed"
         tflops = f"{side['tflops']:.0f}" if ms else ""
         print(f"| {name} | {timing} | {tflops} | {side['max_rel']:.1e} | {side['mean_rel']:.1e} |")
-    fp8 = result["fp8 emulated"]
-    print(f"| fp8 emulated (XLA, one head) | not timed | | {fp8['max_rel']:.1e} | {fp8['mean_rel']:.1e} |")
+    for name in ("fp8 emulated", "int8 q/k per token, e4m3 P and v, emulated"):
+        err = result[name]
+        print(f"| {name} (XLA, one head) | not timed | | {err['max_rel']:.1e} | {err['mean_rel']:.1e} |")
     if "fp8_cudnn_vs_emulated" in result:
         print(f"fp8 cuDNN against its emulation: {result['fp8_cudnn_vs_emulated']}")
     for name, error in result["errors"].items():
