@@ -95,6 +95,22 @@ def transformer_config(args) -> dict:
 
 
 def build_checkpoint(out: Path, args) -> Path:
+    return write_checkpoint(out, transformer_config(args))
+
+
+def write_checkpoint(
+    out: Path,
+    transformer: dict,
+    *,
+    vae: dict = VAE,
+    clip: dict = CLIP,
+    t5: dict = T5,
+    dtype=None,
+    device="cpu",
+) -> Path:
+    """A random FluxPipeline folder, `out`/ckpt, as diffusers writes one: these configs (seed 0) built in `dtype`
+    (None: torch's default) on `device`, the tests' tiny tokenizers (whose ids any larger vocabulary takes),
+    FLUX.1-dev's scheduler. Also bench/gpu_vs_diffusers.py's real-size pipeline."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import (
@@ -114,15 +130,21 @@ def build_checkpoint(out: Path, args) -> Path:
     t5_vocab = build_tiny_t5_tokenizer(out / "_tok2")
     special = dict(bos_token_id=clip_vocab - 2, eos_token_id=clip_vocab - 1, pad_token_id=clip_vocab - 1)
     torch.manual_seed(0)
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
-        vae=AutoencoderKL(**VAE),
-        text_encoder=CLIPTextModel(CLIPTextConfig(vocab_size=clip_vocab, **special, **CLIP)),
-        tokenizer=CLIPTokenizer.from_pretrained(str(out / "_tok")),
-        text_encoder_2=T5EncoderModel(T5Config(vocab_size=t5_vocab, **T5)),
-        tokenizer_2=AutoTokenizer.from_pretrained(str(out / "_tok2")),
-        transformer=FluxTransformer2DModel(**transformer_config(args)),
-    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default)
+    try:
+        with torch.device(device):
+            pipe = FluxPipeline(
+                scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+                vae=AutoencoderKL(**vae),
+                text_encoder=CLIPTextModel(CLIPTextConfig(vocab_size=clip_vocab, **special, **clip)),
+                tokenizer=CLIPTokenizer.from_pretrained(str(out / "_tok")),
+                text_encoder_2=T5EncoderModel(T5Config(vocab_size=t5_vocab, **t5)),
+                tokenizer_2=AutoTokenizer.from_pretrained(str(out / "_tok2")),
+                transformer=FluxTransformer2DModel(**transformer),
+            )
+    finally:
+        torch.set_default_dtype(default)
     pipe.save_pretrained(str(out / "ckpt"), safe_serialization=True)
     return out / "ckpt"
 

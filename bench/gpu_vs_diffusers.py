@@ -1090,20 +1090,10 @@ def flux_generation(bench: Bench, spec: dict) -> None:
     once (about 34 GB of weights each): an H200, or `--quantize` on ours."""
     import numpy as np
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import (
-        AutoTokenizer,
-        CLIPTextConfig,
-        CLIPTextModel,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-    )
+    from diffusers import FluxPipeline
 
+    from bench.flux_vs_diffusers import write_checkpoint
     from meshserve.models import load_pipeline
-    from meshserve.models.components.clip_tokenizer import build_tiny_clip_tokenizer
-    from meshserve.models.components.t5_tokenizer import build_tiny_t5_tokenizer
-    from meshserve.models.flux.random_tiny import SCHEDULER  # FLUX.1-dev's scheduler_config.json
 
     args, dev = bench.args, bench.dev
     (lh, lw), text, steps, g = spec["latent"], spec["text"], spec["steps"], spec["guidance"]
@@ -1112,36 +1102,13 @@ def flux_generation(bench: Bench, spec: dict) -> None:
     t = time.perf_counter()
     folder = scratch_dir(40 * 10**9 if not args.tiny else 10**8)
     try:
-        clip_vocab = build_tiny_clip_tokenizer(folder / "_tok")
-        t5_vocab = build_tiny_t5_tokenizer(folder / "_tok2")
-        special = dict(bos_token_id=clip_vocab - 2, eos_token_id=clip_vocab - 1, pad_token_id=clip_vocab - 1)
-        torch.manual_seed(0)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device(dev):
-                built = FluxPipeline(
-                    scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
-                    vae=AutoencoderKL(**spec["vae"]),
-                    text_encoder=CLIPTextModel(
-                        CLIPTextConfig(vocab_size=clip_vocab, **special, **spec["clip"])
-                    ),
-                    tokenizer=CLIPTokenizer.from_pretrained(str(folder / "_tok")),
-                    text_encoder_2=T5EncoderModel(T5Config(vocab_size=t5_vocab, **spec["t5"])),
-                    tokenizer_2=AutoTokenizer.from_pretrained(str(folder / "_tok2")),
-                    transformer=FluxTransformer2DModel(**spec["model"]),
-                )
-        finally:
-            torch.set_default_dtype(default)
-        built.save_pretrained(str(folder / "ckpt"), safe_serialization=True)
-        del built
+        parts = {part: spec[part] for part in ("vae", "clip", "t5")}
+        ckpt = write_checkpoint(folder, spec["model"], **parts, dtype=torch.bfloat16, device=dev)
         free_memory(bench)
-        ref = FluxPipeline.from_pretrained(str(folder / "ckpt"), torch_dtype=torch.bfloat16).to(dev)
+        ref = FluxPipeline.from_pretrained(str(ckpt), torch_dtype=torch.bfloat16).to(dev)
         ref.set_progress_bar_config(disable=True)
         quantize = None if args.quantize == "none" else args.quantize
-        ours = load_pipeline(
-            folder / "ckpt", dtype="bfloat16", quantize=quantize, scan_blocks=not args.unrolled
-        )
+        ours = load_pipeline(ckpt, dtype="bfloat16", quantize=quantize, scan_blocks=not args.unrolled)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     log(
