@@ -60,6 +60,13 @@ def to_e4m3(x, scale):
     return (x.astype(jnp.float32) * scale).astype(jnp.float8_e4m3fn)
 
 
+def through_e4m3(x, scale):
+    """x rounded to e4m3 at `scale` and back, in fp32."""
+    import jax.numpy as jnp
+
+    return to_e4m3(x, scale).astype(jnp.float32) / scale
+
+
 def bf16_attention(q, k, v, implementation: str):
     import jax
 
@@ -108,9 +115,6 @@ def fp8_emulated_attention(q, k, v, sq, sk, sv):
     absmax(v). It holds all scores: call it on a slice (one head, some queries)."""
     import jax.numpy as jnp
 
-    def through_e4m3(x, scale):
-        return to_e4m3(x, scale).astype(jnp.float32) / scale
-
     qf, kf, vf = through_e4m3(q, sq), through_e4m3(k, sk), through_e4m3(v, sv)
     s = jnp.einsum("btnh,bsnh->bnts", qf, kf) / q.shape[-1] ** 0.5
     p = jnp.exp(s - s.max(-1, keepdims=True))
@@ -131,9 +135,6 @@ def smoothed_int8_emulated_attention(q, k, v):
 
     def through_int8(x, scale):
         return jnp.clip(jnp.round(x * scale), -127, 127) / scale
-
-    def through_e4m3(x, scale):
-        return to_e4m3(x, scale).astype(jnp.float32) / scale
 
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     k = k - k.mean(axis=1, keepdims=True)

@@ -132,7 +132,7 @@ _SKIP_OPS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
 def describe(hlo_text: str, ours: tuple[str, ...] = ("/models/", "/bench/")) -> dict[str, str]:
     """{instruction name: "result shape: fused ops @ file:line function"} of every instruction of an optimized
     HLO module's text (`compiled.as_text()`) that calls a computation (fusions): the opcodes inside it, and of the
-    stack it was traced from the innermost frame in a file whose path holds one of `ours`."""
+    stack it was traced from the innermost two functions in files whose paths hold one of `ours`."""
     files, functions, locations, frames = {}, {}, {}, {}
     section = None  # the module text's tables before its computations, each ended by an empty line
     for line in hlo_text.splitlines():
