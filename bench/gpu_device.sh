@@ -40,5 +40,5 @@ for spec in "$@"; do
     timeout $left python3 bench/gpu_vs_diffusers.py --stages "${name%%_*}" --measures step --rounds 3 \
         --per-round 3 --out "$OUT/$name.json" $extra >"$OUT/$name.log" 2>&1
     echo "rc=$? at ${SECONDS}s"
-    grep -E "^\||ERROR|Error|loaded|fp8|GEMM" "$OUT/$name.log" | cut -c1-400 | tail -25
+    grep -E "^\||ERROR|Error|loaded|fp8|GEMM|temporaries" "$OUT/$name.log" | cut -c1-400 | tail -25
 done
