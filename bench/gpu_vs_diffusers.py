@@ -1137,7 +1137,6 @@ def flux_generation(bench: Bench, spec: dict) -> None:
     import torch
     from diffusers import FluxPipeline
 
-    from bench.flux_vs_diffusers import write_checkpoint
     from meshserve.models import load_pipeline
 
     args, dev = bench.args, bench.dev
@@ -1166,10 +1165,29 @@ def flux_generation(bench: Bench, spec: dict) -> None:
 
         return TorchSide(theirs, base)
 
+    programs = []  # our pipeline's compiled programs, for their temporaries (logged at the end, or at a failure)
+
     def load_ours(ckpt):
         ours = load_pipeline(ckpt, dtype="bfloat16", quantize=quantize, scan_blocks=not args.unrolled)
+        programs.append(ours.programs)
         return lambda: ours(prompt, latents=packed, **call).images
 
+    try:
+        generation(bench, spec, what, load_ours, load_theirs)
+    finally:
+        for p in programs:
+            temps = ", ".join(f"{stage} {n / 2**30:.2f} GiB" for stage, n in p.temp_bytes.items())
+            log(f"our pipeline's programs, temporaries per device: {temps}")
+
+
+def generation(bench: Bench, spec: dict, what: str, load_ours, load_theirs) -> None:
+    """flux_generation's checkpoint and comparison: the folder written once, both sides loaded from it
+    (together, or one at a time), the folder removed."""
+    import torch
+
+    from bench.flux_vs_diffusers import write_checkpoint
+
+    args, dev = bench.args, bench.dev
     t = time.perf_counter()
     folder = scratch_dir(40 * 10**9 if not args.tiny else 10**8)
     try:

@@ -6,8 +6,9 @@
 A program is keyed by its stage, its static settings and the shapes, dtypes and shardings of its request
 inputs; the weights argument is the same for every call of a stage and is left out of the key (flattening a
 UNet's state per call would cost more host time than the rest of the dispatch). Every compilation is counted
-(`count`) and logged at INFO with its stage, input shapes and seconds, which is what the serving side exports
-as its compilation metric. With `max_programs` set, the least recently used program is dropped past the bound
+(`count`) and logged at INFO with its stage, input shapes, seconds and temporaries (XLA's memory analysis:
+what the program allocates beside its arguments; the largest per stage in `temp_bytes`), which is what the
+serving side exports as its compilation metric. With `max_programs` set, the least recently used program is dropped past the bound
 (a pool that serves any size keeps its memory bounded; a dropped program compiles again when next needed).
 `compiler_options` (XLA options, e.g. {"xla_gpu_enable_latency_hiding_scheduler": True}) go to every program's
 compilation, so that a pool can set them for its own programs without XLA_FLAGS, which bind every pool of the
@@ -85,6 +86,9 @@ class CompiledPrograms:
         self.count = 0  # programs compiled so far (a dropped and recompiled program counts again)
         self.seconds = 0.0  # spent compiling them
         self.by_stage: dict[str, int] = {}
+        # The largest temporaries (bytes per device, XLA's memory analysis) of a program of each stage: what a
+        # program allocates beside the weights and its inputs while it runs, which sizes a pool's memory.
+        self.temp_bytes: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -117,5 +121,24 @@ class CompiledPrograms:
         self.by_stage[stage] = self.by_stage.get(stage, 0) + 1
         shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(inputs)]
         settings = {k: (type(v).__name__ if hasattr(v, "step") else v) for k, v in static.items()}
-        log.info("%s: compiled %s %s inputs %s in %.2f s", self.owner, stage, settings, shapes, seconds)
+        temp = _temp_bytes(program)
+        if temp is not None:
+            self.temp_bytes[stage] = max(temp, self.temp_bytes.get(stage, 0))
+        log.info(
+            "%s: compiled %s %s inputs %s in %.2f s, temporaries %s per device",
+            self.owner,
+            stage,
+            settings,
+            shapes,
+            seconds,
+            "unknown" if temp is None else f"{temp / 2**20:.1f} MiB",
+        )
         return program
+
+
+def _temp_bytes(program: jax.stages.Compiled) -> int | None:
+    """The program's temporaries in bytes per device, or None where the backend gives no memory analysis."""
+    try:
+        return int(program.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001  (a backend or program kind without the analysis)
+        return None

@@ -115,5 +115,26 @@ def test_compiled_programs_are_counted_logged_and_bounded(caplog):
     # (2,) and (3,) compile; (2,) hits; (4,) compiles and drops (3,); (3,) compiles again and drops (2,).
     assert programs.count == 4 and len(programs) == 2
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test: compiled")]
-    assert len(compiled) == 4 and "[(3,)]" in compiled[1] and compiled[1].endswith(" s")
+    assert len(compiled) == 4 and "[(3,)]" in compiled[1] and " s, temporaries " in compiled[1]
     assert any("dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_compiled_programs_record_their_temporaries(caplog):
+    """Each stage keeps the largest temporaries of its programs (XLA's memory analysis), logged with the
+    compilation: a chain of two matmuls holds the first's [256, 256] fp32 result (256 KiB) while the second
+    runs, so the program's temporaries are at least that."""
+    import logging
+
+    from meshserve.models.engine.programs import CompiledPrograms
+
+    def chain(weights, x):
+        return (x @ weights) @ weights
+
+    programs = CompiledPrograms("test")
+    w = jnp.ones((256, 256), jnp.float32)
+    with caplog.at_level(logging.INFO, logger="meshserve.models.engine.programs"):
+        programs.run("chain", chain, {}, w, jnp.ones((256, 256), jnp.float32))
+        programs.run("chain", chain, {}, w, jnp.ones((8, 256), jnp.float32))
+    assert programs.temp_bytes["chain"] >= 256 * 256 * 4, programs.temp_bytes
+    logged = [r.getMessage() for r in caplog.records if "compiled chain" in r.getMessage()]
+    assert len(logged) == 2 and logged[0].endswith(" MiB per device"), logged
