@@ -162,12 +162,14 @@ def quantize_rows_fp8(x):
     return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None):
+def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None, kernel_in_axis: int = 0):
     """x @ (q * scale) + bias for an int8 or e4m3 kernel q [in, out] with fp32 scale [out], x in `dtype`
     (None: x's). Weight-only: q converted to the compute dtype (exact: int8's |q| <= 127 and every e4m3 value
     fit bf16), the dot's fp32 result scaled once. `activations` (e4m3 kernels only; ACTIVATION_MODES): x's
     rows quantized to e4m3 too and the dot taken on both e4m3 operands, with the fp8 fast-accumulation
     algorithm ("fp8") or on the values upcast ("fp8-upcast": what a backend without fp8 dots can run).
+    `kernel_in_axis` 1: q is stored [out, in] (diffusers' own layout, the one cuBLASLt's fp8 GEMM takes
+    without a transpose); the layers store [in, out], and bench/fp8_layout.py measures what that costs a GPU.
 
     The kernel passes an optimization barrier with x first: it then depends on this layer's input, so XLA
     cannot hoist its int8 -> float convert out of the denoise loop (loop-invariant code motion would hold a
@@ -175,7 +177,7 @@ def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None
     placement.py's gather_weights_per_step ties FSDP gathers the same way)."""
     dtype = dtype or x.dtype
     x, q = jax.lax.optimization_barrier((x.astype(dtype), q))
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    dims = (((x.ndim - 1,), (kernel_in_axis,)), ((), ()))
     if activations and (q.dtype != FP8 or activations not in ACTIVATION_MODES):
         raise QuantizeError(f"activation quantization {activations!r} on a {q.dtype} kernel")
     if activations and math.prod(x.shape[:-1]) >= FP8_MIN_ROWS:
