@@ -8,8 +8,9 @@ inputs; the weights argument is the same for every call of a stage and is left o
 UNet's state per call would cost more host time than the rest of the dispatch). Every compilation is counted
 (`count`) and logged at INFO with its stage, input shapes, seconds and temporaries (XLA's memory analysis:
 what the program allocates beside its arguments; the largest per stage in `temp_bytes`), which is what the
-serving side exports as its compilation metric. With `max_programs` set, the least recently used program is dropped past the bound
-(a pool that serves any size keeps its memory bounded; a dropped program compiles again when next needed).
+serving side exports as its compilation metric. With `max_programs` set, the least recently used program is
+dropped past the bound (a pool that serves any size keeps its memory bounded; a dropped program compiles
+again when next needed).
 `compiler_options` (XLA options, e.g. {"xla_gpu_enable_latency_hiding_scheduler": True}) go to every program's
 compilation, so that a pool can set them for its own programs without XLA_FLAGS, which bind every pool of the
 process.
