@@ -174,7 +174,8 @@ def nnx_leaf_to_torch(leaf: str) -> str:
         "embedding": "weight",
         "halves_kernel": "weight",
         "halves_bias": "bias",
-        "kernel_scale": "weight_scale",  # an int8 Linear's per-channel scale (models/components/quantize.py)
+        "kernel_scale": "weight_scale",  # a quantized Linear's per-channel scale (models/components/quantize.py)
+        "kernel_t": "weight_t",  # an fp8 Linear's kernel stored [out, in] (the same file says why)
     }.get(leaf, leaf)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from meshserve.models.components.quantize import ACTIVATIONS, quantized_matmul
+from meshserve.models.components.quantize import ACTIVATIONS, TRANSPOSED, quantized_matmul
 from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 from meshserve.models.lora.apply import adapted
 
@@ -183,19 +183,29 @@ class Linear(nnx.Linear):
     """nnx.Linear (same parameters and keys) that adds its LoRA adapters while a program with adapters is
     traced (models/lora/apply.py); otherwise exactly nnx.Linear. Loaded with `quantize="int8"` or "fp8" it
     holds an int8 or e4m3 kernel and a per-output-channel `kernel_scale` (models/components/quantize.py), and
-    with fp8 activations a static `quantize_activations`; its matmul dequantizes; the adapters add to that
-    output the same way."""
+    with fp8 activations a static `quantize_activations` and the e4m3 kernel as `kernel_t` [out, in] instead of
+    `kernel`; its matmul dequantizes; the adapters add to that output the same way. `kernel_shape` is the
+    kernel's [in, out] shape (a stacked block's with the blocks' axis in front) however it is stored."""
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        if hasattr(self, TRANSPOSED):
+            *blocks, out, n_in = getattr(self, TRANSPOSED).shape
+            return (*blocks, n_in, out)
+        return tuple(self.kernel.shape)
 
     def __call__(self, inputs):
         if hasattr(self, "kernel_scale"):
             bias = self.bias[...] if self.bias is not None else None
+            stored_out_in = hasattr(self, TRANSPOSED)
             y = quantized_matmul(
                 inputs,
-                self.kernel[...],
+                getattr(self, TRANSPOSED if stored_out_in else "kernel")[...],
                 self.kernel_scale[...],
                 bias,
                 self.dtype,
                 activations=getattr(self, ACTIVATIONS, None),
+                kernel_in_axis=1 if stored_out_in else 0,
             )
         else:
             y = super().__call__(inputs)

@@ -24,7 +24,12 @@ fp8 stores the same kernels as float8_e4m3fn with one fp32 scale per output chan
 `DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM` (issue 24: a plain dot_general on e4m3 inputs ran at bf16's
 speed on an H100, 477 against 506 TFLOP/s, the preset at 933); the f32 result is scaled by the row's and the
 column's scales; an input of fewer than FP8_MIN_ROWS rows (the modulation layers at batch 1) runs
-weight-only. Elsewhere (the CPU, older GPUs) fp8 runs weight-only: the e4m3 kernel converted to the
+weight-only. Such a layer stores its e4m3 kernel transposed, [out, in] as `kernel_t` (diffusers' own layout),
+because cuBLASLt's fp8 GEMM takes both operands with the contracted dimension minor: stored [in, out], XLA:GPU
+copied every stacked kernel into that layout once a call, a temporary as large as the kernels (FLUX.1-dev's
+denoise program: 8.48 GiB on an H200, and 8 of its MLP blocks in bench/fp8_layout.py 936 MiB of temporaries
+against 360 [out, in], 1.06x slower; 2026-11-27). Its sharding rule is the kernel's with the axes reversed
+(`quantized_rules`). Elsewhere (the CPU, older GPUs) fp8 runs weight-only: the e4m3 kernel converted to the
 compute dtype, as int8's is, and the activations untouched. `load_pipeline(..., fp8_activations=True)` asks
 for the activation quantization on any backend (on the CPU the e4m3 dot runs on upcast values: the GPU path's
 numbers, to the order of the sums, for measuring its error here).
@@ -45,6 +50,9 @@ import numpy as np
 
 MODES = ("none", "int8", "fp8")
 SCALE = "kernel_scale"  # the Linear's scale attribute; its checkpoint-style key is `<layer>.weight_scale`
+# The attribute holding a Linear's e4m3 kernel [out, in] where its activations are quantized too (the module
+# docstring says why); its checkpoint-style key is `<layer>.weight_t`.
+TRANSPOSED = "kernel_t"
 # The Linear's static attribute (part of its graph, not its state) when its input rows are quantized too:
 # "fp8" (the e4m3 dot with the fast-accumulation algorithm: GPUs with fp8 dots) or "fp8-upcast" (the same
 # numbers with the dot on upcast values: any backend).
@@ -154,6 +162,18 @@ def quantize_kernel(kernel: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarr
     return {"int8": quantize_int8, "fp8": quantize_fp8}[mode](kernel)
 
 
+def transposed(q: np.ndarray) -> np.ndarray:
+    """q [in, out] -> a C-contiguous [out, in], copied in blocks of rows on the thread pool (numpy's strided
+    copy is single-threaded, and FLUX.1-dev's e4m3 kernels are 12 GB)."""
+    out = np.empty(q.shape[::-1], q.dtype)
+
+    def fill(b: slice) -> None:
+        out[:, b] = q[b].T
+
+    list(_pool().map(fill, [slice(i, i + ROW_BLOCK) for i in range(0, q.shape[0], ROW_BLOCK)]))
+    return out
+
+
 def quantize_rows_fp8(x):
     """Traced: x [..., in] -> (e4m3 [..., in], fp32 scale [..., 1]), one scale per row, absmax / 448."""
     x = x.astype(jnp.float32)
@@ -169,7 +189,7 @@ def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None
     rows quantized to e4m3 too and the dot taken on both e4m3 operands, with the fp8 fast-accumulation
     algorithm ("fp8") or on the values upcast ("fp8-upcast": what a backend without fp8 dots can run).
     `kernel_in_axis` 1: q is stored [out, in] (diffusers' own layout, the one cuBLASLt's fp8 GEMM takes
-    without a transpose); the layers store [in, out], and bench/fp8_layout.py measures what that costs a GPU.
+    without a transpose), as a layer whose activations are quantized stores it (`TRANSPOSED`).
 
     The kernel passes an optimization barrier with x first: it then depends on this layer's input, so XLA
     cannot hoist its int8 -> float convert out of the denoise loop (loop-invariant code motion would hold a
@@ -199,14 +219,17 @@ def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None
 
 
 def quantized_rules(rules: Sequence[tuple[str, tuple]]) -> tuple[tuple[str, tuple], ...]:
-    """A model's sharding rules plus one rule per Linear kernel rule for its scale, split like the kernel's
-    output axis (`to_q.weight: ("embed", "heads")` -> `to_q.weight_scale: ("heads",)`)."""
-    extra = tuple(
-        (re.sub(r"\\\.weight\$$", r"\\.weight_scale$", pattern), (logical[-1],))
-        for pattern, logical in rules
-        if len(logical) == 2 and pattern.endswith(r"\.weight$")
+    """A model's sharding rules plus, per Linear kernel rule, one for its scale, split like the kernel's output
+    axis, and one for its transposed e4m3 kernel, the axes reversed (`to_q.weight: ("embed", "heads")` ->
+    `to_q.weight_scale: ("heads",)`, `to_q.weight_t: ("heads", "embed")`)."""
+    kernels = [(p, logical) for p, logical in rules if len(logical) == 2 and p.endswith(r"\.weight$")]
+    scales = tuple(
+        (re.sub(r"\\\.weight\$$", r"\\.weight_scale$", p), (logical[-1],)) for p, logical in kernels
     )
-    return tuple(rules) + extra
+    transposes = tuple(
+        (re.sub(r"\\\.weight\$$", r"\\.weight_t$", p), logical[::-1]) for p, logical in kernels
+    )
+    return tuple(rules) + scales + transposes
 
 
 def load_quantized(
@@ -220,9 +243,10 @@ def load_quantized(
 ):
     """`loader(path, place=..., **kwargs)` with every 2-D `kernel` it places quantized to `mode` ("int8" or
     "fp8") on the host, its scale placed beside it and attached to its layers.Linear as `kernel_scale`, and
-    `activations` (fp8 only: ACTIVATION_MODES, or None for weight-only) set on each such layer. A 2-D kernel
-    that does not belong to a layers.Linear (whose __call__ knows the quantized path) is an error, not a
-    silent wrong matmul."""
+    `activations` (fp8 only: ACTIVATION_MODES, or None for weight-only) set on each such layer, whose kernel
+    is then stored transposed as TRANSPOSED, placed by its `<layer>.weight_t` rule (`quantized_rules`). A 2-D
+    kernel that does not belong to a layers.Linear (whose __call__ knows the quantized path) is an error, not
+    a silent wrong matmul."""
     if activations is not None and (mode != "fp8" or activations not in ACTIVATION_MODES):
         raise QuantizeError(f"activation quantization {activations!r} needs quantize: fp8, not {mode!r}")
     from flax import nnx
@@ -239,7 +263,9 @@ def load_quantized(
             return put(path, array)
         q, scale = quantize_kernel(array, mode)
         scales[tuple(path[:-1])] = put((*path[:-1], SCALE), scale)
-        return put(path, q)
+        # Transposed, the kernel is placed by its own rule; the loader sets it as `kernel` (it checked the
+        # shape before placing) and the loop below moves it to TRANSPOSED.
+        return put((*path[:-1], TRANSPOSED), transposed(q)) if activations else put(path, q)
 
     module = loader(path, place=quantizing_place, **kwargs)
     layers = {tuple(p): node for p, node in nnx.iter_graph(module)}
@@ -253,6 +279,8 @@ def load_quantized(
         layer.kernel_scale = nnx.Param(scale)
         if activations is not None:
             setattr(layer, ACTIVATIONS, activations)
+            setattr(layer, TRANSPOSED, nnx.Param(layer.kernel.get_value()))
+            del layer.kernel
     return module
 
 

@@ -75,7 +75,7 @@ def adaptable_layers(module) -> tuple[dict[str, list[Target]], dict[str, dict]]:
     for name, node, stacked in named_nodes(module):  # a BlockStack's blocks one by one, by their own names
         per_block = slice(1 if stacked else 0, None)  # a stacked parameter's leading axis is the blocks'
         if isinstance(node, Linear):
-            kernel = tuple(node.kernel.shape)[per_block]
+            kernel = node.kernel_shape[per_block]
             writes[name] = [Target(name, kernel[0], kernel[1:], name + ".weight", kernel)]
             shapes[name] = {"in": kernel[0], "out": kernel[1]}
         elif hasattr(node, "halves_kernel"):  # SDXL GEGLU: [in, 2, out] holds the checkpoint's [2 out, in]
@@ -84,8 +84,8 @@ def adaptable_layers(module) -> tuple[dict[str, list[Target]], dict[str, dict]]:
             shapes[name] = {"in": kernel[0], "out": kernel[1] * kernel[2]}
         elif hasattr(node, "from_attn") and hasattr(node, "from_mlp"):  # Flux: proj_out over cat[attn, mlp]
             ka, km = (
-                tuple(node.from_attn.kernel.shape)[per_block],
-                tuple(node.from_mlp.kernel.shape)[per_block],
+                node.from_attn.kernel_shape[per_block],
+                node.from_mlp.kernel_shape[per_block],
             )
             writes[name] = [
                 Target(f"{name}.from_attn", ka[0], ka[1:], f"{name}.from_attn.weight", ka),

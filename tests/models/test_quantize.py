@@ -169,29 +169,39 @@ def _denoiser_layers(pipe):
     return [node for _, node in nnx.iter_graph(module) if isinstance(node, Linear)]
 
 
+def _stored_kernel(layer):
+    """A quantized Linear's kernel as stored: [in, out] `kernel`, or [out, in] `kernel_t` with activations."""
+    return getattr(layer, qz.TRANSPOSED) if hasattr(layer, qz.TRANSPOSED) else layer.kernel
+
+
 def _check_stored(full, quantized, dtype=np.int8, activations=None):
     """Every Linear of the quantized denoiser holds an int8 (or `dtype`) kernel and an fp32 scale per output
-    channel, and its activation mode; the full-precision one none; the denoiser's bytes drop by what that
-    saves."""
+    channel, and its activation mode; with activations the kernel transposed, [out, in] as `kernel_t` and no
+    `kernel`; the full-precision one none; the denoiser's bytes drop by what that saves."""
     layers = _denoiser_layers(quantized)
+    full_shapes = {tuple(layer.kernel.shape) for layer in _denoiser_layers(full)}
     assert (
         layers
         and all(
-            layer.kernel.dtype == dtype
+            _stored_kernel(layer).dtype == dtype
             and getattr(layer, qz.ACTIVATIONS, None) == activations
+            and hasattr(layer, "kernel") == (activations is None)
+            and layer.kernel_shape in full_shapes
             and layer.kernel_scale.dtype == np.float32
             # A stacked block's Linear (models/components/block_stack.py): [blocks, in, out], scales [blocks, out].
-            and layer.kernel_scale.shape == (*layer.kernel.shape[:-2], layer.kernel.shape[-1])
+            and layer.kernel_scale.shape == (*layer.kernel_shape[:-2], layer.kernel_shape[-1])
             for layer in layers
         )
     )
+    if activations is not None:  # stored [out, in]: the transpose of the [in, out] shape
+        assert all(_stored_kernel(layer).shape[-2:] == layer.kernel_shape[::-1][:2] for layer in layers)
     assert not any(hasattr(layer, "kernel_scale") for layer in _denoiser_layers(full))
     name = full.denoiser_name
 
     def nbytes(pipe):
         return sum(x.nbytes for x in jax.tree.leaves(pipe._states[name]))
 
-    kernels = sum(layer.kernel.size for layer in layers)
+    kernels = sum(_stored_kernel(layer).size for layer in layers)
     scales = sum(layer.kernel_scale.size for layer in layers)
     assert nbytes(full) - nbytes(quantized) == 3 * kernels - 4 * scales  # fp32 -> int8 kernels, + fp32 scales
 
@@ -368,6 +378,31 @@ def test_int8_keeps_the_weight_sharding_and_the_scale_follows_the_output_axis(ti
     assert to_out["kernel_scale"].get_value().sharding.spec == P("data")
     kernel = to_q["kernel"].get_value()
     assert {s.data.nbytes for s in kernel.addressable_shards} == {kernel.size // 4}  # 1 byte, 1/4 each
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
+def test_fp8_activations_store_the_kernel_transposed_with_its_sharding_reversed(tiny_sdxl_path):
+    """With fp8 activations the e4m3 kernel is stored [out, in] (`kernel_t`, the layout cuBLASLt's fp8 GEMM
+    takes), split like the [in, out] kernel with its axes swapped: to_q's heads over tensor, its input width
+    over data; its values the [in, out] kernel's, transposed. Loading only: nothing compiles."""
+    layout = dict(mesh={"data": 2, "tensor": 2}, devices=jax.devices()[:4], weights={"shard_over": ["data"]})
+    plain, transposed = (
+        load_pipeline(tiny_sdxl_path, quantize="fp8", fp8_activations=a, **layout) for a in (False, True)
+    )
+
+    def to_q(pipe):
+        blocks = pipe._states["unet"]["down_blocks"][1]["attentions"][0]["transformer_blocks"]
+        return blocks[0]["attn1"]["to_q"]
+
+    stored, kept = to_q(transposed), to_q(plain)
+    assert "kernel" not in stored and "kernel" in kept
+    assert kept["kernel"].get_value().sharding.spec == P("data", "tensor")
+    assert stored[qz.TRANSPOSED].get_value().sharding.spec == P("tensor", "data")
+    assert stored["kernel_scale"].get_value().sharding.spec == P("tensor")
+    np.testing.assert_array_equal(
+        np.asarray(stored[qz.TRANSPOSED].get_value()).astype(np.float32),
+        np.asarray(kept["kernel"].get_value()).astype(np.float32).T,
+    )
 
 
 def test_refused_modes_name_the_reason(tiny_sdxl_path):
