@@ -16,7 +16,8 @@ This compiles the same computation twice, `--blocks` blocks of an MLP (x -> up -
 residual; FLUX.1-dev's 3072 -> 12288 -> 3072 by default) under a scan inside a loop of `--steps` steps, as a
 denoise program holds a DiT, with the kernels in e4m3 and one fp32 scale per output channel:
 
-- **[in, out]**: nnx.Linear's own layout (the stored form until that run), the dot through models/components/quantize.py's `quantized_matmul`;
+- **[in, out]**: nnx.Linear's own layout (the stored form until that run), the dot through
+  models/components/quantize.py's `quantized_matmul`;
 - **[out, in]**: the same e4m3 kernels transposed on the host (diffusers' own `weight` layout), the same
   `quantized_matmul` with `kernel_in_axis=1`: the dot contracts both operands' last dimension.
 
