@@ -183,8 +183,8 @@ class Linear(nnx.Linear):
     """nnx.Linear (same parameters and keys) that adds its LoRA adapters while a program with adapters is
     traced (models/lora/apply.py); otherwise exactly nnx.Linear. Loaded with `quantize="int8"` or "fp8" it
     holds an int8 or e4m3 kernel and a per-output-channel `kernel_scale` (models/components/quantize.py), and
-    with fp8 activations a static `quantize_activations` and the e4m3 kernel as `kernel_t` [out, in] instead of
-    `kernel`; its matmul dequantizes; the adapters add to that output the same way. `kernel_shape` is the
+    with fp8 activations a static `quantize_activations` and the e4m3 kernel as `kernel_t` [out, in] instead
+    of `kernel`; its matmul dequantizes; the adapters add to that output the same way. `kernel_shape` is the
     kernel's [in, out] shape (a stacked block's with the blocks' axis in front) however it is stored."""
 
     @property

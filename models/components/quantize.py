@@ -219,9 +219,9 @@ def quantized_matmul(x, q, scale, bias, dtype, *, activations: str | None = None
 
 
 def quantized_rules(rules: Sequence[tuple[str, tuple]]) -> tuple[tuple[str, tuple], ...]:
-    """A model's sharding rules plus, per Linear kernel rule, one for its scale, split like the kernel's output
-    axis, and one for its transposed e4m3 kernel, the axes reversed (`to_q.weight: ("embed", "heads")` ->
-    `to_q.weight_scale: ("heads",)`, `to_q.weight_t: ("heads", "embed")`)."""
+    """A model's sharding rules plus, per Linear kernel rule, one for its scale, split like the kernel's
+    output axis, and one for its transposed e4m3 kernel, the axes reversed (`to_q.weight: ("embed",
+    "heads")` -> `to_q.weight_scale: ("heads",)`, `to_q.weight_t: ("heads", "embed")`)."""
     kernels = [(p, logical) for p, logical in rules if len(logical) == 2 and p.endswith(r"\.weight$")]
     scales = tuple(
         (re.sub(r"\\\.weight\$$", r"\\.weight_scale$", p), (logical[-1],)) for p, logical in kernels
