@@ -54,7 +54,7 @@ from meshserve.models.components.autoencoder_kl import AutoencoderKL, Autoencode
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES  # noqa: E402
 from meshserve.models.components.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
 from meshserve.models.components.layers import Linear  # noqa: E402
-from meshserve.models.components.quantize import ACTIVATIONS, FP8, SCALE, quantized_rules  # noqa: E402
+from meshserve.models.components.quantize import ACTIVATIONS, FP8, SCALE, TRANSPOSED, quantized_rules  # noqa: E402
 from meshserve.models.parallel.placement import pipeline_placement  # noqa: E402
 from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES  # noqa: E402
 from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionConfig, UNet2DConditionModel  # noqa: E402
@@ -116,7 +116,7 @@ def placed_state(
     `quantize` ("int8" | "fp8"): as models/components/quantize.py's load_quantized stores them, each
     layers.Linear's kernel (a stacked block's too: [blocks, in, out]) in that dtype under its own rule, an
     fp32 scale per output channel under `quantized_rules`, and `activations` (fp8: "fp8" | "fp8-upcast") set
-    on the layer; everything else in `dtype`."""
+    on the layer, its kernel then [out, in] as `kernel_t`; everything else in `dtype`."""
     kernels = set()
     if quantize:
         rules = quantized_rules(rules)
@@ -124,9 +124,13 @@ def placed_state(
             if isinstance(node, Linear):
                 scale = (*node.kernel.shape[:-2], node.kernel.shape[-1])
                 node.kernel_scale = nnx.Param(jax.ShapeDtypeStruct(scale, jnp.float32))
-                if activations:
+                if activations:  # stored [out, in] as `kernel_t`, as load_quantized does
                     setattr(node, ACTIVATIONS, activations)
-                kernels.add((*path, "kernel"))
+                    *blocks, n_in, out = node.kernel.shape
+                    transposed = jax.ShapeDtypeStruct((*blocks, out, n_in), node.kernel.dtype)
+                    setattr(node, TRANSPOSED, nnx.Param(transposed))
+                    del node.kernel
+                kernels.add((*path, TRANSPOSED if activations else "kernel"))
     graph, state = nnx.split(module)
     flat = []
     for path, var in state.flat_state():
