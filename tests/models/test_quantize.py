@@ -194,7 +194,10 @@ def _check_stored(full, quantized, dtype=np.int8, activations=None):
         )
     )
     if activations is not None:  # stored [out, in]: the transpose of the [in, out] shape
-        assert all(_stored_kernel(layer).shape[-2:] == layer.kernel_shape[::-1][:2] for layer in layers)
+        assert all(
+            _stored_kernel(layer).shape[-2:] == (layer.kernel_shape[-1], layer.kernel_shape[-2])
+            for layer in layers
+        )
     assert not any(hasattr(layer, "kernel_scale") for layer in _denoiser_layers(full))
     name = full.denoiser_name
 
