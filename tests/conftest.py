@@ -3,21 +3,28 @@ SDXL checkpoint per session."""
 
 import os
 
-# Before JAX is imported anywhere: 8 host devices so every mesh layout runs on the CPU, and XLA's backend at
-# optimisation level 0. The suite is mostly compiling (each test builds its own small programs and runs them
-# a few times): tests/models/test_wan_pipeline.py on a cold cache took 144 -> 94 s of CPU at level 0 (level 1:
-# 120 s; --xla_llvm_disable_expensive_passes: 142 s; user time, beside a training run, so only the ratios
-# count), and the whole suite on a clean clone 38:29 -> 28:30-31:06 (three runs; 2026-11-25, a 2-core EPYC).
-# Level 0 runs the programs slower (the embedded SDXL's 24 held-out captions: 8.5 s against 3.6-3.7 s at
-# levels 1, 2 and the default), but the whole suite at level 1 still took 22:19 against 20:10 at 0 (one run
-# each, another 2-core EPYC, README "Development").
-# Results move at rounding level only: every tolerance, bit-identity and HLO check holds as at the default,
-# but one, fp8 activations on two devices against one, where a few e4m3 roundings flip (test_quantize.py says
-# by how much).
+# Before JAX is imported anywhere: 8 host devices so every mesh layout runs on the CPU, and XLA's backend set
+# to compile fast (tests/xla_level.py: TEST_XLA_FLAGS). The suite is mostly compiling (each test builds its own
+# small programs and runs them a few times):
+# - Optimisation level 0: tests/models/test_wan_pipeline.py on a cold cache took 144 -> 94 s of CPU (level 1:
+#   120 s; --xla_llvm_disable_expensive_passes: 142 s; user time, beside a training run, so only the ratios
+#   count), and the whole suite on a clean clone 38:29 -> 28:30-31:06 (three runs; 2026-11-25, a 2-core EPYC).
+#   Level 0 runs the programs slower (the embedded SDXL's 24 held-out captions: 8.5 s against 3.6-3.7 s at
+#   levels 1, 2 and the default), but the whole suite at level 1 still took 22:19 against 20:10 at 0 (one run
+#   each, another 2-core EPYC, README "Development").
+# - XLA:CPU's older LLVM IR fusion emitters (`--xla_cpu_use_fusion_emitters=false`, jaxlib 0.10): on a cold
+#   cache tests/models/test_transformer_flux.py and test_unipc.py took 53 s of CPU against 72-86 s with the
+#   MLIR emitters (2026-11-27, a 2-core Zen 3 EPYC), test_wan_pipeline.py 53 against 78 s on a Zen 1
+#   (2026-11-27); the whole suite: README "Development".
+# Results move at rounding level only: every tolerance against diffusers and every layout check holds as at
+# serving's settings, but one, fp8 activations on two devices against one, where a few e4m3 roundings flip
+# (test_quantize.py says by how much). The tests of properties that rest on codegen being the same across
+# programs (bit-identity of a cached prompt row, a padded schedule against the exact one) compile with
+# serving's emitters (tests/xla_level.py: SERVING_EMITTERS).
 # Serving, the CLI and the benches keep XLA's default; the CLI and workers that tests start inherit this.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+from tests.xla_level import TEST_XLA_FLAGS  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

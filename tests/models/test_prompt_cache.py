@@ -8,13 +8,16 @@ import pytest
 
 from meshserve.models import load_pipeline
 from meshserve.models.engine.prompt_cache import PromptCache
+from tests.xla_level import SERVING_EMITTERS
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
 
-@pytest.fixture
-def sdxl(embedded_sdxl):
-    return embedded_sdxl
+# A cached row is encoded in another batch than the call's, so bit-identity rests on the code being the same in
+# both programs: the pipelines compile with serving's fusion emitters (tests/xla_level.py).
+@pytest.fixture(scope="module")
+def sdxl():
+    return load_pipeline(None, xla_options=SERVING_EMITTERS)
 
 
 def test_cached_call_equals_uncached_and_warm_calls_compile_nothing(sdxl):
@@ -58,7 +61,7 @@ def test_the_byte_bound_evicts_least_recently_used(sdxl):
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan"])
 def test_flux_and_wan_rows_equal_the_uncached_encoding(model):
-    pipe = load_pipeline(model)
+    pipe = load_pipeline(model, xla_options=SERVING_EMITTERS)
     settings = {name: pipe.defaults.get(name, pipe.limits.get(name)) for name in pipe.batch_fields}
     texts = ["a cat", "a dog", "", "a cat"]  # 2 prompts, then their negatives (CFG)
     tokens = pipe.tokenize(texts, settings)
