@@ -13,9 +13,10 @@ import os
 #   levels 1, 2 and the default), but the whole suite at level 1 still took 22:19 against 20:10 at 0 (one run
 #   each, another 2-core EPYC, README "Development").
 # - XLA:CPU's older LLVM IR fusion emitters (`--xla_cpu_use_fusion_emitters=false`, jaxlib 0.10): on a cold
-#   cache tests/models/test_transformer_flux.py and test_unipc.py took 53 s of CPU against 72-86 s with the
-#   MLIR emitters (2026-11-27, a 2-core Zen 3 EPYC), test_wan_pipeline.py 53 against 78 s on a Zen 1
-#   (2026-11-27); the whole suite: README "Development".
+#   cache tests/models/test_transformer_flux.py and test_unipc.py took 53 s of CPU against 72 and 86 s with
+#   the MLIR emitters (2026-11-27, a 2-core Zen 3 EPYC, user time, each run beside another), and
+#   test_wan_pipeline.py 53 against 78 s on a Zen 1 EPYC (2026-11-27); the whole suite a third less: README
+#   "Development".
 # Results move at rounding level only: every tolerance against diffusers and every layout check holds as at
 # serving's settings, but one, fp8 activations on two devices against one, where a few e4m3 roundings flip
 # (test_quantize.py says by how much). The tests of properties that rest on codegen being the same across
