@@ -20,19 +20,11 @@ training's, or `jax.jit(compiler_options=...)`:
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-
-def _jaxlib_minor() -> str:
-    try:
-        return ".".join(version("jaxlib").split(".")[:2])
-    except PackageNotFoundError:
-        return ""
-
+from meshserve.models.cpu.xla_cpu_flags import jaxlib_minor
 
 # XLA aborts the process on a flag or option it does not know, so the emitters' switch is used only with the
 # jaxlib it was checked with (0.10: `xla_cpu_use_fusion_emitters`, on by default).
-_EMITTERS_CHECKED = _jaxlib_minor() == "0.10"
+_EMITTERS_CHECKED = jaxlib_minor() == "0.10"
 
 TEST_XLA_FLAGS = " ".join(
     ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]

@@ -42,14 +42,19 @@ _CHECKED = {
 }
 
 
-def cpu_default_flags(jaxlib_version: str | None = None) -> tuple[str, ...]:
-    """The flags meshserve adds for this jaxlib (none for a version they were not checked with)."""
+def jaxlib_minor(jaxlib_version: str | None = None) -> str:
+    """ "major.minor" of `jaxlib_version` (default: the installed jaxlib's; "" when none is installed)."""
     if jaxlib_version is None:
         try:
             jaxlib_version = version("jaxlib")
         except PackageNotFoundError:
-            return ()
-    return _CHECKED.get(".".join(jaxlib_version.split(".")[:2]), ())
+            return ""
+    return ".".join(jaxlib_version.split(".")[:2])
+
+
+def cpu_default_flags(jaxlib_version: str | None = None) -> tuple[str, ...]:
+    """The flags meshserve adds for this jaxlib (none for a version they were not checked with)."""
+    return _CHECKED.get(jaxlib_minor(jaxlib_version), ())
 
 
 def accelerator_plugins() -> list[str]:
