@@ -2,9 +2,14 @@
 flow matching with its shift 3) trained on 9-frame clips of the shapes moving (training/clips.py): "a red circle
 moving left on a blue background", up, down, right, or still.
 
-Sizes: a VAE that halves twice in space and twice in time (64x64x9 clips, 3 x 16 x 16 latents of 16 channels:
-Wan 2.1's z_dim), the real (1, 2, 2) patch (3 x 8 x 8 = 192 tokens), and a transformer of width 96 (4 heads of
-24, so tensor 2/4 and Ulysses 2/4 divide the heads) with 3 blocks. The UMT5 text is 16 tokens, the folder's
+Sizes: a VAE that halves three times in space and twice in time, as Wan 2.1's does (64x64x9 clips, 3 x 8 x 8
+latents of 16 channels: Wan 2.1's z_dim), the real (1, 2, 2) patch (3 x 4 x 4 = 48 tokens of 16 x 16 pixels,
+Wan 2.1's own ratio), and a transformer of width 96 (4 heads of 24, so tensor 2/4 and Ulysses 2/4 divide the
+heads) with 3 blocks. Why 16-pixel tokens: Wan's DiT has no absolute position (RoPE gives relative offsets
+only, the cross-attention none, the patch embedding pads nothing), so from noise it can place a centred shape
+only by what the grid's edges tell it; on a 4 x 4 grid every token is at most one token from an edge. With
+8-pixel tokens (an 8 x 8 grid, the VAE halving twice) every run drew blurs and ignored the direction word
+(docs/embedded-model.md). The UMT5 text is 16 tokens, the folder's
 serving default `max_sequence_length` (Wan zero-pads each prompt's states to that length and attends the
 zeros, so the model is served at the length it was trained at). Captions dropped to "" at
 `caption_dropout` train the unconditioned branch of Wan's CFG (the pipeline's empty negative prompt).
@@ -26,16 +31,18 @@ from meshserve.training.families.base import Component, TrainingFamily
 from meshserve.training.recipe import Recipe
 
 SIZE, FRAMES = 64, 9
+# The recipe's (Family's spatial_halvings 3); dim_mult, temperal_downsample and scale_factor_spatial follow
+# spatial_halvings (Family._vae_config).
 VAE = dict(
     base_dim=16,
     z_dim=16,
-    dim_mult=[1, 2, 2],
+    dim_mult=[1, 2, 2, 4],
     num_res_blocks=1,
     attn_scales=[],
-    temperal_downsample=[True, True],
+    temperal_downsample=[True, True, False],
     dropout=0.0,
     scale_factor_temporal=4,
-    scale_factor_spatial=4,
+    scale_factor_spatial=8,
     # latents_mean and latents_std come from the trained VAE's latents (latent_normalisation).
 )
 TRANSFORMER = dict(
@@ -73,10 +80,10 @@ class Family(TrainingFamily):
     # encoded once (180 s), a step is 0.31 s, and 6,000 of them drew held-out colour 89 %, direction 32 %
     # (against 65 %, 11 % after 3,500 steps of fresh clips; docs/embedded-model.md).
     recipe = Recipe(
-        vae_steps=600,
+        vae_steps=900,
         vae_batch=8,
         vae_lr=3e-3,
-        denoiser_steps=6000,
+        denoiser_steps=24000,
         denoiser_batch=16,
         denoiser_lr=5e-3,
         latent_pool=4096,
@@ -102,17 +109,25 @@ class Family(TrainingFamily):
         flow_shift: float = SCHEDULER["flow_shift"],
         logit_normal: float = 0.0,
         sizes: tuple[str, ...] = clips.CLIP_SIZES,
+        spatial_halvings: int = 3,
+        patch: tuple[int, int, int] = (1, 2, 2),
     ):
         """Clips of `frames` frames (1 + 4k, whole latent frames; the tests train on 5 to cut the compile).
         The rest are for recipe trials (docs/embedded-model.md: what each gave): `anywhere` places the clips'
         paths anywhere they fit instead of through the centre (clips.clip_batch), `flow_shift` is the shift
         of both the training sigmas and the folder's scheduler, and a `logit_normal` share of the training
-        rows draws its sigma from SD3's logit-normal (objectives.flow_matching), and `sizes` are the shape
-        sizes the clips draw from."""
+        rows draws its sigma from SD3's logit-normal (objectives.flow_matching), `sizes` are the shape
+        sizes the clips draw from, `spatial_halvings` is how often the VAE halves height and width (its
+        levels; time is halved twice at the first two, as in the recipe) and `patch` the DiT's patch_size."""
         if frames < 5 or (frames - 1) % 4:
             raise ValueError(f"frames must be 1 + 4k and at least 5, not {frames}")
         self.frames, self.anywhere = frames, anywhere
         self.flow_shift, self.logit_normal, self.sizes = flow_shift, logit_normal, tuple(sizes)
+        if spatial_halvings < 2:
+            raise ValueError(
+                f"the VAE halves time twice, so it needs at least 2 levels, not {spatial_halvings}"
+            )
+        self.spatial_halvings, self.patch = spatial_halvings, tuple(patch)
 
     def data(self, rng, batch):
         return clips.clip_batch(rng, batch, self.frames, SIZE, anywhere=self.anywhere, sizes=self.sizes)
@@ -125,16 +140,33 @@ class Family(TrainingFamily):
         self.vocab = caption_tokenizer.build_caption_t5_tokenizer(out / "tokenizer", words)
         self.tokenizer = load_t5_tokenizer(out / "tokenizer")
         c = TRANSFORMER
-        grid = ((self.frames - 1) // 4 + 1, SIZE // 4 // 2, SIZE // 4 // 2)
+        pt, ph, pw = self.patch
+        side = SIZE // 2**self.spatial_halvings
+        grid = (((self.frames - 1) // 4 + 1) // pt, side // ph, side // pw)
         self.rope = wan.wan_rope(grid, c["attention_head_dim"], c["rope_max_seq_len"])
 
     def configs(self):
         umt5 = {"architectures": ["UMT5EncoderModel"], "model_type": "umt5", "is_encoder_decoder": True}
         return {
-            "vae": {"_class_name": "AutoencoderKLWan", **VAE},
-            "transformer": {"_class_name": "WanTransformer3DModel", **TRANSFORMER},
+            "vae": {"_class_name": "AutoencoderKLWan", **self._vae_config()},
+            "transformer": {
+                "_class_name": "WanTransformer3DModel",
+                **TRANSFORMER,
+                "patch_size": list(self.patch),
+            },
             "text_encoder": {**umt5, **UMT5, "vocab_size": self.vocab},
         }
+
+    def _vae_config(self) -> dict:
+        """The VAE with `spatial_halvings` levels: the first two halve time as well as space (16 and 32 channels),
+        each further one space alone (32, then 64)."""
+        extra = self.spatial_halvings - 2
+        return dict(
+            VAE,
+            dim_mult=[1, 2, 2, *[4] * extra],
+            temperal_downsample=[True, True, *[False] * extra],
+            scale_factor_spatial=2**self.spatial_halvings,
+        )
 
     def latent_normalisation(self, latents):
         # Wan's pipeline decodes latents / (1 / latents_std) + latents_mean, per channel.
