@@ -51,8 +51,7 @@ EMBEDDED = "embedded:tiny-sdxl"
 EMBEDDED_MODELS = {
     "tiny-sdxl": ("meshserve.models.sdxl.embedded", "embedded_model_path"),
     "tiny-flux": ("meshserve.models.flux.embedded", "embedded_model_path"),
-    # Random weights until trained ones ship (training/families/wan.py; issue 22).
-    "tiny-wan": ("meshserve.models.wan.random_tiny", "random_wan_path"),
+    "tiny-wan": ("meshserve.models.wan.embedded", "embedded_model_path"),
 }
 
 

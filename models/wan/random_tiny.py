@@ -1,6 +1,6 @@
 """A random tiny Wan: a Wan 2.1 text-to-video checkpoint with random weights, made deterministically on first use.
 
-The tests' Wan checkpoint, and what "tiny-wan" serves until a trained one ships (training/families/wan.py). No
+The tests' Wan checkpoint (the embedded "tiny-wan" is a trained one: models/wan/embedded.py). No
 download, no torch: the weights come from our own NNX modules (shapes only) filled by numpy from a fixed seed,
 written as an ordinary diffusers WanPipeline folder (model_index.json, configs, safetensors in PyTorch layout, a UMT5-style T5
 tokenizer built offline, Wan 2.1's UniPC scheduler config with flow_shift 3), so it goes through exactly the
