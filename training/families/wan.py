@@ -71,14 +71,15 @@ SERVING_DEFAULTS = dict(
 
 class Family(TrainingFamily):
     name = "wan"
-    # denoiser_lr 5e-3, not the shared 1e-3: the tiny DiT must learn to grow a shape where the noise leans (it
-    # cannot find the centre, training/wan_probes.py), and that came 3x as often in the probe at 3-6e-3 than at
-    # 1e-3 (8-9 against 3 squares in 16); a whole run (2,273 s) drew held-out colour 38 % against 19 % at 1e-3.
-    # vae_lr 3e-3: the same denoiser stage drew held-out colour 65 %, shape 20 % on that VAE against 38 %, 13 %
-    # on the 1e-3 one (one pair of runs), though both VAEs' round trips read shape 90 % (wan_probes roundtrip).
-    # latent_pool 4,096: the frozen encoder was 0.67 of the denoiser's 0.97 s step of 16; drawn from a pool
-    # encoded once (180 s), a step is 0.31 s, and 6,000 of them drew held-out colour 89 %, direction 32 %
-    # (against 65 %, 11 % after 3,500 steps of fresh clips; docs/embedded-model.md).
+    # vae_steps 900 (at 1.5 s a step of 8): the 600-step VAE of this size gave back held-out clips with the shape
+    # readable in 78 % (MSE 0.039), the 900-step one in 84 % (MSE 0.031). denoiser_steps 24,000 (0.04 s a step
+    # of 16 with 48 tokens): on the 600-step VAE, 6,000 steps drew held-out direction 35 % (most clips still),
+    # 24,000 drew 100 % (docs/embedded-model.md). The whole run: 40.7 minutes on a 2-core Zen 5 EPYC.
+    # The rest comes from the 8-pixel-token runs: denoiser_lr 5e-3, not the shared 1e-3 (the DiT must grow a
+    # shape where the noise leans; that came 3x as often in training/wan_probes.py's probe at 3-6e-3); vae_lr
+    # 3e-3 (the same denoiser stage drew held-out colour 65 % on it against 38 % on a 1e-3 VAE, one pair of
+    # runs); latent_pool 4,096 (the frozen encoder was 0.67 of a 0.97 s step of 16; drawn from a pool encoded
+    # once, a step cost a third).
     recipe = Recipe(
         vae_steps=900,
         vae_batch=8,
