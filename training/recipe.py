@@ -15,6 +15,10 @@ class Recipe(BaseModel):
     vae_batch: int = 16
     vae_lr: float = 1e-3
     vae_kl_weight: float = 1e-6
+    # 0: the VAE trains on whole pictures (clips). N: on a random N x N crop of each (one crop through all of a
+    # clip's frames), so a step costs about (N / side)^2 of a whole one; the VAEs are convolutional, so the
+    # weights serve whole pictures. A multiple of 8: every family's VAE halves at most three times.
+    vae_crop: int = 0
     denoiser_steps: int = 2000
     denoiser_batch: int = 32
     denoiser_lr: float = 1e-3
@@ -38,6 +42,12 @@ class Recipe(BaseModel):
     weight_decay: float = 1e-4
     caption_dropout: float = 0.1  # rows trained unconditioned, for classifier-free guidance
     ema_decay: float = 0.999
+
+    @model_validator(mode="after")
+    def _crop_fits_the_vae(self):
+        if self.vae_crop % 8 or self.vae_crop < 0:
+            raise ValueError(f"vae_crop must be 0 or a positive multiple of 8, not {self.vae_crop}")
+        return self
 
     @model_validator(mode="after")
     def _curriculum_needs_a_pool(self):

@@ -6,10 +6,10 @@ on a pool mesh made by the serving code (models.parallel.placement.pipeline_plac
 `data` axis; weights placed by the same rules tables the serving pipeline uses, which replicate them at
 tensor=1):
 
-1. The VAE alone learns to reconstruct the pictures or clips (MSE plus a small KL term), from a sampled latent
-   so the decoder tolerates the denoiser's errors. Its latents' statistics are then written to its config in
-   the family's form (SDXL and Wan: per-channel latents_mean / latents_std; Flux: shift_factor and
-   scaling_factor), which the pipeline undoes before decoding.
+1. The VAE alone learns to reconstruct the pictures or clips (MSE plus a small KL term; with a `vae_crop`,
+   random crops of them), from a sampled latent so the decoder tolerates the denoiser's errors. Its latents'
+   statistics are then written to its config in the family's form (SDXL and Wan: per-channel latents_mean /
+   latents_std; Flux: shift_factor and scaling_factor), which the pipeline undoes before decoding.
 2. The denoiser and its text encoders learn to denoise the frozen VAE's normalised latents, on the objective
    the family's scheduler samples with (training/objectives.py: SDXL's v-prediction on a zero-terminal-SNR
    schedule, Flux's and Wan's flow matching with their shifts), through the serving pipeline's own modules
@@ -113,6 +113,19 @@ def pool_reach(recipe, step: int) -> int:
     return int(start * (recipe.latent_pool / start) ** (step / recipe.curriculum_steps))
 
 
+def random_crops(rng: np.random.Generator, pixels: np.ndarray, side: int) -> np.ndarray:
+    """A `side` x `side` crop of each row of `pixels` ([B, ..., H, W, C]: pictures or clips), at a position
+    drawn from `rng` per row, the same through a clip's frames."""
+    *_, height, width, _ = pixels.shape
+    if side > min(height, width):
+        raise ValueError(f"a crop of {side} does not fit pictures of {height}x{width}")
+    tops = rng.integers(height - side + 1, size=len(pixels))
+    lefts = rng.integers(width - side + 1, size=len(pixels))
+    return np.stack(
+        [row[..., y : y + side, x : x + side, :] for row, y, x in zip(pixels, tops, lefts, strict=True)]
+    )
+
+
 def _log(message: str) -> None:
     _logger.info(message)
 
@@ -205,10 +218,16 @@ def train(
         updates, opt_state = vae_opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, mse
 
-    _log(f"stage 1: VAE, {recipe.vae_steps} steps of {recipe.vae_batch} on {len(devices)} devices")
+    crop = f", crops of {recipe.vae_crop}" if recipe.vae_crop else ""
+    _log(f"stage 1: VAE, {recipe.vae_steps} steps of {recipe.vae_batch}{crop} on {len(devices)} devices")
+    # The crops' positions come from a generator of their own, so the data drawn (and a --vae-from trial's
+    # denoiser stage) is the same with crops or without.
+    crop_rng = np.random.default_rng(recipe.seed + 5)
     t0, vae_curve = time.monotonic(), []
     for step in range(recipe.vae_steps):
         pixels, _ = family.data(data_rng, recipe.vae_batch)
+        if recipe.vae_crop:
+            pixels = random_crops(crop_rng, pixels, recipe.vae_crop)
         vae.params, vae_opt_state, mse = vae_step(
             vae.params, vae_opt_state, put(pixels), jax.random.fold_in(key, step)
         )

@@ -12,7 +12,7 @@ from meshserve.models.checkpoints.loading import read_component_weights
 from meshserve.training import families
 from meshserve.training.families import wan as wan_family
 from meshserve.training.recipe import Recipe
-from meshserve.training.train_shapes import curriculum_order, pool_reach, train
+from meshserve.training.train_shapes import curriculum_order, pool_reach, random_crops, train
 from tests.xla_level import SERVING_LEVEL
 
 RECIPE = Recipe(vae_steps=2, denoiser_steps=2, vae_batch=4, denoiser_batch=4, warmup_steps=1, latent_stats=16)
@@ -124,13 +124,15 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     trained = families.family(family) if frames is None else wan_family.Family(frames=frames, **trial)
     # Wan draws its rows from a latent pool (its recipe's way), grouped by scene for a curriculum over the
     # first step; Flux encodes fresh pictures every step. Wan's VAE takes one step, at the full rate (no
-    # warm-up): at the suite's XLA level 0 (conftest) each step of its 3D VAE on two clips ran 26 s, after
-    # the 14 s compile (2026-11-25; the recipe's steps of eight 9-frame clips take 2-3 s at the default).
+    # warm-up), on 32 x 32 crops of the clips, and the folder's pipeline then decodes whole 64 x 64 clips: at
+    # the suite's XLA level 0 (conftest) each step of its 3D VAE on two whole clips ran 26 s, after the 14 s
+    # compile (2026-11-25; the recipe's steps of eight 9-frame clips take 2-3 s at the default).
     pooled = {
         "latent_pool": 6,
         "curriculum_steps": 1,
         "curriculum_start": 2,
         "vae_steps": 1,
+        "vae_crop": 32,
         "warmup_steps": 0,
     }
     recipe = FAMILY_RECIPE.model_copy(update=pooled if frames else {})
@@ -187,3 +189,28 @@ def test_a_curriculum_meets_the_scenes_one_group_at_a_time_in_a_random_order():
     assert len(groups) == len(set(scenes))  # each scene's rows together
     assert groups != sorted(groups)  # not in caption order
     assert curriculum_order(scenes, seed=0) == order and curriculum_order(scenes, seed=1) != order
+
+
+def test_the_vae_trains_on_random_crops_one_per_clip():
+    rng = np.random.default_rng(0)
+    clips = rng.integers(256, size=(64, 9, 64, 64, 3), dtype=np.uint8)
+    crops = random_crops(np.random.default_rng(1), clips, 32)
+    assert crops.shape == (64, 9, 32, 32, 3)
+    corners = set()
+    for clip, crop in zip(clips, crops, strict=True):
+        # Where the crop's first frame sits in its clip's first frame; every frame is cut at the same place.
+        (y, x), *_ = [
+            (y, x)
+            for y in range(33)
+            for x in range(33)
+            if np.array_equal(clip[0, y : y + 32, x : x + 32], crop[0])
+        ]
+        assert np.array_equal(clip[:, y : y + 32, x : x + 32], crop)
+        corners.add((y, x))
+    assert len(corners) > 50  # drawn per row, anywhere it fits
+    assert random_crops(np.random.default_rng(0), clips[:, 0], 64).shape == (64, 64, 64, 3)  # pictures too
+    with pytest.raises(ValueError, match="does not fit"):
+        random_crops(rng, clips, 72)
+    for side in (12, -8):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            Recipe(vae_crop=side)
