@@ -21,9 +21,9 @@ FOLDER = Path(__file__).resolve().parent / "weights" / "tiny-wan"
 TRAINING_COMMAND = "meshserve train-embedded --family wan --out models/wan/weights/tiny-wan --seed 0"
 # sha256 of each weights file, as training wrote it. A new training run must update these.
 SHA256 = {
-    "text_encoder/model.safetensors": "a066ff1f7120b2463e38f9a1b65086b6cfba4900a474e208488cd777e75e7105",
-    "transformer/diffusion_pytorch_model.safetensors": "113a8f09a80bc0fceea2298176ebc93004584174b0d1750043e4b9bca696654f",
-    "vae/diffusion_pytorch_model.safetensors": "f07bed64dafe50db6742dde087783556c948637d204a8f04c7bc38233c0cb617",
+    "text_encoder/model.safetensors": "f5d19abd48b2b6c8648669a748fbfd9bfb8f1f667e9487698620a01bafff2271",
+    "transformer/diffusion_pytorch_model.safetensors": "cf8c4da50a59738133e27464386b98e20d46a9f2e2c53f975c620e1b0909978a",
+    "vae/diffusion_pytorch_model.safetensors": "5b7109307b9d297c2676dd815d76c1abb1ded8de8e8c6cfbee739ae3b56c4668",
 }
 
 
