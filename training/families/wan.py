@@ -72,11 +72,12 @@ SERVING_DEFAULTS = dict(
 class Family(TrainingFamily):
     name = "wan"
     # vae_crop 32, vae_steps 1,000: the VAE trains on 32 x 32 crops of the clips (Recipe.vae_crop), 0.9 s a step
-    # of 8 on a 2-core Xeon against about 3.5 s for whole 64 x 64 clips, so the run fits Wan's 45 minutes on the
-    # slower machines too; it gave back held-out clips with the shape readable in 85 % (the 900 whole-clip
-    # steps before: 84 %), and the denoiser on its latents drew shape 78 % (67 % before). denoiser_steps 21,000
-    # (0.07 s a step of 16 with 48 tokens there): on a 600-step VAE, 6,000 steps drew held-out direction 35 %
-    # (most clips still), 24,000 drew 100 % (docs/embedded-model.md). The whole run: 43.1 minutes on that Xeon.
+    # of 8 on a 2-core Xeon, a quarter of a step on whole 64 x 64 clips (1.5 against 5.7 s, both beside another
+    # run), so the run fits Wan's 45 minutes on the slower machines too; it gives back held-out clips with the
+    # shape readable in 100 % (the 900 whole-clip steps before: 84 %), and the denoiser on its latents drew
+    # shape 78 % (67 % before). denoiser_steps 21,000 (0.07 s a step of 16 with 48 tokens there): on a 600-step
+    # whole-clip VAE, 6,000 steps drew held-out direction 35 % (most clips still), 24,000 drew 100 %
+    # (docs/embedded-model.md). The whole run: 43.1 minutes on that Xeon.
     # The rest comes from the 8-pixel-token runs: denoiser_lr 5e-3, not the shared 1e-3 (the DiT must grow a
     # shape where the noise leans; that came 3x as often in training/wan_probes.py's probe at 3-6e-3); vae_lr
     # 3e-3 (the same denoiser stage drew held-out colour 65 % on it against 38 % on a 1e-3 VAE, one pair of
