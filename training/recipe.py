@@ -16,8 +16,10 @@ class Recipe(BaseModel):
     vae_lr: float = 1e-3
     vae_kl_weight: float = 1e-6
     # 0: the VAE trains on whole pictures (clips). N: on a random N x N crop of each (one crop through all of a
-    # clip's frames), so a step costs about (N / side)^2 of a whole one; the VAEs are convolutional, so the
-    # weights serve whole pictures. A multiple of 8: every family's VAE halves at most three times.
+    # clip's frames), so a step costs about (N / side)^2 of a whole one. The VAEs are convolutional but for
+    # their middle block's attention, and the weights serve whole pictures (tiny-wan, trained on 32 x 32 crops
+    # of 64 x 64 clips, gives back whole held-out clips better than on whole ones: docs/embedded-model.md).
+    # A multiple of 8: every family's VAE halves at most three times.
     vae_crop: int = 0
     denoiser_steps: int = 2000
     denoiser_batch: int = 32
