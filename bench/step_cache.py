@@ -3,6 +3,7 @@ captions' pictures with the cache against the same seeds without it (PSNR, SSIM)
 (training/shape_score.py), the steps skipped, and the denoise time (medians over alternating rounds).
 
     python bench/step_cache.py                      # the embedded tiny SDXL (deep_features)
+    python bench/step_cache.py --method teacache    # the embedded tiny SDXL, TeaCache
     python bench/step_cache.py --model tiny-flux --call '{"true_cfg_scale": 2, "negative_prompt": ""}'
     python bench/step_cache.py --model tiny-wan --method teacache   # clips: each held-out motion
 

@@ -386,6 +386,19 @@ class ResnetBlock2D(nnx.Module):
 
     def __call__(self, x, temb=None):
         """x: [B, H, W, Cin], temb: [B, T] or None -> [B, H, W, Cout]."""
+        h = self.time_conditioned(x, temb)
+        if self.time_embedding_norm == "default":
+            h = self.norm2(h)
+        h = self.conv2(get_activation(self.act_fn)(h))
+        if self.conv_shortcut is not None:
+            x = self.conv_shortcut(x)
+        out = x + h
+        return out / self.output_scale_factor if self.output_scale_factor != 1.0 else out
+
+    def time_conditioned(self, x, temb=None):
+        """The hidden state where the timestep first enters the block (conv1's output plus the projected
+        timestep embedding; with "scale_shift", conv1's output normed and modulated by it), before the second
+        half. A UNet's TeaCache signal (models/engine/step_cache.py) is this state of its first resnet."""
         act = get_activation(self.act_fn)
         h = self.conv1(act(self.norm1(x)))
         t = None
@@ -395,14 +408,8 @@ class ResnetBlock2D(nnx.Module):
             if t is None:
                 raise ValueError("ResnetBlock2D with time_embedding_norm='scale_shift' needs temb")
             scale, shift = jnp.split(t, 2, axis=-1)
-            h = self.norm2(h) * (1 + scale) + shift
-        else:
-            h = self.norm2(h + t if t is not None else h)
-        h = self.conv2(act(h))
-        if self.conv_shortcut is not None:
-            x = self.conv_shortcut(x)
-        out = x + h
-        return out / self.output_scale_factor if self.output_scale_factor != 1.0 else out
+            return self.norm2(h) * (1 + scale) + shift
+        return h + t if t is not None else h
 
 
 # --------------------------------------------------------------------------------------------------

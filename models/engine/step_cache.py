@@ -11,8 +11,9 @@ and the residual they added on that step (tail = their output - their input) is 
 output instead. The reference moves only on a computed step, so small changes add up until one computes.
 
 TeaCache ("teacache", Liu et al. 2024, "Timestep Embedding Tells: It's Time to Cache"): the signal is the first
-block's modulated input (its normalised input shifted and scaled by the timestep embedding), which costs one
-small matmul, so a skipped step runs no block at all. Its relative change from the previous step (not from
+block's modulated input (a DiT's: its normalised input shifted and scaled by the timestep embedding, one small
+matmul; the UNet's: its first resnet's state where the timestep embedding is added, one conv), so a skipped
+step runs no block at all. Its relative change from the previous step (not from
 the last computed one) is summed over the steps since the blocks last ran; while the sum stays under the
 threshold the blocks are skipped and the residual of the whole stack (output - input, from the last step that
 ran it) is added to this step's input. The paper rescales each change by a polynomial fitted to one checkpoint
@@ -38,8 +39,12 @@ method a hook is the plain model:
   rule deciding instead of a fixed interval): first the first down block's output, deep(first) everything
   down to the last up block's input. A skipped step runs conv_in, the first down block, the last up block and
   the output head, and reuses the deep features of the last step that computed them.
-- `before_blocks(x, signal, blocks)` (method "teacache", the DiTs): x the first block's input, signal its
-  modulated input, blocks(x) the whole stack (which may itself route through `after_first_block`).
+- `before_blocks(x, signal, blocks)` (method "teacache"): x the first block's input, signal its modulated
+  input, blocks(x) the whole stack (which may itself route through `after_first_block` or `deep_features`).
+  The UNet's stack runs from conv_in's output to the output head's input, so a skipped step runs only
+  conv_in, the signal's conv and the head: on the embedded tiny SDXL this is what reaches the 1.5x target,
+  where `deep_features` (which still runs the full-resolution first down and last up blocks) cannot
+  (docs/step-cache.md).
 """
 
 from __future__ import annotations
@@ -175,7 +180,7 @@ def deep_features(first, deep: Callable):
 
 
 def before_blocks(x, signal, blocks: Callable):
-    """A DiT's whole block stack: blocks(x), or, under an active "teacache" cache on a step where `signal`
+    """A denoiser's whole block stack: blocks(x), or, under an active "teacache" cache on a step where `signal`
     (the first block's modulated input) has moved less than the threshold in all since the stack last ran,
     x + the residual the stack added when it last ran."""
     slot = _slot_for("teacache")

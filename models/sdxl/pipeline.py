@@ -52,9 +52,10 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     latents_layout = "[B, C, h, w]"
     strength_rule = "int"  # diffusers' SDXL get_timesteps: int(steps * strength) steps run
     pure_noise_tasks = ("inpaint",)
-    # The step cache (models/engine/step_cache.py): deep features reused while the first down block changes
-    # little. Default threshold: docs/step-cache.md (measured on the embedded trained model).
-    cache_methods = {"deep_features": 0.1}
+    # The step caches (models/engine/step_cache.py): deep features reused while the first down block changes
+    # little; TeaCache's whole-UNet residual reused while the first resnet's time-conditioned state drifts
+    # little. Default thresholds: docs/step-cache.md (measured on the embedded trained model).
+    cache_methods = {"deep_features": 0.1, "teacache": 0.2}
     # XLA:GPU's dot merger may join the self-attention's to_q, to_k and to_v (one input) into one dot, which
     # concatenates their kernels and slices q, k and v out of its result every step (the H200 profile's 60
     # concatenates and 3 x 60 slices a step fit that; not read from the HLO). Off, the UNet's CFG step at

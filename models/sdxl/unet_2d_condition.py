@@ -47,7 +47,7 @@ from meshserve.models.components.layers import (
     linear,
     timestep_embedding,
 )
-from meshserve.models.engine.step_cache import deep_features
+from meshserve.models.engine.step_cache import before_blocks, deep_features
 from meshserve.models.lora.apply import adapted
 
 # Config values we do not implement -> the value that means "not used" (diffusers' default).
@@ -613,32 +613,39 @@ class UNet2DConditionModel(nnx.Module):
 
         x = self.conv_in(x)
         down, up = list(self.down_blocks), list(self.up_blocks)
-        first, first_skips = down[0](x, emb, context)
-        skips = [x, *first_skips]
-        # The last up block takes the shallowest skips (conv_in's and the first down block's resnets'); the
-        # first down block's downsampled output goes deeper.
-        shallow, deep_skips = skips[: len(up[-1].resnets)], skips[len(up[-1].resnets) :]
         # A size that does not halve cleanly at every level: each upsample goes to its skip's size instead.
         factor = 2**self.num_upsamplers
         odd_size = height % factor != 0 or width % factor != 0
 
-        def deep(x):  # the first down block's output -> the last up block's input
-            skips = [*shallow, *deep_skips]
-            for block in down[1:]:
-                x, block_skips = block(x, emb, context)
-                skips += block_skips
-            if self.mid_block is not None:
-                x = self.mid_block(x, emb, context)
-            for block in up[:-1]:
-                block_skips = skips[-len(block.resnets) :]
-                skips = skips[: -len(block.resnets)]
-                size = tuple(skips[-1].shape[1:3]) if odd_size else None
-                x = block(x, emb, context, block_skips, size)
-            return x
+        def blocks(x):  # conv_in's output -> the output head's input
+            first, first_skips = down[0](x, emb, context)
+            skips = [x, *first_skips]
+            # The last up block takes the shallowest skips (conv_in's and the first down block's resnets');
+            # the first down block's downsampled output goes deeper.
+            shallow, deep_skips = skips[: len(up[-1].resnets)], skips[len(up[-1].resnets) :]
 
-        # A step cache (models/engine/step_cache.py) may reuse the deep features of an earlier step.
-        x = deep_features(first, deep)
-        x = up[-1](x, emb, context, shallow, None)
+            def deep(x):  # the first down block's output -> the last up block's input
+                skips = [*shallow, *deep_skips]
+                for block in down[1:]:
+                    x, block_skips = block(x, emb, context)
+                    skips += block_skips
+                if self.mid_block is not None:
+                    x = self.mid_block(x, emb, context)
+                for block in up[:-1]:
+                    block_skips = skips[-len(block.resnets) :]
+                    skips = skips[: -len(block.resnets)]
+                    size = tuple(skips[-1].shape[1:3]) if odd_size else None
+                    x = block(x, emb, context, block_skips, size)
+                return x
+
+            # A "deep_features" step cache may reuse the deep features of an earlier step.
+            x = deep_features(first, deep)
+            return up[-1](x, emb, context, shallow, None)
+
+        # A "teacache" step cache may skip every block, adding the residual they added when they last ran; its
+        # signal is where the timestep first enters the UNet (the first resnet's time-conditioned state).
+        # (Unused without that cache: the compiled program drops it.)
+        x = before_blocks(x, down[0].resnets[0].time_conditioned(x, emb), blocks)
 
         x = get_activation(self.config.act_fn)(self.conv_norm_out(x))
         return self.conv_out(x).astype(sample.dtype)

@@ -1,5 +1,5 @@
 """The step cache (models/engine/step_cache.py): the decision rule on its own, then inside the compiled loop
-of SDXL (deep features), Flux and Wan (first block): threshold 0 is the uncached model, a threshold skips steps
+of SDXL (deep features, TeaCache), Flux and Wan (first block, TeaCache): threshold 0 is the uncached model, a threshold skips steps
 and counts them, a new threshold compiles nothing, the settings join the batch key, and a layout takes the
 single device's decisions.
 
@@ -190,7 +190,11 @@ def wan(tiny_wan_path):
     return load_pipeline(tiny_wan_path)
 
 
-METHODS = {"sdxl": ["deep_features"], "flux": ["first_block", "teacache"], "wan": ["first_block", "teacache"]}
+METHODS = {
+    "sdxl": ["deep_features", "teacache"],
+    "flux": ["first_block", "teacache"],
+    "wan": ["first_block", "teacache"],
+}
 
 
 def _kw(pipe):
@@ -245,7 +249,7 @@ def test_cache_settings_join_the_batch_key(flux, tiny_sdxl_path):
 
 
 def test_a_method_of_another_family_is_refused(embedded_sdxl, flux):
-    with pytest.raises(PipelineError, match=r"one of \['deep_features'\]"):
+    with pytest.raises(PipelineError, match=r"one of \['deep_features', 'teacache'\]"):
         embedded_sdxl("a cat", num_inference_steps=1, cache={"method": "first_block"})
     with pytest.raises(PipelineError, match=r"one of \['first_block', 'teacache'\]"):
         flux("a cat", num_inference_steps=1, height=H, width=W, cache={"method": "deep_features"})
@@ -253,7 +257,8 @@ def test_a_method_of_another_family_is_refused(embedded_sdxl, flux):
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
 @pytest.mark.parametrize(
-    "family,method", [("sdxl", "deep_features"), ("flux", "first_block"), ("flux", "teacache")]
+    "family,method",
+    [("sdxl", "deep_features"), ("sdxl", "teacache"), ("flux", "first_block"), ("flux", "teacache")],
 )
 def test_a_layout_takes_the_single_device_decisions(family, method, request, record_property):
     """cfg2 x context2: the change is a reduction over sharded rows and tokens, replicated, so every device

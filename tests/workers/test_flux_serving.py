@@ -221,7 +221,10 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
                     "first_block": {"default_threshold": 0.08},
                     "teacache": {"default_threshold": 0.1},
                 }
-                assert cards["tiny-sdxl"]["limits"]["cache"] == {"deep_features": {"default_threshold": 0.1}}
+                assert cards["tiny-sdxl"]["limits"]["cache"] == {
+                    "deep_features": {"default_threshold": 0.1},
+                    "teacache": {"default_threshold": 0.2},
+                }
                 cached = {**bodies["plain"], "cache": {"method": "first_block", "threshold": 0.0}}
                 r = await client.post("/v1/generate", json=cached)
                 assert r.status_code == 202 and r.json()["params"]["cache"] == cached["cache"], r.text
