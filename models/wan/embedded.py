@@ -23,7 +23,7 @@ TRAINING_COMMAND = "meshserve train-embedded --family wan --out models/wan/weigh
 SHA256 = {
     "text_encoder/model.safetensors": "f5d19abd48b2b6c8648669a748fbfd9bfb8f1f667e9487698620a01bafff2271",
     "transformer/diffusion_pytorch_model.safetensors": "cf8c4da50a59738133e27464386b98e20d46a9f2e2c53f975c620e1b0909978a",
-    "vae/diffusion_pytorch_model.safetensors": "5b7109307b9d297c2676dd815d76c1abb1ded8de8e8c6cfbee739ae3b56c4668",
+    "vae/diffusion_pytorch_model.safetensors": "b71428310fd9b5067920e14989366dbea9d43aa080c69842b3b831a6d195cc3f",
 }
 
 

@@ -159,10 +159,13 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
         assert pipe.defaults["num_frames"] == frames and images.shape[1] == frames
         # The folder samples at the shift it was trained at.
         assert json.loads((folder / "scheduler/scheduler_config.json").read_text())["flow_shift"] == 1.5
-        # Wan's VAE is written in diffusers' names and shapes: --vae-from reads it back into ours.
+        # Wan's VAE is written in diffusers' names and shapes: --vae-from reads it back into ours. It is stored
+        # in float16 (the shipped folder's size), so the latent statistics come back to that rounding: the
+        # channel means, about 0.01-0.03 here, within 1.2e-5 of the float32 VAE's on 2026-11-28.
         again = train(tmp_path / "again", trained, recipe, vae_from=folder, **options)
         for name, value in record["latent_normalisation"].items():
-            np.testing.assert_allclose(again["latent_normalisation"][name], value, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(again["latent_normalisation"][name], value, rtol=1e-3, atol=1e-4)
+        assert {str(w.dtype) for w in read_component_weights(folder / "vae").values()} == {"float16"}
         vae, reused = (read_component_weights(f / "vae") for f in (folder, tmp_path / "again"))
         assert vae.keys() == reused.keys() and all(np.array_equal(vae[k], reused[k]) for k in vae)
 
