@@ -357,6 +357,9 @@ class Job(BaseModel):
     deadline_at: float | None = None
     # Present once a webhook was asked for and the job ended with an event it subscribes to.
     webhook: WebhookState | None = None
+    # A succeeded job that asked for a step cache (`params.cache`): the denoising steps that reused cached
+    # features instead of running the denoiser's blocks (docs/step-cache.md). None otherwise.
+    cached_steps: int | None = None
     # Not stored: jobs ahead of this one while queued, filled by `Store.submit` / `Store.queue_position`.
     queue_position: int | None = None
 

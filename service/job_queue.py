@@ -347,7 +347,12 @@ class JobQueue(JobReads):
         return int(await self._run("END", [], args)) == 1
 
     async def complete(
-        self, delivery: Delivery, outputs: list[OutputBlob], stages: dict[str, float] | None = None
+        self,
+        delivery: Delivery,
+        outputs: list[OutputBlob],
+        stages: dict[str, float] | None = None,
+        *,
+        cached_steps: int | None = None,
     ) -> bool:
         """Store the outputs (bytes with `output_ttl_s`, or objects under `output_dir`), mark the job succeeded
         with its outputs and timings, emit `succeeded`, XACK and drop the lease. The bytes are written first
@@ -355,7 +360,8 @@ class JobQueue(JobReads):
         then renames them into place (Redis) or records the attempt's object key, and commits the job: a stale
         attempt's call returns False and nothing it wrote becomes visible. So a succeeded job always has its
         outputs. Raises `OutputStoreError` when an object cannot be written (nothing is committed; the caller
-        retries or fails the job). `stages`: seconds per stage as measured by the worker (text_encode, ...)."""
+        retries or fails the job). `stages`: seconds per stage as measured by the worker (text_encode, ...);
+        `cached_steps`: the steps a step cache skipped (a job with `cache`)."""
         job, now = delivery.job, time.time()
         started = job.started_at or now
         timings = Timings(
@@ -390,6 +396,9 @@ class JobQueue(JobReads):
         if out_key:
             fields["out_key"] = out_key
         data = {"status": "succeeded", "outputs": records, "timings": timings.model_dump(mode="json")}
+        if cached_steps is not None:
+            fields["cached_steps"] = str(cached_steps)
+            data["cached_steps"] = cached_steps
         done = await self._end(delivery, JobStatus.SUCCEEDED, fields, data, renames)
         if not done and renames:
             await self._raw.delete(*(staged for staged, _ in renames))

@@ -266,6 +266,11 @@ class JobResponse(BaseModel):
     webhook: WebhookState | None = Field(
         None, description="The webhook's delivery, once the job ended with an event it subscribes to."
     )
+    cached_steps: int | None = Field(
+        None,
+        description="A succeeded job that asked for a step cache (`params.cache`): the denoising steps that "
+        "reused cached features instead of running the denoiser's blocks (docs/step-cache.md).",
+    )
 
     @classmethod
     def from_job(cls, job: Job) -> JobResponse:
@@ -287,6 +292,7 @@ class JobResponse(BaseModel):
             ),
             deadline_at=job.deadline_at,
             webhook=job.webhook,
+            cached_steps=job.cached_steps,
         )
 
 

@@ -68,6 +68,7 @@ def job_from_hash(h: dict[str, str]) -> Job:
         cancel_requested=h.get("cancel") == "1",
         deadline_at=_f(h.get("deadline")),
         webhook=_webhook_state(h),
+        cached_steps=int(h["cached_steps"]) if h.get("cached_steps") else None,
     )
 
 

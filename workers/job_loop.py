@@ -611,7 +611,9 @@ class JobLoop:
             return await self._end(
                 w,
                 "succeeded",
-                lambda: self.store.complete(w.delivery, result.outputs, result.timings),
+                lambda: self.store.complete(
+                    w.delivery, result.outputs, result.timings, cached_steps=result.cached_steps
+                ),
                 retry_on=(RedisError, OutputStoreError),
             )
         except OutputStoreError as e:

@@ -90,6 +90,7 @@ class Generated:
     seeds: list[int]
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False
+    cached_steps: int | None = None  # steps a step cache skipped (the batch's; None: no cache asked)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class RunResult:
     outputs: list[OutputBlob]  # encoded bytes, ready for Store.complete
     timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds: text_encode, denoise, ...
     compiled: bool = False  # this call compiled a new program (a bucket/batch size not warmed up)
+    cached_steps: int | None = None  # steps a step cache skipped (None: the job asked for none)
 
 
 class Runner(ABC):
@@ -345,7 +347,8 @@ class PipelineRunner(Runner):
             # from a layout, a trace or a shape included) is the engine's: retried, then dead-lettered.
             raise InvalidRequest(str(e)) from e
         images = np.asarray(out.images)[:real]  # [B, H, W, 3] or [B, F, H, W, 3]
-        return split_rows(batch, images, list(out.seeds)[:real], dict(out.timings), bool(out.compiled))
+        seeds, timings = list(out.seeds)[:real], dict(out.timings)
+        return split_rows(batch, images, seeds, timings, bool(out.compiled), out.cached_steps)
 
     def _previews(self, batch, pad: int, previews: PreviewCallback | None) -> dict:
         """The pipeline's preview arguments: each row's period (from the jobs: the same on every process of a
@@ -447,15 +450,15 @@ def split_rows(
     seeds: list[int],
     timings: dict[str, float],
     compiled: bool,
+    cached_steps: int | None = None,
 ) -> list[Generated]:
-    """Cut a batch's rows [B, ...] back into per-job outputs (views: no copy). Batch-wide stage timings are
-    shared by every job of the batch."""
+    """Cut a batch's rows [B, ...] back into per-job outputs (views: no copy). Batch-wide stage timings and
+    the step cache's skipped steps (one decision per step for the whole batch) are every job's."""
     out, row = [], 0
     for req in batch:
         n = req.params.n
-        out.append(
-            Generated(req.job_id, images[row : row + n], list(seeds[row : row + n]), timings, compiled)
-        )
+        rows, row_seeds = images[row : row + n], list(seeds[row : row + n])
+        out.append(Generated(req.job_id, rows, row_seeds, timings, compiled, cached_steps))
         row += n
     return out
 
@@ -483,7 +486,7 @@ def encode_job(req: RunRequest, generated: Generated | RunResult) -> RunResult:
             )
         )
     timings = {**generated.timings, "encode": time.perf_counter() - t0}
-    return RunResult(req.job_id, outputs, timings, generated.compiled)
+    return RunResult(req.job_id, outputs, timings, generated.compiled, generated.cached_steps)
 
 
 def split_and_encode(

@@ -229,17 +229,30 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
                 r = await client.post("/v1/generate", json=cached)
                 assert r.status_code == 202 and r.json()["params"]["cache"] == cached["cache"], r.text
                 compiled = pipe.compilations
-                while (job := (await client.get(f"/v1/jobs/{r.json()['id']}")).json())["status"] not in (
-                    "succeeded",
-                    "failed",
-                    "canceled",
-                ):
-                    assert time.monotonic() < deadline + 120, job
-                    await asyncio.sleep(0.1)
-                assert job["status"] == "succeeded", job
+
+                async def finished(job_id):
+                    while (job := (await client.get(f"/v1/jobs/{job_id}")).json())["status"] not in (
+                        "succeeded",
+                        "failed",
+                        "canceled",
+                    ):
+                        assert time.monotonic() < deadline + 120, job
+                        await asyncio.sleep(0.1)
+                    assert job["status"] == "succeeded", job
+                    return job
+
+                job = await finished(r.json()["id"])
                 assert pipe.compilations == compiled + 1  # the cached denoise program, compiled once
                 out = png((await client.get(job["outputs"][0]["url"])).content)
                 assert max_diff(out, images["plain"]) <= 1
+                # The job says how many steps its cache skipped: none at 0; at 1, every step but the first
+                # (the first-block rule on this random model, as in tests/models/test_step_cache.py), with
+                # no new program. A job without a cache has no count.
+                assert job["cached_steps"] == 0 and jobs["plain"]["cached_steps"] is None
+                lazy = {**cached, "cache": {"method": "first_block", "threshold": 1.0}}
+                job = await finished((await client.post("/v1/generate", json=lazy)).json()["id"])
+                assert job["cached_steps"] == job["params"]["num_inference_steps"] - 1 > 0, job
+                assert pipe.compilations == compiled + 1
 
                 # A batch mixing the two (the pipeline selects per row) gives each row its own result.
                 reqs = [
