@@ -109,6 +109,22 @@ function selectModel() {
   $("strength").max = strength ? strength.max : 1;
   $("strength").placeholder = strength && strength.defaults["image-to-image"] != null
     ? `${strength.defaults["image-to-image"]} (default)` : "default";
+  // The step cache once the server takes it (the request has the field) and this model has one (limits.cache:
+  // {method: {default_threshold}}); "off" by default, the method kept across models that have it.
+  const methods = requestFields.has("cache") && l.cache ? Object.keys(l.cache) : [];
+  $("cache-row").hidden = !methods.length;
+  const method = $("cache-method"), chosen = method.value;
+  method.replaceChildren(new Option("off", ""), ...methods.map((m) => new Option(m, m)));
+  if (methods.includes(chosen)) method.value = chosen;
+  selectCacheMethod();
+}
+
+// The threshold field follows the method: its default as the placeholder, disabled while the cache is off.
+function selectCacheMethod() {
+  const card = currentCard(), method = $("cache-method").value;
+  const entry = card && card.limits.cache && method ? card.limits.cache[method] : null;
+  $("cache-threshold").disabled = !entry;
+  $("cache-threshold").placeholder = entry ? `${entry.default_threshold} (default)` : "";
 }
 
 // -- one generation -----------------------------------------------------------------------------------------
@@ -146,6 +162,10 @@ async function requestBody() {
     const mask = $("mask-row").hidden ? null : await readDataUrl($("mask"));
     if (mask) body.mask = mask;
     if (!$("strength-row").hidden && numberOf("strength") !== undefined) body.strength = numberOf("strength");
+  }
+  if (!$("cache-row").hidden && $("cache-method").value) {
+    body.cache = { method: $("cache-method").value };
+    if (numberOf("cache-threshold") !== undefined) body.cache.threshold = numberOf("cache-threshold");
   }
   if (requestFields.has("previews")) body.previews = true;
   return body;
@@ -309,6 +329,9 @@ async function showJob(job) {
   $("seed-used").textContent = job.outputs.map((o) => o.seed ?? job.params.seed).join(", ");
   const t = job.timings;
   $("timings").textContent = `queue ${seconds(t.queue_s)}, inference ${seconds(t.inference_s)}, total ${seconds(t.total_s)}`;
+  const cached = job.cached_steps != null; // a job that asked for a step cache
+  $("cached-label").hidden = !cached; $("cached-steps").hidden = !cached;
+  $("cached-steps").textContent = cached ? `${job.cached_steps} of ${job.progress.total_steps}` : "";
   $("details").hidden = false;
 }
 
@@ -324,6 +347,7 @@ function useKey() {
 document.addEventListener("DOMContentLoaded", async () => {
   $("form").addEventListener("submit", generate);
   $("model").addEventListener("change", selectModel);
+  $("cache-method").addEventListener("change", selectCacheMethod);
   $("key-use").addEventListener("click", useKey);
   $("api-key").addEventListener("keydown", (e) => { if (e.key === "Enter") { e.preventDefault(); useKey(); } });
   if (sessionStorage.getItem(KEY_STORE)) { $("key-box").hidden = false; $("api-key").value = sessionStorage.getItem(KEY_STORE); }

@@ -425,3 +425,59 @@ def test_with_keys_on_the_page_asks_for_one(page, servers):
     assert page.evaluate("sessionStorage.getItem('meshserve.apiKey')") == ADMIN_KEY
     assert page.evaluate("localStorage.length") == 0
     assert page.context.cookies() == [] and ADMIN_KEY not in page.url
+
+
+def test_a_step_cache_is_asked_for_and_its_skipped_steps_shown(page, servers):
+    """A model whose card lists step caches gets the Step cache field (off by default, the method's default
+    threshold as the placeholder); the request carries `cache` only when one is chosen, and the finished job's
+    `cached_steps` is shown. The API is answered in the browser: a real cached job compiles its program on the
+    request path (docs/step-cache.md), and the served side is tested in tests/workers/test_flux_serving.py."""
+    (card,) = httpx.get(servers["open"] + "/v1/models").json()["data"]
+    assert card["limits"]["cache"]["teacache"] == {"default_threshold": 0.2}  # the embedded tiny SDXL's
+    png = io.BytesIO()
+    Image.fromarray(render(Scene("red", "circle", "blue"))).save(png, format="PNG")
+    output = {"index": 0, "url": "/v1/jobs/cached/outputs/0", "content_type": "image/png", "width": 64}
+    job = {
+        "id": "cached",
+        "status": "succeeded",
+        "progress": {"step": 30, "total_steps": 30},
+        "params": {"prompt": README_PROMPT, "seed": 3},
+        "outputs": [{**output, "height": 64, "seed": 3}],
+        "timings": {"queue_s": 0.0, "inference_s": 1.0, "total_s": 1.0},
+    }
+    sent = []
+
+    def submit(route):
+        body = route.request.post_data_json
+        sent.append(body)
+        route.fulfill(json={**job, "cached_steps": 17} if "cache" in body else job)
+
+    page.route("**/v1/generate", submit)
+    page.route(
+        "**/v1/jobs/cached/outputs/0", lambda r: r.fulfill(body=png.getvalue(), content_type="image/png")
+    )
+    _ready(page, servers["open"])
+    assert page.is_visible("#cache-method")
+    options = page.eval_on_selector_all("#cache-method option", "os => os.map((o) => o.value)")
+    assert options == ["", *card["limits"]["cache"]]  # "" is off
+    assert page.is_disabled("#cache-threshold")
+    page.fill("#prompt", README_PROMPT)
+
+    # Off: no cache in the request, no count shown.
+    page.click("#generate")
+    page.wait_for_selector("#result img.output", state="attached")
+    assert "cache" not in sent[-1] and page.is_hidden("#cached-steps")
+
+    # teacache at 0.3: sent as chosen, and the job's skipped steps shown.
+    page.select_option("#cache-method", "teacache")
+    assert page.get_attribute("#cache-threshold", "placeholder") == "0.2 (default)"
+    page.fill("#cache-threshold", "0.3")
+    page.click("#generate")
+    page.wait_for_selector("#cached-steps:text('17 of 30')")
+    assert sent[-1]["cache"] == {"method": "teacache", "threshold": 0.3}
+
+    # A method without a threshold typed: the server fills its default.
+    page.fill("#cache-threshold", "")
+    page.click("#generate")
+    page.wait_for_selector("#result img.output", state="attached")
+    assert sent[-1]["cache"] == {"method": "teacache"}
