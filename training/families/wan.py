@@ -200,8 +200,8 @@ class Family(TrainingFamily):
     def write_folder(self, out, configs, weights, record):
         # The VAE is stored in float16: in float32 (8.1 MB) it made the folder 10.4 MB, over the 10 MB a shipped
         # model may weigh; in float16 4.1 MB (6.4 MB in all). Loaders cast it back to the pipeline's dtype; on
-        # the 2026-11-28 weights every pixel of the held-out clips stayed within 1/255 of the float32 VAE's and
-        # the held-out adherence was unchanged (docs/embedded-model.md).
+        # the 2026-11-28 weights every pixel of three clips stayed within 1/255 of the float32 VAE's and the
+        # held-out adherence was unchanged (docs/embedded-model.md).
         vae = {k: v.astype(np.float16) for k, v in random_tiny.vae_to_diffusers(weights["vae"]).items()}
         weights = dict(weights, vae=vae)
         entries = {name: write_component(out / name, configs[name], w) for name, w in weights.items()}
