@@ -25,6 +25,9 @@ def openapi_schema() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):  # `--help` is not a path to write the schema to
+        sys.stdout.write(__doc__.strip() + "\n")
+        return 0 if argv[0] in ("-h", "--help") else 2
     path = Path(argv[0]) if argv else DEFAULT_PATH
     text = yaml.safe_dump(openapi_schema(), sort_keys=False, allow_unicode=True, width=110)
     path.write_text(

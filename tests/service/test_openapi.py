@@ -36,3 +36,13 @@ def test_openapi_file_is_valid():
     errors = paths["/v1/generate"]["post"]["responses"]
     assert {"202", "200", "404", "422", "429", "503"} <= set(errors)
     assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+
+
+def test_the_export_takes_no_option_for_a_path(tmp_path, monkeypatch, capsys):
+    """`--help` prints the usage; it once wrote the schema to a file named `--help`."""
+    from meshserve.service.openapi_export import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--help"]) == 0 and main(["-x"]) == 2
+    assert "openapi.yaml" in capsys.readouterr().out and not list(tmp_path.iterdir())
+    assert main([str(tmp_path / "schema.yaml")]) == 0 and (tmp_path / "schema.yaml").stat().st_size > 0
