@@ -29,6 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
     fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
     images = _image_inputs(args)  # before loading anything: a bad file is a one-line error at once
     loras = _lora_arguments(args.lora)
+    cache = _cache_argument(args.cache)
 
     from tqdm import tqdm
 
@@ -79,6 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
             **images,
             **settings,
             **({"loras": [{"name": n, "scale": scale} for n, _, scale in loras]} if loras else {}),
+            **({"cache": cache} if cache else {}),
         )
         bar.close()
     except PipelineError as e:
@@ -94,7 +96,8 @@ def _generate(args: argparse.Namespace) -> int:
         data, _ = encode_output(output, fmt, fps=args.fps or pipe.defaults.get("fps", 16))
         path.write_bytes(data)
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
-    print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages})")
+    skipped = f"; cached steps {result.cached_steps}" if cache else ""
+    print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages}{skipped})")
     return 0
 
 
@@ -118,6 +121,22 @@ def _lora_arguments(specs: list[str]) -> list[tuple[str, str, float]]:
             raise UsageError(f"--lora: the name {name!r} is given twice")
         out.append((name, source, scale))
     return out
+
+
+def _cache_argument(spec: str | None) -> dict | None:
+    """--cache METHOD[:THRESHOLD] -> the pipeline's `cache` (the method and threshold are checked by the
+    pipeline against the model's `limits["cache"]`; no threshold: the method's default)."""
+    if spec is None:
+        return None
+    method, colon, threshold = spec.partition(":")
+    if not method or (colon and not threshold):
+        raise UsageError(f"--cache {spec!r}: expected METHOD[:THRESHOLD]")
+    if not colon:
+        return {"method": method}
+    try:
+        return {"method": method, "threshold": float(threshold)}
+    except ValueError:
+        raise UsageError(f"--cache {spec!r}: the threshold must be a number") from None
 
 
 def _image_inputs(args: argparse.Namespace) -> dict:
@@ -252,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH[:SCALE]",
         help="apply a LoRA adapter (a .safetensors file or folder, or a Hub id owner/name[/file.safetensors]) at "
         "SCALE (default 1); repeatable (docs/lora.md)",
+    )
+    gen.add_argument(
+        "--cache",
+        default=None,
+        metavar="METHOD[:THRESHOLD]",
+        help="a step cache: teacache, first_block (Flux, Wan) or deep_features (SDXL), at THRESHOLD (default: "
+        "the method's; docs/step-cache.md)",
     )
     gen.set_defaults(func=_generate)
 

@@ -109,6 +109,10 @@ def _unsupported(tmp_path):
         (lambda p: ["-o", str(p / "o.mp4")], "output_format 'mp4' is not one of ['png', 'jpeg', 'webp']"),
         (lambda p: ["--model", "tiny-wan"], "output_format 'png' is not one of ['mp4', 'webp'] for tiny-wan"),
         (lambda p: ["--frames", "5"], "tiny-sdxl makes images; num_frames must be left out"),
+        # The step cache is checked by the pipeline against the model's methods and the threshold's range.
+        (lambda p: ["--cache", "first_block"], "cache method must be one of ['deep_features', 'teacache']"),
+        (lambda p: ["--cache", "teacache:2"], "cache threshold must be between 0 and 1, got 2.0"),
+        (lambda p: ["--cache", "teacache:x"], "--cache 'teacache:x': the threshold must be a number"),
     ],
 )
 def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
@@ -132,7 +136,10 @@ class _RecordingPipe:
     def __call__(self, prompt, **kwargs):
         self.calls.append(kwargs)
         shape = (1, 5, 16, 32, 3) if self.video else (1, 16, 32, 3)
-        return types.SimpleNamespace(images=np.full(shape, 0.5), seeds=[kwargs["seed"]], timings={})
+        skipped = 1 if "cache" in kwargs else None
+        return types.SimpleNamespace(
+            images=np.full(shape, 0.5), seeds=[kwargs["seed"]], timings={}, cached_steps=skipped
+        )
 
 
 @pytest.mark.parametrize("video", [False, True], ids=["inpaint-png", "image-to-video-mp4"])
@@ -215,3 +222,21 @@ def test_generate_image_input_errors_are_one_clear_line(tmp_path, make_args, mat
     )
     err = capsys.readouterr().err
     assert match in err and err.startswith("meshserve generate: error:"), err
+
+
+@pytest.mark.parametrize(
+    "spec,cache",
+    [("teacache:0.3", {"method": "teacache", "threshold": 0.3}), ("teacache", {"method": "teacache"})],
+)
+def test_generate_passes_the_step_cache(tmp_path, monkeypatch, capsys, spec, cache):
+    """--cache METHOD[:THRESHOLD] reaches the pipeline as its `cache` (no threshold: the method's default, filled
+    in by the pipeline), and the line written says how many steps came from the cache; without it, no cache."""
+    from meshserve import cli
+
+    pipe = _RecordingPipe(video=False)
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    args = ["generate", "--prompt", "a cat", "--seed", "3", "-o", str(tmp_path / "out.png")]
+    assert cli.main([*args, "--cache", spec]) == 0
+    assert pipe.calls[-1]["cache"] == cache and "; cached steps 1)" in capsys.readouterr().out
+    assert cli.main(args) == 0
+    assert "cache" not in pipe.calls[-1] and "cached steps" not in capsys.readouterr().out
