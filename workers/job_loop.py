@@ -345,10 +345,13 @@ class JobLoop:
             self._active = {}
             self._count_compilations(runner, compiled_before, batch, time.perf_counter() - t0)
         metrics.INFERENCE_SECONDS.labels(model).observe(time.perf_counter() - t0)
+        self._observe_batch(model, batch, results)
         if self.encoder is not None:
             await self._hand_off(model, batch, requests, results)
             return
-        self._observe(model, results)
+        for r in results:  # encoded in `run` (a runner without an encoder): each job's own encoding time
+            if "encode" in r.timings:
+                metrics.STAGE_SECONDS.labels(model, "encode").observe(r.timings["encode"])
         by_id = {w.job_id: w for w in batch}
         for result in results:
             w = by_id[result.job_id]
@@ -371,10 +374,6 @@ class JobLoop:
     ) -> None:
         """Give a batch's outputs to the encoder and return (the pool thread is free for the next batch); waits
         only while `max_encoding` batches are already there."""
-        stages = generated[0].timings if generated else {}
-        for stage, seconds in stages.items():  # batch-wide stages once per batch; encoding is per job
-            if stage != "encode":
-                metrics.STAGE_SECONDS.labels(model, stage).observe(seconds)
         await self._encode_slots.acquire()
         task = asyncio.create_task(self._finish(batch, requests, generated), name=f"{self.pool}-finish")
         self._finishing.add(task)
@@ -446,14 +445,18 @@ class JobLoop:
             if w.job_id in self._held:
                 await self._execute(runner, [w])
 
-    def _observe(self, model: str, results: list[RunResult]) -> None:
-        stages = results[0].timings if results else {}
-        for stage, seconds in stages.items():
-            if stage != "encode":  # batch-wide stages once per batch; encoding is per job
+    def _observe_batch(self, model: str, batch: list[Work], results: list[Generated | RunResult]) -> None:
+        """A batch's stage timings (once per batch; encoding is per job, observed where it happens) and the
+        steps its step cache skipped (one count for the batch: its jobs share each step's decision)."""
+        if not results:
+            return
+        first = results[0]
+        for stage, seconds in first.timings.items():
+            if stage != "encode":
                 metrics.STAGE_SECONDS.labels(model, stage).observe(seconds)
-        for r in results:
-            if "encode" in r.timings:
-                metrics.STAGE_SECONDS.labels(model, "encode").observe(r.timings["encode"])
+        cache = batch[0].delivery.job.params.cache
+        if cache is not None and first.cached_steps is not None:
+            metrics.CACHED_STEPS.labels(model, cache.method).inc(first.cached_steps)
 
     def _count_compilations(self, runner: Runner, before: int, batch: list[Work], seconds: float) -> None:
         """Programs the batch compiled on the request path (a shape the pool did not warm up), counted and logged

@@ -24,6 +24,12 @@ STAGE_SECONDS = Histogram(
     ["model", "stage"],
     buckets=_STAGE_BUCKETS,
 )
+CACHED_STEPS = Counter(
+    "meshserve_worker_cached_steps_total",
+    "Denoising steps a step cache skipped (docs/step-cache.md), counted once per batch (its jobs share each "
+    "step's decision), by model and method.",
+    ["model", "method"],
+)
 DENOISE_STEP_SECONDS = Histogram(
     "meshserve_worker_denoise_step_seconds",
     "Wall seconds between two denoise-step callbacks.",

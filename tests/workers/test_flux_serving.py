@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import yaml
 from PIL import Image
+from prometheus_client import REGISTRY
 
 from meshserve.models.flux.random_tiny import random_flux_path
 from meshserve.service.app import create_app
@@ -249,10 +250,15 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
                 # (the first-block rule on this random model, as in tests/models/test_step_cache.py), with
                 # no new program. A job without a cache has no count.
                 assert job["cached_steps"] == 0 and jobs["plain"]["cached_steps"] is None
+                labels = {"model": "tiny-flux", "method": "first_block"}
+                counted = REGISTRY.get_sample_value("meshserve_worker_cached_steps_total", labels) or 0.0
                 lazy = {**cached, "cache": {"method": "first_block", "threshold": 1.0}}
                 job = await finished((await client.post("/v1/generate", json=lazy)).json()["id"])
                 assert job["cached_steps"] == job["params"]["num_inference_steps"] - 1 > 0, job
                 assert pipe.compilations == compiled + 1
+                # ... and the worker counts them (meshserve_worker_cached_steps_total, once per batch).
+                now = REGISTRY.get_sample_value("meshserve_worker_cached_steps_total", labels)
+                assert now - counted == job["cached_steps"]
 
                 # A batch mixing the two (the pipeline selects per row) gives each row its own result.
                 reqs = [
