@@ -347,7 +347,7 @@ class JobLoop:
         metrics.INFERENCE_SECONDS.labels(model).observe(time.perf_counter() - t0)
         self._observe_batch(model, batch, results)
         if self.encoder is not None:
-            await self._hand_off(model, batch, requests, results)
+            await self._hand_off(batch, requests, results)
             return
         for r in results:  # encoded in `run` (a runner without an encoder): each job's own encoding time
             if "encode" in r.timings:
@@ -366,11 +366,7 @@ class JobLoop:
     # -- encoding, off the pool thread -----------------------------------------------------------------------
 
     async def _hand_off(
-        self,
-        model: str,
-        batch: list[Work],
-        requests: list[RunRequest],
-        generated: list[Generated | RunResult],
+        self, batch: list[Work], requests: list[RunRequest], generated: list[Generated | RunResult]
     ) -> None:
         """Give a batch's outputs to the encoder and return (the pool thread is free for the next batch); waits
         only while `max_encoding` batches are already there."""
