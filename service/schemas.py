@@ -61,14 +61,14 @@ def _check_metadata(metadata: dict[str, MetadataValue]) -> dict[str, MetadataVal
         if isinstance(value, str) and len(value) > MAX_METADATA_STRING:
             raise PydanticCustomError(
                 "string_too_long",
-                "metadata[{key!r}] must be at most {limit} characters, got {got}",
-                {"key": key, "limit": MAX_METADATA_STRING, "got": len(value)},
+                "metadata[{key}] must be at most {limit} characters, got {got}",
+                {"key": repr(key), "limit": MAX_METADATA_STRING, "got": len(value)},
             )
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_METADATA_INT:
             raise PydanticCustomError(
                 "out_of_range",
-                "metadata[{key!r}] must be within +-2**53, got {digits} digits",
-                {"key": key, "digits": len(str(abs(value)))},
+                "metadata[{key}] must be within +-2**53, got {digits} digits",
+                {"key": repr(key), "digits": len(str(abs(value)))},
             )
     return metadata
 
@@ -83,7 +83,7 @@ MAX_LORAS = 16
 class LoraRequest(BaseModel):
     """One LoRA adapter to apply to every output of the job."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     name: str = Field(pattern=NAME_PATTERN, description="An adapter of the model (`/v1/models`: `adapters`).")
     scale: float = Field(
@@ -94,7 +94,7 @@ class LoraRequest(BaseModel):
 class CacheRequest(BaseModel):
     """A step cache for the job (docs/step-cache.md): the model's `limits.cache` lists its methods."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     method: str = Field(
         min_length=1,
@@ -126,7 +126,9 @@ class GenerateRequest(BaseModel):
     job's `params.seed` then shows."""
 
     # allow_inf_nan=False: NaN, Infinity and 1e309 (JSON that Python reads as inf) are 422s in every float field.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: a JSON value of the wrong type is a 422 (`"n": true`, `"width": "64"`, `"steps": 2.0`), not coerced;
+    # an int is still a float. The request models below are strict the same way.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = Field(
         None, description="A served model id; may be left out when exactly one is served."
@@ -159,7 +161,7 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")
     output_format: OutputFormat | None = None
-    priority: Priority = Priority.NORMAL
+    priority: Priority = Field(Priority.NORMAL, strict=False)  # JSON gives the enum its value, a string
     metadata: Annotated[dict[str, MetadataValue], AfterValidator(_check_metadata)] = Field(
         default_factory=dict, max_length=32
     )
@@ -175,6 +177,7 @@ class GenerateRequest(BaseModel):
     # before the job is accepted; the job carries a reference (service/input_store.py).
     image: str | None = Field(
         None,
+        min_length=1,
         description="An input image: a data URL (`data:image/png;base64,...`) or an http(s) URL the API fetches "
         "(public addresses only). PNG, JPEG or WebP, one still frame, at most `max_image_bytes` and "
         "`max_image_pixels`; resized to the job's width x height. With it the job is image-to-image, or "
@@ -183,6 +186,7 @@ class GenerateRequest(BaseModel):
     )
     mask: str | None = Field(
         None,
+        min_length=1,
         description="Inpainting mask, in the same forms as `image` and of its size: white is repainted, black "
         "kept (read as grayscale). Needs `image`; the model must list the `inpaint` task.",
         examples=[EXAMPLE_MASK],
@@ -223,7 +227,7 @@ class ImagesRequest(BaseModel):
     """OpenAI-compatible `POST /v1/images/generations` (fields OpenAI clients send that do not apply here, such
     as `quality`, `style` or `user`, are accepted and ignored)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
     model: str | None = None

@@ -15,6 +15,7 @@ frame counts are served the same way: `limits.frames.served`, intersected over i
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -304,24 +305,31 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
         if req.strength is not None:
             raise FieldError("strength", "not_supported", f"{info.id} takes no strength for {task}")
         return None
-    if req.strength is None:
-        return defaults[task]
+    strength = defaults[task] if req.strength is None else req.strength
     low, high = lim.strength.min, lim.strength.max
-    if not low < req.strength <= high:
+    if req.strength is not None and not low < strength <= high:
         raise FieldError(
             "strength",
             "out_of_range",
-            f"strength must be in ({low:g}, {high:g}] for {info.id}, got {req.strength}",
+            f"strength must be in ({low:g}, {high:g}] for {info.id}, got {strength}",
         )
-    if lim.strength.rule == "int" and int(steps * req.strength) < 1:
-        # SDXL's rule (diffusers' get_timesteps) runs int(steps * strength) steps: none is not a generation.
+    if lim.strength.rule == "int" and int(steps * strength) < 1:
+        # SDXL's rule (diffusers' get_timesteps) runs int(steps * strength) steps: none is not a generation. With
+        # the task's default strength it is the step count the client chose that is too small.
+        if req.strength is None:
+            raise FieldError(
+                "num_inference_steps",
+                "no_steps",
+                f"{task}'s default strength {strength:g} of {steps} steps runs no step on {info.id}: at least "
+                f"{math.ceil(1 / strength)} num_inference_steps (or a larger strength)",
+            )
         raise FieldError(
             "strength",
             "no_steps",
-            f"strength {req.strength} of {steps} steps runs no step on {info.id}: "
+            f"strength {strength} of {steps} steps runs no step on {info.id}: "
             f"at least {1 / steps:.3g} (or more num_inference_steps)",
         )
-    return req.strength
+    return strength
 
 
 def normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> JobParams:

@@ -28,8 +28,12 @@ async def read_image_fields(
 ) -> tuple[bytes | None, bytes | None]:
     """The bytes of a request's `image` and `mask` fields (data URLs, or http(s) URLs fetched now)."""
     try:
-        image_bytes = await read_image_field(image, field="image", settings=settings) if image else None
-        mask_bytes = await read_image_field(mask, field="mask", settings=settings) if mask else None
+        image_bytes = (
+            await read_image_field(image, field="image", settings=settings) if image is not None else None
+        )
+        mask_bytes = (
+            await read_image_field(mask, field="mask", settings=settings) if mask is not None else None
+        )
     except ImageInputError as e:
         raise _refused(e) from None
     return image_bytes, mask_bytes

@@ -45,7 +45,7 @@ async def test_bad_deadlines_are_422s_naming_the_field(make_settings):
             ({"Cancel-After": "0"}, {}, "Cancel-After", "out_of_range"),
             ({}, {"deadline_s": 0}, "deadline_s", "greater_than"),
             ({}, {"deadline_s": 7200}, "deadline_s", "out_of_range"),
-            ({}, {"deadline_s": "soon"}, "deadline_s", "float_parsing"),
+            ({}, {"deadline_s": "soon"}, "deadline_s", "float_type"),
         ]
         for headers, extra, field, code in cases:
             r = await client.post("/v1/generate", json={"prompt": "a", **extra}, headers=headers)

@@ -281,6 +281,10 @@ REFUSED_REQUESTS = [
     (_bad(model="toy"), "image", "task_not_supported"),
     (_bad(model="toy-i2i", mask=data_url(MASK)), "mask", "task_not_supported"),
     (_bad(strength=0.2, num_inference_steps=4), "strength", "no_steps"),  # SDXL's rule: int(4 * 0.2) = 0
+    # The task's default strength (0.3) of 3 steps runs none either: refused now, not a job that fails later.
+    (_bad(num_inference_steps=3), "num_inference_steps", "no_steps"),
+    (_bad(image=""), "image", "string_too_short"),  # was a 500
+    (_bad(mask=""), "mask", "string_too_short"),  # was inpaint's strength on an image-to-image job
     ({"model": "toy-i2v", "prompt": "p"}, "image", "missing"),
     (_bad(model="toy-i2v", strength=0.5), "strength", "not_supported"),
     (_bad(model="toy-i2v", mask=data_url(MASK)), "mask", "task_not_supported"),

@@ -41,7 +41,7 @@ BAD = [
     ("toy-flux", {"method": ""}, "cache.method", "string_too_short"),
     ("toy-flux", {"method": "first_block", "threshold": -0.1}, "cache.threshold", "greater_than_equal"),
     ("toy-flux", {"method": "first_block", "threshold": 2}, "cache.threshold", "less_than_equal"),
-    ("toy-flux", {"method": "first_block", "threshold": "high"}, "cache.threshold", "float_parsing"),
+    ("toy-flux", {"method": "first_block", "threshold": "high"}, "cache.threshold", "float_type"),
     ("toy-flux", {"method": "first_block", "every": 3}, "cache.every", "extra_forbidden"),
     ("toy-flux", {"threshold": 0.1}, "cache.method", "missing"),
     ("toy-flux", "first_block", "cache", "model_attributes_type"),

@@ -42,7 +42,7 @@ BAD_VALUES = [
     (0, "greater_than_equal"),
     (-2, "greater_than_equal"),
     (100.5, "less_than_equal"),
-    ("strong", "float_parsing"),
+    ("strong", "float_type"),
 ]
 
 

@@ -40,7 +40,11 @@ def prefer_wait(prefer: str | None, limit: int) -> int:
     """Seconds asked for by `Prefer: wait=N`, capped at `limit` (RFC 7240: a preference the server cannot honour
     in full is honoured in part, an unreadable one is ignored)."""
     m = _WAIT.search(prefer or "")
-    return min(int(m.group(1)), limit) if m else 0
+    if not m:
+        return 0
+    digits = m.group(1).lstrip("0")
+    # Python refuses int() of over 4,300 digits: a long number asks for more than any limit anyway.
+    return limit if len(digits) > 9 else min(int(digits or "0"), limit)
 
 
 def job_reply(job: JobResponse, response_status: int, headers: dict[str, str] | None = None) -> Response:
@@ -105,6 +109,7 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     params = normalise(body, served.info, settings.max_prompt_chars)
     deadline = deadline_at(request.headers.get("cancel-after"), body.deadline_s, settings)
     webhook = await webhook_spec(body.webhook, tenant, settings, store.redis, store.prefix)
+    wait_s = prefer_wait(request.headers.get("prefer"), settings.max_wait_s)  # read before the job exists
     digest = request_hash(body.model_dump(mode="json", exclude_unset=True)) if key else ""
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
         image, mask = await read_image_fields(body.image, body.mask, settings)
@@ -126,7 +131,6 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
             await drop_unused_inputs(store, params, job)
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
-    wait_s = prefer_wait(request.headers.get("prefer"), settings.max_wait_s)
     if wait_s and not job.status.terminal:
         job = await store.wait(job.id, wait_s) or job
         headers["Preference-Applied"] = f"wait={wait_s}"

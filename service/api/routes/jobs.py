@@ -83,7 +83,8 @@ async def stream_job_events(
 
 
 def _valid_stream_id(value: str) -> bool:
-    return re.match(_STREAM_ID, value) is not None
+    # Redis stream ids are two unsigned 64-bit integers: a larger one passes the pattern but Redis refuses it.
+    return re.match(_STREAM_ID, value) is not None and all(int(part) < 2**64 for part in value.split("-"))
 
 
 @router.get(
