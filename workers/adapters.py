@@ -3,6 +3,8 @@
 
     adapters = Adapters(runner, model="tiny-sdxl", root="/loras")
     adapters.add("style", "style.safetensors", origin="config")   # pool thread; errors are kept, not raised
+    fetched = adapters.fetch("owner/ink")                          # any thread: a Hub file into the local cache
+    adapters.add("ink", "owner/ink", origin="api", fetched=fetched)  # then only the device part, on the pool thread
     adapters.ensure([["style"], []])                               # pool thread, before a batch runs
     adapters.published()                                           # -> [AdapterInfo]: the registry entry
 
@@ -42,12 +44,26 @@ class Adapters:
 
     # -- registration (pool thread) --------------------------------------------------------------------------
 
-    def add(self, name: str, source: str, *, origin: str) -> AdapterInfo:
-        """Resolve `source` and load the adapter; a refused source or a file that does not fit is recorded as
-        the entry's `error` (the registry shows it; requests may not name it)."""
-        self.remove(name)
+    def fetch(self, source: str) -> LoraSource | Exception:
+        """Resolve `source` and fetch its file (a Hub download) without touching the devices: any thread. The
+        refusal or failure is returned, for `add` to record."""
         try:
             resolved = resolve_source(source, root=self.root, allow_hub=self.allow_hub, must_exist=True)
+            return self.runner.fetch_lora(resolved)
+        except (LoraSourceError, LoraLoadError) as e:
+            return e
+
+    def add(
+        self, name: str, source: str, *, origin: str, fetched: LoraSource | Exception | None = None
+    ) -> AdapterInfo:
+        """Load the adapter (`fetched`: what `fetch(source)` returned, when it ran beforehand off the pool
+        thread); a refused source or a file that does not fit is recorded as the entry's `error` (the registry
+        shows it; requests may not name it). The local file is what a later reload reads."""
+        self.remove(name)
+        try:
+            resolved = self.fetch(source) if fetched is None else fetched
+            if isinstance(resolved, Exception):
+                raise resolved
             before = set(self.runner.resident_loras())
             loaded = self.runner.load_lora(name, resolved)
         except (LoraSourceError, LoraLoadError) as e:

@@ -44,6 +44,7 @@ class FakeRunner(Runner):
         crash_marker: str | None = "FAKE_CRASH",
         reject_marker: str | None = "FAKE_REJECT",
         lora_slots: int = 0,
+        fetch_seconds: float = 0.0,
         **_ignored,
     ):
         super().__init__(name)
@@ -52,6 +53,7 @@ class FakeRunner(Runner):
         self.raise_marker, self.crash_marker, self.reject_marker = raise_marker, crash_marker, reject_marker
         # LoRA adapters (`lora_slots` > 0): names only, an LRU of that many; an adapter changes the colour.
         self.slots = lora_slots
+        self.fetch_seconds = fetch_seconds  # what fetching an adapter's file takes (a slow Hub download)
         self.takes_loras = lora_slots > 0
         self._resident: OrderedDict[str, int] = OrderedDict()
         self.calls: deque[list[str]] = deque(
@@ -60,6 +62,10 @@ class FakeRunner(Runner):
 
     def load(self) -> None:
         pass
+
+    def fetch_lora(self, source: LoraSource) -> LoraSource:
+        time.sleep(self.fetch_seconds)
+        return source
 
     def load_lora(self, name: str, source: LoraSource) -> dict:
         if source.kind != "path" or not os.path.exists(source.value):

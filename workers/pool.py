@@ -361,8 +361,13 @@ class Pool:
                     if runner.adapters is None:
                         continue
                     target = await wanted.get(model)
-                    if target != runner.adapters.by_origin("api"):
-                        await self.thread.submit(_apply_loras, runner.adapters, target)
+                    current = runner.adapters.by_origin("api")
+                    if target != current:
+                        # Files first, beside the jobs: a Hub download of tens of seconds held every batch when
+                        # it ran on the pool thread. Then the device part there, between batches.
+                        changed = {n: src for n, src in target.items() if current.get(n) != src}
+                        fetched = await asyncio.to_thread(_fetch_loras, runner.adapters, changed)
+                        await self.thread.submit(_apply_loras, runner.adapters, target, fetched)
                         await self._publish_adapters(model, runner.adapters)
                 failing = False
             except RedisError as e:
@@ -411,12 +416,18 @@ class Pool:
         self.thread.close()
 
 
-def _apply_loras(adapters: Adapters, target: dict[str, str]) -> None:
-    """Make a model's run-time adapters those of `target` (name -> source); on the pool thread. A name that
-    pools.yaml declares is never replaced from the API (the API refuses it; this is the pool's own guard)."""
+def _fetch_loras(adapters: Adapters, sources: dict[str, str]) -> dict:
+    """Each source's file (name -> `Adapters.fetch`'s answer); off the pool thread."""
+    return {name: adapters.fetch(source) for name, source in sources.items()}
+
+
+def _apply_loras(adapters: Adapters, target: dict[str, str], fetched: dict) -> None:
+    """Make a model's run-time adapters those of `target` (name -> source), their files `fetched` (name ->
+    `Adapters.fetch`'s answer); on the pool thread. A name that pools.yaml declares is never replaced from the
+    API (the API refuses it; this is the pool's own guard)."""
     current, declared = adapters.by_origin("api"), adapters.by_origin("config")
     for name in current.keys() - target.keys():
         adapters.remove(name)
     for name, source in target.items():
         if current.get(name) != source and name not in declared:
-            adapters.add(name, source, origin="api")
+            adapters.add(name, source, origin="api", fetched=fetched.get(name))

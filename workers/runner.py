@@ -150,6 +150,12 @@ class Runner(ABC):
     adapters: Adapters | None = None
     takes_loras = False
 
+    def fetch_lora(self, source: LoraSource) -> LoraSource:
+        """Bring an adapter's file where `load_lora` reads it, without touching the devices -> a local source;
+        LoraLoadError when it cannot. Any thread: the pool runs it beside its jobs (a download must not hold a
+        batch)."""
+        return source
+
     def load_lora(self, name: str, source: LoraSource) -> dict:
         """Load an adapter onto the devices -> {"rank", "bytes", ...}; LoraLoadError when it cannot."""
         raise LoraLoadError(f"{self.name} takes no LoRA adapters")
@@ -216,17 +222,24 @@ class PipelineRunner(Runner):
 
     takes_loras = True
 
+    def fetch_lora(self, source: LoraSource) -> LoraSource:
+        if source.kind != "hub":
+            return source
+        from meshserve.models import PipelineError
+        from meshserve.models.lora.formats import download_from_hub
+
+        # Fetched here, so that the library reads exactly this file: given the id, it would first look for a
+        # folder of that name relative to the working directory (outside the LoRA root).
+        try:
+            return LoraSource("path", str(download_from_hub(source.value)))
+        except PipelineError as e:
+            raise LoraLoadError(str(e)) from e
+
     def load_lora(self, name: str, source: LoraSource) -> dict:
         from meshserve.models import PipelineError
 
         try:
-            if source.kind == "hub":
-                # Fetched here, so that the library reads exactly this file: given the id, it would first look
-                # for a folder of that name relative to the working directory (outside the LoRA root).
-                from meshserve.models.lora.formats import download_from_hub
-
-                return self.pipe.load_lora(name, download_from_hub(source.value))
-            return self.pipe.load_lora(name, source.value)
+            return self.pipe.load_lora(name, self.fetch_lora(source).value)
         except PipelineError as e:
             raise LoraLoadError(str(e)) from e
 

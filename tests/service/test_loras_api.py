@@ -252,3 +252,45 @@ async def test_served_loras_with_a_fake_pool(tmp_path, make_settings):
     assert sample("meshserve_worker_lora_evictions_total", model="toy") - before["evictions"] == 2
     # style (first job); extra (the second: style was reloaded, not a hit)
     assert sample("meshserve_worker_lora_hits_total", model="toy") - before["hits"] == 2
+
+
+async def test_a_slow_adapter_fetch_does_not_hold_the_jobs(tmp_path, make_settings):
+    """An adapter's file is fetched beside the jobs (a Hub download took every batch's time with it when it ran
+    on the pool thread: an audit saw a 2-step job take 22 s): jobs end while the fetch still runs, then the
+    adapter is loaded between batches and serves."""
+    root = lora_root(tmp_path)
+    settings = make_settings(lora_root=str(root), lora_poll_s=0.05, lora_wait_s=0.2, lease_s=10)
+    config = WorkerConfig(
+        models={"toy": ModelSpec(runner="fake", options={"lora_slots": 2, "fetch_seconds": 6})},
+        pools=[PoolConfig(name="toy-0", models=["toy"], devices="0", max_batch=4, batch_wait_ms=0)],
+        metrics_port=None,
+    )
+    async with api_client(settings) as (client, _):
+        worker = Worker(config, settings)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(worker.ready.wait(), 30)
+            r = await client.post(
+                "/v1/loras", json={"model": "toy", "name": "extra", "source": "extra.safetensors"}
+            )
+            assert r.status_code == 202 and [p["status"] for p in r.json()["pools"]] == ["pending"], r.text
+            await asyncio.sleep(0.5)  # the watcher has picked it up and is fetching
+            for _ in range(3):
+                job_id = (await client.post("/v1/generate", json={"model": "toy", "prompt": "x"})).json()[
+                    "id"
+                ]
+                assert (await job_when_ended(client, job_id, {}))["status"] == "succeeded"
+            (card,) = (await client.get("/v1/models")).json()["data"]
+            assert card["adapters"] == [], "the jobs ended before the fetch did"
+            for _ in range(300):
+                (card,) = (await client.get("/v1/models")).json()["data"]
+                if card["adapters"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert [a["name"] for a in card["adapters"]] == ["extra"]
+            body = {"model": "toy", "prompt": "x", "loras": [{"name": "extra"}]}
+            job_id = (await client.post("/v1/generate", json=body)).json()["id"]
+            assert (await job_when_ended(client, job_id, {}))["status"] == "succeeded"
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
