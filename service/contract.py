@@ -369,7 +369,8 @@ class Delivery(BaseModel):
 
     `attempt` is the job's attempt number taken by this delivery: every later write by the worker (start,
     heartbeat, progress, complete, fail, mark_canceled, release) is refused once another delivery has taken a
-    higher attempt. `delivery_count` is Redis's count for the stream entry (1 on first delivery)."""
+    higher attempt. `delivery_count` is Redis's count for the stream entry (1 on first delivery). `tenant`: who
+    submitted the job (the pool keeps each tenant's cached prompt embeddings apart)."""
 
     job: Job
     stream: str
@@ -377,6 +378,7 @@ class Delivery(BaseModel):
     delivery_count: int
     attempt: int
     consumer: str
+    tenant: str | None = None
 
 
 class Event(_Frozen):

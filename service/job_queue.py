@@ -177,15 +177,16 @@ class JobQueue(JobReads):
         for stream, msg_id, count, res in items:
             if res[0] != "ok":
                 continue
-            job = job_from_hash(pairs(res[2:]))
+            fields = pairs(res[2:])
             out.append(
                 Delivery(
-                    job=job,
+                    job=job_from_hash(fields),
                     stream=stream,
                     message_id=msg_id,
                     delivery_count=count,
                     attempt=int(res[1]),
                     consumer=consumer,
+                    tenant=fields.get("tenant") or self.settings.default_owner,
                 )
             )
         return out

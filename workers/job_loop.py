@@ -284,7 +284,7 @@ class JobLoop:
         images = sum(w.images for w in batch)
         metrics.BATCH_IMAGES.labels(model).observe(images)
         metrics.BATCH_JOBS.labels(model).observe(len(batch))
-        requests = [RunRequest(w.job_id, w.delivery.job.params) for w in batch]
+        requests = [RunRequest(w.job_id, w.delivery.job.params, tenant=w.delivery.tenant) for w in batch]
         compiled_before = runner.compilations
         t0 = self._last_step = time.perf_counter()
         handoff = _StepHandoff(asyncio.get_running_loop(), self._active)

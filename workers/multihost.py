@@ -352,6 +352,8 @@ def requests_of(message: Mapping) -> list[RunRequest]:
 
 def _inputs_of(request: RunRequest) -> dict:
     inputs: dict = {"missing": request.missing} if request.missing is not None else {}
+    if request.tenant is not None:  # the prompt cache's scope: every process must key its rows alike
+        inputs["tenant"] = request.tenant
     for name in ("image", "mask"):
         image = getattr(request, name)
         if image is not None:
@@ -371,8 +373,9 @@ def _inputs_from(inputs: Mapping) -> dict:
     }
     for image in out.values():
         image.load()
-    if "missing" in inputs:
-        out["missing"] = inputs["missing"]
+    for name in ("missing", "tenant"):
+        if name in inputs:
+            out[name] = inputs[name]
     return out
 
 

@@ -74,6 +74,7 @@ class RunRequest:
     image: Any = None  # PIL RGB image
     mask: Any = None  # PIL L image, the image's size: white repaints
     missing: str | None = None
+    tenant: str | None = None  # who submitted it: the scope of its texts in the pool's prompt cache
 
     def seeds(self) -> list[int]:
         # Image i of a job uses seed + i: a client that re-submits with a returned seed and n=1 gets that image.
@@ -324,11 +325,12 @@ class PipelineRunner(Runner):
         # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
         # empty negative (SDXL: zeros).
         rows = {name: [] for name in ("prompt", "negative_prompt", *self.pipe.row_fields)}
-        seeds = []
+        seeds, scopes = [], []
         for req in batch:
             for name, values in rows.items():
                 values += [getattr(req.params, name)] * req.params.n
             seeds += req.seeds()
+            scopes += [req.tenant] * req.params.n
         # The pipeline says what batch the rows run as (images: padded to a power of two and a multiple of
         # the data axis; video: the exact size). Padding rows repeat the first row and are dropped after
         # decoding; every row has its own seed's noise, so they change nothing in the real rows.
@@ -349,6 +351,8 @@ class PipelineRunner(Runner):
                 **lora_arguments(batch, pad),
                 # The step cache: one per batch (its settings are in the batch key).
                 **({"cache": first["cache"]} if first.get("cache") else {}),
+                # A row's texts are cached for its own tenant only (models/engine/prompt_cache.py, "Scopes").
+                prompt_cache_scope=scopes + scopes[:1] * pad,
                 **self._previews(batch, pad, previews),
                 **rows,
                 **settings,

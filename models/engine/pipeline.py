@@ -662,6 +662,7 @@ class DiffusionPipeline:
         preview_callback: PreviewCallback | None = None,
         loras=None,
         cache=None,
+        prompt_cache_scope: str | Sequence[str | None] | None = None,
         **options,
     ):
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
@@ -672,6 +673,8 @@ class DiffusionPipeline:
         images (video: a list of frames per row). `callback(step, total)` after every step; False cancels.
         `cache`: {"method", "threshold" (optional)}, a step cache (models/engine/step_cache.py; the methods and
         default thresholds are limits["cache"]); the output's `cached_steps` says how many steps it skipped.
+        `prompt_cache_scope`: one for all prompts or one per prompt, part of the prompt cache's keys (a
+        prompt is served only what its own scope cached: models/engine/prompt_cache.py).
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
         own = (set(self.row_fields) | set(self.batch_fields)) - _COMMON_ARGUMENTS
@@ -719,6 +722,7 @@ class DiffusionPipeline:
             if not np.all(np.isfinite(rows[name])):
                 raise PipelineError(f"{name} must be a finite number")
         negatives = per_prompt(negative_prompt, len(prompts))
+        scopes = per_prompt(prompt_cache_scope, len(prompts), "prompt_cache_scope")
         # Per row: CFG runs when its scale is > 1 (and, for true CFG, it has a negative prompt). Whether any row
         # runs it is static (it doubles the denoiser's batch); the others select their positive prediction.
         cfg_rows = np.asarray(rows[self.cfg_field]) > 1.0
@@ -765,7 +769,8 @@ class DiffusionPipeline:
             states = (self._text_states, self.lora.text_tables())
             cond = self.programs.run("text_encode", self._text_encode, text, states, tokens, keep, adapters)
         elif self.prompt_cache is not None:  # cached rows reused, only the misses encoded
-            cond = self.prompt_cache.encode(self, tokens, keep, **text)
+            # Each text's row in the cache (`texts`: the prompts, then their negatives) is its prompt's scope's.
+            cond = self.prompt_cache.encode(self, tokens, keep, scopes=scopes * (2 if do_cfg else 1), **text)
         else:
             tokens = tuple(self.put_batch(t) for t in tokens)
             cond = self.programs.run("text_encode", self._text_encode, text, self._text_states, tokens, keep)

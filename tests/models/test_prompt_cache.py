@@ -42,6 +42,15 @@ def test_cached_call_equals_uncached_and_warm_calls_compile_nothing(sdxl):
         assert (cache.hits, cache.misses) == (7, 5)
         assert sdxl.compilations == before
         assert got.timings["text_encode"] > 0 and again.timings["text_encode"] > 0
+        # Scopes (a pool's tenants): the unscoped rows are not another scope's, and a scope hits its own rows.
+        scoped = sdxl(PROMPTS, negative_prompt=negatives, prompt_cache_scope=["alice", "bob"], **kw)
+        np.testing.assert_array_equal(scoped.images, reference)
+        assert (cache.hits, cache.misses) == (7, 9)
+        sdxl(PROMPTS[::-1], negative_prompt=negatives[::-1], prompt_cache_scope=["bob", "alice"], **kw)
+        assert (cache.hits, cache.misses) == (11, 9)
+        sdxl(PROMPTS, negative_prompt=negatives, prompt_cache_scope="carol", **kw)
+        assert (cache.hits, cache.misses) == (11, 13)
+        assert sdxl.compilations == before
     finally:
         sdxl.prompt_cache = None
 

@@ -43,6 +43,10 @@ async def test_claim_reads_priorities_in_order(store: Store):
     assert all(d.attempt == 1 and d.delivery_count == 1 for d in got)
     assert [d.job.id for d in await store.claim(["toy"], "c1", max_jobs=5)] == [low.id]
     assert await store.claim(["toy"], "c1", max_jobs=5, block_ms=20) == []
+    # A delivery names the job's tenant (the pool scopes its prompt cache by it); none given: the default.
+    assert {d.tenant for d in got} == {store.settings.default_owner}
+    await store.submit(params(), owner="alice")
+    assert [d.tenant for d in await store.claim(["toy"], "c1", max_jobs=5)] == ["alice"]
 
 
 async def test_blocking_claim_wakes_on_submit(store: Store):

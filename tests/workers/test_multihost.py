@@ -123,7 +123,10 @@ def test_group_timing_from_the_environment():
 
 
 def test_a_batch_message_round_trips_the_requests():
-    batch = [RunRequest("j1", params("a cat", seed=3)), RunRequest("j2", params("a dog " * 2000, n=2))]
+    batch = [
+        RunRequest("j1", params("a cat", seed=3)),
+        RunRequest("j2", params("a dog " * 2000, n=2), tenant="alice"),  # its prompt cache scope travels too
+    ]
     message = run_message(batch, "fake")
     assert message["model"] == "fake" and requests_of(message) == batch
 

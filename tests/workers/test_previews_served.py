@@ -12,6 +12,7 @@ from PIL import Image
 from prometheus_client import REGISTRY
 
 from meshserve.service.app import create_app
+from meshserve.service.contract import JobParams
 from meshserve.service.store import Store
 from meshserve.workers.config import WorkerConfig, single_model_config
 from meshserve.workers.main import Worker
@@ -79,6 +80,17 @@ def test_an_sse_client_sees_preview_events(embedded_sdxl, monkeypatch):
             # The second job's rows (the same prompt, the empty negative) were all in the prompt cache.
             assert _metric("meshserve_worker_prompt_cache_hits_total") >= hits_before + 4
             assert _metric("meshserve_worker_prompt_cache_entries") >= 2
+            # Another tenant's job with the same texts hits none of them: each tenant has its own rows (a hit's
+            # speed would tell it what the first had asked).
+            hits, misses = (_metric(f"meshserve_worker_prompt_cache_{c}_total") for c in ("hits", "misses"))
+            other = await store.submit(JobParams.model_validate(plain["params"]), owner="bob")
+            for _ in range(600):
+                if (await store.get(other.id)).status.terminal:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await store.get(other.id)).status.value == "succeeded"
+            assert _metric("meshserve_worker_prompt_cache_hits_total") == hits
+            assert _metric("meshserve_worker_prompt_cache_misses_total") == misses + 4  # 2 outputs x (text, "")
         finally:
             worker.stop()
             await asyncio.wait_for(task, 60)
