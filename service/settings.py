@@ -95,6 +95,11 @@ class Settings(BaseSettings):
     # Image URLs are fetched by the API before the job is accepted, under the SSRF rules of service/ssrf.py:
     # public addresses only unless `image_fetch_allow_private` (on-premise image stores), metadata never.
     max_image_body_bytes: int = Field(24 << 20, ge=1024)
+    # The bodies one API process holds at once, summed over the requests in flight: past it a request is a 503
+    # (`server_busy`, Retry-After) before its body is read. An image request holds about 3x its body while it
+    # is parsed and decoded (an audit measured 38 MB per 14 MB body), so 256 MiB bounds that part of the
+    # process near 0.8 GB however many clients send images at once.
+    max_buffered_body_bytes: int = Field(256 << 20, ge=1 << 20)
     max_image_bytes: int = Field(10 << 20, ge=1024)
     max_image_pixels: int = Field(4096 * 4096, ge=64)
     image_fetch_allow_private: bool = False

@@ -6,6 +6,11 @@ A pure ASGI middleware: a declared `Content-Length` over the limit is refused be
 a body without one (chunked) is read up to the limit and refused as soon as it passes it. Bodies within the limit
 are handed on unchanged (buffered: at most the limit per request in flight). The largest legitimate body, a
 4000-character prompt and negative prompt with 32 metadata entries, is under 200 KiB.
+
+What all requests in flight hold together is bounded too, by `max_buffered_body_bytes` per process: a body
+(its declared length, or what has arrived) that would take the sum past it is answered 503 `server_busy` with
+`Retry-After`, and its bytes are released when its request ends. Without it one key's burst of image requests
+(24 MiB each, a token bucket of 600) could hold gigabytes.
 """
 
 from __future__ import annotations
@@ -26,41 +31,71 @@ def body_limit(path: str, settings) -> int:
 class BodySizeLimit:
     def __init__(self, app: ASGIApp):
         self.app = app
+        self.buffered = 0  # bytes held by the requests in flight (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in _NO_BODY:
             await self.app(scope, receive, send)
             return
-        limit = body_limit(scope["path"], scope["app"].state.settings)
+        settings = scope["app"].state.settings
+        limit = body_limit(scope["path"], settings)
         declared = dict(scope["headers"]).get(b"content-length")
         # (The server already refused a Content-Length that is not a number.)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._too_large(scope, receive, send, limit)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await self._too_large(scope, receive, send, limit)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
+        held = 0
 
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later calls wait for the disconnect, as the server's own receive does
+        def hold(size: int) -> bool:
+            nonlocal held
+            if size > held:
+                if self.buffered + size - held > settings.max_buffered_body_bytes:
+                    return False
+                self.buffered += size - held
+                held = size
+            return True
 
-        await self.app(scope, replay, send)
+        try:
+            if declared is not None and declared.isdigit() and not hold(int(declared)):
+                await self._busy(scope, receive, send)
+                return
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    await self._too_large(scope, receive, send, limit)
+                    return
+                if not hold(size):
+                    await self._busy(scope, receive, send)
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body, replayed = b"".join(chunks), False
+
+            async def replay() -> Message:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return (
+                    await receive()
+                )  # later calls wait for the disconnect, as the server's own receive does
+
+            await self.app(scope, replay, send)
+        finally:
+            self.buffered -= held
+
+    @staticmethod
+    async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
+        message = "the server holds as many request bodies as it may; retry shortly"
+        headers = {"Retry-After": "1", "Connection": "close"}
+        await error_response(503, "server_busy", message, None, headers)(scope, receive, send)
 
     @staticmethod
     async def _too_large(scope: Scope, receive: Receive, send: Send, limit: int) -> None:

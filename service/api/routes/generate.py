@@ -32,7 +32,11 @@ ERRORS = {
         "description": "The model's queue is full, the key is past its requests per minute, or the tenant has "
         "its limit of queued + running jobs; retry after `Retry-After` seconds.",
     },
-    503: {"model": ErrorResponse, "description": "No ready pool, or the store is down; see `Retry-After`."},
+    503: {
+        "model": ErrorResponse,
+        "description": "No ready pool, the store is down, or the API holds as many request bodies as it may "
+        "(`server_busy`); see `Retry-After`.",
+    },
 }
 
 
