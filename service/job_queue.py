@@ -422,13 +422,32 @@ class JobQueue(JobReads):
         return await self._end(delivery, JobStatus.CANCELED, {}, {"status": "canceled"})
 
     async def expire_due(self, limit: int = 100) -> list[str]:
-        """The deadline sweep: end `expired` the queued jobs whose deadline has passed (up to `limit`); running
-        ones are left to their workers (`poll_running`). Returns the ids expired. A deliverer runs it every
+        """The deadline sweep: end the jobs whose deadline has passed (up to `limit`): queued ones `expired`,
+        running ones whose worker is gone (lease expired) `canceled`; those a live pool holds are left to it
+        (`poll_running`) and checked again a lease later. Returns the ids ended. A deliverer runs it every
         `webhook_poll_s` (service/webhooks/deliverer.py)."""
         s = self.settings
-        return list(
-            await self._run("EXPIRE_DUE", [], [repr(time.time()), s.job_ttl_s, s.events_max_length, limit])
+        args = [repr(time.time()), s.job_ttl_s, s.events_max_length, limit, s.lease_s]
+        return list(await self._run("EXPIRE_DUE", [], args))
+
+    async def fail_unserved(self, model: str, unserved_s: float, limit: int = 100) -> list[str]:
+        """End `failed` (code `no_pool`) the jobs of `model` that no pool holds (queued, or running with an
+        expired lease), up to `limit` per stream: for a model no pool has served for `unserved_s` (the
+        deliverer's sweep decides). Returns the ids failed."""
+        s = self.settings
+        message = (
+            f"no pool served model {model!r} for {unserved_s:.0f} s (unserved_timeout_s); the job was not run to "
+            "its end: submit it again when a pool serves the model"
         )
+        args = [repr(time.time()), s.job_ttl_s, s.events_max_length, int(s.lease_s * 1000), message, limit]
+        failed: list[str] = []
+        for priority in Priority:
+            failed += await self._run("FAIL_UNSERVED", [self.stream_key(model, priority)], args)
+        return failed
+
+    async def models_with_jobs(self) -> list[str]:
+        """Every model a job was ever submitted for (`P:models`)."""
+        return sorted(await self.redis.smembers(f"{self.prefix}:models"))
 
     async def release(self, delivery: Delivery) -> bool:
         """Give the job back without finishing it (SIGTERM): back to `queued` at its place in the stream, reclaimed

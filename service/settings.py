@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     # a job delivered more than `max_deliveries` times goes to the dead-letter stream and ends failed.
     lease_s: float = Field(30.0, gt=0)
     max_deliveries: int = Field(3, ge=1)
+    # A model that no pool serves for this long has its waiting jobs (queued, or running with an expired lease)
+    # failed with code `no_pool` (service/unserved_sweep.py); 0 lets them wait for ever. Long enough for a pool
+    # to restart, load and compile (minutes for a real model).
+    unserved_timeout_s: float = Field(600.0, ge=0)
     # A pool whose heartbeat is older than this is left out of /v1/models and /readyz.
     pool_stale_s: float = Field(15.0, gt=0)
     # How long the API trusts its cached copy of the pool registry (read on every submit).

@@ -355,12 +355,14 @@ return 1
 )
 
 # API cancel. A queued job ends canceled at once (its stream entry is acked when a pool next meets it); a running
-# one gets the cancel flag, which its worker polls between steps. ARGV: P, job id, now, ttl, events maxlen.
+# one gets the cancel flag, which its worker polls between steps, unless its lease has expired: its worker is gone
+# (killed, or cut off from Redis for longer than the lease, when its later writes are fenced anyway), and waiting
+# for another pool to reclaim it could be for ever. ARGV: P, job id, now, ttl, events maxlen.
 CANCEL = (
     _COMMON
     + r"""
 local jk = P .. ':job:' .. ARGV[2]
-local st = redis.call('HMGET', jk, 'status', 'model')
+local st = redis.call('HMGET', jk, 'status', 'model', 'stream', 'msg_id')
 if not st[1] then return {'missing'} end
 if st[1] == 'queued' then
   redis.call('HSET', jk, 'cancel', '1')
@@ -369,6 +371,10 @@ if st[1] == 'queued' then
 end
 if st[1] == 'running' then
   redis.call('HSET', jk, 'cancel', '1')
+  if redis.call('EXISTS', P .. ':lease:' .. ARGV[2]) == 0 then
+    finish(ARGV[2], st[2], 'canceled', ARGV[3], ARGV[4], ARGV[5], st[3], st[4], {}, '{"status":"canceled"}')
+    return {'canceled'}
+  end
   return {'requested'}
 end
 return {'ended', st[1]}
@@ -434,9 +440,11 @@ return redis.call('XTRIM', KEYS[1], 'MINID', minid)
 )
 
 # The deadline sweep (service/webhooks/deliverer.py runs it every `webhook_poll_s`): jobs whose deadline passed
-# while queued end `expired` now, not when a pool next reads their stream; a running one is left to its worker,
-# which cancels it between steps (`poll_running`). ARGV: P, now, ttl, events maxlen, max jobs. Returns the ids
-# expired.
+# end now, not when a pool next reads their stream: a queued one `expired`, a running one whose lease expired (its
+# worker is gone) `canceled` with the deadline's error. A job a live pool holds (a lease: claimed and waiting for
+# its batch, or running) is left to that pool (`start`, `poll_running` between steps) and looked at again one lease
+# later, in case that pool dies too. ARGV: P, now, ttl, events maxlen, max jobs, lease seconds. Returns the ids
+# ended.
 EXPIRE_DUE = (
     _COMMON
     + r"""
@@ -444,11 +452,52 @@ local out = {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':deadlines', '-inf', ARGV[2], 'LIMIT', 0, ARGV[5])) do
   local jk = P .. ':job:' .. id
   local st = redis.call('HMGET', jk, 'status', 'model', 'stream', 'msg_id')
-  redis.call('ZREM', P .. ':deadlines', id)
-  -- A queued job a pool holds (claimed, waiting for its batch: it has a lease) is left to that pool's `start`.
-  if st[1] == 'queued' and redis.call('EXISTS', P .. ':lease:' .. id) == 0 then
-    if past_deadline(id, st[2], ARGV[2], ARGV[3], ARGV[4], st[3], st[4]) then table.insert(out, id) end
+  if st[1] ~= 'queued' and st[1] ~= 'running' then
+    redis.call('ZREM', P .. ':deadlines', id)
+  elseif redis.call('EXISTS', P .. ':lease:' .. id) == 1 then
+    redis.call('ZADD', P .. ':deadlines', tonumber(ARGV[2]) + tonumber(ARGV[6]), id)
+  elseif past_deadline(id, st[2], ARGV[2], ARGV[3], ARGV[4], st[3], st[4]) then
+    table.insert(out, id)
+  else
+    redis.call('ZREM', P .. ':deadlines', id)
   end
+end
+return out
+"""
+)
+
+
+# A model no pool has served for `unserved_timeout_s` (service/webhooks/deliverer.py decides): its jobs would wait
+# for ever. Fail, with code `no_pool`, the entries of one of its streams that nobody holds: undelivered ones (read
+# here as consumer `unserved`, then acked) and delivered ones whose lease expired (their worker is gone). KEYS:
+# stream. ARGV: P, now, ttl, events maxlen, lease ms, message, max entries. Returns the ids failed.
+FAIL_UNSERVED = (
+    _COMMON
+    + r"""
+local stream = KEYS[1]
+if not group_info(stream) then return {} end
+local out = {}
+local err = cjson.encode({code = 'no_pool', message = ARGV[6]})
+local data = cjson.encode({status = 'failed', error = {code = 'no_pool', message = ARGV[6]}})
+local function fail(msg_id, fields)
+  local job_id
+  for i = 1, #fields, 2 do if fields[i] == 'job' then job_id = fields[i + 1] end end
+  local st = job_id and redis.call('HMGET', P .. ':job:' .. job_id, 'status', 'model')
+  if st and (st[1] == 'queued' or st[1] == 'running') and redis.call('EXISTS', P .. ':lease:' .. job_id) == 0 then
+    finish(job_id, st[2], 'failed', ARGV[2], ARGV[3], ARGV[4], stream, msg_id, {'error', err}, data)
+    table.insert(out, job_id)
+  elseif not st or not st[1] or (st[1] ~= 'queued' and st[1] ~= 'running') then
+    redis.call('XACK', stream, 'pools', msg_id)
+  end
+end
+local pend = redis.call('XPENDING', stream, 'pools', 'IDLE', ARGV[5], '-', '+', ARGV[7])
+for _, e in ipairs(pend) do
+  local entry = redis.call('XRANGE', stream, e[1], e[1])
+  if #entry == 0 then redis.call('XACK', stream, 'pools', e[1]) else fail(e[1], entry[1][2]) end
+end
+local new = redis.call('XREADGROUP', 'GROUP', 'pools', 'unserved', 'COUNT', ARGV[7], 'STREAMS', stream, '>')
+if new then
+  for _, entry in ipairs(new[1][2]) do fail(entry[1], entry[2]) end
 end
 return out
 """

@@ -14,8 +14,9 @@ is an address the rules refuse. Anything else (another status, a timeout, a refu
 `min(webhook_retry_max_s, webhook_retry_base_s * 2**(attempt-1))` times a jitter in [0.5, 1.5), until
 `webhook_max_attempts` POSTs or `webhook_max_age_s` since the job ended, then failed.
 
-The same loop runs the deadline sweep (`Store.expire_due`): queued jobs past their deadline end `expired` within
-about `webhook_poll_s` of it.
+The same loop runs the deadline sweep (`Store.expire_due`): jobs past their deadline end within about
+`webhook_poll_s` of it (queued ones `expired`, running ones whose worker is gone `canceled`), and the unserved
+sweep (service/unserved_sweep.py): the waiting jobs of a model no pool has served for `unserved_timeout_s` fail.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from meshserve.service.auth import webhook_secrets
 from meshserve.service.schemas import JobResponse
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
+from meshserve.service.unserved_sweep import UnservedSweep
 from meshserve.service.webhooks.queue import Claim, WebhookQueue
 from meshserve.service.webhooks.signing import headers as signed_headers
 from meshserve.service.webhooks.spec import EVENT_TYPES, WebhookSpec
@@ -71,6 +73,7 @@ class Deliverer:
                 f"({self.settings.webhook_timeout_s:g})"
             )
         self.queue = WebhookQueue(store.redis, store.prefix)
+        self.unserved = UnservedSweep(store, self.settings)
         self._inflight: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
 
@@ -106,7 +109,8 @@ class Deliverer:
         POSTs. Returns how many it started."""
         expired = await self.store.expire_due()
         if expired:
-            log.info("deadlines: %d queued jobs expired", len(expired))
+            log.info("deadlines: %d jobs ended", len(expired))
+        await self.unserved.tick()
         room = self.settings.webhook_concurrency - len(self._inflight)
         if room <= 0:
             return 0

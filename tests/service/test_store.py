@@ -334,3 +334,56 @@ async def test_a_lost_staged_output_does_not_commit_the_job(store: Store):
     store._stage_outputs = stage_then_lose
     assert not await store.complete(d, [blob(0)])
     assert (await store.get(job.id)).status == JobStatus.RUNNING
+
+
+async def test_a_job_whose_worker_is_gone_ends_on_cancel_and_at_its_deadline(store: Store):
+    """A running job whose lease expired (its worker killed, no pool left to reclaim it) used to stay running
+    for ever: a cancel only set the flag, the deadline sweep skipped it. (The fixture's lease is 0.3 s.)"""
+    gone = await store.submit(params())
+    (d,) = await store.claim(["toy"], "c1")
+    await store.start(d)
+    await asyncio.sleep(0.4)  # no heartbeat: the lease expires
+    assert (await store.cancel(gone.id)).status == JobStatus.CANCELED
+    assert (await store.redis.xpending(store.stream_key("toy", "normal"), "pools"))["pending"] == 0
+    assert not await store.complete(d, [blob()])  # had the worker lived, its writes are fenced
+    # The deadline: while the pool holds the job (heartbeats) the sweep leaves it, and looks again a lease later.
+    late = await store.submit(params(), deadline_at=time.time() + 0.1)
+    (d,) = await store.claim(["toy"], "c1")
+    await store.start(d)
+    await asyncio.sleep(0.15)
+    assert await store.heartbeat(d)
+    assert await store.expire_due() == [] and (await store.get(late.id)).status == JobStatus.RUNNING
+    await asyncio.sleep(0.45)  # the worker is gone: lease expired, and the recheck is due
+    assert await store.expire_due() == [late.id]
+    job = await store.get(late.id)
+    assert job.status == JobStatus.CANCELED and job.error.code == "deadline_exceeded"
+    assert "still running at its deadline" in job.error.message
+
+
+async def test_the_jobs_of_a_model_no_pool_serves_fail_after_the_timeout(store: Store):
+    from meshserve.service.unserved_sweep import CHECK_EVERY_S, UnservedSweep
+
+    orphan, held = await store.submit(params()), await store.submit(params())
+    deliveries = await store.claim(["toy"], "c1", max_jobs=2)
+    for d in deliveries:
+        await store.start(d)
+    waiting = await store.submit(params())  # never delivered
+    await asyncio.sleep(0.4)
+    assert await store.heartbeat(deliveries[1])  # `held`'s worker is alive; `orphan`'s was killed
+    settings = store.settings.model_copy(update={"unserved_timeout_s": 12.0})
+    sweep = UnservedSweep(store, settings)
+    await FakeWorker(store).register()  # a pool serves toy: nothing fails, however long
+    assert await sweep.tick(now=0.0) == [] and await sweep.tick(now=100.0) == []
+    await store.unregister_pool("pool-a")
+    assert await sweep.tick(now=100.0 + CHECK_EVERY_S / 2) == []  # not due: one check per CHECK_EVERY_S
+    assert await sweep.tick(now=105.0) == []  # unserved since the check at 100: 5 s < 12
+    assert sorted(await sweep.tick(now=120.0)) == sorted([orphan.id, waiting.id])
+    for job_id in (orphan.id, waiting.id):
+        job = await store.get(job_id)
+        assert job.status == JobStatus.FAILED and job.error.code == "no_pool", job
+        assert "no pool served model 'toy' for 20 s" in job.error.message
+    assert (await store.get(held.id)).status == JobStatus.RUNNING  # a pool holds it: left alone
+    stream = store.stream_key("toy", "normal")
+    assert (await store.redis.xpending(stream, "pools"))["pending"] == 1  # only held's entry
+    assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 0  # waiting's entry was read
+    assert await store.complete(deliveries[1], [blob()])
