@@ -279,6 +279,26 @@ async def test_prefer_wait(api):
     assert r.status_code == 200 and r.headers["preference-applied"] == "wait=60", r.text
 
 
+async def test_a_store_failure_while_waiting_still_answers_the_accepted_job(api, monkeypatch):
+    """Found by an audit (Redis paused mid-wait): the job was accepted and ran, but the client got a 503 without
+    its id and would have submitted it again."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    client, store, _ = api
+
+    async def stalled(*args, **kwargs):
+        raise RedisConnectionError("Redis did not answer XREAD within 15 s")
+
+    monkeypatch.setattr(store, "wait", stalled)
+    r = await client.post("/v1/generate", json={"prompt": "x"}, headers={"Prefer": "wait=5"})
+    assert r.status_code == 202 and r.json()["status"] == "queued", r.text
+    assert r.headers["location"] == f"/v1/jobs/{r.json()['id']}"
+    assert (await store.get(r.json()["id"])).status.value == "queued"
+    r = await client.post("/v1/images/generations", json={"prompt": "x"})
+    assert r.status_code == 503 and r.headers["location"].startswith("/v1/jobs/"), r.text
+    assert r.headers["location"].removeprefix("/v1/jobs/") in r.json()["error"]["message"]
+
+
 async def test_not_found_shapes(api):
     client, _, _ = api
     for path in (

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 from fastapi import APIRouter, Request, Response
+from redis.exceptions import RedisError
 
 from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
@@ -17,6 +19,7 @@ from meshserve.service.contract import JobStatus
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, JobResponse
 from meshserve.service.store import request_hash
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["generate"])
 
 MAX_IDEMPOTENCY_KEY = 255
@@ -136,8 +139,13 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
     if wait_s and not job.status.terminal:
-        job = await store.wait(job.id, wait_s) or job
-        headers["Preference-Applied"] = f"wait={wait_s}"
-        if job.status == JobStatus.QUEUED:
-            job.queue_position = await store.queue_position(job)
+        try:
+            job = await store.wait(job.id, wait_s) or job
+            headers["Preference-Applied"] = f"wait={wait_s}"
+            if job.status == JobStatus.QUEUED:
+                job.queue_position = await store.queue_position(job)
+        except RedisError as e:
+            # The job is accepted: answer it (202, its Location) as without the wait, never a 503 without its
+            # id, which a client would retry into a second job.
+            log.warning("job %s: waiting for it failed (%s); answered as accepted", job.id, e)
     return job_reply(JobResponse.from_job(job), 200 if job.status.terminal else 202, headers)

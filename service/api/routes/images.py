@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from meshserve.service import metrics
 from meshserve.service.api.catalog import ServedModel, normalise
@@ -145,7 +146,17 @@ async def _answer(
 ) -> ImagesResponse:
     """Wait for the job and answer in OpenAI's shape (urls or base64), or the error its end calls for."""
     metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
-    job = await store.wait(job.id, settings.openai_timeout_s) or job
+    try:
+        job = await store.wait(job.id, settings.openai_timeout_s) or job
+    except RedisError:
+        # Accepted and running on: say which job, so a client follows it instead of submitting it again.
+        raise ApiError(
+            503,
+            "store_unavailable",
+            f"job {job.id} was accepted, but the job store stopped answering while waiting for it; "
+            f"follow it at /v1/jobs/{job.id}",
+            headers={"Location": f"/v1/jobs/{job.id}", "Retry-After": str(settings.retry_after_s)},
+        ) from None
     if job.status == JobStatus.FAILED:
         err = job.error
         raise ApiError(502, err.code if err else "job_failed", err.message if err else "the job failed")
