@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from contextlib import asynccontextmanager
 
@@ -11,6 +13,7 @@ from meshserve.service import metrics
 from meshserve.service.api.authentication import OPEN_PATHS, Authentication
 from meshserve.service.api.body_limit import BodySizeLimit
 from meshserve.service.api.catalog import Catalog
+from meshserve.service.api.draining import drain_on_signals
 from meshserve.service.api.errors import install_error_handlers
 from meshserve.service.api.routes import generate, health, images, jobs, loras, models, playground
 from meshserve.service.auth import KeyStore
@@ -80,15 +83,23 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         app.state.keys = KeyStore(app.state.store.redis, settings.key_prefix)
         if settings.auth == "keys" and settings.admin_key is not None:
             await _install_admin_key(app.state.keys, settings)
+        app.state.draining = asyncio.Event()
         try:
-            async with deliver_in_background(app.state.store, settings):  # webhooks, deadlines
-                yield
+            hook = (
+                drain_on_signals(app.state.draining)
+                if settings.drain_on_signals
+                else contextlib.nullcontext()
+            )
+            with hook:
+                async with deliver_in_background(app.state.store, settings):  # webhooks, deadlines
+                    yield
         finally:
             if own:
                 await app.state.store.close()
 
     app = FastAPI(title="meshserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
+    app.state.draining = asyncio.Event()  # set when the process is told to stop (lifespan: drain_on_signals)
     install_error_handlers(app)
     for module in (generate, jobs, models, loras, images, health, playground):
         app.include_router(module.router)
@@ -124,6 +135,7 @@ def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("MESHSERVE_AUTH", "keys")  # also read by uvicorn's worker processes (factory)
+    os.environ.setdefault("MESHSERVE_DRAIN_ON_SIGNALS", "true")  # waits and streams end at SIGTERM
     get_settings.cache_clear()
     settings = get_settings()
     if settings.auth == "keys":
@@ -144,6 +156,14 @@ def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
             workers=workers,
             access_log=False,
             log_level="warning",
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
         )
     else:
-        uvicorn.run(create_app(), host=host, port=port, access_log=False, log_level="info")
+        uvicorn.run(
+            create_app(),
+            host=host,
+            port=port,
+            access_log=False,
+            log_level="info",
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
+        )

@@ -92,6 +92,12 @@ class Settings(BaseSettings):
     openai_timeout_s: float = Field(300.0, gt=0)  # /v1/images/generations waits this long for the result
     max_prompt_chars: int = Field(4000, ge=1)
     sse_keepalive_s: float = Field(15.0, gt=0)
+    # On SIGTERM the API ends its waits and SSE streams at once (service/api/draining.py); whatever is still open
+    # after this long is cut (uvicorn's timeout_graceful_shutdown). Below Kubernetes' grace period (30 s).
+    shutdown_grace_s: float = Field(10.0, gt=0)
+    # Whether the app installs the SIGTERM/SIGINT hook that starts draining (`meshserve api` sets it; a process
+    # that owns its signals itself, as `meshserve serve`, sets `app.state.draining` when it stops).
+    drain_on_signals: bool = False
     # Image inputs (docs/security.md, "Image inputs"). Routes that take images (/v1/generate, /v1/images/edits)
     # accept bodies up to `max_image_body_bytes` (an image and a mask as base64 data URLs: 4/3 of their bytes);
     # every other route keeps `max_body_bytes`. One image (decoded from base64 or fetched) is at most

@@ -43,8 +43,16 @@ def run_serve(
 async def _serve(host: str, port: int, redis_url: str, model: str | None) -> None:
     settings = get_settings().model_copy(update={"redis_url": redis_url})
     worker = Worker(single_model_config(model), settings)
+    app = create_app(settings)
     server = _Server(
-        uvicorn.Config(create_app(settings), host=host, port=port, access_log=False, log_level="info")
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            access_log=False,
+            log_level="info",
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
+        )
     )
 
     def stop() -> None:
@@ -71,6 +79,7 @@ async def _serve(host: str, port: int, redis_url: str, model: str | None) -> Non
             raise RuntimeError(f"the API server stopped unexpectedly on {host}:{port}")
         work.result()  # a worker that ended by itself (load error) raises here
     finally:
+        app.state.draining.set()  # waits and SSE streams end now (service/api/draining.py)
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await api

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
 from meshserve.service.api.deps import current_tenant
+from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, read_image_fields, with_image_inputs
 from meshserve.service.api.job_options import deadline_at, webhook_spec
@@ -140,7 +141,8 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     headers = {"Location": f"/v1/jobs/{job.id}"}
     if wait_s and not job.status.terminal:
         try:
-            job = await store.wait(job.id, wait_s) or job
+            # A stopping API answers at once (service/api/draining.py): the job as it is, with its Location.
+            job = await unless_draining(store.wait(job.id, wait_s), request.app.state.draining) or job
             headers["Preference-Applied"] = f"wait={wait_s}"
             if job.status == JobStatus.QUEUED:
                 job.queue_position = await store.queue_position(job)

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from meshserve.service import metrics
 from meshserve.service.api.catalog import ServedModel, normalise
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, TenantDep
+from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, with_image_inputs
 from meshserve.service.api.routes.generate import ERRORS
@@ -147,7 +148,9 @@ async def _answer(
     """Wait for the job and answer in OpenAI's shape (urls or base64), or the error its end calls for."""
     metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
     try:
-        job = await store.wait(job.id, settings.openai_timeout_s) or job
+        waited = await unless_draining(
+            store.wait(job.id, settings.openai_timeout_s), request.app.state.draining
+        )
     except RedisError:
         # Accepted and running on: say which job, so a client follows it instead of submitting it again.
         raise ApiError(
@@ -157,6 +160,14 @@ async def _answer(
             f"follow it at /v1/jobs/{job.id}",
             headers={"Location": f"/v1/jobs/{job.id}", "Retry-After": str(settings.retry_after_s)},
         ) from None
+    if waited is None:  # the API is stopping (service/api/draining.py)
+        raise ApiError(
+            503,
+            "shutting_down",
+            f"job {job.id} was accepted, but this API process is stopping; follow it at /v1/jobs/{job.id}",
+            headers={"Location": f"/v1/jobs/{job.id}", "Retry-After": str(settings.retry_after_s)},
+        )
+    job = waited
     if job.status == JobStatus.FAILED:
         err = job.error
         raise ApiError(502, err.code if err else "job_failed", err.message if err else "the job failed")

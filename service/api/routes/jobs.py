@@ -6,11 +6,12 @@ import json
 import re
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
 from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep
+from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
 from meshserve.service.api.routes.generate import job_reply
 from meshserve.service.contract import CONTENT_TYPES, JobStatus
@@ -48,7 +49,7 @@ async def cancel_job(job: JobDep, store: StoreDep) -> Response:
     summary="Follow a job's events (SSE)",
 )
 async def stream_job_events(
-    job: JobDep, store: StoreDep, settings: SettingsDep, last_event_id: LastEventId = None
+    job: JobDep, store: StoreDep, settings: SettingsDep, request: Request, last_event_id: LastEventId = None
 ) -> StreamingResponse:
     """Events `queued`, `started`, `progress` (and, for a job asked with `previews` / `preview_every`,
     `preview`: `{step, total_steps, index, image}`, the image a small WebP data URL; docs/previews.md), then one
@@ -56,13 +57,19 @@ async def stream_job_events(
     reconnecting with `Last-Event-ID` resumes after it. A comment line is sent every `sse_keepalive_s` while
     nothing happens."""
     start = last_event_id if last_event_id and _valid_stream_id(last_event_id) else "0-0"
+    draining = request.app.state.draining
 
     async def body() -> AsyncIterator[str]:
         last = start
         keepalive_ms = int(settings.sse_keepalive_s * 1000)
         try:
             while True:
-                events = await store.events(job.id, last, block_ms=keepalive_ms)
+                events = await unless_draining(store.events(job.id, last, block_ms=keepalive_ms), draining)
+                if (
+                    events is None
+                ):  # the process is stopping (service/api/draining.py): another replica resumes
+                    yield ": this API process is stopping; reconnect with Last-Event-ID\n\n"
+                    return
                 if not events:
                     if await store.get(job.id) is None:  # expired while we followed it
                         return
