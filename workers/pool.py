@@ -265,7 +265,14 @@ class Pool:
             host=socket.gethostname(),
             pid=os.getpid(),
         )
-        await self.store.register_pool(self.info)
+        try:
+            await self.store.register_pool(self.info)
+        except RedisError as e:
+            # Not fatal: the loaded, warmed-up models are worth keeping (minutes for a real one), and the
+            # heartbeat below registers the pool as soon as Redis answers (as after a Redis restart).
+            log.warning(
+                "pool %s: ready, but not registered yet (%s); retrying with the heartbeat", self.name, e
+            )
         # The heartbeat starts with the registration, not with `run`: the worker runs its pools only once all
         # are ready, and a pool that warmed up pool_stale_s before the slowest one would otherwise drop out of
         # /v1/models meanwhile (seen with a Flux pool beside an SDXL pool on the loaded 2-core machine).

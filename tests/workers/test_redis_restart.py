@@ -67,3 +67,51 @@ def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
     finally:
         redis_proc.kill()
         redis_proc.wait(5)
+
+
+def test_a_worker_that_warms_up_while_redis_is_down_registers_when_it_is_back(tmp_path):
+    """Found by an audit: a pool whose warm-up ended with Redis away raised from its registration and the worker
+    exited, throwing its loaded models away (minutes for a real one). Now it waits for Redis and serves."""
+    port = free_port()
+    settings = Settings(
+        redis_url=f"redis://127.0.0.1:{port}/0", key_prefix="ms", lease_s=2.0, pool_stale_s=3.0
+    )
+    cfg = WorkerConfig.model_validate(
+        {
+            "models": {"fake": {"runner": "fake", "options": {"step_seconds": 0.01}}},
+            "pools": [{"name": "r", "devices": "0", "models": ["fake"]}],
+            "metrics_port": None,
+        }
+    )
+    redis_proc = None
+
+    async def main():
+        nonlocal redis_proc
+        worker = Worker(cfg, settings)
+        task = asyncio.create_task(worker.run())
+        store = None
+        try:
+            await asyncio.sleep(3.0)  # loaded and warmed up (the fake model: at once) with no Redis
+            assert not task.done(), task.exception() if task.done() else None
+            redis_proc = start_redis(port, tmp_path)
+            store = Store(settings)
+            for _ in range(100):
+                if await store.list_pools():
+                    break
+                await asyncio.sleep(0.1)
+            assert [p.name.rsplit("/", 1)[1] for p in await store.list_pools()] == ["r"]
+            ids = await submit_many(store, [params("after", steps=2, seed=1)])
+            jobs = await wait_ended(store, ids, timeout=30)
+            assert all(j.status == JobStatus.SUCCEEDED for j in jobs.values()), jobs
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+            if store is not None:
+                await store.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if redis_proc is not None:
+            redis_proc.kill()
+            redis_proc.wait(5)
