@@ -115,8 +115,20 @@ class StoreCollector(Collector):
         self.stats: dict = {}
         self.pools: list = []
         self.webhooks_pending = 0
+        self.up = 0  # 1 when the last read of Redis succeeded; the other families are that read's
+        self.read_at = 0.0  # unix seconds of the last successful read (0: never)
 
     def collect(self):
+        yield GaugeMetricFamily(
+            "meshserve_store_up",
+            "1 when this scrape read the store (Redis); 0: the store families below are the last snapshot read.",
+            value=self.up,
+        )
+        yield GaugeMetricFamily(
+            "meshserve_store_snapshot_timestamp_seconds",
+            "When the store families were last read (unix seconds; 0: never).",
+            value=self.read_at,
+        )
         depth = GaugeMetricFamily(
             "meshserve_queue_depth",
             "Jobs queued and not yet delivered to a pool.",
@@ -182,14 +194,19 @@ REGISTRY.register(STORE_COLLECTOR)
 
 async def refresh_from_store(store) -> None:
     """Read queue depths, counters and pools from Redis into the collector; a Redis error leaves the last snapshot
-    (the scrape still answers, with `meshserve_up`-style staleness visible through the HTTP metrics)."""
+    (the scrape still answers) and says so: `meshserve_store_up` 0, and the snapshot's time."""
     try:
-        STORE_COLLECTOR.queues = await store.queue_depths()
-        STORE_COLLECTOR.stats = await store.stats()
-        STORE_COLLECTOR.pools = await store.list_pools()
-        STORE_COLLECTOR.webhooks_pending = int(await store.redis.zcard(f"{store.prefix}:webhooks:due"))
+        queues = await store.queue_depths()
+        stats = await store.stats()
+        pools = await store.list_pools()
+        webhooks_pending = int(await store.redis.zcard(f"{store.prefix}:webhooks:due"))
     except Exception as e:  # a scrape must not fail because Redis is away
         log.warning("metrics: could not read the store: %s", e)
+        STORE_COLLECTOR.up = 0
+        return
+    c = STORE_COLLECTOR
+    c.queues, c.stats, c.pools, c.webhooks_pending = queues, stats, pools, webhooks_pending
+    c.up, c.read_at = 1, time.time()
 
 
 class MetricsMiddleware:

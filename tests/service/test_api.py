@@ -368,7 +368,7 @@ async def test_probes(make_settings):
 
 
 async def test_metrics(api):
-    client, _, worker = api
+    client, store, worker = api
     worker.start()
     job = (
         await client.post("/v1/generate", json={"prompt": "secret prompt"}, headers={"Prefer": "wait=5"})
@@ -384,6 +384,18 @@ async def test_metrics(api):
     assert 'meshserve_pools{ready="true"} 1.0' in text
     assert "meshserve_build_info{" in text
     assert job["id"] not in text and "secret" not in text  # never a job id or a prompt in a label
+    assert "meshserve_store_up 1.0" in text
+    # Redis away (an audit saw unmarked stale values): the snapshot stays, and says it is one.
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def away(*args, **kwargs):
+        raise RedisConnectionError("Redis did not answer")
+
+    store.queue_depths = away  # the app's own store (api_client hands it to create_app)
+    text = (await client.get("/metrics")).text
+    assert "meshserve_store_up 0.0" in text
+    assert 'meshserve_jobs_finished_total{model="toy",outcome="succeeded"} 1.0' in text
+    assert "meshserve_store_snapshot_timestamp_seconds 1." in text
 
 
 async def test_sse_streams_live_over_real_http(make_settings):
