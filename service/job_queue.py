@@ -405,6 +405,11 @@ class JobQueue(JobReads):
             await self._raw.delete(*(staged for staged, _ in renames))
         return done
 
+    async def note_error(self, delivery: Delivery, message: str) -> bool:
+        """Record why this attempt failed in the engine (the job is then retried after its lease): a dead letter's
+        error quotes it. Fenced."""
+        return bool(await self._run("NOTE_ERROR", [], [delivery.job.id, delivery.attempt, message[:500]]))
+
     async def fail(self, delivery: Delivery, code: str, message: str) -> bool:
         """End the job failed with `{code, message}` (no redelivery), emit `failed`, XACK. Fenced like `complete`."""
         err = JobError(code=code, message=message)

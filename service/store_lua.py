@@ -107,6 +107,8 @@ local function accept(stream, msg_id, job_id, count, consumer, lease_ms, max_del
   if past_deadline(job_id, st[3], now, ttl, maxlen, stream, msg_id) then return {'expired'} end
   if count > max_deliv then
     local msg = 'job was delivered ' .. count .. ' times (limit ' .. max_deliv .. ') without finishing'
+    local last = redis.call('HGET', jk, 'last_error')
+    if last then msg = msg .. '; the last attempt failed with ' .. last end
     redis.call('XADD', P .. ':dlq:' .. st[3], 'MAXLEN', '~', 10000, '*', 'job', job_id, 'stream', stream,
       'message_id', msg_id, 'deliveries', count, 'reason', 'too_many_deliveries', 'at', now)
     local err = cjson.encode({code = 'too_many_deliveries', message = msg})
@@ -286,6 +288,18 @@ if not owned(jk, ARGV[3]) then return 0 end
 redis.call('SET', P .. ':lease:' .. ARGV[2], ARGV[3], 'PX', ARGV[5])
 local s = redis.call('HMGET', jk, 'stream', 'msg_id')
 redis.pcall('XCLAIM', s[1], 'pools', ARGV[4], 0, s[2], 'JUSTID')
+return 1
+"""
+)
+
+# What an attempt that failed in the engine raised (the job is left to its lease and retried): kept on the job,
+# so that a dead letter says why. Fenced. ARGV: P, job id, attempt, message.
+NOTE_ERROR = (
+    _COMMON
+    + r"""
+local jk = P .. ':job:' .. ARGV[2]
+if not owned(jk, ARGV[3]) then return 0 end
+redis.call('HSET', jk, 'last_error', ARGV[4])
 return 1
 """
 )

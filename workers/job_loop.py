@@ -339,6 +339,8 @@ class JobLoop:
                 await self._one_by_one(runner, batch)
                 return
             log.exception("pool %s: job %s failed; leaving it for redelivery", self.pool, batch[0].job_id)
+            with contextlib.suppress(RedisError):  # one try: a dead letter then says why (none: it says less)
+                await self.store.note_error(batch[0].delivery, f"{type(e).__name__}: {e}")
             self._abandon(batch[0])
             return
         finally:

@@ -144,6 +144,8 @@ def test_runner_fault_is_retried_then_dead_lettered():
             job = jobs[poison]
             assert job.status == JobStatus.FAILED and job.error.code == "too_many_deliveries"
             assert "4 times" in job.error.message and "limit 3" in job.error.message
+            # and why (an audit found the cause only in the worker's log)
+            assert "the last attempt failed with RuntimeError: fake runner fault" in job.error.message
             runner = h.worker.pools[0].runners["fake"]
             assert (
                 sum(c == [poison] for c in runner.calls) == 3
