@@ -27,9 +27,8 @@ CHECK_EVERY_S = 5.0
 class UnservedSweep:
     def __init__(self, store: Store, settings: Settings):
         self.store, self.settings = store, settings
-        self._served_at: dict[
-            str, float
-        ] = {}  # model -> when a pool last served it (or first seen without one)
+        # model -> when a pool last served it (or when the sweep first saw it without one)
+        self._served_at: dict[str, float] = {}
         self._next_check = 0.0
 
     async def tick(self, now: float | None = None) -> list[str]:

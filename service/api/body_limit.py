@@ -83,9 +83,8 @@ class BodySizeLimit:
                 if not replayed:
                     replayed = True
                     return {"type": "http.request", "body": body, "more_body": False}
-                return (
-                    await receive()
-                )  # later calls wait for the disconnect, as the server's own receive does
+                # Later calls wait for the disconnect, as the server's own receive does.
+                return await receive()
 
             await self.app(scope, replay, send)
         finally:
