@@ -90,9 +90,8 @@ def test_an_sse_client_sees_preview_events(embedded_sdxl, monkeypatch):
                 await asyncio.sleep(0.1)
             assert (await store.get(other.id)).status.value == "succeeded"
             assert _metric("meshserve_worker_prompt_cache_hits_total") == hits
-            assert (
-                _metric("meshserve_worker_prompt_cache_misses_total") == misses + 4
-            )  # 2 outputs x (text, "")
+            # 2 outputs x (the text, the empty negative)
+            assert _metric("meshserve_worker_prompt_cache_misses_total") == misses + 4
         finally:
             worker.stop()
             await asyncio.wait_for(task, 60)
