@@ -16,6 +16,7 @@ from meshserve.service.api.catalog import Catalog
 from meshserve.service.api.draining import drain_on_signals
 from meshserve.service.api.errors import install_error_handlers
 from meshserve.service.api.routes import generate, health, images, jobs, loras, models, playground
+from meshserve.service.api.wait_slots import WaitSlots
 from meshserve.service.auth import KeyStore
 from meshserve.service.settings import Settings, get_settings
 from meshserve.service.store import Store
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app = FastAPI(title="meshserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.draining = asyncio.Event()  # set when the process is told to stop (lifespan: drain_on_signals)
+    app.state.wait_slots = WaitSlots(settings)  # requests that wait on a job, bounded
     install_error_handlers(app)
     for module in (generate, jobs, models, loras, images, health, playground):
         app.include_router(module.router)

@@ -45,7 +45,8 @@ class JobReads(JobOutputs, PoolRegistry):
         if not valid_job_id(job_id):
             return []
         block = None if block_ms is None else max(1, min(int(block_ms), MAX_BLOCK_MS))
-        res = await self.redis.xread({self.events_key(job_id): last_id}, count=100, block=block)
+        client = self.redis if block is None else self.blocking  # store_base.py: blocking reads' own pool
+        res = await client.xread({self.events_key(job_id): last_id}, count=100, block=block)
         out = []
         for _, entries in res or []:
             for entry_id, f in entries:

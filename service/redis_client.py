@@ -128,10 +128,13 @@ def connect(
     connect_timeout_s: float,
     health_check_interval_s: float,
     decode_responses: bool = True,
+    max_connections: int | None = None,
 ) -> DeadlineRedis:
-    """A client (with its own connection pool) for `url`. Connecting is not attempted until the first command."""
+    """A client (with its own connection pool, of at most `max_connections`: None, redis-py's default) for `url`.
+    Connecting is not attempted until the first command."""
     client = DeadlineRedis.from_url(
         url,
+        **({"max_connections": max_connections} if max_connections else {}),
         decode_responses=decode_responses,
         socket_connect_timeout=connect_timeout_s,
         # No socket_timeout (redis-py 8 sets 5 s unless told None): the deadline replaces it (module docstring).

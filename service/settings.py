@@ -92,6 +92,13 @@ class Settings(BaseSettings):
     openai_timeout_s: float = Field(300.0, gt=0)  # /v1/images/generations waits this long for the result
     max_prompt_chars: int = Field(4000, ge=1)
     sse_keepalive_s: float = Field(15.0, gt=0)
+    # Requests that wait on a job (an SSE stream, a `Prefer: wait` submit, the OpenAI route) hold a Redis
+    # connection each: at most `max_waiting` per API process (the blocking reads' own pool), and, with API keys,
+    # at most `max_waiting_per_key` of one tenant (service/api/wait_slots.py). Past them a stream is a 503 / 429
+    # with Retry-After, a `Prefer: wait` submit is answered at once (202) and the OpenAI route refuses before
+    # submitting.
+    max_waiting: int = Field(256, ge=1)
+    max_waiting_per_key: int = Field(32, ge=1)
     # On SIGTERM the API ends its waits and SSE streams at once (service/api/draining.py); whatever is still open
     # after this long is cut (uvicorn's timeout_graceful_shutdown). Below Kubernetes' grace period (30 s).
     shutdown_grace_s: float = Field(10.0, gt=0)

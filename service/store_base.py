@@ -105,6 +105,16 @@ class StoreBase:
             health_check_interval_s=settings.redis_health_check_interval_s,
         )
         self.redis = connect(settings.redis_url, command_timeout_s=settings.redis_command_timeout_s, **common)
+        # Blocking reads (an SSE stream's or a `Prefer: wait`'s XREAD BLOCK) hold a connection each for seconds:
+        # they get a pool of their own, so that however many wait, the rest (keys, submits, probes) never finds
+        # its pool exhausted (an audit took /readyz to 503 "Too many connections" with 120 streams). The API
+        # bounds the waiters to this pool's size (service/api/wait_slots.py).
+        self.blocking = connect(
+            settings.redis_url,
+            command_timeout_s=settings.redis_command_timeout_s,
+            max_connections=settings.max_waiting,
+            **common,
+        )
         self._raw = connect(
             settings.redis_url,
             command_timeout_s=max(settings.redis_command_timeout_s, settings.redis_output_timeout_s),
@@ -117,6 +127,7 @@ class StoreBase:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self.blocking.aclose()
         await self._raw.aclose()
 
     async def ping(self) -> bool:

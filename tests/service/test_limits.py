@@ -16,7 +16,7 @@ from meshserve.service.api.body_limit import BodySizeLimit
 from meshserve.service.app import create_app
 from meshserve.service.auth import KeyStore
 from meshserve.service.store import Store
-from tests.service.conftest import FakeWorker, api_client
+from tests.service.conftest import FakeWorker, api_client, drop_keys
 
 pytestmark = pytest.mark.anyio
 RATELIMIT = re.compile(r'^"per-minute";r=(\d+);t=(\d+)$')
@@ -266,3 +266,67 @@ async def test_a_zero_size_on_the_openai_route_is_a_422_naming_size(api):
         r = await client.post("/v1/images/generations", json={"prompt": "x", "size": size})
         assert r.status_code == 422, r.text
         assert r.json()["error"]["field"] == "size" and r.json()["error"]["code"] == "greater_than"
+
+
+async def test_waiting_requests_are_bounded_per_key_and_per_process(make_settings):
+    """Found by an audit: 120 SSE streams of one key took every Redis connection of the API process (blocking
+    reads), and every other tenant got 503s, /readyz too. Now blocking reads have their own pool, and waits take a
+    slot: per key (429) and per process (503); a `Prefer: wait` without one is answered at once."""
+    import uvicorn
+
+    from tests.private_redis import free_port
+
+    port = free_port()
+    settings = make_settings(auth="keys", max_waiting=3, max_waiting_per_key=2, sse_keepalive_s=0.2)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    opened: list = []
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        store = app.state.store
+        await FakeWorker(store).register()  # ready, never runs anything: the jobs stay queued
+        keys = KeyStore(store.redis, store.prefix)
+        alice = bearer(await keys.create("alice", rate_per_minute=0, max_active=0))
+        bob = bearer(await keys.create("bob", rate_per_minute=0, max_active=0))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            jobs = {}
+            for name, who in (("alice", alice), ("bob", bob)):
+                jobs[name] = (await client.post("/v1/generate", json={"prompt": "x"}, headers=who)).json()[
+                    "id"
+                ]
+
+            async def follow(who, name):
+                stream = client.stream("GET", f"/v1/jobs/{jobs[name]}/events", headers=who)
+                r = await stream.__aenter__()
+                opened.append(stream)
+                return r
+
+            assert [(await follow(alice, "alice")).status_code for _ in range(2)] == [200, 200]
+            r = await follow(alice, "alice")
+            assert r.status_code == 429 and "retry-after" in r.headers  # alice's own bound
+            assert (await follow(bob, "bob")).status_code == 200
+            r = await follow(bob, "bob")
+            assert r.status_code == 503  # the process's bound (3)
+            # Everything else still answers: keys, submits, probes.
+            assert (await client.get("/readyz")).status_code == 200
+            assert (await client.get("/v1/models", headers=bob)).status_code == 200
+            r = await client.post("/v1/generate", json={"prompt": "y"}, headers={**bob, "Prefer": "wait=5"})
+            assert r.status_code == 202 and "preference-applied" not in r.headers  # no slot: answered at once
+            r = await client.post("/v1/images/generations", json={"prompt": "z"}, headers=bob)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_waiting"
+            await opened.pop(0).__aexit__(None, None, None)  # alice closes one: a slot is free again
+            for _ in range(100):
+                if app.state.wait_slots.total == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await follow(alice, "alice")).status_code == 200
+    finally:
+        for stream in opened:
+            await stream.__aexit__(None, None, None)
+        server.should_exit = True
+        await serving
+        cleanup = Store(settings)
+        await drop_keys(cleanup)
+        await cleanup.close()

@@ -139,15 +139,18 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
             await drop_unused_inputs(store, params, job)
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
-    if wait_s and not job.status.terminal:
-        try:
-            # A stopping API answers at once (service/api/draining.py): the job as it is, with its Location.
-            job = await unless_draining(store.wait(job.id, wait_s), request.app.state.draining) or job
-            headers["Preference-Applied"] = f"wait={wait_s}"
-            if job.status == JobStatus.QUEUED:
-                job.queue_position = await store.queue_position(job)
-        except RedisError as e:
-            # The job is accepted: answer it (202, its Location) as without the wait, never a 503 without its
-            # id, which a client would retry into a second job.
-            log.warning("job %s: waiting for it failed (%s); answered as accepted", job.id, e)
+    # Without a wait slot (service/api/wait_slots.py: too many requests waiting) the preference is not honoured:
+    # the job is answered at once, as RFC 7240 allows.
+    with request.app.state.wait_slots.slot(tenant.name) as waiting:
+        if wait_s and waiting and not job.status.terminal:
+            try:
+                # A stopping API answers at once (service/api/draining.py): the job as it is, with its Location.
+                job = await unless_draining(store.wait(job.id, wait_s), request.app.state.draining) or job
+                headers["Preference-Applied"] = f"wait={wait_s}"
+                if job.status == JobStatus.QUEUED:
+                    job.queue_position = await store.queue_position(job)
+            except RedisError as e:
+                # The job is accepted: answer it (202, its Location) as without the wait, never a 503 without
+                # its id, which a client would retry into a second job.
+                log.warning("job %s: waiting for it failed (%s); answered as accepted", job.id, e)
     return job_reply(JobResponse.from_job(job), 200 if job.status.terminal else 202, headers)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
-from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep
+from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep, TenantDep
 from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
 from meshserve.service.api.routes.generate import job_reply
@@ -49,7 +49,12 @@ async def cancel_job(job: JobDep, store: StoreDep) -> Response:
     summary="Follow a job's events (SSE)",
 )
 async def stream_job_events(
-    job: JobDep, store: StoreDep, settings: SettingsDep, request: Request, last_event_id: LastEventId = None
+    job: JobDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    request: Request,
+    last_event_id: LastEventId = None,
 ) -> StreamingResponse:
     """Events `queued`, `started`, `progress` (and, for a job asked with `previews` / `preview_every`,
     `preview`: `{step, total_steps, index, image}`, the image a small WebP data URL; docs/previews.md), then one
@@ -57,7 +62,17 @@ async def stream_job_events(
     reconnecting with `Last-Event-ID` resumes after it. A comment line is sent every `sse_keepalive_s` while
     nothing happens."""
     start = last_event_id if last_event_id and _valid_stream_id(last_event_id) else "0-0"
-    draining = request.app.state.draining
+    draining, slots = request.app.state.draining, request.app.state.wait_slots
+    if not slots.take(tenant.name):  # service/api/wait_slots.py
+        own = slots.refusal(tenant.name) == "tenant"
+        raise ApiError(
+            429 if own else 503,
+            "too_many_streams",
+            f"this key already follows {settings.max_waiting_per_key} jobs at once here; close one or retry"
+            if own
+            else "this API process follows as many jobs as it may; retry shortly",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        )
 
     async def body() -> AsyncIterator[str]:
         last = start
@@ -86,7 +101,24 @@ async def stream_job_events(
             yield f"event: error\ndata: {json.dumps({'code': 'store_unavailable', 'message': str(e)})}\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return _SlotStream(
+        body(), release=lambda: slots.give_back(tenant.name), media_type="text/event-stream", headers=headers
+    )
+
+
+class _SlotStream(StreamingResponse):
+    """A stream that gives its wait slot back when it ends, however it ends (the client gone before its first
+    event included: a generator that never started has no `finally` to run)."""
+
+    def __init__(self, content, *, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _valid_stream_id(value: str) -> bool:
