@@ -146,6 +146,8 @@ class Settings(BaseSettings):
     webhook_max_age_s: float = Field(24 * 3600.0, gt=0)
     webhook_lease_s: float = Field(30.0, gt=0)
     webhook_concurrency: int = Field(16, ge=1)
+    # Of those, at most this many POSTs of one tenant at once (the others' deliveries pass ahead of the rest).
+    webhook_concurrency_per_key: int = Field(4, ge=1)
     webhook_deliver_in_api: bool = True
     # How often a deliverer looks for due deliveries and expired deadlines (both are one Redis script each).
     webhook_poll_s: float = Field(0.5, gt=0)

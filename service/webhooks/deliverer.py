@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
 import time
+from collections import Counter
 from datetime import UTC, datetime
 
 from redis.exceptions import RedisError
@@ -75,6 +77,9 @@ class Deliverer:
         self.queue = WebhookQueue(store.redis, store.prefix)
         self.unserved = UnservedSweep(store, self.settings)
         self._inflight: set[asyncio.Task] = set()
+        self._by_tenant: Counter[str] = (
+            Counter()
+        )  # POSTs in flight per tenant (`webhook_concurrency_per_key`)
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -115,12 +120,26 @@ class Deliverer:
         if room <= 0:
             return 0
         s = self.settings
-        claims = await self.queue.claim(room, s.webhook_lease_s, s.webhook_max_age_s)
+        claims = await self.queue.claim(
+            room,
+            s.webhook_lease_s,
+            s.webhook_max_age_s,
+            # In open mode every job is one tenant's: only the deliverer's own concurrency applies.
+            per_tenant=s.webhook_concurrency_per_key if s.auth == "keys" else None,
+            in_flight=dict(self._by_tenant),
+        )
         for claim in claims:
             task = asyncio.create_task(self._deliver(claim), name=f"webhook-{claim.job_id}")
             self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            self._by_tenant[claim.tenant] += 1
+            task.add_done_callback(functools.partial(self._done, claim.tenant))
         return len(claims)
+
+    def _done(self, tenant: str, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        self._by_tenant[tenant] -= 1
+        if self._by_tenant[tenant] <= 0:
+            del self._by_tenant[tenant]
 
     async def _deliver(self, claim: Claim) -> None:
         try:

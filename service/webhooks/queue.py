@@ -26,24 +26,35 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 
-# ARGV: P, now, lease s, max claims, token prefix, max age s. Returns {job id, token, attempts, spec, first, body}.
+# Fairness between tenants: the caller passes how many POSTs each tenant has in flight with it and the most one
+# tenant may have; due deliveries of a tenant at that limit are passed over (they stay due), so one tenant's
+# slow or failing receivers cannot hold every slot while another's wait (an audit delayed a webhook by a minute
+# with 100 jobs whose receiver hung). At most SCAN due entries are looked at per claim.
+# ARGV: P, now, lease s, max claims, token prefix, max age s, per-tenant limit, then (tenant, in flight) pairs.
+# Returns {job id, token, attempts, spec, first, body, tenant}.
 CLAIM = r"""
 local P, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local want, cap = tonumber(ARGV[4]), tonumber(ARGV[7])
+local busy = {}
+for i = 8, #ARGV, 2 do busy[ARGV[i]] = tonumber(ARGV[i + 1]) end
 local due = P .. ':webhooks:due'
 local out = {}
-for i, id in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))) do
+for i, id in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now, 'LIMIT', 0, 1024)) do
+  if #out >= want then break end
   local jk = P .. ':job:' .. id
-  local h = redis.call('HMGET', jk, 'webhook', 'wh_status', 'wh_first', 'wh_body')
+  local h = redis.call('HMGET', jk, 'webhook', 'wh_status', 'wh_first', 'wh_body', 'tenant')
+  local tenant = h[5] or ''
   if not h[1] or (h[2] ~= 'pending' and h[2] ~= 'delivering') then
     redis.call('ZREM', due, id)
-  else
+  elseif (busy[tenant] or 0) < cap then
+    busy[tenant] = (busy[tenant] or 0) + 1
     local token = ARGV[5] .. '-' .. i
     local attempts = redis.call('HINCRBY', jk, 'wh_attempts', 1)
     redis.call('HSET', jk, 'wh_status', 'delivering', 'wh_claim', token)
     redis.call('ZADD', due, now + lease, id)
     local first = tonumber(h[3]) or now
     redis.call('EXPIRE', jk, math.ceil(first + tonumber(ARGV[6]) - now) + 3600, 'GT')
-    table.insert(out, {id, token, attempts, h[1], tostring(first), h[4] or ''})
+    table.insert(out, {id, token, attempts, h[1], tostring(first), h[4] or '', tenant})
   end
 end
 return out
@@ -86,6 +97,7 @@ class Claim:
     spec: str
     first_at: float
     body: str
+    tenant: str = ""
 
 
 class WebhookQueue:
@@ -99,11 +111,22 @@ class WebhookQueue:
     def due_key(self) -> str:
         return f"{self.prefix}:webhooks:due"
 
-    async def claim(self, limit: int, lease_s: float, max_age_s: float) -> list[Claim]:
-        """Up to `limit` due deliveries, each hidden from other claims for `lease_s`."""
-        args = [self.prefix, repr(time.time()), lease_s, limit, secrets.token_hex(8), max_age_s]
+    async def claim(
+        self,
+        limit: int,
+        lease_s: float,
+        max_age_s: float,
+        per_tenant: int | None = None,
+        in_flight: dict[str, int] | None = None,
+    ) -> list[Claim]:
+        """Up to `limit` due deliveries, each hidden from other claims for `lease_s`; at most `per_tenant` of one
+        tenant counting its `in_flight` ones (None: no such limit)."""
+        cap = limit if per_tenant is None else per_tenant
+        args = [self.prefix, repr(time.time()), lease_s, limit, secrets.token_hex(8), max_age_s, cap]
+        for tenant, count in (in_flight or {}).items():
+            args += [tenant, count]
         rows = await self._claim(keys=[], args=args)
-        return [Claim(r[0], r[1], int(r[2]), r[3], float(r[4]), r[5]) for r in rows]
+        return [Claim(r[0], r[1], int(r[2]), r[3], float(r[4]), r[5], r[6]) for r in rows]
 
     async def keep_body(self, job_id: str, body: str) -> str | None:
         """Fix the delivery's body (the first caller wins); None when the job is gone."""

@@ -28,6 +28,7 @@ from meshserve.service.auth import KeyStore
 from meshserve.service.contract import JobParams, JobStatus
 from meshserve.service.webhooks import signing
 from meshserve.service.webhooks.deliverer import Deliverer, backoff_s
+from meshserve.service.webhooks.queue import WebhookQueue
 from meshserve.service.webhooks.spec import WebhookSpec
 from tests.service.conftest import FakeWorker, api_client
 
@@ -524,3 +525,22 @@ async def test_slow_receivers_do_not_hold_up_the_api(make_settings, receiver_fac
         for i in ids:
             job = await _webhook_settled(store, i)
             assert job.webhook.status == "delivered" and job.webhook.attempts == 2
+
+
+async def test_one_tenants_deliveries_cannot_take_every_slot(make_settings):
+    """Found by an audit: 100 jobs of one tenant whose receiver hung held every POST slot, and another tenant's
+    webhook waited a minute. A claim passes over the due deliveries of a tenant at `per_tenant` POSTs in flight."""
+    settings = make_settings(webhook_secret=SECRET, webhook_allow_private=True, webhook_deliver_in_api=False)
+    async with api_client(settings) as (_, store):
+        spec = WebhookSpec(url="http://127.0.0.1:9/h", statuses=list(JobStatus)[2:])
+        ids = {}
+        for owner in ["hog"] * 6 + ["other"]:  # the hog's deliveries are due first
+            job = await store.submit(_params(prompt=owner), owner=owner, webhook=spec)
+            await store.cancel(job.id)  # ends queued: its delivery is due now
+            ids.setdefault(owner, []).append(job.id)
+        queue = WebhookQueue(store.redis, store.prefix)
+        claims = await queue.claim(4, 30.0, 3600.0, per_tenant=2, in_flight={"hog": 1})
+        assert [c.tenant for c in claims] == ["hog", "other"]
+        assert claims[1].job_id == ids["other"][0]
+        claims = await queue.claim(4, 30.0, 3600.0)  # no per-tenant limit: the oldest due first
+        assert [c.tenant for c in claims] == ["hog"] * 4
