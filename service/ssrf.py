@@ -32,6 +32,7 @@ services live), multicast, reserved and unspecified stay refused.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import ipaddress
 import re
@@ -70,6 +71,15 @@ _PRIVATE_ALLOWED = tuple(
         "fc00::/7",
     )
 )
+# Special-purpose ranges that Python 3.11's `ipaddress` calls global: deprecated IPv6 site-local (fec0::/10, which
+# some stacks still route internally), the IETF protocol assignments block 192.0.0.0/24 (192.0.0.8 among them)
+# and the IPv6 documentation prefix 3fff::/20 (RFC 9637). Found by an audit.
+_SPECIAL_PURPOSE = tuple(ipaddress.ip_network(n) for n in ("fec0::/10", "192.0.0.0/24", "3fff::/20"))
+# Names are resolved on threads of their own, each lookup with a deadline: uvloop resolves on libuv's pool of 4
+# threads, shared with the rest of the process, so four names whose DNS never answers held every lookup of the
+# process (an audit saw another tenant's submit take 19 s).
+_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ssrf-dns")
+RESOLVE_TIMEOUT_S = 5.0
 # A host made only of numbers (decimal, octal 0..., hex 0x...) separated by dots: an IPv4 address in some form.
 _NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+))*\.?$", re.IGNORECASE)
 _REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -124,6 +134,8 @@ def address_refusal(ip: IPAddress, *, allow_private: bool) -> str | None:
         return "a private address"
     if ip.is_reserved:
         return "a reserved address"
+    if any(ip in net for net in _SPECIAL_PURPOSE):
+        return "a special-purpose address"
     if not ip.is_global:
         return "an address that is not globally routable"
     return None
@@ -188,7 +200,14 @@ async def _resolve(parsed: httpx.URL, *, allow_private: bool) -> list[IPAddress]
     else:
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(_RESOLVER, _getaddrinfo, host, port),
+                RESOLVE_TIMEOUT_S,
+            )
+        except TimeoutError:
+            raise FetchError(
+                "dns_error", f"the host {host!r} did not resolve within {RESOLVE_TIMEOUT_S:g} s"
+            ) from None
         except (socket.gaierror, UnicodeError) as e:
             raise FetchError("dns_error", f"the host {host!r} does not resolve: {e}") from None
         addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
@@ -197,11 +216,17 @@ async def _resolve(parsed: httpx.URL, *, allow_private: bool) -> list[IPAddress]
     for ip in addresses:
         why = address_refusal(ip, allow_private=allow_private)
         if why is not None:
-            shown = f"{host!r} resolves to {ip}, " if literal is None else f"{ip} is "
+            # A name's address is not shown: it would map the deployment's internal names for the client.
+            shown = f"{host!r} resolves to " if literal is None else f"{ip} is "
             raise BlockedURL(
                 "address_not_allowed", f"{shown}{why}: refused (server-side request forgery rules)"
             )
     return addresses
+
+
+def _getaddrinfo(host: str, port: int) -> list:
+    """The system resolver's answer (on a `_RESOLVER` thread)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 async def fetch(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -49,6 +50,10 @@ REFUSED = [
     ("http://[fd00:ec2::254]/", "address_not_allowed", "metadata"),
     ("http://169.254.1.1/", "address_not_allowed", "link-local"),
     ("http://[fe80::1]/", "address_not_allowed", "link-local"),
+    # Python 3.11 calls these global (an audit's finding): site-local, IETF protocol assignments, documentation.
+    ("http://[fec0::1]/", "address_not_allowed", "special-purpose"),
+    ("http://192.0.0.8/", "address_not_allowed", "special-purpose"),
+    ("http://[3fff::1]/", "address_not_allowed", "special-purpose"),
     ("http://224.0.0.1/", "address_not_allowed", "multicast"),
     ("http://239.255.255.250:1900/", "address_not_allowed", "multicast"),
     ("http://[ff02::1]/", "address_not_allowed", "multicast"),
@@ -146,7 +151,7 @@ def test_public_allowed(address):
 async def test_one_bad_record_refuses_the_name(monkeypatch):
     """A name whose answer mixes a public and a private address is refused (round-robin is no way around)."""
     await _fake_dns(monkeypatch, {"mixed.test": ["93.184.216.34", "10.0.0.5"]})
-    with pytest.raises(BlockedURL, match="10.0.0.5"):
+    with pytest.raises(BlockedURL, match="resolves to a private address"):
         await check_url("https://mixed.test/a.png")
 
 
@@ -291,20 +296,19 @@ async def test_connection_refused_is_a_fetch_error():
 
 async def _fake_dns(monkeypatch, table: dict[str, list[str]]) -> list[str]:
     """Answer getaddrinfo for the names in `table` (others as usual); returns the list of names looked up."""
-    loop = asyncio.get_running_loop()
-    real = loop.getaddrinfo
+    real = ssrf._getaddrinfo
     asked: list[str] = []
 
-    async def getaddrinfo(host, port, *args, **kwargs):
+    def getaddrinfo(host, port):
         asked.append(host)
         if host in table:
             return [
                 (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
                 for a in table[host]
             ]
-        return await real(host, port, *args, **kwargs)
+        return real(host, port)
 
-    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(ssrf, "_getaddrinfo", getaddrinfo)
     return asked
 
 
@@ -317,8 +321,41 @@ async def test_connects_to_the_checked_address_with_the_original_host(monkeypatc
     assert asked == ["images.test"]
     assert seen[0]["headers"]["host"] == f"images.test:{port}"
     # The same name refused without the setting: its answer is checked, not its spelling.
-    with pytest.raises(BlockedURL, match="'images.test' resolves to 127.0.0.1"):
+    with pytest.raises(BlockedURL, match="'images.test' resolves to a loopback address") as e:
         await fetch(f"http://images.test:{port}/ok", **LIMITS)
+    assert "127.0.0.1" not in e.value.message  # the address behind a name is not told (an audit's finding)
+
+
+async def test_a_name_whose_dns_never_answers_is_bounded_and_holds_no_other_lookup(monkeypatch):
+    """Found by an audit: names whose DNS never answered held uvloop's 4 resolver threads, so every lookup of
+    the process (other tenants' webhooks and image URLs) waited. Lookups have threads of their own and a
+    deadline."""
+    import threading
+
+    release = threading.Event()
+    real = ssrf._getaddrinfo
+
+    def getaddrinfo(host, port):
+        if host.endswith(".slow.test"):
+            release.wait(30)  # a DNS server that never answers
+            raise socket.gaierror("timed out")
+        if host == "fast.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+        return real(host, port)
+
+    monkeypatch.setattr(ssrf, "_getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(ssrf, "RESOLVE_TIMEOUT_S", 0.5)
+    try:
+        slow = [asyncio.create_task(ssrf.check_url(f"http://h{i}.slow.test/")) for i in range(8)]
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        assert [str(a) for a in await ssrf.check_url("http://fast.test/")] == ["93.184.216.34"]
+        assert time.monotonic() - t0 < 0.4  # not behind the eight stuck lookups
+        for task in slow:
+            with pytest.raises(FetchError, match="did not resolve within 0.5 s"):
+                await task
+    finally:
+        release.set()
 
 
 async def test_https_sends_the_name_as_sni(monkeypatch):
