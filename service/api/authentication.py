@@ -56,8 +56,19 @@ class Authentication:
             await self.app(scope, receive, send)
             return
 
-        headers = dict(scope["headers"])
-        key = parse_bearer(headers.get(b"authorization", b"").decode("latin-1"))
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) > 1:
+            # Which one counts differs between a gateway (often the first) and a dict (the last): refuse both.
+            await self._refuse(
+                scope,
+                receive,
+                send,
+                "invalid_api_key",
+                "send one Authorization header, not several",
+                bad=True,
+            )
+            return
+        key = parse_bearer(given[0].decode("latin-1")) if given else None
         if key is None:
             await self._refuse(
                 scope, receive, send, "missing_api_key", "send Authorization: Bearer <API key>"

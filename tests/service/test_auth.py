@@ -91,6 +91,16 @@ async def test_every_route_but_the_probes_needs_a_key(keyed):
         assert (await client.get(path)).status_code == 200, path
 
 
+async def test_two_authorization_headers_are_refused(keyed):
+    """Found by an audit: the last of two headers counted, while a gateway in front may check the first."""
+    client, _, _, keys = keyed
+    good, bad = "Bearer " + keys["alice"], "Bearer msk_" + "A" * 43
+    for pair in ((bad, good), (good, bad), (good, good)):
+        r = await client.get("/v1/models", headers=[("Authorization", pair[0]), ("Authorization", pair[1])])
+        assert_401(r, "invalid_api_key")
+    assert (await client.get("/v1/models", headers=bearer(keys["alice"]))).status_code == 200
+
+
 async def test_an_unauthenticated_body_is_not_parsed(keyed):
     """The key is checked before the body: a malformed body without a key is a 401, not a 422."""
     client, *_ = keyed

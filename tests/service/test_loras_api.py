@@ -187,6 +187,9 @@ async def test_served_loras_with_a_fake_pool(tmp_path, make_settings):
                 assert (await client.request(method, path, json=body)).status_code == 401
                 r = await client.request(method, path, json=body, headers=user)
                 assert (r.status_code, r.json()["error"]["code"]) == (403, "admin_required")
+            # Before the body's rules (an audit's finding: an empty body told a user key the fields).
+            r = await client.post("/v1/loras", json={}, headers=user)
+            assert (r.status_code, r.json()["error"]["code"]) == (403, "admin_required")
 
             async def add(name, source, model="toy"):
                 return await client.post(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from meshserve.service.api.catalog import common_adapters
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, current_tenant
@@ -27,7 +27,15 @@ from meshserve.service.lora_requests import LoraRequests
 from meshserve.service.lora_sources import LoraSourceError, resolve_source
 from meshserve.service.schemas import ErrorResponse, LoraCreate, LoraEntry, LoraList, LoraPoolState
 
-router = APIRouter(tags=["loras"])
+
+async def require_admin(request: Request) -> None:
+    tenant = await current_tenant(request)
+    if request.app.state.settings.auth == "keys" and not tenant.admin:
+        raise ApiError(403, "admin_required", "LoRA administration needs an admin key", "Authorization")
+
+
+# A router dependency: checked before the body is validated (a user key learns nothing of the body's rules).
+router = APIRouter(tags=["loras"], dependencies=[Depends(require_admin)])
 
 _ERR = {"model": ErrorResponse}
 ERRORS = {
@@ -37,12 +45,6 @@ ERRORS = {
     422: {**_ERR, "description": "A field breaks a rule (`source`: url_not_allowed, outside_root, ...)."},
 }
 _POLL_S = 0.2
-
-
-async def require_admin(request: Request) -> None:
-    tenant = await current_tenant(request)
-    if request.app.state.settings.auth == "keys" and not tenant.admin:
-        raise ApiError(403, "admin_required", "LoRA administration needs an admin key", "Authorization")
 
 
 def _pools_of(model: str, pools: list[PoolInfo]) -> list[tuple[PoolInfo, dict[str, AdapterInfo]]]:
@@ -84,8 +86,7 @@ def _usable(model: str, pools: list[PoolInfo]) -> set[str]:
 
 
 @router.get("/v1/loras", response_model=LoraList, responses=ERRORS, summary="List LoRA adapters (admin)")
-async def list_loras(request: Request, store: StoreDep) -> LoraList:
-    await require_admin(request)
+async def list_loras(store: StoreDep) -> LoraList:
     pools = await store.list_pools()
     wanted = LoraRequests(store)
     models = sorted({info.id for p in pools if p.ready for info in p.models})
@@ -109,7 +110,6 @@ async def list_loras(request: Request, store: StoreDep) -> LoraList:
 async def add_lora(
     body: LoraCreate, request: Request, store: StoreDep, catalog: CatalogDep, settings: SettingsDep
 ) -> Response:
-    await require_admin(request)
     await catalog.resolve(body.model)  # 404 listing the served models, 503 when none is ready
     try:
         resolve_source(
@@ -152,8 +152,7 @@ async def add_lora(
     responses=ERRORS,
     summary="Remove a LoRA adapter added with POST /v1/loras (admin)",
 )
-async def delete_lora(model: str, name: str, request: Request, store: StoreDep) -> Response:
-    await require_admin(request)
+async def delete_lora(model: str, name: str, store: StoreDep) -> Response:
     if await LoraRequests(store).delete(model, name):
         return Response(status_code=204)
     for _, adapters in _pools_of(model, await store.list_pools()):
