@@ -306,10 +306,15 @@ async function showJob(job) {
   bar.hidden = false; bar.max = job.progress.total_steps || 1; bar.value = bar.max;
   $("preview").hidden = true;
   for (const output of job.outputs) {
-    const r = await fetch(output.url, { headers: apiHeaders() });
-    if (!r.ok) { showError(await errorOf(r)); return; }
-    const url = URL.createObjectURL(await r.blob());
-    objectUrls.push(url);
+    // The API's own output route is fetched with the key and shown from memory; an output on another origin
+    // (an object store, a CDN: `output_url_base`, signed URLs) is shown from there and never sent the key.
+    let url = output.url;
+    if (new URL(output.url, location.href).origin === location.origin) {
+      const r = await fetch(output.url, { headers: apiHeaders() });
+      if (!r.ok) { showError(await errorOf(r)); return; }
+      url = URL.createObjectURL(await r.blob());
+      objectUrls.push(url);
+    }
     const media = output.content_type.startsWith("video/") ? document.createElement("video")
       : document.createElement("img");
     if (media.tagName === "VIDEO") { media.controls = true; media.loop = true; media.autoplay = true; media.muted = true; }

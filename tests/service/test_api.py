@@ -512,3 +512,21 @@ async def test_openai_images_keep_absolute_output_urls(make_settings, tmp_path):
             assert (tmp_path / job_id / token / "0.png").is_file()
         finally:
             await worker.stop()
+
+
+async def test_the_playground_policy_admits_an_outside_output_origin(make_settings, tmp_path):
+    """Outputs on another origin are shown from there (playground.js never sends the key but to its own origin:
+    an audit found it sent to any output URL); the policy admits that origin's images and media only."""
+    from meshserve.service.api.routes.playground import CONTENT_SECURITY_POLICY
+
+    settings = make_settings(output_dir=str(tmp_path), output_url_base="https://cdn.example.com/out")
+    async with api_client(settings) as (client, _):
+        policy = (await client.get("/playground")).headers["content-security-policy"]
+    assert "img-src 'self' data: blob: https://cdn.example.com;" in policy
+    assert "media-src 'self' blob: https://cdn.example.com;" in policy
+    assert "connect-src 'self';" in policy  # nothing is fetched from there with the key
+    async with api_client(make_settings()) as (client, _):
+        assert (await client.get("/playground")).headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    async with api_client(make_settings()) as (client, _):
+        script = (await client.get("/playground/playground.js")).text
+    assert "origin === location.origin" in script  # the key goes with same-origin fetches only

@@ -107,9 +107,7 @@ async def list_loras(store: StoreDep) -> LoraList:
     responses={202: {"model": LoraEntry, "description": "Some pools have not answered yet."}, **ERRORS},
     summary="Add a LoRA adapter to a model's pools (admin)",
 )
-async def add_lora(
-    body: LoraCreate, request: Request, store: StoreDep, catalog: CatalogDep, settings: SettingsDep
-) -> Response:
+async def add_lora(body: LoraCreate, store: StoreDep, catalog: CatalogDep, settings: SettingsDep) -> Response:
     await catalog.resolve(body.model)  # 404 listing the served models, 503 when none is ready
     try:
         resolve_source(

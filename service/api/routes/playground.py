@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
 router = APIRouter(include_in_schema=False)
@@ -33,12 +34,29 @@ CONTENT_SECURITY_POLICY = (
     "media-src 'self' blob:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 HEADERS = {
-    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     # Small files that change with the package: revalidate, never serve a stale page against a newer API.
     "Cache-Control": "no-cache",
 }
+
+
+def content_security_policy(settings) -> str:
+    """The page's policy: outputs served from another origin (`output_url_base`, or an object store's signed
+    URLs) are shown from there, straight by the browser, so that origin (https: for signed URLs, whose host is
+    the bucket's) may give images and media. The page never sends the API key there (playground.js)."""
+    extra = ""
+    if settings.output_url_base:
+        url = urlsplit(settings.output_url_base)
+        if url.scheme in ("http", "https") and url.netloc:
+            extra = f" {url.scheme}://{url.netloc}"
+    elif settings.output_dir and urlsplit(settings.output_dir).scheme in ("gs", "s3", "az"):
+        extra = " https:"
+    if not extra:
+        return CONTENT_SECURITY_POLICY
+    return CONTENT_SECURITY_POLICY.replace(
+        "img-src 'self' data: blob:;", f"img-src 'self' data: blob:{extra};"
+    ).replace("media-src 'self' blob:;", f"media-src 'self' blob:{extra};")
 
 
 @cache
@@ -54,8 +72,11 @@ async def root() -> RedirectResponse:
 def _serve(path: str):
     name, content_type = FILES[path]
 
-    async def endpoint() -> Response:
-        return Response(_read(name), media_type=content_type, headers=HEADERS)
+    async def endpoint(request: Request) -> Response:
+        policy = content_security_policy(request.app.state.settings)
+        return Response(
+            _read(name), media_type=content_type, headers={**HEADERS, "Content-Security-Policy": policy}
+        )
 
     endpoint.__name__ = "playground_" + name.replace(".", "_")
     return endpoint
