@@ -97,8 +97,13 @@ def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400:
-        # FastAPI's answer to a body it could not even decode (not UTF-8, digits past Python's int limit):
-        # malformed JSON like any other, in the documented shape and status.
+        # FastAPI's answer to a body it could not even decode (not UTF-8, digits past Python's int limit; for a
+        # multipart form: no boundary, too many parts, a part too large): malformed input like any other, in the
+        # documented shape and status, named for what the body was meant to be.
+        if request.headers.get("content-type", "").lower().startswith("multipart/"):
+            return error_response(
+                422, "invalid_form", f"the multipart form could not be read: {exc.detail}", "body"
+            )
         return error_response(422, "invalid_json", f"the body is not valid JSON: {exc.detail}", "body")
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     headers = getattr(exc, "headers", None)

@@ -495,3 +495,13 @@ async def test_images_edits_refusals(api_img, files, data, field, rule):
     assert r.status_code == 422, r.text
     assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, rule), r.text
     assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []
+
+
+async def test_an_unreadable_multipart_form_is_a_422_that_says_so(api_img):
+    """It was answered `invalid_json`, "the body is not valid JSON" (an audit's finding)."""
+    client, *_ = api_img
+    for content_type in ("multipart/form-data", "multipart/form-data; boundary=xyz"):
+        r = await client.post("/v1/images/edits", content=b"garbage", headers={"content-type": content_type})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_form", r.text
+    r = await client.post("/v1/images/edits", files={f"f{i}": ("a", b"x") for i in range(1001)})
+    assert r.status_code == 422 and "Too many files" in r.json()["error"]["message"]
