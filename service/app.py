@@ -98,7 +98,15 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             if own:
                 await app.state.store.close()
 
-    app = FastAPI(title="meshserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    docs = settings.api_docs  # the interactive pages load a CDN's scripts (settings.py): off by default
+    app = FastAPI(
+        title="meshserve",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     app.state.settings = settings
     app.state.draining = asyncio.Event()  # set when the process is told to stop (lifespan: drain_on_signals)
     app.state.wait_slots = WaitSlots(settings)  # requests that wait on a job, bounded

@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     # On SIGTERM the API ends its waits and SSE streams at once (service/api/draining.py); whatever is still open
     # after this long is cut (uvicorn's timeout_graceful_shutdown). Below Kubernetes' grace period (30 s).
     shutdown_grace_s: float = Field(10.0, gt=0)
+    # FastAPI's /docs and /redoc pages load their scripts from a CDN (cdn.jsdelivr.net) into the API's origin,
+    # where the playground keeps a key in sessionStorage: off unless asked for. /openapi.json is always served.
+    api_docs: bool = False
     # Whether the app installs the SIGTERM/SIGINT hook that starts draining (`meshserve api` sets it; a process
     # that owns its signals itself, as `meshserve serve`, sets `app.state.draining` when it stops).
     drain_on_signals: bool = False

@@ -123,7 +123,7 @@ class WebhookQueue:
         tenant counting its `in_flight` ones (None: no such limit)."""
         cap = limit if per_tenant is None else per_tenant
         args = [self.prefix, repr(time.time()), lease_s, limit, secrets.token_hex(8), max_age_s, cap]
-        for tenant, count in (in_flight or {}).items():
+        for tenant, count in (in_flight or {}).items() if per_tenant is not None else ():
             args += [tenant, count]
         rows = await self._claim(keys=[], args=args)
         return [Claim(r[0], r[1], int(r[2]), r[3], float(r[4]), r[5], r[6]) for r in rows]

@@ -544,3 +544,5 @@ async def test_one_tenants_deliveries_cannot_take_every_slot(make_settings):
         assert claims[1].job_id == ids["other"][0]
         claims = await queue.claim(4, 30.0, 3600.0)  # no per-tenant limit: the oldest due first
         assert [c.tenant for c in claims] == ["hog"] * 4
+        # Without a per-tenant limit what is in flight does not count (open mode: one tenant for every job).
+        assert [c.tenant for c in await queue.claim(4, 30.0, 3600.0, in_flight={"hog": 9})] == ["hog"]
