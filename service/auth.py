@@ -296,6 +296,11 @@ class KeyStore:
                 out.append({"name": name, **rec})
         return out
 
+    async def still_valid(self, digest: str) -> bool:
+        """Whether the key with this digest still exists (not revoked); takes no token. For requests that last
+        (an SSE stream) to notice a revocation."""
+        return bool(await self.redis.exists(f"{self.prefix}:apikey:{digest}"))
+
     async def authenticate(self, key: str) -> tuple[Tenant, RateLimitState | None] | None:
         """The tenant of a well-formed, known key and its rate state (None: no rate limit), or None (unknown,
         revoked or malformed: the caller answers 401). Takes one token from the tenant's bucket."""

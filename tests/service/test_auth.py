@@ -312,3 +312,19 @@ def params_for_some_tenant():
     return JobParams(
         model="toy", prompt="x", width=64, height=48, num_inference_steps=1, guidance_scale=1.0, seed=1, n=1
     )
+
+
+async def test_an_open_stream_ends_when_its_key_is_revoked(make_settings, monkeypatch):
+    """Found by an audit: a stream opened before `keys revoke` streamed on to the job's end."""
+    monkeypatch.setattr("meshserve.service.api.routes.jobs.KEY_RECHECK_S", 0.0)
+    async with api_client(make_settings(auth="keys", sse_keepalive_s=0.1)) as (client, store):
+        await FakeWorker(store).register()  # never runs the job: the stream would stay open
+        ks = KeyStore(store.redis, store.prefix)
+        key = bearer(await ks.create("leaver", rate_per_minute=0, max_active=0))
+        job_id = (await client.post("/v1/generate", json={"prompt": "x"}, headers=key)).json()["id"]
+        stream = asyncio.create_task(client.get(f"/v1/jobs/{job_id}/events", headers=key))
+        await asyncio.sleep(0.3)
+        assert not stream.done()
+        assert await ks.revoke("leaver")
+        r = await asyncio.wait_for(stream, 5)
+        assert "event: queued" in r.text and "the API key was revoked" in r.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Path, Request, Response
@@ -20,6 +21,8 @@ from meshserve.service.schemas import ErrorResponse, JobResponse
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
 NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job (or it expired)."}}
 _STREAM_ID = r"^\d{1,20}-\d{1,20}$"
+# How often an open stream checks that its key still exists (one EXISTS; no rate-limit token).
+KEY_RECHECK_S = 30.0
 # Far above any job's outputs (n <= a model's max_n): a bound so that a huge index is a 422, not a parse of
 # thousands of digits.
 MAX_OUTPUT_INDEX = 65535
@@ -74,9 +77,12 @@ async def stream_job_events(
             headers={"Retry-After": str(settings.retry_after_s)},
         )
 
+    keys = request.app.state.keys if settings.auth == "keys" and tenant.key_digest else None
+
     async def body() -> AsyncIterator[str]:
         last = start
         keepalive_ms = int(settings.sse_keepalive_s * 1000)
+        checked = time.monotonic()
         try:
             while True:
                 events = await unless_draining(store.events(job.id, last, block_ms=keepalive_ms), draining)
@@ -85,6 +91,13 @@ async def stream_job_events(
                 ):  # the process is stopping (service/api/draining.py): another replica resumes
                     yield ": this API process is stopping; reconnect with Last-Event-ID\n\n"
                     return
+                if keys is not None and time.monotonic() - checked >= KEY_RECHECK_S:
+                    # A key revoked while its stream is open: the stream ends (an audit saw one go on to the end).
+                    checked = time.monotonic()
+                    if not await keys.still_valid(tenant.key_digest):
+                        message = {"code": "invalid_api_key", "message": "the API key was revoked"}
+                        yield f"event: error\ndata: {json.dumps(message)}\n\n"
+                        return
                 if not events:
                     if await store.get(job.id) is None:  # expired while we followed it
                         return
@@ -95,9 +108,8 @@ async def stream_job_events(
                     yield f"id: {e.id}\nevent: {e.type.value}\ndata: {json.dumps(e.data)}\n\n"
                     if e.type.terminal:
                         return
-        except (
-            RedisError
-        ) as e:  # headers are sent: say why the stream ends; the client resumes with its last id
+        except RedisError as e:
+            # The headers are sent: say why the stream ends; the client resumes with its last id.
             yield f"event: error\ndata: {json.dumps({'code': 'store_unavailable', 'message': str(e)})}\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
