@@ -14,6 +14,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
+from meshserve.service.api.errors import ApiError
 from meshserve.service.settings import Settings
 
 
@@ -23,6 +24,7 @@ class WaitSlots:
         self.per_tenant = settings.max_waiting_per_key if settings.auth == "keys" else settings.max_waiting
         self.held: Counter[str] = Counter()
         self.total = 0
+        self.retry_after_s = settings.retry_after_s
 
     def refusal(self, tenant: str) -> str | None:
         """Why `tenant` may not take a slot now: "tenant" (its own limit), "process", or None."""
@@ -31,6 +33,17 @@ class WaitSlots:
         if self.total >= self.limit:
             return "process"
         return None
+
+    def refused(self, tenant: str, code: str) -> ApiError:
+        """The answer to a request of `tenant` that found no slot: 429 for its own limit, else 503."""
+        own = self.refusal(tenant) == "tenant"
+        message = (
+            f"this key already has {self.per_tenant} requests waiting on jobs here (streams, waits); end one "
+            "or retry"
+            if own
+            else "this API process has as many requests waiting on jobs as it may; retry shortly"
+        )
+        return ApiError(429 if own else 503, code, message, headers={"Retry-After": str(self.retry_after_s)})
 
     def take(self, tenant: str) -> bool:
         if self.refusal(tenant) is not None:

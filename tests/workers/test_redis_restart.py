@@ -18,6 +18,21 @@ from tests.workers.helpers import all_events, params, submit_many, wait_ended, w
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 
+def _fake_worker(port: int, *, step_seconds: float, pool_stale_s: float) -> tuple[Settings, WorkerConfig]:
+    """Settings for Redis on `port` (lease 2 s) and one pool `r` of the fake runner."""
+    settings = Settings(
+        redis_url=f"redis://127.0.0.1:{port}/0", key_prefix="ms", lease_s=2.0, pool_stale_s=pool_stale_s
+    )
+    cfg = WorkerConfig.model_validate(
+        {
+            "models": {"fake": {"runner": "fake", "options": {"step_seconds": step_seconds}}},
+            "pools": [{"name": "r", "devices": "0", "models": ["fake"]}],
+            "metrics_port": None,
+        }
+    )
+    return settings, cfg
+
+
 @pytest.mark.parametrize("outage_s", [1.5, 4.0], ids=["write-retried", "write-abandoned-then-reclaimed"])
 def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
     """1.5 s: shorter than the lease (2 s), the finished job's write is retried until Redis is back. 4 s: the
@@ -25,16 +40,7 @@ def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
     reclaimed and run again - still one result."""
     port = free_port()
     redis_proc = start_redis(port, tmp_path)
-    settings = Settings(
-        redis_url=f"redis://127.0.0.1:{port}/0", key_prefix="ms", lease_s=2.0, pool_stale_s=5.0
-    )
-    cfg = WorkerConfig.model_validate(
-        {
-            "models": {"fake": {"runner": "fake", "options": {"step_seconds": 0.05}}},
-            "pools": [{"name": "r", "devices": "0", "models": ["fake"]}],
-            "metrics_port": None,
-        }
-    )
+    settings, cfg = _fake_worker(port, step_seconds=0.05, pool_stale_s=5.0)
 
     async def main():
         nonlocal redis_proc
@@ -73,16 +79,7 @@ def test_a_worker_that_warms_up_while_redis_is_down_registers_when_it_is_back(tm
     """Found by an audit: a pool whose warm-up ended with Redis away raised from its registration and the worker
     exited, throwing its loaded models away (minutes for a real one). Now it waits for Redis and serves."""
     port = free_port()
-    settings = Settings(
-        redis_url=f"redis://127.0.0.1:{port}/0", key_prefix="ms", lease_s=2.0, pool_stale_s=3.0
-    )
-    cfg = WorkerConfig.model_validate(
-        {
-            "models": {"fake": {"runner": "fake", "options": {"step_seconds": 0.01}}},
-            "pools": [{"name": "r", "devices": "0", "models": ["fake"]}],
-            "metrics_port": None,
-        }
-    )
+    settings, cfg = _fake_worker(port, step_seconds=0.01, pool_stale_s=3.0)
     redis_proc = None
 
     async def main():

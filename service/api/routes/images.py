@@ -80,27 +80,19 @@ async def create_image(
 ) -> ImagesResponse:
     served = await catalog.resolve(body.model)
     params = _params(served, settings, body.size, prompt=body.prompt, n=body.n)
-    with _wait_slot(request, tenant.name, settings):
+    with _wait_slot(request, tenant.name):
         job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
         return await _answer(job, body.response_format, request, store, settings)
 
 
 @contextlib.contextmanager
-def _wait_slot(request: Request, tenant: str, settings: Settings) -> Iterator[None]:
+def _wait_slot(request: Request, tenant: str) -> Iterator[None]:
     """This route answers the result, so it waits: a wait slot (service/api/wait_slots.py) before it submits,
     or a refusal that leaves nothing accepted."""
     slots = request.app.state.wait_slots
     with slots.slot(tenant) as got:
         if not got:
-            own = slots.refusal(tenant) == "tenant"
-            raise ApiError(
-                429 if own else 503,
-                "too_many_waiting",
-                f"this key already waits on {settings.max_waiting_per_key} jobs here; use /v1/generate or retry"
-                if own
-                else "this API process waits on as many jobs as it may; retry shortly",
-                headers={"Retry-After": str(settings.retry_after_s)},
-            )
+            raise slots.refused(tenant, "too_many_waiting")
         yield
 
 
@@ -153,7 +145,7 @@ async def edit_image(
         image=marker,
         mask=marker if mask is not None else None,
     )
-    with _wait_slot(request, tenant.name, settings):  # before the inputs are stored: a refusal leaves none
+    with _wait_slot(request, tenant.name):  # before the inputs are stored: a refusal leaves none
         image_bytes = await _upload(image, "image", settings)
         mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
         params = await with_image_inputs(

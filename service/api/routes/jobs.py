@@ -67,15 +67,7 @@ async def stream_job_events(
     start = last_event_id if last_event_id and _valid_stream_id(last_event_id) else "0-0"
     draining, slots = request.app.state.draining, request.app.state.wait_slots
     if not slots.take(tenant.name):  # service/api/wait_slots.py
-        own = slots.refusal(tenant.name) == "tenant"
-        raise ApiError(
-            429 if own else 503,
-            "too_many_streams",
-            f"this key already follows {settings.max_waiting_per_key} jobs at once here; close one or retry"
-            if own
-            else "this API process follows as many jobs as it may; retry shortly",
-            headers={"Retry-After": str(settings.retry_after_s)},
-        )
+        raise slots.refused(tenant.name, "too_many_streams")
 
     keys = request.app.state.keys if settings.auth == "keys" and tenant.key_digest else None
 
