@@ -352,7 +352,11 @@ class PipelineRunner(Runner):
                 # The step cache: one per batch (its settings are in the batch key).
                 **({"cache": first["cache"]} if first.get("cache") else {}),
                 # A row's texts are cached for its own tenant only (models/engine/prompt_cache.py, "Scopes").
-                prompt_cache_scope=scopes + scopes[:1] * pad,
+                **(
+                    {"prompt_cache_scope": scopes + scopes[:1] * pad}
+                    if getattr(self.pipe, "prompt_cache", None) is not None
+                    else {}
+                ),
                 **self._previews(batch, pad, previews),
                 **rows,
                 **settings,
