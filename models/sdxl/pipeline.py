@@ -119,11 +119,15 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
     @property
     def defaults(self) -> dict:
-        size = self.unet_config.sample_size * self.vae_scale_factor
+        # diffusers' default_sample_size: the UNet's sample_size, 128 where the config has none;
+        # a (height, width) pair is read as one.
+        sample = self.unet_config.sample_size
+        sample = (128, 128) if sample is None else sample if isinstance(sample, tuple) else (sample, sample)
+        height, width = (s * self.vae_scale_factor for s in sample)
         return {
-            "width": size,
-            "height": size,
-            "num_inference_steps": 30 if size >= 512 else 4,
+            "width": width,
+            "height": height,
+            "num_inference_steps": 30 if min(height, width) >= 512 else 4,
             "guidance_scale": 5.0,
             **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
@@ -204,8 +208,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
                 cfg.latents_mean
             )
         else:
+            # diffusers' SDXL pipelines never read the VAE's shift_factor (that is Flux's, SD3's)
             latents = latents / cfg.scaling_factor
-            if getattr(cfg, "shift_factor", None) is not None:
-                latents = latents + cfg.shift_factor
         image = vae.decode(latents).astype(jnp.float32)  # [B, H, W, 3] in [-1, 1], in the VAE's dtype
         return jnp.clip(image / 2 + 0.5, 0.0, 1.0)

@@ -165,8 +165,13 @@ class UNet2DConditionConfig:
 
 
 def _per_layer(value, num_layers: int) -> list[int]:
-    """transformer_layers_per_block for one block: an int for every layer or one count per layer."""
-    return [value] * num_layers if isinstance(value, int) else list(value)
+    """transformer_layers_per_block for one block: an int for every layer or one count per layer; as in
+    diffusers' blocks, a longer list is read up to num_layers."""
+    if isinstance(value, int):
+        return [value] * num_layers
+    if len(value) < num_layers:
+        raise ValueError(f"UNet2DConditionModel: {num_layers} transformer depths needed, got {list(value)}")
+    return list(value[:num_layers])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,6 +363,7 @@ class LevelArgs:
     dtype: jnp.dtype
     rngs: nnx.Rngs
     output_scale_factor: float = 1.0
+    mid_block: bool = False
 
     def resnet(self, in_channels: int, out_channels: int) -> ResnetBlock2D:
         cfg = self.config
@@ -386,7 +392,8 @@ class LevelArgs:
             cross_attention_dim=cfg.per_block("cross_attention_dim")[i],
             norm_num_groups=cfg.norm_num_groups,
             use_linear_projection=cfg.use_linear_projection,
-            only_cross_attention=cfg.per_block("only_cross_attention")[i],
+            # diffusers' UNetMidBlock2DCrossAttn takes no only_cross_attention: its attn1 attends to itself
+            only_cross_attention=not self.mid_block and cfg.per_block("only_cross_attention")[i],
             settings=self.settings,
             dtype=self.dtype,
             rngs=self.rngs,
@@ -527,8 +534,8 @@ class UNet2DConditionModel(nnx.Module):
             else None
         )
 
-        def level(i: int, output_scale_factor: float = 1.0) -> LevelArgs:
-            return LevelArgs(cfg, i, settings, jnp.dtype(dtype), rngs, output_scale_factor)
+        def level(i: int, output_scale_factor: float = 1.0, mid_block: bool = False) -> LevelArgs:
+            return LevelArgs(cfg, i, settings, jnp.dtype(dtype), rngs, output_scale_factor, mid_block)
 
         down = []
         for i, kind in enumerate(cfg.down_block_types):
@@ -551,7 +558,7 @@ class UNet2DConditionModel(nnx.Module):
             UNetMidBlock2DCrossAttn(
                 channels[-1],
                 transformer_layers=_per_layer(depths[-1], 1),
-                args=level(n - 1, cfg.mid_block_scale_factor),
+                args=level(n - 1, cfg.mid_block_scale_factor, mid_block=True),
             )
             if cfg.mid_block_type == "UNetMidBlock2DCrossAttn"
             else None

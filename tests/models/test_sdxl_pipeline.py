@@ -178,3 +178,36 @@ def test_bad_arguments_are_clear(ours, kw, match):
 def test_an_unsupported_argument_is_a_type_error_too(ours):
     with pytest.raises(TypeError, match="unsupported argument 'prompt_2'"):
         ours("cat", prompt_2="a dog")
+
+
+def test_vae_shift_factor_and_missing_sample_size_read_as_diffusers_does(tiny_sdxl_path, tmp_path):
+    """A folder whose VAE config carries a shift_factor (Flux's and SD3's VAEs have one) and whose UNet has no
+    sample_size: diffusers' SDXL pipeline never reads the shift, and its default size falls back to 128
+    latents; a (height, width) sample_size is read as one."""
+    import json
+    import shutil
+
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    folder = tmp_path / "sdxl"
+    shutil.copytree(tiny_sdxl_path, folder)
+    for name, edit in (("vae", {"shift_factor": 2.0}), ("unet", {"sample_size": None})):
+        path = folder / name / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+
+    ours = load_pipeline(folder, dtype="float32")
+    assert (ours.defaults["height"], ours.defaults["width"]) == (128 * ours.vae_scale_factor,) * 2
+    ref = StableDiffusionXLPipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+    ref.scheduler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    latents = np.random.default_rng(3).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(height=H, width=W, num_inference_steps=2, guidance_scale=5.0, output_type="np")
+    expected = ref("a cat", latents=torch.from_numpy(latents), **kw).images
+    got = ours("a cat", latents=latents, scheduler="euler", **kw).images
+    assert float(np.abs(got - expected).max()) <= 1e-3
+
+    path = folder / "unet" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "sample_size": [16, 24]}))
+    size = load_pipeline(folder, dtype="float32").defaults
+    assert (size["height"], size["width"]) == (16 * ours.vae_scale_factor, 24 * ours.vae_scale_factor)

@@ -180,6 +180,42 @@ def test_conv_projection_unet_matches_diffusers(tmp_path):
     assert err <= 1e-4
 
 
+def test_only_cross_attention_and_per_layer_depths_match_diffusers(tmp_path):
+    """only_cross_attention=True (attn1 attends to the text) reaches the down and up blocks but not the mid
+    block (diffusers' UNetMidBlock2DCrossAttn takes no such argument), and per-layer depth lists longer than
+    a block's layers are read up to its layer count, as diffusers' blocks read them."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    ref = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=8,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        only_cross_attention=True,
+        attention_head_dim=4,
+        cross_attention_dim=24,
+        norm_num_groups=16,
+        transformer_layers_per_block=[[2, 1], [1, 3]],
+        reverse_transformer_layers_per_block=[[1, 2, 4], [2, 1, 1]],
+    ).eval()
+    ref.save_pretrained(str(tmp_path))
+    ours = load_unet(tmp_path)
+    assert (
+        len(ours.mid_block.attentions) == 1
+        and not ours.mid_block.attentions[0].transformer_blocks[0].only_cross_attention
+    )
+
+    rs = np.random.RandomState(4)
+    sample = rs.randn(2, 4, 8, 8).astype(np.float32)
+    context = rs.randn(2, 5, 24).astype(np.float32)
+    expected = torch_forward(ref, sample, 500.0, context)
+    err = rel_err(nchw(jitted(ours)(sample, 500.0, context)), expected)
+    log.info("only-cross-attention UNet fp32: rel err %.2e", err)
+    assert err <= 1e-4
+
+
 def test_feed_forward_is_exact_geglu():
     """GEGLU uses the erf GELU: the tanh approximation moves the tiny UNet by only ~3e-5 (under the 1e-4
     bar), so the feed-forward is checked alone, on inputs large enough for the two to differ."""
