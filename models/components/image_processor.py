@@ -112,7 +112,9 @@ def image_rows(
     images, prompts: int, n: int, name: str, preprocess: Callable, height: int, width: int
 ) -> np.ndarray:
     """The images of a call -> one preprocessed image per output row [prompts * n, H, W, C]: one for all, one
-    per prompt (repeated for its n images, prompt-major as the rows are) or one per output row."""
+    per output row, or one per prompt, tiled over the n images per prompt as diffusers' image pipelines tile
+    them (`torch.cat([image_latents] * n)`, `mask.repeat(n, ...)`): with prompts p0, p1 and n = 2 the rows
+    are (p0, i0), (p0, i1), (p1, i0), (p1, i1)."""
     items = as_image_list(images, name)
     if len(items) not in (1, prompts, prompts * n):
         raise PipelineError(
@@ -123,5 +125,5 @@ def image_rows(
     if len(items) == 1:
         processed = processed * (prompts * n)
     elif len(items) == prompts and n > 1:
-        processed = [p for p in processed for _ in range(n)]
+        processed = processed * n
     return np.stack(processed)

@@ -115,7 +115,9 @@ class DDIMScheduler(NoiseScheduler):
         # sigma_t of the DDIM paper (eq. 16) times eta; zero work when eta == 0 (a Python constant).
         variance = ((1 - alpha_prod_t_prev) / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
         std_dev_t = self.eta * variance**0.5
-        pred_sample_direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** 0.5 * pred_epsilon
+        # Exactly 0 at eta = 1 with a zero-terminal-SNR schedule: rounding decides its sign (a NaN sample in
+        # diffusers at some step counts, in ours at others), hence the clamp.
+        pred_sample_direction = jnp.maximum(1 - alpha_prod_t_prev - std_dev_t**2, 0.0) ** 0.5 * pred_epsilon
         prev_sample = alpha_prod_t_prev**0.5 * pred_original + pred_sample_direction
         if self.eta > 0:
             prev_sample = prev_sample + std_dev_t * step_noise(key, noise, x)

@@ -70,7 +70,10 @@ class EulerAncestralDiscreteScheduler(NoiseScheduler):
         out = model_output.astype(jnp.float32)
         pred_original = predicted_original(self.prediction_type, sigma, x, out)
         sigma_up = (sigma_to**2 * (sigma**2 - sigma_to**2) / sigma**2) ** 0.5
-        sigma_down = (sigma_to**2 - sigma_up**2) ** 0.5
+        # sigma_to^4 / sigma^2 in exact arithmetic: under float32's resolution when sigma_to / sigma < 3e-4
+        # (linear betas, linspace, 2 steps), where XLA's fused multiply-add left -2.5e-12 (a NaN sample)
+        # and torch's unfused arithmetic exactly 0: clamped at 0.
+        sigma_down = jnp.maximum(sigma_to**2 - sigma_up**2, 0.0) ** 0.5
         derivative = (x - pred_original) / sigma
         prev_sample = x + derivative * (sigma_down - sigma)
         prev_sample = prev_sample + step_noise(key, noise, x) * sigma_up

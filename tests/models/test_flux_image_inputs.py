@@ -121,6 +121,24 @@ def test_inpaint_matches_diffusers(dev, reference, same_noise):
     _check(got, expected, "Flux inpaint")
 
 
+def test_one_image_per_prompt_is_tiled_over_its_images_as_diffusers_does(dev, reference, same_noise):
+    """Two prompts, an image and a mask each, two images per prompt: diffusers repeats the prompts
+    prompt-major (p0, p0, p1, p1) and tiles the images and masks (i0, i1, i0, i1); so does ours."""
+    from diffusers import FluxInpaintPipeline
+
+    ref = FluxInpaintPipeline.from_pipe(reference)
+    ref.set_progress_bar_config(disable=True)
+    images = _images(4, H, W)
+    masks = [np.zeros((H, W), np.float32), np.ones((H, W), np.float32)]
+    masks[0][8:30, 4:] = 1.0
+    noise = np.random.default_rng(5).standard_normal((4, 4, H // 2, W // 2)).astype(np.float32)
+    same_noise["noise"], packed = noise, np.asarray(pack_latents(noise.transpose(0, 2, 3, 1)))
+    kw = {**KW, "num_images_per_prompt": 2}
+    expected = ref(PROMPTS, image=images, mask_image=masks, strength=0.75, **kw).images
+    got = dev(PROMPTS, image=images, mask_image=masks, strength=0.75, latents=packed, **kw).images
+    _check(got, expected, "Flux inpaint, 2 images per prompt")
+
+
 def test_tasks_and_limits(dev):
     assert dev.tasks == ("text-to-image", "image-to-image", "inpaint")
     assert dev.limits["strength"]["defaults"] == {"image-to-image": 0.6, "inpaint": 0.6}

@@ -288,6 +288,14 @@ def test_dpm_long_loop_matches_diffusers(sdxl_config, changes):
     assert check_loop(ours, ref, steps=16) <= TOL
 
 
+def test_ancestral_step_to_a_tiny_sigma_stays_finite(sdxl_config):
+    """Linear betas, linspace, 2 steps: sigma_to / sigma ~ 1e-4, where sigma_down's radicand is 0 in float32
+    (a fused multiply-add once made it negative: an all-NaN sample where diffusers' is finite)."""
+    changes = dict(beta_schedule="linear", beta_start=0.0001, beta_end=0.02, timestep_spacing="linspace")
+    ours, ref = build(sdxl_config, ("euler_ancestral", changes, {}))
+    assert check_loop(ours, ref, steps=2) <= TOL
+
+
 def test_loop_with_a_new_step_count(sdxl_config):
     ours, ref = build(sdxl_config, ("euler", {}, {}))
     for steps in (3, 7):
