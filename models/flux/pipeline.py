@@ -52,10 +52,10 @@ from meshserve.models.schedulers import flux_mu
 
 __all__ = ["FluxPipeline", "pack_latents", "unpack_latents"]
 
-# diffusers' FluxPipeline refuses a longer T5 text (`check_inputs`); it is also its default for dev.
+# diffusers' FluxPipeline refuses a longer T5 text (`check_inputs`); it is also its default, for dev and
+# schnell alike. FLUX.1-schnell's model card asks for 256 (it was distilled on 256-token prompts): a folder's
+# meshserve.json sets that ("defaults": {"max_sequence_length": 256}); a call may still pass up to 512.
 MAX_SEQUENCE_LENGTH = 512
-# FLUX.1-schnell's model card: "max_sequence_length <= 256" (it was distilled with 256-token prompts).
-SCHNELL_MAX_SEQUENCE_LENGTH = 256
 # The schedulers a Flux model offers: diffusers' FluxPipeline runs FlowMatchEulerDiscreteScheduler with its own
 # sigmas. UniPC (the other flow scheduler here) is implemented and tested for Wan's schedule only, not with
 # Flux's pipeline sigmas and shift, so it is not offered.
@@ -140,11 +140,6 @@ class FluxPipeline(DiffusionPipeline):
         return 2 ** (len(self.vae_config.block_out_channels) - 1)
 
     @property
-    def max_sequence_length(self) -> int:
-        """The longest (and default) T5 text: 512 for dev, 256 for schnell."""
-        return MAX_SEQUENCE_LENGTH if self.guidance_embeds else SCHNELL_MAX_SEQUENCE_LENGTH
-
-    @property
     def defaults(self) -> dict:
         size = self._vae_sample_size
         if size is None:  # diffusers' default_sample_size (128 latents) x the VAE factor: 1024 for FLUX.1
@@ -179,7 +174,7 @@ class FluxPipeline(DiffusionPipeline):
         # The VAE's factor x the 2x2 packing (16 for FLUX.1).
         limits = image_limits(self.vae_scale_factor * 2, max(d["width"], d["height"]))
         limits["schedulers"] = list(FLUX_SCHEDULER_NAMES)
-        limits["max_sequence_length"] = self.max_sequence_length
+        limits["max_sequence_length"] = MAX_SEQUENCE_LENGTH
         limits["tasks"] = list(self.tasks)
         limits["strength"] = self.strength_limits()
         limits["loras"] = self.lora.limits

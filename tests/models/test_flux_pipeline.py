@@ -104,13 +104,15 @@ def test_schnell_matches_diffusers_and_ignores_guidance(tiny_flux_schnell_path):
     schnell, reference = load_pipeline(tiny_flux_schnell_path), _reference(tiny_flux_schnell_path)
     assert not schnell.guidance_embeds
     latents = packed_latents(2, seed=1)
-    expected = run_reference(reference, PROMPTS, latents, guidance_scale=0.0, num_inference_steps=4)
-    got = run_ours(schnell, PROMPTS, latents=latents, num_inference_steps=4)
+    # diffusers' default text length (512) is schnell's default too: no folder default asks for 256 here
+    kw = dict(num_inference_steps=4, max_sequence_length=512)
+    expected = run_reference(reference, PROMPTS, latents, guidance_scale=0.0, **kw)
+    got = run_ours(schnell, PROMPTS, latents=latents, **{**kw, "max_sequence_length": None})
     err = max_abs(got, expected)
     log.info("flux schnell fp32, np: max abs pixel error %.2e", err)
     assert err <= 1e-3 and expected.std() > 1e-2
     # No guidance embedding: the scale changes nothing.
-    again = run_ours(schnell, PROMPTS, latents=latents, num_inference_steps=4, guidance_scale=7.0)
+    again = run_ours(schnell, PROMPTS, latents=latents, guidance_scale=7.0, **kw)
     np.testing.assert_array_equal(again, got)
 
 
@@ -312,7 +314,7 @@ def test_defaults_limits_and_batch_key(dev, tiny_flux_schnell_path, tmp_path):
         "guidance_scale": 0.0,
         "true_cfg_scale": 1.0,
     }
-    assert schnell.limits["max_sequence_length"] == 256
+    assert schnell.limits["max_sequence_length"] == 512  # diffusers' FluxPipeline's, schnell included
 
 
 @pytest.mark.parametrize(
