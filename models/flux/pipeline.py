@@ -86,7 +86,7 @@ class FluxPipeline(DiffusionPipeline):
     cfg_needs_negative = True
     # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
     # values, not yet measured on trained weights (docs/step-cache.md).
-    cache_methods = {"first_block": 0.08, "teacache": 0.1}
+    step_cache_methods = {"first_block": 0.08, "teacache": 0.1}
     scheduler_classes = ("FlowMatchEulerDiscreteScheduler",)  # flow matching: velocity prediction
     latents_layout = "[B, (h/2)(w/2), 4C] (packed)"
     strength_rule = "float"  # FluxImg2ImgPipeline's get_timesteps: int(steps - steps * strength) is the start
@@ -134,6 +134,14 @@ class FluxPipeline(DiffusionPipeline):
     def guidance_embeds(self) -> bool:
         """A "dev"-type checkpoint (guidance distilled into an input embedding); False: "schnell"-type."""
         return bool(self.transformer_config.guidance_embeds)
+
+    @property
+    def cache_methods(self) -> dict[str, float]:
+        # "first_block" reads the first double block's residual: a transformer without double blocks has
+        # none (its residual would read 0 and skip every step), so it offers TeaCache alone.
+        if self.transformer_config.num_layers:
+            return self.step_cache_methods
+        return {k: v for k, v in self.step_cache_methods.items() if k != "first_block"}
 
     @property
     def vae_scale_factor(self) -> int:

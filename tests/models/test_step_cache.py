@@ -255,6 +255,17 @@ def test_a_method_of_another_family_is_refused(embedded_sdxl, flux):
         flux("a cat", num_inference_steps=1, height=H, width=W, cache={"method": "deep_features"})
 
 
+def test_a_flux_without_double_blocks_offers_no_first_block_cache(tmp_path, monkeypatch):
+    """Its "first block" would be no block: a residual of 0, every step after the first skipped."""
+    from meshserve.models.flux import random_tiny
+
+    monkeypatch.setattr(random_tiny, "TRANSFORMER", {**random_tiny.TRANSFORMER, "num_layers": 0})
+    pipe = load_pipeline(random_tiny.write_random_flux(tmp_path / "flux"), dtype="float32")
+    assert set(pipe.limits["cache"]) == {"teacache"}
+    with pytest.raises(PipelineError, match=r"one of \['teacache'\]"):
+        pipe("a cat", num_inference_steps=1, height=H, width=W, cache={"method": "first_block"})
+
+
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
 @pytest.mark.parametrize(
     "family,method",
