@@ -125,6 +125,13 @@ class AutoencoderKLWanConfig:
             )
         if len(cfg.temperal_downsample) != len(cfg.dim_mult) - 1:
             raise ValueError("AutoencoderKLWan: temperal_downsample needs one entry per downsampling level")
+        for name in ("latents_mean", "latents_std"):
+            if len(getattr(cfg, name)) != cfg.z_dim:
+                # absent or null, they are Wan 2.1's 16 values, which fit only z_dim 16
+                raise ValueError(
+                    f"AutoencoderKLWan: {name} needs one value per latent channel (z_dim {cfg.z_dim}), got "
+                    f"{len(getattr(cfg, name))}"
+                )
         return cfg
 
     @property

@@ -14,6 +14,7 @@ engine's pipeline (models/engine/pipeline.py) and denoising loop. What is Wan's 
   larger spatial dimension over the other axes (`decode_sharding`).
 - The frame count is a shape (a batch field); a padded row would be a whole extra video, so batches are not
   padded. The output is diffusers' too: `frames` (also `images`).
+- Wan 2.2's two-expert folders (`transformer_2` switched in below `boundary_ratio`) are refused at load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshserve.limits import VIDEO_FORMATS
 from meshserve.models.attention.context import batch_axes_for
-from meshserve.models.checkpoints.loading import CheckpointError
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.t5 import SHARDING_RULES as T5_RULES
 from meshserve.models.components.t5 import load_t5_encoder
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
@@ -95,6 +96,14 @@ class WanPipeline(DiffusionPipeline):
     default_output_type = "np"  # diffusers' WanPipeline's
 
     def load(self, folder: Path) -> dict:
+        experts = two_experts(read_json(folder / "model_index.json"))
+        if experts:
+            # diffusers' WanPipeline runs transformer_2 for the steps below boundary_ratio x 1000: with one
+            # transformer the video would silently differ.
+            raise CheckpointError(
+                f"{folder}: model_index.json sets {experts} (Wan 2.2's two-expert model): not supported; "
+                "Wan 2.1 is"
+            )
         if self.scheduler_config.get("use_dynamic_shifting"):
             # diffusers' WanPipeline passes no mu, so its set_timesteps would fail on such a config too.
             raise CheckpointError(
@@ -245,9 +254,11 @@ class WanPipeline(DiffusionPipeline):
             # diffusers' Euler class has no prediction_type (it always takes a velocity); UniPC's
             # "flow_prediction" is no value of the beta-schedule family's setting, so it is left out.
             config = {k: v for k, v in config.items() if k != "prediction_type"}
-            if "flow_shift" in config and "shift" not in config:
+            own = config.get("_class_name") == "FlowMatchEulerDiscreteScheduler"
+            if "flow_shift" in config and "shift" not in config and not own:
                 # Wan's schedule shift is part of the model (flow_shift: 3.0 at 480p, 5.0 at 720p); the Euler
-                # class calls it `shift`, and from_config alone would drop it to 1.0.
+                # class calls it `shift`, and from_config alone would drop it to 1.0. A folder whose own
+                # scheduler is Euler keeps diffusers' reading: flow_shift is no Euler key, the shift is 1.
                 overrides["shift"] = float(config["flow_shift"])
         return _Fp32Latents(make_scheduler(name, config, **overrides))
 
@@ -308,6 +319,13 @@ class WanPipeline(DiffusionPipeline):
             constrain = partial(jax.lax.with_sharding_constraint, shardings=sharding)
         video = vae.decode(z, constrain)  # [B, F, H, W, 3] in [-1, 1]
         return jnp.clip(video / 2 + 0.5, 0.0, 1.0)
+
+
+def two_experts(index: dict) -> list[str]:
+    """The model_index.json keys that make a Wan 2.2 two-expert folder (a transformer for the high-noise
+    steps, transformer_2 for those below boundary_ratio)."""
+    keys = (("transformer_2", index.get("transformer_2")), ("boundary_ratio", index.get("boundary_ratio")))
+    return [name for name, value in keys if value not in (None, [None, None])]
 
 
 def decode_sharding(mesh: Mesh, batch: int, height: int, width: int) -> NamedSharding:

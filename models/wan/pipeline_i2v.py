@@ -50,7 +50,7 @@ from meshserve.models.components.clip_vision import CLIPImagePreprocessor, load_
 from meshserve.models.components.image_processor import image_rows, preprocess_image
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.denoise_loop import interleave
-from meshserve.models.wan.pipeline import WanPipeline
+from meshserve.models.wan.pipeline import WanPipeline, two_experts
 
 __all__ = ["WanImageToVideoPipeline"]
 
@@ -60,15 +60,7 @@ class WanImageToVideoPipeline(WanPipeline):
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
-        wan22 = [
-            name
-            for name, value in (
-                ("transformer_2", index.get("transformer_2")),
-                ("boundary_ratio", index.get("boundary_ratio")),
-                ("expand_timesteps", index.get("expand_timesteps")),
-            )
-            if value not in (None, False, [None, None])
-        ]
+        wan22 = two_experts(index) + (["expand_timesteps"] if index.get("expand_timesteps") else [])
         if wan22:
             raise CheckpointError(
                 f"{folder}: model_index.json sets {wan22} (Wan 2.2's two-expert or TI2V image-to-video): not "

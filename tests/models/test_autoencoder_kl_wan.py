@@ -179,6 +179,8 @@ def test_config_rejects_wan22_and_attention_scales():
         AutoencoderKLWanConfig.from_config({**TINY, "patch_size": 2})
     with pytest.raises(ValueError, match="attn_scales"):
         AutoencoderKLWanConfig.from_config({**TINY, "attn_scales": [1.0]})
+    with pytest.raises(ValueError, match="latents_mean needs one value per latent channel"):
+        AutoencoderKLWanConfig.from_config({**TINY, "z_dim": 4, "latents_mean": None})
     cfg = AutoencoderKLWanConfig.from_config({})
     assert (cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.num_res_blocks) == (96, 16, (1, 2, 4, 4), 2)
     assert cfg.temperal_downsample == (False, True, True) and len(cfg.latents_mean) == 16

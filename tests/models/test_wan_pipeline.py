@@ -318,3 +318,33 @@ def test_a_temporal_patch_serves_whole_patches_and_matches_diffusers(tiny_wan_pa
     err = max_abs(got, expected)
     log.info("wan patch (3, 2, 2) fp32 CFG: max abs frame error %.2e", err)
     assert got.shape == (1, F, H, W, 3) and err <= 1e-3 and expected.std() > 1e-2
+
+
+def test_folder_readings_diffusers_shares(tiny_wan_path, tmp_path):
+    """A Wan 2.2 two-expert folder (transformer_2 below boundary_ratio) is refused: one transformer would
+    silently make another video. A folder whose own scheduler is Euler reads no flow_shift (diffusers'
+    FlowMatchEulerDiscreteScheduler has no such key: shift 1), while Euler asked for on a UniPC folder
+    takes the folder's flow_shift as its shift."""
+    import json
+    import shutil
+
+    from meshserve.models.registry import ModelFolderError
+
+    folder = tmp_path / "wan"
+    shutil.copytree(tiny_wan_path, folder)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({**index, "boundary_ratio": 0.875}))
+    with pytest.raises(ModelFolderError, match=r"\['boundary_ratio'\] \(Wan 2.2's two-expert model\)"):
+        load_pipeline(folder, dtype="float32")
+
+    index_path.write_text(
+        json.dumps({**index, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]})
+    )
+    (folder / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "flow_shift": 5.0})
+    )
+    assert load_pipeline(folder, dtype="float32").make_scheduler(None).inner.shift == 1.0
+    unipc = load_pipeline(tiny_wan_path, dtype="float32")
+    flow_shift = unipc.scheduler_config["flow_shift"]
+    assert unipc.make_scheduler("flow_match_euler").inner.shift == flow_shift != 1.0
