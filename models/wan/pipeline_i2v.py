@@ -85,6 +85,11 @@ class WanImageToVideoPipeline(WanPipeline):
                 f"{folder}: the image encoder's hidden size {c.hidden_size} is not the transformer's image_dim "
                 f"{self.transformer_config.image_dim}"
             )
+        if self.image_processor.output_size() is None:
+            raise CheckpointError(
+                f"{folder / 'image_processor'}: without a center crop or a fixed size its images take each "
+                f"input's aspect; the image encoder takes {c.image_size}x{c.image_size} images: not supported"
+            )
         if self.image_processor.output_size() != (c.image_size, c.image_size):
             raise CheckpointError(
                 f"{folder / 'image_processor'}: makes {self.image_processor.output_size()} images, the image "

@@ -342,3 +342,21 @@ def test_i2v_contract_and_errors(i2v, tiny_wan_i2v_path, tiny_wan_path):
     t2v = load_pipeline(tiny_wan_path)
     with pytest.raises(PipelineError, match="image"):
         t2v("a cat", image=image, **PIPE)
+
+
+def test_an_image_processor_without_a_fixed_size_is_refused(tiny_wan_i2v_path, tmp_path):
+    """No center crop, a shortest-edge resize: each image's size would follow its aspect, where the image
+    encoder takes one fixed size; refused at load with that reason."""
+    import json
+    import shutil
+
+    from meshserve.models import load_pipeline
+    from meshserve.models.registry import ModelFolderError
+
+    folder = tmp_path / "i2v"
+    shutil.copytree(tiny_wan_i2v_path, folder)
+    path = folder / "image_processor" / "preprocessor_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "do_center_crop": False, "size": {"shortest_edge": 32}}))
+    with pytest.raises(ModelFolderError, match="without a center crop or a fixed size"):
+        load_pipeline(folder)
