@@ -147,8 +147,16 @@ class Deliverer:
         except (RedisError, OSError) as e:
             # Not settled: the lease lapses and a later claim tries again (at least once).
             log.warning("webhooks: job %s: could not settle attempt %d: %s", claim.job_id, claim.attempt, e)
-        except Exception:
+        except Exception as e:
+            # A bug, not the receiver: left unsettled it would be claimed again every lease until the job's
+            # webhook_max_age_s (an audit saw attempt 13 and counting), so it ends failed with the reason.
             log.exception("webhooks: job %s: attempt %d failed unexpectedly", claim.job_id, claim.attempt)
+            try:
+                await self._give_up(
+                    claim, f"internal error in the deliverer ({type(e).__name__}): no more attempts"
+                )
+            except (RedisError, OSError):
+                pass  # the lease lapses and a later claim tries again
 
     async def _attempt(self, claim: Claim) -> None:
         s = self.settings

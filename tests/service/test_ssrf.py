@@ -35,6 +35,10 @@ REFUSED = [
     ("http://0177.0.0.1/", "invalid_url", ""),  # httpx refuses the leading zero itself
     ("http://017700000001/", "numeric_host_form", "dotted decimal"),
     ("http://[fe80::1%25eth0]/", "invalid_url", "zone"),
+    # an audit's finding: httpx parses these, the socket layer raised OverflowError (a 500)
+    ("http://1.1.1.1:65536/x.png", "invalid_url", "between 1 and 65535"),
+    ("http://1.1.1.1:-1/x.png", "invalid_url", "between 1 and 65535"),
+    ("http://[2606:4700::1111]:70000/", "invalid_url", "between 1 and 65535"),
     ("http://127.0.0.1/", "address_not_allowed", "loopback"),
     ("http://127.255.0.9:6379/", "address_not_allowed", "loopback"),
     ("http://[::1]/", "address_not_allowed", "loopback"),

@@ -250,6 +250,30 @@ async def test_410_stops_and_giving_up_is_recorded_on_the_job(make_settings, rec
     assert _metric("meshserve_webhook_deliveries_total", {"outcome": "failed"}) == failed0 + 2
 
 
+async def test_an_unexpected_error_in_the_deliverer_ends_the_webhook_failed(
+    make_settings, receiver_factory, monkeypatch
+):
+    """A bug on our side (an audit's: a port httpx parses and the socket layer cannot take) is no reason to
+    claim the delivery again every lease for a day: it ends failed, naming the error."""
+    from meshserve.service import ssrf
+
+    async def broken(*args, **kw):
+        raise OverflowError("connect(): port must be 0-65535")
+
+    receiver = receiver_factory([200])
+    monkeypatch.setattr(ssrf, "fetch", broken)
+    async with api_client(make_settings(**FAST)) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        worker.start()
+        r = await client.post("/v1/generate", json={"prompt": "a cat", "webhook": {"url": receiver.url}})
+        job = await _webhook_settled(store, r.json()["id"])
+        await worker.stop()
+    assert job.webhook.status == "failed" and job.webhook.attempts == 1
+    assert "internal error in the deliverer (OverflowError)" in job.webhook.last_error
+    assert not receiver.requests
+
+
 async def test_events_filter_and_expired_and_canceled_events(make_settings, receiver_factory):
     rx = receiver_factory([200])
     async with api_client(make_settings(**FAST)) as (client, store):
