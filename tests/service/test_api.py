@@ -101,6 +101,12 @@ async def test_sse_stream_and_resume(api):
     # Resume after the second event: only the rest comes.
     r = await client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": events[1]["id"]})
     assert [e["id"] for e in parse_sse(r.text)] == [e["id"] for e in events[2:]]
+    # Resume after the terminal event (a client dropped right after it): the stream ends at once, with no
+    # event, instead of sending keep-alives for the job's lifetime (an audit's finding).
+    r = await asyncio.wait_for(
+        client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": events[-1]["id"]}), 5
+    )
+    assert r.status_code == 200 and parse_sse(r.text) == []
 
 
 async def test_cancel_queued_job(api):

@@ -74,10 +74,11 @@ async def stream_job_events(
     async def body() -> AsyncIterator[str]:
         last = start
         keepalive_ms = int(settings.sse_keepalive_s * 1000)
-        checked = time.monotonic()
+        checked, ended = time.monotonic(), job.status.terminal
         try:
             while True:
-                events = await unless_draining(store.events(job.id, last, block_ms=keepalive_ms), draining)
+                block_ms = None if ended else keepalive_ms
+                events = await unless_draining(store.events(job.id, last, block_ms=block_ms), draining)
                 if (
                     events is None
                 ):  # the process is stopping (service/api/draining.py): another replica resumes
@@ -91,9 +92,16 @@ async def stream_job_events(
                         yield f"event: error\ndata: {json.dumps(message)}\n\n"
                         return
                 if not events:
-                    if await store.get(job.id) is None:  # expired while we followed it
+                    if ended:
                         return
-                    yield ": keep-alive\n\n"
+                    current = await store.get(job.id)
+                    if current is None:  # expired while we followed it
+                        return
+                    # Ended: the next read does not wait; it has the terminal event, or nothing when the client
+                    # resumed after it (an audit's stream then sent keep-alives for the job's lifetime).
+                    ended = current.status.terminal
+                    if not ended:
+                        yield ": keep-alive\n\n"
                     continue
                 for e in events:
                     last = e.id
