@@ -51,7 +51,7 @@ What a family declares (class attributes) and implements (its stages); everythin
     optional: make_scheduler(name), schedule_options(scheduler, shape), denoise_extras(shape, text_len)
 
     image inputs (optional): tasks, default_strength(task), strength_rule ("int": SDXL, "float": Flux;
-    image_inputs.start_step), encode_image(vae_state, pixels, shape=) (traced: [B, H, W, 3] in [-1, 1] ->
+    image_inputs.start_step), encode_image(vae_state, pixels, shape=, task=) (traced: [B, H, W, 3] in [-1, 1] ->
     latents in the loop's layout), latent_mask(mask, shape=) (traced: [B, H, W, 1] -> the loop's layout),
     inpaint_condition (True: a 9-channel UNet takes [mask, masked image latents] as a condition), image_inputs
     (traced, the whole image_encode stage; override it for another kind, e.g. image-to-video's condition),
@@ -472,7 +472,7 @@ class DiffusionPipeline:
         """Extra arguments of the warm-up calls: none, or the image a model that needs one warms up with."""
         return {}
 
-    def encode_image(self, vae_state, pixels, *, shape):
+    def encode_image(self, vae_state, pixels, *, shape, task):
         raise NotImplementedError
 
     def latent_mask(self, mask, *, shape):
@@ -481,12 +481,12 @@ class DiffusionPipeline:
     def image_inputs(self, vae_state, pixels, mask, *, shape, task):
         """Traced (the image_encode program): pixels [B, H, W, 3] in [-1, 1], mask [B, H, W, 1] of {0, 1} or
         None -> the denoise program's image inputs (models/engine/image_inputs.py)."""
-        inputs = {"image_latents": self.encode_image(vae_state, pixels, shape=shape)}
+        inputs = {"image_latents": self.encode_image(vae_state, pixels, shape=shape, task=task)}
         if mask is None:
             return inputs
         latent_mask = self.latent_mask(mask, shape=shape)
         if self.inpaint_condition:  # a 9-channel UNet: [mask, masked image latents] after the latents
-            masked = self.encode_image(vae_state, pixels * (mask < 0.5), shape=shape)
+            masked = self.encode_image(vae_state, pixels * (mask < 0.5), shape=shape, task=task)
             inputs["condition"] = jnp.concatenate([latent_mask, masked], axis=-1)
         else:  # the base model: the known region is put back after every step
             inputs["mask"] = latent_mask

@@ -223,8 +223,9 @@ class FluxPipeline(DiffusionPipeline):
     def pack(self, noise):
         return pack_latents(noise)
 
-    def encode_image(self, vae_state, pixels, *, shape):
-        """pixels [B, H, W, 3] in [-1, 1] -> packed (mode - shift) x scaling, as diffusers' _encode_vae_image."""
+    def encode_image(self, vae_state, pixels, *, shape, task):
+        """pixels [B, H, W, 3] in [-1, 1] -> packed (mode - shift) x scaling, as diffusers' _encode_vae_image
+        (the img2img and inpaint pipelines' alike)."""
         cfg = self.vae_config
         z = self.merged("vae", vae_state).encode(pixels.astype(jnp.float32)).mode()
         if cfg.shift_factor is not None:

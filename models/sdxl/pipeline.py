@@ -7,8 +7,8 @@ scaling, zeros for a missing negative prompt (`force_zeros_for_empty_prompt`). L
 [B, h, w, C] in the loop, diffusers' [B, C, h, w] at the call's edges.
 
 Image inputs (docs/image-inputs.md), as StableDiffusionXLImg2ImgPipeline and StableDiffusionXLInpaintPipeline:
-the image's latents are the VAE posterior's mode x scaling_factor (or (z - mean) x scaling / std when the VAE
-config has latents_mean/std); strength picks the start step by diffusers' int rule (image_inputs.start_step);
+the image's latents are the VAE posterior's mode x scaling_factor (img2img: (z - mean) x scaling / std when the
+VAE config has latents_mean/std; diffusers' inpaint pipeline scales by scaling_factor alone even then); strength picks the start step by diffusers' int rule (image_inputs.start_step);
 default strength 0.3 (img2img), 0.9999 (inpaint). Inpainting with the base (4-channel) UNet puts the known
 region back after every step, noised to the next step; at strength 1 it starts from noise x init sigma
 (diffusers' is_strength_max). A 9-channel inpainting UNet folder (StableDiffusionXLInpaintPipeline) takes
@@ -164,17 +164,25 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         (the second encoder's projection)."""
         out = self.merged("text_encoder", states["text_encoder"])(ids)
         out_2 = self.merged("text_encoder_2", states["text_encoder_2"])(ids_2)
-        return jnp.concatenate([out.hidden_states[-2], out_2.hidden_states[-2]], axis=-1), out_2.text_embeds
+        # diffusers' encode_prompt pools from the first encoder whose output [0] is 2-D: text_encoder's when
+        # it is a CLIPTextModelWithProjection too (its text_embeds), else text_encoder_2's.
+        pooled = out.text_embeds if out.text_embeds is not None else out_2.text_embeds
+        return jnp.concatenate([out.hidden_states[-2], out_2.hidden_states[-2]], axis=-1), pooled
 
     def noise_shape(self, settings):
         f = self.vae_scale_factor
         return (settings["height"] // f, settings["width"] // f, self.vae_config.latent_channels)
 
-    def encode_image(self, vae_state, pixels, *, shape):
-        """pixels [B, H, W, 3] in [-1, 1] -> the posterior's mode, scaled as diffusers' _encode_vae_image."""
+    def encode_image(self, vae_state, pixels, *, shape, task):
+        """pixels [B, H, W, 3] in [-1, 1] -> the posterior's mode, scaled as diffusers' pipelines scale it:
+        img2img's prepare_latents by the VAE's latents_mean / latents_std where it has them, the inpaint
+        pipeline's _encode_vae_image (image and masked image) by scaling_factor alone, even then."""
         cfg = self.vae_config
         z = self.merged("vae", vae_state).encode(pixels.astype(jnp.float32)).mode()
-        if getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
+        stats = (
+            getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None
+        )
+        if stats and task != "inpaint":
             z = (z - jnp.asarray(cfg.latents_mean)) * cfg.scaling_factor / jnp.asarray(cfg.latents_std)
         else:
             z = z * cfg.scaling_factor

@@ -273,3 +273,34 @@ def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
         flux_timesteps, _ = FluxImg2ImgPipeline.get_timesteps(holder, steps, strength, "cpu")
         assert start_step(steps, strength, "float") == steps - len(flux_timesteps)
+
+
+def test_vae_latents_statistics_scale_img2img_not_inpaint(tiny_sdxl_path, tmp_path, same_noise):
+    """A VAE config with latents_mean / latents_std: diffusers' img2img encodes (z - mean) x scaling / std,
+    its inpaint pipeline z x scaling alone (and both decode with the statistics); so do ours."""
+    import json
+    import shutil
+
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline
+
+    folder = tmp_path / "sdxl"
+    shutil.copytree(tiny_sdxl_path, folder)
+    path = folder / "vae" / "config.json"
+    stats = {"latents_mean": [0.1, -0.2, 0.3, 0.05], "latents_std": [0.5, 2.0, 1.5, 0.8]}
+    path.write_text(json.dumps({**json.loads(path.read_text()), **stats}))
+    pipe = load_pipeline(folder, dtype="float32")
+    noise = np.random.default_rng(4).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    same_noise["noise"] = noise
+    kw = dict(
+        image=_images(5), height=H, width=W, num_inference_steps=STEPS, guidance_scale=5.0, output_type="np"
+    )
+    for cls, extra in (
+        (StableDiffusionXLImg2ImgPipeline, {}),
+        (StableDiffusionXLInpaintPipeline, {"mask_image": _masks()}),
+    ):
+        ref = cls.from_pretrained(str(folder), torch_dtype=torch.float32)
+        ref.set_progress_bar_config(disable=True)
+        expected = ref(PROMPTS, strength=0.6, **extra, **kw).images
+        got = pipe(PROMPTS, strength=0.6, latents=noise, **extra, **kw).images
+        _check(got, expected, f"{cls.__name__} with latents_mean/std")

@@ -211,3 +211,39 @@ def test_vae_shift_factor_and_missing_sample_size_read_as_diffusers_does(tiny_sd
     path.write_text(json.dumps({**json.loads(path.read_text()), "sample_size": [16, 24]}))
     size = load_pipeline(folder, dtype="float32").defaults
     assert (size["height"], size["width"]) == (16 * ours.vae_scale_factor, 24 * ours.vae_scale_factor)
+
+
+def test_a_first_text_encoder_with_projection_gives_the_pooled_embedding(tiny_sdxl_path, tmp_path):
+    """diffusers' encode_prompt pools from the first encoder whose output [0] is 2-D: a text_encoder saved as
+    CLIPTextModelWithProjection gives the pooled embedding (its text_embeds), text_encoder_2's goes unused."""
+    import json
+    import shutil
+
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from transformers import CLIPTextModelWithProjection
+
+    folder = tmp_path / "sdxl"
+    shutil.copytree(tiny_sdxl_path, folder)
+    projection = json.loads((folder / "text_encoder_2" / "config.json").read_text())["projection_dim"]
+    torch.manual_seed(0)
+    encoder = CLIPTextModelWithProjection.from_pretrained(
+        str(folder / "text_encoder"), projection_dim=projection
+    )  # the projection is new, random
+    shutil.rmtree(folder / "text_encoder")
+    encoder.save_pretrained(str(folder / "text_encoder"))
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(
+        json.dumps({**index, "text_encoder": ["transformers", "CLIPTextModelWithProjection"]})
+    )
+
+    ours = load_pipeline(folder, dtype="float32")
+    ref = StableDiffusionXLPipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+    ref.scheduler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    latents = np.random.default_rng(5).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(negative_prompt=["ugly", "blurry"], height=H, width=W, num_inference_steps=2, output_type="np")
+    expected = ref(["a cat", "the dog"], latents=torch.from_numpy(latents), guidance_scale=5.0, **kw).images
+    got = ours(["a cat", "the dog"], latents=latents, scheduler="euler", guidance_scale=5.0, **kw).images
+    assert float(np.abs(got - expected).max()) <= 1e-3
