@@ -88,3 +88,24 @@ async def test_deadlines_never_swallow_a_cancellation(store: Store):
     done, pending = await asyncio.wait(tasks, timeout=5)
     assert not pending, f"{len(pending)} of {len(tasks)} cancelled loops kept running"
     assert all(t.cancelled() for t in done)
+
+
+async def test_more_concurrent_commands_than_connections_wait_for_one():
+    """A burst beyond the pool's size queues for a connection (an audit's 300 concurrent job reads got 164 x 503
+    "Too many connections" from redis-py's plain pool, which fails at once)."""
+    from meshserve.service.redis_client import connect
+
+    client = connect(
+        REDIS_URL,
+        command_timeout_s=5.0,
+        connect_timeout_s=1.0,
+        health_check_interval_s=0,
+        max_connections=4,
+    )
+    try:
+        answers = await asyncio.gather(*(client.ping() for _ in range(200)))
+        assert all(answers)
+        assert len(client.connection_pool._in_use_connections) == 0
+        assert len(client.connection_pool._available_connections) <= 4
+    finally:
+        await client.aclose()
