@@ -31,6 +31,7 @@ router = APIRouter(tags=["openai"])
 RESPONSES = {
     **ERRORS,
     409: {"model": ErrorResponse, "description": "The job was canceled."},
+    410: {"model": ErrorResponse, "description": "`b64_json`: an output expired before it was read."},
     502: {"model": ErrorResponse, "description": "The job failed; `code` is the job's error code."},
     504: {
         "model": ErrorResponse,

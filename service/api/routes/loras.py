@@ -43,6 +43,11 @@ ERRORS = {
     404: {**_ERR, "description": "Unknown model or adapter."},
     409: {**_ERR, "description": "The adapter is declared in pools.yaml: change it there."},
     422: {**_ERR, "description": "A field breaks a rule (`source`: url_not_allowed, outside_root, ...)."},
+    503: {
+        **_ERR,
+        "description": "The store is down, no pool is ready (POST), or the API holds as many request bodies "
+        "as it may (`server_busy`); see `Retry-After`.",
+    },
 }
 _POLL_S = 0.2
 
