@@ -42,10 +42,14 @@ _TOO_LARGE = {
     "description": "The request body is over the size limit (1 MiB by default).",
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
 }
+_BODY_TIMEOUT = {
+    "description": "The request body did not arrive whole within `body_timeout_s` (120 s by default).",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
 
 
 def _document_security(app: FastAPI) -> None:
-    """Document what the middlewares enforce: the bearer scheme, and 401/429 (and 413 with a body) on every route
+    """Document what the middlewares enforce: the bearer scheme, and 401/429 (and 408/413 with a body) on every route
     that is not open. The schema is the same whatever `MESHSERVE_AUTH` says (openapi.yaml is one file)."""
     build = app.openapi
 
@@ -65,6 +69,7 @@ def _document_security(app: FastAPI) -> None:
                 op["responses"].setdefault("429", _RATE_LIMITED)
                 if method in ("post", "put", "patch"):
                     op["responses"].setdefault("413", _TOO_LARGE)
+                    op["responses"].setdefault("408", _BODY_TIMEOUT)
         app.openapi_schema = schema
         return schema
 

@@ -116,10 +116,12 @@ class Settings(BaseSettings):
     # public addresses only unless `image_fetch_allow_private` (on-premise image stores), metadata never.
     max_image_body_bytes: int = Field(24 << 20, ge=1024)
     # The bodies one API process holds at once, summed over the requests in flight: past it a request is a 503
-    # (`server_busy`, Retry-After) before its body is read. An image request holds about 3x its body while it
+    # (`server_busy`, Retry-After) as its bytes arrive. An image request holds about 3x its body while it
     # is parsed and decoded (an audit measured 38 MB per 14 MB body), so 256 MiB bounds that part of the
     # process near 0.8 GB however many clients send images at once.
     max_buffered_body_bytes: int = Field(256 << 20, ge=1 << 20)
+    # A request body must arrive whole within this (else 408 body_timeout): 24 MiB at 2 Mbit/s takes 100 s.
+    body_timeout_s: float = Field(120.0, gt=0)
     max_image_bytes: int = Field(10 << 20, ge=1024)
     max_image_pixels: int = Field(4096 * 4096, ge=64)
     image_fetch_allow_private: bool = False

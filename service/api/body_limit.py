@@ -7,13 +7,18 @@ a body without one (chunked) is read up to the limit and refused as soon as it p
 are handed on unchanged (buffered: at most the limit per request in flight). The largest legitimate body, a
 4000-character prompt and negative prompt with 32 metadata entries, is under 200 KiB.
 
-What all requests in flight hold together is bounded too, by `max_buffered_body_bytes` per process: a body
-(its declared length, or what has arrived) that would take the sum past it is answered 503 `server_busy` with
-`Retry-After`, and its bytes are released when its request ends. Without it one key's burst of image requests
-(24 MiB each, a token bucket of 600) could hold gigabytes.
+What all requests in flight hold together is bounded too, by `max_buffered_body_bytes` per process: a body whose
+bytes as they arrive would take the sum past it is answered 503 `server_busy` with `Retry-After`, and its bytes
+are released when its request ends. Without it one key's burst of image requests (24 MiB each, a token bucket of
+600) could hold gigabytes. Only bytes that arrived count: when declared lengths were reserved up front, eleven
+connections that sent headers declaring 24 MiB and no body held the budget, and every client's POST got 503, for
+as long as they stayed open (an audit's finding). A body must also arrive whole within `body_timeout_s`, else
+408 `body_timeout`.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -56,26 +61,28 @@ class BodySizeLimit:
             return True
 
         try:
-            if declared is not None and declared.isdigit() and not hold(int(declared)):
-                await self._busy(scope, receive, send)
-                return
             chunks: list[bytes] = []
             size = 0
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":  # the client went away
-                    return
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    await self._too_large(scope, receive, send, limit)
-                    return
-                if not hold(size):
-                    await self._busy(scope, receive, send)
-                    return
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
+            try:
+                async with asyncio.timeout(settings.body_timeout_s):
+                    while True:
+                        message = await receive()
+                        if message["type"] != "http.request":  # the client went away
+                            return
+                        chunk = message.get("body", b"")
+                        size += len(chunk)
+                        if size > limit:
+                            await self._too_large(scope, receive, send, limit)
+                            return
+                        if not hold(size):
+                            await self._busy(scope, receive, send)
+                            return
+                        chunks.append(chunk)
+                        if not message.get("more_body", False):
+                            break
+            except TimeoutError:
+                await self._timed_out(scope, receive, send, settings.body_timeout_s)
+                return
             body, replayed = b"".join(chunks), False
 
             async def replay() -> Message:
@@ -95,6 +102,12 @@ class BodySizeLimit:
         message = "the server holds as many request bodies as it may; retry shortly"
         headers = {"Retry-After": "1", "Connection": "close"}
         await error_response(503, "server_busy", message, None, headers)(scope, receive, send)
+
+    @staticmethod
+    async def _timed_out(scope: Scope, receive: Receive, send: Send, seconds: float) -> None:
+        message = f"the request body did not arrive within {seconds:g} s"
+        response = error_response(408, "body_timeout", message, "body", {"Connection": "close"})
+        await response(scope, receive, send)
 
     @staticmethod
     async def _too_large(scope: Scope, receive: Receive, send: Send, limit: int) -> None:

@@ -6,6 +6,7 @@ parsing), non-finite and out-of-range numbers, bounded metadata, and path/id abu
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 
@@ -165,6 +166,39 @@ async def test_the_bodies_held_at_once_are_bounded(make_settings):
     release.set()
     assert (await first)[0] == 200 and limit.buffered == 0
     assert (await post(900 << 10))[0] == 200  # room again
+
+
+async def test_declared_lengths_hold_nothing_and_a_body_that_never_comes_times_out(make_settings):
+    """Headers declaring big bodies, and no body (an audit's 11 such connections took every POST to 503 for as
+    long as they stayed open): only arrived bytes count, and the body's deadline answers 408."""
+    settings = make_settings(max_buffered_body_bytes=1 << 20, body_timeout_s=0.2)
+    limit = BodySizeLimit(lambda scope, receive, send: None)
+    app = type("App", (), {"state": type("State", (), {"settings": settings})()})()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/generate",
+        "headers": [(b"content-length", str(900 << 10).encode())],
+        "app": app,
+    }
+    silent = asyncio.Event()
+
+    async def receive():
+        await silent.wait()  # the body never comes
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    idle = [asyncio.create_task(limit(dict(scope), receive, send)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert limit.buffered == 0  # 3 x 900 KiB declared against 1 MiB: nothing held
+    await asyncio.gather(*idle)
+    statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+    assert statuses == [408, 408, 408]
+    body = json.loads(next(m["body"] for m in sent if m["type"] == "http.response.body"))
+    assert body["error"]["code"] == "body_timeout"
 
 
 async def test_the_default_body_limit_is_one_mebibyte(api):
