@@ -171,7 +171,8 @@ def parse_url(url: str) -> httpx.URL:
     if "%" in host:
         raise BlockedURL("invalid_url", "IPv6 zone ids and percent-encoded hosts are refused")
     if parsed.port is not None and not 1 <= parsed.port <= 65535:
-        # httpx parses any integer; the socket layer raised OverflowError (a 500) or wrapped it to a port
+        # httpx parses any integer: asyncio's socket layer raised OverflowError (a 500), uvloop's connected to
+        # some other port
         raise BlockedURL("invalid_url", f"the port {parsed.port} is not between 1 and 65535")
     if ":" not in host and _NUMERIC_HOST.match(host):
         try:

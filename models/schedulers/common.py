@@ -207,7 +207,8 @@ def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
     numpy's float32 sqrt is correctly rounded, torch's CPU one is not (218 of the cosine schedule's 1,000
     values one ulp off, measured on AVX2): near t = 0, where alpha_bar ~ 1 - 4e-5, that ulp is 0.3 % of
     1 - alpha_bar, so with "squaredcos_cap_v2" diffusers' first sigma differs from ours by 1.5e-3 relative
-    (ours rounds each square root correctly). Other beta schedules meet the 1e-4 budget (tests/models/test_schedulers.py)."""
+    (ours rounds each square root correctly). Other beta schedules meet the 1e-4 budget
+    (tests/models/test_schedulers.py)."""
     alphas_bar_sqrt = np.sqrt(cumprod32(np.float32(1.0) - betas))
     first, last = alphas_bar_sqrt[0], alphas_bar_sqrt[-1]
     alphas_bar_sqrt = (alphas_bar_sqrt - last) * (first / (first - last))

@@ -8,7 +8,8 @@ scaling, zeros for a missing negative prompt (`force_zeros_for_empty_prompt`). L
 
 Image inputs (docs/image-inputs.md), as StableDiffusionXLImg2ImgPipeline and StableDiffusionXLInpaintPipeline:
 the image's latents are the VAE posterior's mode x scaling_factor (img2img: (z - mean) x scaling / std when the
-VAE config has latents_mean/std; diffusers' inpaint pipeline scales by scaling_factor alone even then); strength picks the start step by diffusers' int rule (image_inputs.start_step);
+VAE config has latents_mean/std; diffusers' inpaint pipeline scales by scaling_factor alone even then);
+strength picks the start step by diffusers' int rule (image_inputs.start_step);
 default strength 0.3 (img2img), 0.9999 (inpaint). Inpainting with the base (4-channel) UNet puts the known
 region back after every step, noised to the next step; at strength 1 it starts from noise x init sigma
 (diffusers' is_strength_max). A 9-channel inpainting UNet folder (StableDiffusionXLInpaintPipeline) takes
