@@ -159,12 +159,17 @@ class PoolConfig(_Strict):
     # path (seconds to minutes on a real model).
     any_size: bool = False
     max_programs: int | None = Field(None, ge=1)
-    warm_up_batch_sizes: list[int] = Field(default_factory=lambda: [1])
+    # The batch sizes compiled at start. None: every size a batch runs as (1 to max_batch rows: the runner pads
+    # images to powers of two, so max_batch 4 compiles 1, 2 and 4), so that no batch and no job's n (run in
+    # parts of at most max_batch rows) compiles on the request path. A shorter list starts faster and
+    # compiles the sizes it leaves out when a batch first needs them.
+    warm_up_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = None
     warm_up_steps: int | None = None  # None: the model's default step count
     # The tasks compiled at start (an image task has its own image_encode and denoise programs): None, the
-    # model's text task (every task of a model without one, e.g. Wan I2V); list image-to-image and inpaint so
-    # that no image job compiles on the request path (each adds a denoise program per bucket and batch size).
-    warm_up_tasks: list[str] | None = None
+    # model's text task (every task of a model without one, e.g. Wan I2V); a list, or "all" (every task the
+    # model takes: what `meshserve serve` does), so that no image job compiles on the request path (each task
+    # adds a denoise program per bucket and batch size).
+    warm_up_tasks: list[str] | Literal["all"] | None = None
     # Compile each model's step cache programs at start too (docs/step-cache.md): a cached job then compiles
     # nothing; it adds one denoise program per bucket, batch size and CFG on/off for each method (Flux and Wan
     # have two, first_block and teacache; SDXL one).
@@ -190,6 +195,10 @@ class PoolConfig(_Strict):
             except re.error as e:
                 raise ValueError(f"lora_targets is not a regular expression: {e}") from None
         return v
+
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes the pool warms up: `warm_up_batch_sizes`, or every row count up to max_batch."""
+        return list(self.warm_up_batch_sizes or range(1, self.max_batch + 1))
 
     def lora_options(self) -> dict[str, Any]:
         """The LoRA table's load_pipeline arguments this pool sets."""
@@ -293,6 +302,14 @@ def single_model_config(
         name = model_name or parse_hub_id(model)[0].split("/")[1]
     return WorkerConfig(
         models={name: ModelSpec(path=model)},
-        pools=[PoolConfig(name=re.sub(r"[^A-Za-z0-9_.-]", "-", name) + "-0", models=[name], devices="0")],
+        # Every task warmed up: the one-command service compiles nothing on the request path.
+        pools=[
+            PoolConfig(
+                name=re.sub(r"[^A-Za-z0-9_.-]", "-", name) + "-0",
+                models=[name],
+                devices="0",
+                warm_up_tasks="all",
+            )
+        ],
         metrics_port=metrics_port,
     )

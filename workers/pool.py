@@ -156,6 +156,7 @@ def load_runners(
             devices=devices,
             options=runner_options(cfg, spec),
         )
+        runner.max_rows = cfg.max_batch  # a job with more images runs in parts (runner.row_parts)
         runner.load()
         adapters = _declared_adapters(cfg, name, spec, runner, lora_root, lora_allow_hub)
         if cfg.prompt_cache_mb:  # before the warm-up, which compiles the cache's programs too
@@ -169,7 +170,12 @@ def load_runners(
         before, t0 = runner.compilations, time.perf_counter()
         # `frames` only for a video model: an image model's runner need not take the argument.
         extra = {"frames": frames} if frames else {}
-        if cfg.warm_up_tasks:  # image tasks too (only then: a runner without image inputs need not take it)
+        # Image tasks too: only then (and "all" only for a model with several), so that a runner without
+        # image inputs need not take the argument.
+        if cfg.warm_up_tasks == "all":
+            if len(info.limits.tasks) > 1:
+                extra["tasks"] = list(info.limits.tasks)
+        elif cfg.warm_up_tasks:
             unknown = sorted(set(cfg.warm_up_tasks) - set(info.limits.tasks))
             if unknown:
                 raise ValueError(
@@ -180,7 +186,7 @@ def load_runners(
             if not info.limits.cache:
                 raise ValueError(f"pool {cfg.name!r}: warm_up_cache, but {name} has no step cache")
             extra["cache"] = True
-        seconds = runner.warm_up(buckets, cfg.warm_up_batch_sizes, cfg.warm_up_steps, **extra)
+        seconds = runner.warm_up(buckets, cfg.batch_sizes(), cfg.warm_up_steps, **extra)
         compiled = runner.compilations - before
         if compiled:
             metrics.COMPILATIONS.labels(cfg.name, "warmup").inc(compiled)
@@ -192,7 +198,7 @@ def load_runners(
             compiled,
             ", ".join(f"{w}x{h}" for w, h in buckets) or "(the runner's default)",
             f", frames {frames}" if frames else "",
-            list(cfg.warm_up_batch_sizes),
+            cfg.batch_sizes(),
             time.perf_counter() - t0,
         )
         runners[name], models[name] = runner, info

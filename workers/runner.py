@@ -75,6 +75,8 @@ class RunRequest:
     mask: Any = None  # PIL L image, the image's size: white repaints
     missing: str | None = None
     tenant: str | None = None  # who submitted it: the scope of its texts in the pool's prompt cache
+    # A part of a job too big for one batch (`row_parts`): the index of its first output in the job.
+    first_output: int = 0
 
     def seeds(self) -> list[int]:
         # Image i of a job uses seed + i: a client that re-submits with a returned seed and n=1 gets that image.
@@ -145,6 +147,10 @@ class Runner(ABC):
 
     # Whether `run` takes `previews=` (live previews: the jobs' `preview_every`, docs/previews.md).
     takes_previews = False
+
+    # The pool's max_batch, set by load_runners: the most rows one call of the model runs (the device memory a
+    # pool is sized for). A job with more images (n up to the model's max_n) runs in parts of at most this many.
+    max_rows: int | None = None
 
     # LoRA adapters (docs/lora.md, "Served"): the pool's bookkeeping (workers/adapters.py), set by load_runners
     # for a runner that takes them; the runner's own part is loading, unloading and naming the resident ones.
@@ -313,13 +319,26 @@ class PipelineRunner(Runner):
         ]
 
     def generate(self, batch, callback=None, previews: PreviewCallback | None = None) -> list[Generated]:
-        from meshserve.models import GenerationCancelled, PipelineError
-
         for req in batch:  # an input gone from the store: that job fails (alone: the loop retries the rest)
             if req.missing is not None:
                 raise InvalidRequest(req.missing)
         if self.adapters is not None:  # every adapter the batch names on the devices (workers/adapters.py)
             self.adapters.ensure([[lora.name for lora in req.params.loras] for req in batch])
+        calls = row_parts(batch, self.max_rows)
+        if len(calls) == 1:
+            return self._generate(batch, callback, previews)
+        # More rows than the pool's max_batch (one job's n, the batcher never joins such jobs): one call per
+        # part, in order; the step callback sees one count over all of them, so progress never goes back and a
+        # cancel stops the part running. Every row has its own seed's noise: parts change no image.
+        parts = []
+        for i, call in enumerate(calls):
+            parts += self._generate(call, _part_callback(callback, i, len(calls)), previews)
+        return join_parts(batch, parts)
+
+    def _generate(self, batch, callback, previews: PreviewCallback | None) -> list[Generated]:
+        """One call of the pipeline for the batch's rows (at most max_rows of them)."""
+        from meshserve.models import GenerationCancelled, PipelineError
+
         first = batch[0].params.model_dump()
         # One output per row: jobs with different n, prompts, negative prompts, seeds and the pipeline's row
         # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
@@ -377,7 +396,7 @@ class PipelineRunner(Runner):
         every = [req.params.preview_every for req in batch for _ in range(req.params.n)]
         if not any(every):
             return {}
-        owners = [(req.job_id, i) for req in batch for i in range(req.params.n)]
+        owners = [(req.job_id, req.first_output + i) for req in batch for i in range(req.params.n)]
 
         def on_preview(step: int, total: int, rows: dict) -> None:
             for row, pixels in rows.items():
@@ -462,6 +481,60 @@ async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[R
             out.append(dataclasses.replace(req, missing=decoded))
         else:
             out.append(dataclasses.replace(req, image=decoded["image"], mask=decoded.get("mask")))
+    return out
+
+
+def row_parts(batch: Sequence[RunRequest], max_rows: int | None) -> list[list[RunRequest]]:
+    """The batch as calls of at most `max_rows` rows (None: one call): jobs in order, a job cut where a call is
+    full into parts with their own n, seed (the job's seed + the part's first index: the same per-image seeds)
+    and `first_output`."""
+    if max_rows is None or sum(req.params.n for req in batch) <= max_rows:
+        return [list(batch)]
+    calls, current, room = [], [], max_rows
+    for req in batch:
+        done = 0
+        while done < req.params.n:
+            take = min(room, req.params.n - done)
+            params = req.params.model_copy(update={"n": take, "seed": req.params.seed + done})
+            current.append(dataclasses.replace(req, params=params, first_output=req.first_output + done))
+            done, room = done + take, room - take
+            if room == 0:
+                calls.append(current)
+                current, room = [], max_rows
+    if current:
+        calls.append(current)
+    return calls
+
+
+def _part_callback(callback: StepCallback | None, part: int, parts: int) -> StepCallback | None:
+    """A call's step callback as one count over `parts` calls of the same steps."""
+    if callback is None:
+        return None
+    return lambda step, total: callback(part * total + step, parts * total)
+
+
+def join_parts(batch: Sequence[RunRequest], parts: list[Generated]) -> list[Generated]:
+    """The parts' outputs as one `Generated` per job of `batch`, in order: rows and seeds concatenated, stage
+    timings summed over the calls, compiled when any call compiled. cached_steps: the fewest any call skipped
+    (each call decides for its own rows; a job's count stays at most its step count)."""
+    out = []
+    for req in batch:
+        mine = [g for g in parts if g.job_id == req.job_id]
+        timings: dict[str, float] = {}
+        for g in mine:
+            for stage, seconds in g.timings.items():
+                timings[stage] = timings.get(stage, 0.0) + seconds
+        cached = [g.cached_steps for g in mine if g.cached_steps is not None]
+        out.append(
+            Generated(
+                req.job_id,
+                np.concatenate([np.asarray(g.arrays) for g in mine]),
+                [s for g in mine for s in g.seeds],
+                timings,
+                any(g.compiled for g in mine),
+                min(cached) if cached else None,
+            )
+        )
     return out
 
 

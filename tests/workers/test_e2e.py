@@ -2,6 +2,7 @@
 `run_serve` (API + worker + its own redis-server) driven over HTTP."""
 
 import asyncio
+import base64
 import io
 import os
 import signal
@@ -141,8 +142,35 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
             assert picture.shape == (64, 64, 3)
             reading = read_picture(picture)
             assert (reading.colour, reading.shape, reading.background) == ("red", "circle", "blue"), reading
+            # Image inputs and a job of more images than max_batch (1 here): every task and every part runs
+            # programs compiled at start (before, the first image job and an n of 3 compiled on the request path).
+            buf = io.BytesIO()
+            Image.fromarray(picture).save(buf, format="PNG")
+            image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            mask = np.zeros((64, 64), np.uint8)
+            mask[16:48, 16:48] = 255
+            buf = io.BytesIO()
+            Image.fromarray(mask).save(buf, format="PNG")
+            mask_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            ids = []
+            for body in (
+                {"prompt": "a red circle on a blue background", "image": image, "strength": 0.5, "n": 3},
+                {"prompt": "a red circle on a blue background", "image": image, "mask": mask_url, "seed": 4},
+            ):
+                r = client.post("/v1/generate", json=body)
+                assert r.status_code == 202, r.text
+                ids.append(r.json()["id"])
+            ended = []
+            for job_id in ids:
+                while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed"):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                assert job["status"] == "succeeded", job
+                ended.append(job)
+            seed = ended[0]["params"]["seed"]
+            assert [(o["index"], o["seed"]) for o in ended[0]["outputs"]] == [(i, seed + i) for i in range(3)]
             text = client.get("/metrics").text
-            assert 'meshserve_worker_jobs_total{model="tiny-sdxl",outcome="succeeded"} 1.0' in text
+            assert 'meshserve_worker_jobs_total{model="tiny-sdxl",outcome="succeeded"} 3.0' in text
             assert "meshserve_http_requests_total" in text
             compiled = {
                 reason: float(line.rsplit(" ", 1)[1])

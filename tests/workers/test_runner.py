@@ -9,6 +9,7 @@ from PIL import Image
 from meshserve.service.contract import JobParams
 from meshserve.workers.encoding import encode_image, encode_output, encode_video, to_uint8
 from meshserve.workers.fake_runner import FakeRunner
+from meshserve.workers.config import PoolConfig
 from meshserve.workers.runner import Cancelled, InvalidRequest, RunRequest, make_runner
 
 
@@ -186,6 +187,72 @@ def test_pipeline_runner_passes_the_declared_row_fields_per_row():
     assert call["true_cfg_scale"] == [4.0, 4.0, 1.0, 4.0]  # 3 rows padded to 4 with the first
     assert call["guidance_scale"] == [5.0, 5.0, 2.0, 5.0]
     assert call["negative_prompt"] == ["fog", "fog", None, "fog"]
+
+
+def test_a_job_with_more_images_than_max_batch_runs_in_parts():
+    """max_batch bounds one call's rows (the device memory the pool is sized for), also for one job's n: a
+    job of 5 images on a pool of max_batch 2 runs as calls of 2, 2 and 1 rows (warmed-up sizes) with the
+    seeds, outputs and previews of one call, and a step count that never goes back. Before, the job ran as
+    one call of 8 rows (5 padded), a batch size the pool had not compiled."""
+    pipe = _contract_pipeline()
+    runner = _pipeline_runner(pipe)
+    runner.max_rows = 2
+    steps, previews = [], []
+    results = runner.run([_req("a", n=5, seed=10)], callback=lambda s, t: steps.append((s, t)))
+    assert [call["seed"] for call in pipe.calls] == [[10, 11], [12, 13], [14]]
+    (result,) = results
+    assert [o.seed for o in result.outputs] == [10, 11, 12, 13, 14]
+    whole = _pipeline_runner(_contract_pipeline()).run([_req("a", n=5, seed=10)])[0]
+    assert [o.data for o in result.outputs] == [o.data for o in whole.outputs]
+
+    # Two jobs that together exceed max_rows (a pool whose batcher allows it) split at the call boundary.
+    pipe = _contract_pipeline()
+    runner = _pipeline_runner(pipe)
+    runner.max_rows = 3
+    a, b = runner.run([_req("a", n=2, seed=1), _req("b", n=3, seed=20)])
+    assert [call["seed"] for call in pipe.calls] == [[1, 2, 20, 1], [21, 22]]  # 3 rows padded to 4
+    assert [o.seed for o in a.outputs] == [1, 2] and [o.seed for o in b.outputs] == [20, 21, 22]
+
+    # The step callback counts over the parts; a cancel in a part stops the job.
+    from meshserve.models.registry import PipelineOutput
+
+    class Stepping(type(_contract_pipeline())):
+        def __call__(self, prompt, **kw):
+            for i in range(kw["num_inference_steps"]):
+                if kw["callback"] is not None and kw["callback"](i + 1, kw["num_inference_steps"]) is False:
+                    from meshserve.models import GenerationCancelled
+
+                    raise GenerationCancelled("stopped")
+            rows = np.zeros((len(kw["seed"]), kw["height"], kw["width"], 3), np.float32)
+            return PipelineOutput(images=rows, seeds=list(kw["seed"]), timings={"denoise": 1.0})
+
+    runner = _pipeline_runner(Stepping())
+    runner.max_rows = 1
+    (result,) = runner.run([_req("a", n=3, steps=2)], callback=lambda s, t: steps.append((s, t)))
+    assert steps[-6:] == [(1, 6), (2, 6), (3, 6), (4, 6), (5, 6), (6, 6)]
+    assert result.timings["denoise"] == 3.0  # the job's calls together
+    with pytest.raises(Cancelled):
+        runner.run([_req("a", n=3, steps=2)], callback=lambda s, t: s < 3)
+
+    # Previews name each part's rows by their index in the job.
+    class Previewing(type(_contract_pipeline())):
+        def __call__(self, prompt, **kw):
+            kw["preview_callback"](1, 2, {row: np.zeros((2, 2, 3), np.uint8) for row in range(len(prompt))})
+            return super().__call__(prompt, **kw)
+
+    runner = _pipeline_runner(Previewing())
+    runner.max_rows = 2
+    params = _req("a", n=3).params.model_copy(update={"preview_every": 1})
+    runner.generate([RunRequest("a", params)], previews=lambda job, i, *_: previews.append((job, i)))
+    assert sorted(previews) == [("a", 0), ("a", 1), ("a", 2)]
+
+
+def test_pools_warm_up_every_batch_size_up_to_max_batch():
+    """No batch size a pool runs (1 to max_batch rows) compiles on the request path unless the pool says so."""
+    assert PoolConfig(name="p", models=["m"], max_batch=4).batch_sizes() == [1, 2, 3, 4]
+    assert PoolConfig(name="p", models=["m"], max_batch=4, warm_up_batch_sizes=[4]).batch_sizes() == [4]
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        PoolConfig(name="p", models=["m"], warm_up_batch_sizes=[0])
 
 
 def test_only_pipeline_errors_are_the_jobs_fault():
