@@ -162,7 +162,10 @@ def test_serve_runs_api_worker_and_its_own_redis_in_one_command(tmp_path):
                 ids.append(r.json()["id"])
             ended = []
             for job_id in ids:
-                while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed"):
+                while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in (
+                    "succeeded",
+                    "failed",
+                ):
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
                 assert job["status"] == "succeeded", job

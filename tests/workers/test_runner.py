@@ -7,9 +7,9 @@ import pytest
 from PIL import Image
 
 from meshserve.service.contract import JobParams
+from meshserve.workers.config import PoolConfig
 from meshserve.workers.encoding import encode_image, encode_output, encode_video, to_uint8
 from meshserve.workers.fake_runner import FakeRunner
-from meshserve.workers.config import PoolConfig
 from meshserve.workers.runner import Cancelled, InvalidRequest, RunRequest, make_runner
 
 
