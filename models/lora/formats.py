@@ -26,7 +26,10 @@ Layouts read (the key mapping follows diffusers' loaders/lora_conversion_utils.p
   message naming the key: an encoder the family does not adapt (Flux's T5 `text_encoder_2` / `lora_te2_`,
   Wan's umT5 `text_encoder`, SD3's `lora_te3_`).
 
-alpha / rank is folded into B, as diffusers' scaling (lora_alpha / r) multiplies the adapter's output.
+alpha / rank is folded into B, as diffusers' scaling (lora_alpha / r, or lora_alpha / sqrt(r) with the
+metadata's `use_rslora`) multiplies the adapter's output. The metadata's `alpha_pattern` keys are regexes,
+matched as PEFT's `get_pattern_key` does (the first key in the file's order for which
+`(.*\\.)?(<key>)$` matches the module's name inside its component).
 """
 
 from __future__ import annotations
@@ -251,9 +254,12 @@ def _pairs_kohya(tensors: dict, family: str, targets: dict) -> dict[str, dict]:
                 for name, rows in split:
                     entry = modules.setdefault(name, {})
                     if part == "up" and rows is not None:
-                        if value.shape[0] != rows.stop and rows.stop > value.shape[0]:
+                        total = split[-1][1].stop  # q, k, v (and proj_mlp): the fused layer's rows
+                        if value.ndim != 2 or value.shape[0] != total:
                             raise AdapterFormatError(
-                                f"{key}: {value.shape[0]} output rows, the model's {stem} has more"
+                                f"{key}: up weight of shape {tuple(value.shape)}; the model's "
+                                f"{stem.removeprefix('lora_unet_')} ({', '.join(n for n, _ in split)}) has "
+                                f"{total} output rows"
                             )
                         entry[part] = value[rows]
                     else:
@@ -318,51 +324,115 @@ def read_adapter(
                 f"LoRA module {name!r}: weights of shape {down.shape} / {up.shape} (conv LoRA is not supported)"
             )
         rank, want = down.shape[0], targets[name]
+        if rank < 1:
+            raise AdapterFormatError(f"LoRA module {name!r}: rank 0 (down {down.shape} / up {up.shape})")
         if down.shape != (rank, want["in"]) or up.shape != (want["out"], rank):
             raise AdapterFormatError(
                 f"LoRA module {name!r}: down {down.shape} / up {up.shape} do not fit the layer's "
                 f"{want['in']} inputs and {want['out']} outputs at rank {rank}"
             )
         alpha = parts.get("alpha")
-        alpha = float(np.asarray(alpha).reshape(())) if alpha is not None else alphas(name, rank)
-        factors[name] = (np.ascontiguousarray(down.T), np.ascontiguousarray(up.T) * np.float32(alpha / rank))
+        if alpha is not None:
+            if np.size(alpha) != 1 or not np.isfinite(alpha).all():
+                raise AdapterFormatError(
+                    f"LoRA module {name!r}: its alpha must be one finite number, got shape {np.shape(alpha)}"
+                )
+            scaling = float(np.asarray(alpha).reshape(())) / rank
+        else:
+            scaling = alphas(name, rank)
+        factors[name] = (np.ascontiguousarray(down.T), np.ascontiguousarray(up.T) * np.float32(scaling))
     return factors
 
 
 def _metadata_alphas(metadata: dict):
-    """diffusers' lora_adapter_metadata -> alpha(module, rank); without it alpha = rank (scale 1), as
-    diffusers loads such a file. The metadata is one LoraConfig per component, written flat with the
-    component's prefix (`save_lora_weights`: {"unet.lora_alpha": 8, "text_encoder.lora_alpha": 4,
-    "text_encoder.alpha_pattern": {...}}), nested ({"unet": {...}}), or unprefixed (one config for all);
-    a module takes its own component's (a text encoder's for "text_encoder.<module>")."""
+    """diffusers' lora_adapter_metadata -> scaling(module, rank), the factor B is multiplied by: lora_alpha / r
+    (lora_alpha / sqrt(r) with `use_rslora`, as PEFT's LoraLayer.update_layer); without metadata alpha = rank
+    (scale 1), as diffusers loads such a file. The metadata is one LoraConfig per component, written flat with
+    the component's prefix (`save_lora_weights`: {"unet.lora_alpha": 8, "text_encoder.lora_alpha": 4,
+    "text_encoder.alpha_pattern": {...}}), nested ({"unet": {...}}), or unprefixed (one config for all); a
+    module takes its own component's (a text encoder's for "text_encoder.<module>"). `alpha_pattern` keys are
+    regexes, matched as PEFT's `get_pattern_key` (peft/utils/other.py): the first key, in the file's order,
+    for which `re.match(rf"(.*\\.)?({key})$", module)` holds, the module named inside its component (a text
+    encoder's with and without transformers 4's `text_model.`). The rank is the tensors' (PEFT's `r` /
+    `rank_pattern` must agree with them for diffusers to load the file). Unreadable metadata or a field of the
+    wrong type: AdapterFormatError naming the field."""
     raw = metadata.get("lora_adapter_metadata")
     config = {}
     if raw:
         try:
             config = json.loads(raw)
-        except ValueError:
-            config = {}
-    if not isinstance(config, dict):
-        config = {}
+        except ValueError as e:
+            raise AdapterFormatError(f"lora_adapter_metadata is not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise AdapterFormatError(
+                f"lora_adapter_metadata must be a JSON object (a LoraConfig per component), got {type(config).__name__}"
+            )
     components: dict[str, dict] = {}
     for key, value in config.items():
         head, dot, rest = key.partition(".")
         named = head in ("unet", "transformer") or head.startswith("text_encoder")
         if named and not dot and isinstance(value, dict):  # nested: {"unet": {...}}
-            components.setdefault(head, {}).update(value)
+            components.setdefault(head, {}).update({f"{head}.{k}": (k, v) for k, v in value.items()})
         elif named and dot:  # flat: {"unet.lora_alpha": ...}
-            components.setdefault(head, {})[rest] = value
+            components.setdefault(head, {})[key] = (rest, value)
         else:  # one unprefixed config
-            components.setdefault("", {})[key] = value
+            components.setdefault("", {})[key] = (key, value)
+    parsed = {component: _lora_config(fields) for component, fields in components.items()}
 
-    def alpha(name: str, rank: int) -> float:
+    def scaling(name: str, rank: int) -> float:
         component = _text_component(name)
         if component is None:
-            component = next((c for c in ("unet", "transformer") if c in components), "")
-        own = components.get(component) or components.get("", {})
-        for pattern, value in (own.get("alpha_pattern") or {}).items():
-            if re.search(rf"(^|\.){re.escape(pattern)}$", name):
-                return float(value)
-        return float(own.get("lora_alpha") or rank)
+            component = next((c for c in ("unet", "transformer") if c in parsed), "")
+            inner = [name]
+        else:
+            inner = [name[len(component) + 1 :]]
+            inner.append(
+                inner[0].removeprefix("text_model.")
+                if inner[0].startswith("text_model.")
+                else f"text_model.{inner[0]}"
+            )
+        own = parsed.get(component) or parsed.get("", {})
+        alpha = own.get("lora_alpha") or rank
+        for pattern, value in own.get("alpha_pattern", ()):
+            if any(pattern.match(n) for n in inner):
+                alpha = value
+                break
+        return alpha / (np.sqrt(rank) if own.get("use_rslora") else rank)
 
-    return alpha
+    return scaling
+
+
+def _lora_config(fields: dict) -> dict:
+    """One component's metadata {written key: (LoraConfig field, value)} -> the fields read, checked:
+    {"lora_alpha": float, "use_rslora": bool, "alpha_pattern": [(compiled PEFT pattern, float)]}."""
+    out = {}
+    for key, (field, value) in fields.items():
+        if field == "lora_alpha":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                raise AdapterFormatError(f"lora_adapter_metadata: {key} must be a number, got {value!r}")
+            out["lora_alpha"] = float(value)
+        elif field == "use_rslora":
+            if not isinstance(value, bool):
+                raise AdapterFormatError(f"lora_adapter_metadata: {key} must be true or false, got {value!r}")
+            out["use_rslora"] = value
+        elif field == "alpha_pattern":
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise AdapterFormatError(
+                    f"lora_adapter_metadata: {key} must be an object {{module regex: alpha}}, got {value!r}"
+                )
+            patterns = []
+            for pattern, alpha in value.items():
+                if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha):
+                    raise AdapterFormatError(
+                        f"lora_adapter_metadata: {key}[{pattern!r}] must be a number, got {alpha!r}"
+                    )
+                try:  # PEFT's get_pattern_key: re.match(rf"(.*\.)?({key})$", module)
+                    patterns.append((re.compile(rf"(.*\.)?({pattern})$"), float(alpha)))
+                except re.error as e:
+                    raise AdapterFormatError(
+                        f"lora_adapter_metadata: {key} key {pattern!r} is not a regex ({e})"
+                    ) from None
+            out["alpha_pattern"] = patterns
+    return out

@@ -320,12 +320,21 @@ class AdapterPool:
                 raise PipelineError(
                     f"loras: {len(adapters)} adapters in one row; this pool takes at most {self.max_per_request}"
                 )
+            seen = set()
             for k, entry in enumerate(adapters):
                 if isinstance(entry, str):
                     entry = {"name": entry}
                 if not isinstance(entry, dict) or "name" not in entry:
                     raise PipelineError("loras: each adapter is {'name': str, 'scale': float}")
                 name, s = entry["name"], entry.get("scale", 1.0)
+                # One adapter twice in a row: summing the scales here, while diffusers' set_adapters does not,
+                # would make one request mean two things (the service refuses it too: 422 not_unique).
+                if isinstance(name, str):
+                    if name in seen:
+                        raise PipelineError(
+                            f"loras: {name!r} is named twice in one row; name each adapter once"
+                        )
+                    seen.add(name)
                 if name not in self._slots:
                     raise UnknownAdapter(f"no LoRA named {name!r}; loaded: {self.names}")
                 try:

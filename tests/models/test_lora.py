@@ -247,6 +247,28 @@ def test_request_errors(small_pool, sdxl):
             pipe(PROMPT, num_inference_steps=1, loras=bad)
 
 
+def test_one_adapter_twice_in_a_row_is_refused(small_pool, tmp_path):
+    """diffusers' set_adapters does not add two weights of one adapter, as the table would (0.5 + 0.7): a row
+    naming an adapter twice is refused, as the service refuses it (422 not_unique), and nothing is marked used."""
+    pipe = small_pool
+    module = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
+    factors = {module: (np.ones((4, 64), np.float32), np.ones((64, 4), np.float32))}
+    pipe.load_lora("twice", write_diffusers_lora(tmp_path / "twice.safetensors", factors, prefix="unet"))
+    try:
+        for bad in (
+            loras(["twice", "twice"], [0.5, 0.7]),
+            [loras(["twice"], [1.0]), [{"name": "twice", "scale": 0.5}, "twice"]],  # per row: the second row
+        ):
+            with pytest.raises(PipelineError, match="'twice' is named twice in one row"):
+                pipe.lora.rows(bad, 2 if isinstance(bad[0], list) else 1, 1)
+        with pytest.raises(PipelineError, match="named twice"):
+            pipe(PROMPT, num_inference_steps=1, loras=loras(["twice", "twice"], [0.5, 0.7]))
+        index, scale = pipe.lora.rows([loras(["twice"], [0.5]), loras(["twice"], [0.7])], 2, 1)  # one per row
+        assert np.allclose(scale[:, 0], [0.5, 0.7]) and index[0, 0] == index[1, 0]
+    finally:
+        pipe.unload_lora("twice")
+
+
 def test_bad_files_name_the_first_bad_key(small_pool, tmp_path):
     from safetensors.numpy import save_file
 
