@@ -73,6 +73,14 @@ def tiny_sdxl_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl_deep_path(tmp_path_factory) -> Path:
+    """The tiny SDXL at SDXL's depth: three UNet levels, a VAE factor of 8 (tests/fixtures/tiny_sdxl.py)."""
+    from tests.fixtures.tiny_sdxl import build_tiny_sdxl
+
+    return build_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl_deep"), deep=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_dev_path(tmp_path_factory) -> Path:
     """A tiny random Flux.1-dev-type diffusers folder (guidance embedding) written by diffusers' save_pretrained."""
     from tests.fixtures.tiny_flux import build_tiny_flux

@@ -22,6 +22,7 @@ from jax import lax
 from meshserve.models.components.quantize import ACTIVATIONS, TRANSPOSED, quantized_matmul
 from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
 from meshserve.models.lora.apply import adapted
+from meshserve.models.parallel.small_maps import replicate_small_map
 
 # --------------------------------------------------------------------------------------------------
 # Activations and norms
@@ -113,9 +114,18 @@ class LayerNorm(nnx.LayerNorm):
 
 class Conv(nnx.Conv):
     """nnx.Conv (same parameters and keys) that runs a stride-1 conv to few output channels as
-    `conv_by_taps` where that is faster (models/cpu/conv_by_taps.py: a VAE's or UNet's conv_out, 2-4x on the CPU)."""
+    `conv_by_taps` where that is faster (models/cpu/conv_by_taps.py: a VAE's or UNet's conv_out, 2-4x on the CPU).
+
+    `spatial_mesh`: the pool's mesh when it has a context axis (set by the pipeline: `place_small_maps`); a map
+    too small to split over it stays whole across it (models/parallel/small_maps.py says why)."""
+
+    spatial_mesh = None
 
     def __call__(self, inputs):
+        inputs = replicate_small_map(inputs, self.spatial_mesh)
+        return replicate_small_map(self._conv(inputs), self.spatial_mesh)
+
+    def _conv(self, inputs):
         kernel = self.kernel[...]
         padding = _pairs(self.padding, kernel.ndim - 2)
         if (
@@ -133,6 +143,15 @@ class Conv(nnx.Conv):
             y = conv_by_taps(inputs, kernel, padding)
             return y + bias if bias is not None else y
         return super().__call__(inputs)
+
+
+def place_small_maps(module: nnx.Module, mesh) -> None:
+    """Gives every `Conv` of `module` the pool's mesh (`Conv.spatial_mesh`) when it has a context axis."""
+    if mesh is None or dict(mesh.shape).get("context", 1) <= 1:
+        return
+    for _, sub in nnx.iter_graph(module):
+        if isinstance(sub, Conv):
+            sub.spatial_mesh = mesh
 
 
 def _pairs(padding, n: int) -> tuple[tuple[int, int], ...] | None:
@@ -336,7 +355,11 @@ class Upsample2D(nnx.Module):
         exact_2x = output_size is None or tuple(output_size) == (2 * h, 2 * w)
         if self.subpixel and exact_2x and self.conv.kernel.dtype == jnp.float32:
             bias = self.conv.bias[...] if self.conv.bias is not None else None
-            return upsample_nearest2x_conv3x3(x, self.conv.kernel[...], bias, self.conv.dtype)
+            mesh = self.conv.spatial_mesh
+            y = upsample_nearest2x_conv3x3(
+                replicate_small_map(x, mesh), self.conv.kernel[...], bias, self.conv.dtype
+            )
+            return replicate_small_map(y, mesh)
         return self.conv(upsample_nearest(x, output_size))
 
 

@@ -50,17 +50,23 @@ def start_step(steps: int, strength: float, rule: str) -> int:
     return int(max(steps - min(steps * strength, steps), 0))
 
 
-def check_strength(strength, steps: int, rule: str) -> int:
-    """PipelineError unless strength is a number in (0, 1] that leaves at least one step; the start step."""
+def check_strength(strength, steps: int, rule: str, length: int | None = None) -> int:
+    """PipelineError unless strength is a number in (0, 1] that leaves at least one step; the start step.
+
+    The start comes from the requested `steps`, as diffusers' get_timesteps computes it, and indexes the
+    schedule as made: `length` steps, fewer than requested where DPM-Solver's lambda_min_clipped drops some (10
+    trailing steps of squaredcos_cap_v2 at lambda_min_clipped -1 are 8: strength 0.5 starts at 5 and runs 3)."""
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
         raise PipelineError(f"strength must be a number in (0, 1], got {strength!r}")
     if not 0.0 < strength <= 1.0:
         raise PipelineError(f"strength must be in (0, 1], got {strength}")
     start = start_step(steps, float(strength), rule)
-    if start >= steps:
+    length = steps if length is None else length
+    if start >= length:
         raise PipelineError(
             f"strength {strength} of {steps} steps runs no step; raise strength or num_inference_steps "
             f"(at least {1 / steps:.3g} for {steps} steps)"
+            + (f" (the scheduler makes {length} of the {steps} steps)" if length < steps else "")
         )
     return start
 

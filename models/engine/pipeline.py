@@ -91,6 +91,7 @@ from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.block_stack import stack_blocks
 from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
+from meshserve.models.components.layers import place_small_maps
 from meshserve.models.components.quantize import activation_mode, load_quantized, quantized_rules
 from meshserve.models.components.quantize import check_mode as check_quantize
 from meshserve.models.engine.common import (
@@ -299,6 +300,11 @@ class DiffusionPipeline:
         self.plain_attention = dataclasses.replace(self.attention, mesh=None)
         self.placement = placement
         self.scheduler_config = read_json(folder / "scheduler" / "scheduler_config.json")
+        indexed = scheduler_class_in_index(folder)
+        if indexed is not None:
+            # diffusers' from_pretrained builds the class model_index.json names and reads the config for its
+            # settings alone: a folder whose two files disagree runs model_index's scheduler.
+            self.scheduler_config = {**self.scheduler_config, "_class_name": indexed}
         name = self.scheduler_config.get("_class_name")
         if self.scheduler_classes is not None and name not in self.scheduler_classes:
             raise CheckpointError(
@@ -345,6 +351,8 @@ class DiffusionPipeline:
         for name, module in modules.items():
             if self.scan_blocks:
                 stack_blocks(module)
+            if self.placement:  # convs of maps too small to split over context keep them whole
+                place_small_maps(module, self.placement.mesh)
             self._graphs[name], self._states[name] = nnx.split(module)
         self._text_states = {k: v for k, v in self._states.items() if k not in (self.denoiser_name, "vae")}
 
@@ -734,7 +742,9 @@ class DiffusionPipeline:
         start, full_strength, pixels = 0, False, None
         if image is not None:
             if strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
-                start = check_strength(strength, steps, self.strength_rule)
+                start = check_strength(
+                    strength, settings["num_inference_steps"], self.strength_rule, length=steps
+                )
                 full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
                 check_scheduler(sched)
             pixels, mask_pixels = self.preprocess_images(image, mask_image, len(prompts), n, settings)
@@ -1064,6 +1074,16 @@ def to_host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def scheduler_class_in_index(folder: Path) -> str | None:
+    """The scheduler class model_index.json names (`"scheduler": ["diffusers", "EulerDiscreteScheduler"]`), if
+    it names one."""
+    path = folder / "model_index.json"
+    entry = read_json(path).get("scheduler") if path.is_file() else None
+    if isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[1], str):
+        return entry[1]
+    return None
 
 
 def image_limits(size_multiple: int, default_size: int) -> dict:

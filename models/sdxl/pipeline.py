@@ -114,9 +114,10 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
     @property
     def size_multiple(self) -> int:
-        # Latents must halve cleanly at every UNet downsampling; never less than 8, the VAE's usual factor.
-        downsamples = len(self.unet_config.down_block_types) - 1
-        return max(8, self.vae_scale_factor * 2**downsamples)
+        # diffusers' rule (StableDiffusionXLPipeline.check_inputs: multiples of 8), and whole latents. Latents
+        # need not halve cleanly at every downsampling: the UNet upsamples to each skip's size, as diffusers'
+        # forward_upsample_size does (1024x1000 and 40x56 run; before, SDXL took multiples of 32 alone).
+        return max(8, self.vae_scale_factor)
 
     @property
     def defaults(self) -> dict:

@@ -304,3 +304,55 @@ def test_vae_latents_statistics_scale_img2img_not_inpaint(tiny_sdxl_path, tmp_pa
         expected = ref(PROMPTS, strength=0.6, **extra, **kw).images
         got = pipe(PROMPTS, strength=0.6, latents=noise, **extra, **kw).images
         _check(got, expected, f"{cls.__name__} with latents_mean/std")
+
+
+def test_a_schedule_shorter_than_the_steps_starts_where_diffusers_does(tiny_sdxl_path, tmp_path, same_noise):
+    """DPM-Solver with lambda_min_clipped makes fewer steps than asked (10 trailing steps of squaredcos_cap_v2
+    at -1: 8). diffusers' get_timesteps takes the start from the requested count: strength 0.5 starts at
+    step 5 and runs 3; we ran 4 (0.32 max abs pixel off diffusers), and strength 0.3 (start 7) 2 for its 1."""
+    import json
+    import shutil
+
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    folder = tmp_path / "dpm_clipped"
+    shutil.copytree(tiny_sdxl_path, folder)
+    config_file = folder / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(
+        _class_name="DPMSolverMultistepScheduler",
+        beta_schedule="squaredcos_cap_v2",
+        lambda_min_clipped=-1.0,
+        timestep_spacing="trailing",
+    )
+    config_file.write_text(json.dumps(config))
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "DPMSolverMultistepScheduler"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+
+    ref = StableDiffusionXLImg2ImgPipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    ours = load_pipeline(folder, dtype="float32")
+    images = _images(3)[:1]
+    noise = np.random.default_rng(2).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
+    same_noise["noise"] = noise
+    for strength, runs in ((0.5, 3), (0.3, 1)):
+        kw = dict(num_inference_steps=10, guidance_scale=5.0, strength=strength)
+        expected = ref(
+            PROMPTS[:1], image=[torch.from_numpy(images[0].transpose(2, 0, 1))], output_type="np", **kw
+        )
+        assert len(ref.scheduler.timesteps) - ref.scheduler._begin_index == runs
+        totals = []
+        got = ours(
+            PROMPTS[:1],
+            image=images,
+            height=H,
+            width=W,
+            latents=noise,
+            output_type="np",
+            callback=lambda s, t, totals=totals: totals.append(t),
+            **kw,
+        )
+        assert totals[-1] == runs
+        _check(got.images, expected.images, f"img2img at strength {strength}, a clipped schedule")

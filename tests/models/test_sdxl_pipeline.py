@@ -247,3 +247,45 @@ def test_a_first_text_encoder_with_projection_gives_the_pooled_embedding(tiny_sd
     expected = ref(["a cat", "the dog"], latents=torch.from_numpy(latents), guidance_scale=5.0, **kw).images
     got = ours(["a cat", "the dog"], latents=latents, scheduler="euler", guidance_scale=5.0, **kw).images
     assert float(np.abs(got - expected).max()) <= 1e-3
+
+
+def test_sizes_diffusers_takes_at_sdxls_depth_match(tiny_sdxl_deep_path):
+    """SDXL's depth (three UNet levels, VAE factor 8): sizes that are multiples of 8 but not of 32, whose
+    latents (5 x 7, 9 x 5) do not halve cleanly, as diffusers runs them (before: refused, multiples of 32)."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    ours = load_pipeline(tiny_sdxl_deep_path, dtype="float32")
+    assert ours.limits["size_multiple"] == 8
+    reference = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_deep_path), torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    for h, w in ((40, 56), (72, 40)):
+        latents = np.random.default_rng(h).standard_normal((1, 4, h // 8, w // 8)).astype(np.float32)
+        kw = dict(height=h, width=w, num_inference_steps=2, guidance_scale=5.0, output_type="np")
+        expected = reference("a cat", latents=torch.from_numpy(latents), **kw).images
+        got = ours("a cat", latents=latents, **kw).images
+        err = float(np.abs(got - expected).max())
+        assert got.shape == (1, h, w, 3) and err <= 1e-3, f"{h}x{w}: max abs pixel difference {err:.2e}"
+        assert expected.std() > 1e-3
+
+
+def test_the_scheduler_is_the_class_model_index_names(tiny_sdxl_path, tmp_path):
+    """diffusers builds the scheduler class model_index.json names, reading scheduler_config.json for its
+    settings: a folder whose config says DPMSolverMultistepScheduler but whose index says Euler runs Euler (we
+    ran DPM-Solver: 4.7e-2 max abs pixel off diffusers)."""
+    import json
+    import shutil
+
+    from diffusers import StableDiffusionXLPipeline
+
+    folder = tmp_path / "disagreeing"
+    shutil.copytree(tiny_sdxl_path, folder)
+    config_file = folder / "scheduler" / "scheduler_config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "_class_name": "DPMSolverMultistepScheduler"})
+    )
+    reference = StableDiffusionXLPipeline.from_pretrained(str(folder))
+    assert type(reference.scheduler).__name__ == "EulerDiscreteScheduler"
+    ours = load_pipeline(folder, dtype="float32")
+    assert type(ours.scheduler(None)).__name__ == "EulerDiscreteScheduler"
+    assert ours.scheduler_config["steps_offset"] == reference.scheduler.config.steps_offset

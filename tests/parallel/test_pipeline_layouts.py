@@ -77,3 +77,20 @@ def test_weights_are_sharded_not_copied(tiny_sdxl_path):
 def test_bad_layouts_fail_before_compiling(tiny_sdxl_path, sizes, devices, match):
     with pytest.raises(LayoutError, match=match):
         load_pipeline(tiny_sdxl_path, mesh=sizes, devices=devices)
+
+
+def test_maps_of_a_row_per_device_match_single_device(tiny_sdxl_path, single):
+    """At 8x8 pixels the tiny UNet's lower level is 2x2: split over context 2, a row per device, where XLA's
+    partitioned convolutions were wrong on a mesh with a second axis (0.28 max abs pixel on cfg 2 x context 2,
+    before models/parallel/small_maps.py). Text-to-image and inpainting (the VAE encoder's maps too)."""
+    pipe = load_pipeline(tiny_sdxl_path, mesh={"cfg": 2, "context": 2}, devices=[0, 1, 2, 3])
+    image = np.random.default_rng(0).random((8, 8, 3)).astype(np.float32)
+    mask = np.zeros((8, 8), np.float32)
+    mask[2:6, 2:6] = 1
+    kw = dict(height=8, width=8, num_inference_steps=2, guidance_scale=5.0, seed=3, output_type="np")
+    for extra in ({}, {"image": image, "mask_image": mask, "strength": 0.7}):
+        ref = single(["a cat", "a dog"], **extra, **kw).images
+        got = pipe(["a cat", "a dog"], **extra, **kw).images
+        err = float(np.abs(got - ref).max())
+        assert err <= 1e-4, f"{sorted(extra)}: max abs pixel error {err:.2e}"
+        assert ref.std() > 1e-3
