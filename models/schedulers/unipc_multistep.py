@@ -86,6 +86,14 @@ class UniPCMultistepScheduler(NoiseScheduler):
                 f"prediction_type={self.prediction_type!r}"
             )
         check_choice("solver_order", self.solver_order, (1, 2, 3))
+        if not self.lower_order_final and self.solver_order > 1 and self.final_sigmas_type == "zero":
+            # The last step at order 2 or 3 works in lambda = log(alpha / sigma), infinite at a final sigma of
+            # 0: all NaN (diffusers: NaN at order 2, a singular linalg.solve at 3).
+            raise ValueError(
+                "UniPCMultistepScheduler: lower_order_final=False with solver_order "
+                f"{self.solver_order} and final_sigmas_type 'zero' makes the last step NaN; set "
+                "lower_order_final to true or final_sigmas_type to 'sigma_min'"
+            )
         check_choice("final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
         check_choice("time_shift_type", self.time_shift_type, ("exponential", "linear"))
         # diffusers registers the DPM-Solver names as bh2 (its __init__).

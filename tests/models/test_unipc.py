@@ -281,6 +281,12 @@ def test_names_and_unsupported_options():
         make_scheduler(None, {**WAN, "solver_order": 4})
     with pytest.raises(ValueError, match="mu"):
         make_scheduler(None, {**WAN, "use_dynamic_shifting": True}).schedule(10)
+    # Order 2 or 3 at the last step against a final sigma of 0: diffusers' sample is NaN (order 2) or its solve
+    # fails (order 3); ours was all NaN. Refused; with sigma_min it runs (LOOP_CASES' no_lof).
+    for order in (2, 3):
+        with pytest.raises(ValueError, match="lower_order_final"):
+            make_scheduler(None, {**WAN, "lower_order_final": False, "solver_order": order})
+    assert not make_scheduler(None, {**WAN, "lower_order_final": False, "solver_order": 1}).lower_order_final
 
 
 def test_engine_denoise_loop_equals_diffusers():
