@@ -15,6 +15,7 @@ from meshserve.service.api.body_limit import BodySizeLimit
 from meshserve.service.api.catalog import Catalog
 from meshserve.service.api.draining import drain_on_signals
 from meshserve.service.api.errors import install_error_handlers
+from meshserve.service.api.head_requests import HeadAsGet
 from meshserve.service.api.routes import generate, health, images, jobs, loras, models, playground
 from meshserve.service.api.wait_slots import WaitSlots
 from meshserve.service.auth import KeyStore
@@ -123,6 +124,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.add_middleware(BodySizeLimit)
     app.add_middleware(Authentication)
     app.add_middleware(metrics.MetricsMiddleware)
+    app.add_middleware(HeadAsGet)  # outermost: HEAD is a GET everywhere inside
     metrics.set_build_info()
     return app
 

@@ -536,3 +536,29 @@ async def test_the_playground_policy_admits_an_outside_output_origin(make_settin
     async with api_client(make_settings()) as (client, _):
         script = (await client.get("/playground/playground.js")).text
     assert "origin === location.origin" in script  # the key goes with same-origin fetches only
+
+
+async def test_head_answers_every_get_route_without_a_body(api):
+    """HEAD on a GET route is the GET's status and headers with no body (it was 405 on every route); on a
+    POST-only route it is still 405; on a job's event stream it ends at once instead of streaming."""
+    client, store, worker = api
+    worker.start()
+    job = (await client.post("/v1/generate", json={"model": "toy", "prompt": "a red square"})).json()
+    done = await wait_status(client, job["id"], {"succeeded"})
+    url = done["outputs"][0]["url"]
+    get, head = await client.get(url), await client.head(url)
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == "image/png"
+    assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content))
+    for path in ("/v1/models", f"/v1/jobs/{job['id']}", "/livez"):
+        r = await client.head(path)
+        assert (r.status_code, r.content) == (200, b""), path
+    r = await client.head("/v1/jobs/nope")
+    assert r.status_code == 404 and r.content == b""
+    assert (await client.head("/v1/generate")).status_code == 405
+    running = await client.post(
+        "/v1/generate", json={"model": "toy", "prompt": "x", "num_inference_steps": 50}
+    )
+    r = await asyncio.wait_for(client.head(f"/v1/jobs/{running.json()['id']}/events"), 5)
+    assert r.status_code == 200 and r.content == b""
+    assert r.headers["content-type"].startswith("text/event-stream")

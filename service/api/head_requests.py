@@ -1,0 +1,43 @@
+"""HEAD on every GET route (RFC 9110 9.3.2): the GET's status and headers, no body.
+
+FastAPI routes answer only the methods they declare, so `curl -I` on an output's URL, a job or /v1/models was a
+405. The request runs as the GET (same authentication, same handler: its Content-Length and ETag are the
+GET's); the body is dropped, and once the headers have gone the handler is stopped, so that a HEAD on a stream
+(a job's events) holds no wait slot while the stream would run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class HeadAsGet:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        answered = asyncio.Event()
+
+        async def send_headers_only(message):
+            if answered.is_set():
+                return
+            if message["type"] == "http.response.start":
+                await send(message)
+            elif message["type"] == "http.response.body":
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                answered.set()
+
+        run = asyncio.ensure_future(self.app({**scope, "method": "GET"}, receive, send_headers_only))
+        stop = asyncio.ensure_future(answered.wait())
+        await asyncio.wait([run, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not run.done():  # the answer has gone; the rest of the body is not wanted
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+        else:
+            run.result()
