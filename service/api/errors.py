@@ -82,12 +82,24 @@ def _on_validation(request: Request, exc: RequestValidationError) -> JSONRespons
     if first["type"] == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
         return error_response(422, "invalid_json", f"the body is not valid JSON: {ctx}".rstrip(": "), "body")
+    if request.url.path.startswith("/v1/generate") or request.url.path.startswith("/v1/images"):
+        metrics.JOBS_REJECTED.labels("invalid").inc()
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    json_body = content_type == "application/json" or content_type.endswith("+json")
+    if (
+        tuple(first.get("loc", ())) == ("body",)
+        and first["type"] == "model_attributes_type"
+        and not json_body
+    ):
+        # FastAPI reads a body as JSON only when its Content-Type says so (curl -d sends form-urlencoded): its
+        # own message ("Input should be a valid dictionary") does not say that.
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        message = f"the body must be a JSON object sent with Content-Type: application/json (got {got})"
+        return error_response(422, "invalid_json", message, "body")
     field = _field_name(tuple(first.get("loc", ())))
     parts = [
         f"{_field_name(tuple(e.get('loc', ()))) or 'request'}: {e['msg']} ({e['type']})" for e in errors[:5]
     ]
-    if request.url.path.startswith("/v1/generate") or request.url.path.startswith("/v1/images"):
-        metrics.JOBS_REJECTED.labels("invalid").inc()
     return error_response(422, first["type"], "; ".join(parts), field)
 
 

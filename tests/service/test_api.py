@@ -562,3 +562,14 @@ async def test_head_answers_every_get_route_without_a_body(api):
     r = await asyncio.wait_for(client.head(f"/v1/jobs/{running.json()['id']}/events"), 5)
     assert r.status_code == 200 and r.content == b""
     assert r.headers["content-type"].startswith("text/event-stream")
+
+
+async def test_a_body_without_a_json_content_type_says_so(api):
+    """FastAPI reads a JSON body only under a JSON Content-Type; without one the answer named no cause
+    ("Input should be a valid dictionary or object to extract fields from")."""
+    client, _, _ = api
+    for headers in ({}, {"content-type": "application/x-www-form-urlencoded"}):
+        r = await client.post("/v1/generate", content=b'{"model": "toy", "prompt": "x"}', headers=headers)
+        error = r.json()["error"]
+        assert r.status_code == 422 and (error["code"], error["field"]) == ("invalid_json", "body"), r.text
+        assert "Content-Type: application/json" in error["message"]
