@@ -328,8 +328,9 @@ class PipelineRunner(Runner):
         if len(calls) == 1:
             return self._generate(batch, callback, previews)
         # More rows than the pool's max_batch (one job's n, the batcher never joins such jobs): one call per
-        # part, in order; the step callback sees one count over all of them, so progress never goes back and a
-        # cancel stops the part running. Every row has its own seed's noise: parts change no image.
+        # part, in order; the step callback sees the job's steps spread over all of them, so progress never
+        # goes back, and a cancel stops the part running. Every row has its own seed's noise: parts change no
+        # image.
         parts = []
         for i, call in enumerate(calls):
             parts += self._generate(call, _part_callback(callback, i, len(calls)), previews)
@@ -507,10 +508,11 @@ def row_parts(batch: Sequence[RunRequest], max_rows: int | None) -> list[list[Ru
 
 
 def _part_callback(callback: StepCallback | None, part: int, parts: int) -> StepCallback | None:
-    """A call's step callback as one count over `parts` calls of the same steps."""
+    """A call's step callback as the job's progress over `parts` calls of the same steps, in the job's own
+    step count (what its progress and its end report): steps done over all calls / parts, rounded down."""
     if callback is None:
         return None
-    return lambda step, total: callback(part * total + step, parts * total)
+    return lambda step, total: callback((part * total + step) // parts, total)
 
 
 def join_parts(batch: Sequence[RunRequest], parts: list[Generated]) -> list[Generated]:
