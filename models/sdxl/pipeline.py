@@ -71,6 +71,14 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             raise CheckpointError(
                 f"{folder}: requires_aesthetics_score (the SDXL refiner's micro-conditioning) is not supported"
             )
+        # diffusers' StableDiffusionXLPipeline runs with either text encoder absent (`[null, null]` in the
+        # index: the refiner has no CLIP-L); this one conditions on both and says which is missing.
+        absent = [n for n in ("tokenizer", "tokenizer_2", *_ENCODERS) if not (folder / n).is_dir()]
+        if absent:
+            raise CheckpointError(
+                f"{folder}: no {', '.join(absent)}; meshserve's SDXL needs both CLIP text encoders and their "
+                "tokenizers, as SDXL base has them (the refiner, without the first, is not served)"
+            )
         self.folder_defaults = folder_serving_defaults(folder)
         self.tokenizers = [
             load_clip_tokenizer(folder / "tokenizer"),

@@ -289,3 +289,20 @@ def test_the_scheduler_is_the_class_model_index_names(tiny_sdxl_path, tmp_path):
     ours = load_pipeline(folder, dtype="float32")
     assert type(ours.scheduler(None)).__name__ == "EulerDiscreteScheduler"
     assert ours.scheduler_config["steps_offset"] == reference.scheduler.config.steps_offset
+
+
+def test_a_folder_without_the_first_text_encoder_is_refused_naming_it(tiny_sdxl_path, tmp_path):
+    """The SDXL refiner's layout (`text_encoder: [null, null]`, no CLIP-L): before, a tokenizer error about a
+    missing vocab.json."""
+    import json
+    import shutil
+
+    from meshserve.models import ModelFolderError
+
+    folder = tmp_path / "refiner_like"
+    shutil.copytree(tiny_sdxl_path, folder, ignore=shutil.ignore_patterns("text_encoder", "tokenizer"))
+    index = json.loads((folder / "model_index.json").read_text())
+    index.update(text_encoder=[None, None], tokenizer=[None, None])
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFolderError, match="no tokenizer, text_encoder; meshserve's SDXL needs both"):
+        load_pipeline(folder)
