@@ -22,7 +22,10 @@ tenant chose. Left alone, that tenant could read the cloud's metadata service (i
 4. Redirects are not followed by the client: each `Location` goes through 1-3 again, up to `max_redirects`
    (0: the 3xx is returned as it is, what webhooks want).
 5. Time and size: a connect timeout, a total deadline over everything (resolution included), and a byte cap
-   counted while the body streams (a `Content-Length` over it is refused before reading).
+   counted while the body streams (a `Content-Length` over it is refused before reading). With
+   `read_body=False` (webhooks: the status is the whole answer) the body is not read at all: the connection is
+   closed once the status line and headers are in, so the deadline bounds them and a large or slow body costs
+   nothing and cannot fail the fetch.
 
 `allow_private=True` (an explicit setting, for on-premise deployments whose image store is on the private
 network) lets loopback, private, shared and unique-local addresses through; link-local (where the metadata
@@ -33,11 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import ipaddress
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +88,8 @@ RESOLVE_TIMEOUT_S = 5.0
 # A host made only of numbers (decimal, octal 0..., hex 0x...) separated by dots: an IPv4 address in some form.
 _NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+))*\.?$", re.IGNORECASE)
 _REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+# `read_body=False`: how long hanging up on an answer whose body is left unread may take (closing a socket).
+_CLOSE_TIMEOUT_S = 1.0
 
 
 class FetchError(Exception):
@@ -244,9 +251,16 @@ async def fetch(
     total_timeout_s: float,
     max_redirects: int = 3,
     allow_private: bool = False,
+    read_body: bool = True,
 ) -> Response:
     """Fetch `url` under the rules above. Raises BlockedURL (refused) or FetchError (failed: timeout, too big,
-    connection refused, too many redirects); any HTTP status is a Response."""
+    connection refused, too many redirects); any HTTP status is a Response.
+
+    `read_body=False`: the status and headers are the answer (`content` is empty). The body is never read, so
+    neither its declared size nor its pace matters (`max_bytes` does not apply): the connection is closed as soon
+    as the headers are in, and an answer whose headers came within `total_timeout_s` is returned even if closing
+    the connection runs past it."""
+    answered: list[Response] = []  # read_body=False: the final answer, kept as soon as its headers are in
     try:
         async with asyncio.timeout(total_timeout_s):
             return await _fetch(
@@ -258,8 +272,11 @@ async def fetch(
                 connect_timeout_s=connect_timeout_s,
                 max_redirects=max_redirects,
                 allow_private=allow_private,
+                answered=None if read_body else answered,
             )
     except TimeoutError:
+        if answered:  # the answer was in time; only hanging up on it was not
+            return answered[-1]
         raise FetchError("timeout", f"no complete answer within {total_timeout_s:g} s") from None
 
 
@@ -282,6 +299,7 @@ async def _fetch(
     connect_timeout_s: float,
     max_redirects: int,
     allow_private: bool,
+    answered: list[Response] | None,
 ) -> Response:
     # No pool shared between fetches: every connection is opened to an address checked for this request.
     timeout = httpx.Timeout(None, connect=connect_timeout_s)
@@ -292,10 +310,20 @@ async def _fetch(
         while True:
             parsed = parse_url(url)
             addresses = await _resolve(parsed, allow_private=allow_private)
-            response = await _request_pinned(client, parsed, addresses, method, body, headers, max_bytes)
-            location = response.headers.get("location")
-            if response.status_code not in _REDIRECT_CODES or location is None or max_redirects == 0:
+            response = await _request_pinned(
+                client,
+                parsed,
+                addresses,
+                method,
+                body,
+                headers,
+                max_bytes,
+                answered=answered,
+                final=lambda status, hdrs: not _follows(status, hdrs, max_redirects),
+            )
+            if not _follows(response.status_code, response.headers, max_redirects):
                 return response
+            location = response.headers["location"]
             if redirects >= max_redirects:
                 raise FetchError("too_many_redirects", f"more than {max_redirects} redirects")
             redirects += 1
@@ -311,6 +339,11 @@ async def _fetch(
             url = str(next_url)
 
 
+def _follows(status: int, headers: httpx.Headers, max_redirects: int) -> bool:
+    """Whether an answer is a redirect that `_fetch` goes on to (or refuses as one too many), not the answer."""
+    return max_redirects > 0 and status in _REDIRECT_CODES and headers.get("location") is not None
+
+
 async def _request_pinned(
     client: httpx.AsyncClient,
     parsed: httpx.URL,
@@ -319,7 +352,13 @@ async def _request_pinned(
     body: bytes | None,
     headers: dict[str, str],
     max_bytes: int,
+    *,
+    answered: list[Response] | None = None,
+    final: Callable[[int, httpx.Headers], bool] | None = None,
 ) -> Response:
+    """One request to the first of `addresses` that takes a connection. `answered` not None: the status and
+    headers only (the body is not read); the answer goes into `answered` before the connection is closed when
+    `final(status, headers)` says it is the one `fetch` returns."""
     host = parsed.raw_host.decode("ascii")
     default_port = 443 if parsed.scheme == "https" else 80
     host_header = host if ":" not in host else f"[{host}]"
@@ -345,6 +384,22 @@ async def _request_pinned(
             continue
         except httpx.HTTPError as e:
             raise FetchError("connection_error", f"{type(e).__name__}: {e}") from None
+        if answered is not None:
+            answer = Response(
+                status_code=response.status_code,
+                headers=response.headers,
+                content=b"",
+                url=str(parsed),
+                address=str(ip),
+            )
+            if final is None or final(answer.status_code, answer.headers):
+                answered.append(answer)
+            # Hang up without reading: an unread body closes the connection (no pool is shared). Whatever
+            # happens while closing, the answer stands.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                    await response.aclose()
+            return answer
         try:
             declared = response.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:

@@ -9,8 +9,9 @@ per deliverer. Any number of deliverers may run at once: claims are atomic (serv
 Each attempt: the body (`{"type", "timestamp", "data": <the job as GET /v1/jobs/{id} returns it>}`) is built
 once and kept, the target's address is checked again (service/ssrf.py: a name may resolve elsewhere now; no
 redirects), and the POST carries Standard Webhooks headers signed with the submitting key's secret (and its
-previous one during a rotation's grace). 2xx: delivered. 410: the receiver asked us to stop, failed at once; so
-is an address the rules refuse. Anything else (another status, a timeout, a refused connection) is retried after
+previous one during a rotation's grace). The status is the answer, settled on once the headers are in: the body is
+never read, so its size and pace do not matter. 2xx: delivered. 410: the receiver asked us to stop, failed at once;
+so is an address the rules refuse. Anything else (another status, a timeout, a refused connection) is retried after
 `min(webhook_retry_max_s, webhook_retry_base_s * 2**(attempt-1))` times a jitter in [0.5, 1.5), until
 `webhook_max_attempts` POSTs or `webhook_max_age_s` since the job ended, then failed.
 
@@ -45,8 +46,6 @@ from meshserve.service.webhooks.spec import EVENT_TYPES, WebhookSpec
 
 log = logging.getLogger(__name__)
 
-# A receiver's answer is read (and dropped) up to this size; a status line is all that counts.
-_MAX_ANSWER_BYTES = 1 << 20
 _ERROR_CHARS = 300
 _RNG = random.Random()
 
@@ -184,7 +183,11 @@ class Deliverer:
                 method="POST",
                 body=body.encode(),
                 headers=headers,
-                max_bytes=_MAX_ANSWER_BYTES,
+                # The status is the whole answer: the body is not read (`max_bytes` bounds nothing), so a 2xx
+                # with a huge declared size or a body sent a byte at a time is delivered, not a failure retried
+                # for a day (an audit's).
+                read_body=False,
+                max_bytes=0,
                 connect_timeout_s=min(5.0, s.webhook_timeout_s),
                 total_timeout_s=s.webhook_timeout_s,
                 max_redirects=0,

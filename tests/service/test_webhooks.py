@@ -61,10 +61,18 @@ def verify(secret: str, headers: dict[str, str], body: bytes, tolerance_s: int =
 
 class Receiver:
     """A real HTTP server on 127.0.0.1 answering each POST with the next of `statuses` (the last one repeats);
-    `hold`: the 1-based request numbers it keeps open (answering nothing) until `release()`."""
+    `hold`: the 1-based request numbers it keeps open (answering nothing) until `release()`. `body`: what follows
+    the status and headers: "ok" (2 bytes), "huge" (declares 50 MiB and writes until the reader hangs up) or
+    "trickle" (declares 100 bytes and sends one every 0.5 s)."""
 
-    def __init__(self, statuses: list[int], hold: tuple[int, ...] = (), location: str | None = None):
-        self.statuses, self.hold, self.location = statuses, hold, location
+    def __init__(
+        self,
+        statuses: list[int],
+        hold: tuple[int, ...] = (),
+        location: str | None = None,
+        body: str = "ok",
+    ):
+        self.statuses, self.hold, self.location, self.body = statuses, hold, location, body
         self.requests: list[dict] = []
         self.released = threading.Event()
         self.arrived = threading.Event()
@@ -89,9 +97,25 @@ class Receiver:
                 self.send_response(status)
                 if receiver.location:
                     self.send_header("Location", receiver.location)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
+                try:
+                    if receiver.body == "huge":
+                        self.send_header("Content-Length", str(50 << 20))
+                        self.end_headers()
+                        for _ in range(50):
+                            self.wfile.write(b"y" * (1 << 20))
+                    elif receiver.body == "trickle":
+                        self.send_header("Content-Length", "100")
+                        self.end_headers()
+                        for _ in range(100):
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                            time.sleep(0.5)
+                    else:
+                        self.send_header("Content-Length", "2")
+                        self.end_headers()
+                        self.wfile.write(b"ok")
+                except OSError:  # the deliverer hung up: it had what it needed
+                    pass
 
             def log_message(self, *args):  # quiet
                 pass
@@ -354,6 +378,34 @@ async def test_targets_are_checked_at_submission_and_again_at_delivery(make_sett
         job = await store.get(job_id)
         assert job.webhook.status == "failed" and "HTTP 302" in job.webhook.last_error
         assert [req["path"] for req in rx.requests] == ["/hook"]
+
+
+async def test_a_2xx_is_success_whatever_its_body(make_settings, receiver_factory):
+    """Found by an audit: a receiver that answered 200 with a 50 MiB Content-Length, or a body trickling a byte at
+    a time, had its delivery recorded as failed (too_large, timeout) and retried for a day. The status line is
+    the answer: the deliverer settles on it once the headers arrive and hangs up without reading the body."""
+    huge, trickle = receiver_factory([200], body="huge"), receiver_factory([202], body="trickle")
+    refused = receiver_factory([500], body="huge")
+    settings = make_settings(**FAST, webhook_max_attempts=1, webhook_deliver_in_api=False)
+    async with api_client(settings) as (client, store):
+        await FakeWorker(store).register()
+        ids = []
+        for rx in (huge, trickle, refused):
+            r = await client.post("/v1/generate", json={"prompt": "a", "webhook": {"url": rx.url}})
+            ids.append(r.json()["id"])
+            await store.cancel(ids[-1])
+        deliverer = Deliverer(store, settings)
+        t0 = time.perf_counter()
+        assert await deliverer.tick() == 3
+        await deliverer.drain()
+        elapsed = time.perf_counter() - t0
+        jobs = [await store.get(i) for i in ids]
+    assert [j.webhook.status for j in jobs] == ["delivered", "delivered", "failed"], [j.webhook for j in jobs]
+    assert jobs[0].webhook.attempts == jobs[1].webhook.attempts == 1
+    assert "HTTP 500" in jobs[2].webhook.last_error  # a non-2xx fails as before, whatever its body
+    assert len(huge.requests) == len(trickle.requests) == len(refused.requests) == 1
+    # Well within the 5 s POST timeout that the trickle (50 s of body) would otherwise run into.
+    assert elapsed < 2.5, elapsed
 
 
 # -- secrets ------------------------------------------------------------------------------------------------
