@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshserve.service import store_lua
 from meshserve.service.contract import (
@@ -56,6 +57,17 @@ def _stop(fields: list[str | None], now: float) -> bool:
     if flag == "1" or status is None or status in (JobStatus.CANCELED.value, JobStatus.EXPIRED.value):
         return True
     return bool(deadline) and now >= float(deadline)
+
+
+class SubmitOutcomeUnknown(RedisTimeoutError):
+    """Redis did not answer a submit's script within the command deadline, after it was (or may have been) sent:
+    a stalled Redis runs it when it resumes, so job `job_id` (chosen before the script runs) may exist or not.
+    A RedisError like any other timeout; the API answers it with the job's Location (an audit's client got a
+    bare 503 and the job ran anyway)."""
+
+    def __init__(self, job_id: str, message: str):
+        super().__init__(message)
+        self.job_id = job_id
 
 
 class TooManyActiveJobs(Exception):
@@ -114,7 +126,12 @@ class JobQueue(JobReads):
         args += [repr(now), tenant, max_active, s.job_ttl_s, secrets.token_urlsafe(16)]
         args += [repr(deadline_at) if deadline_at is not None else ""]
         args += [webhook.model_dump_json(), webhook.fires_on()] if webhook is not None else ["", ""]
-        res = await self._run("SUBMIT", [self.job_key(job_id), idem_key, *streams, active_key], args)
+        try:
+            res = await self._run("SUBMIT", [self.job_key(job_id), idem_key, *streams, active_key], args)
+        except RedisTimeoutError as e:
+            # The deadline passed with the script possibly sent: Redis may run it when it resumes (refused
+            # connections are ConnectionErrors, raised as they are: nothing was sent).
+            raise SubmitOutcomeUnknown(job_id, str(e)) from e
         if res[0] == "full":
             raise QueueFull(params.model, int(res[1]), s.queue_max_length)
         if res[0] == "busy":

@@ -6,16 +6,93 @@ audit held 120 streams with one key and left every other tenant 503s. Each such 
 first: at most `max_waiting` per process (the pool's size) and, with API keys, `max_waiting_per_key` per tenant
 (in open mode every client is the same tenant, so only the process bound applies). Counted in memory: one API
 process's slots, as its pool is its own.
+
+A request holds its slot while it waits, and no longer than its client does: `wait_unless_gone` races the wait
+against the client's disconnect (and the process's draining). An audit saw three clients that sent `Prefer:
+wait=60` (or an OpenAI images request, which waits up to `openai_timeout_s`) and closed or half-closed their
+connections keep their slots, and their blocking Redis connections, until their jobs ended: every other client
+of the process got 503s meanwhile. The job itself was accepted and runs on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
+
+from starlette.requests import Request
 
 from meshserve.service.api.errors import ApiError
 from meshserve.service.settings import Settings
+
+T = TypeVar("T")
+
+# The status recorded for a request whose client left before its answer (nginx's "client closed request"): no
+# one receives it, but the request metrics tell abandoned waits from answered ones.
+CLIENT_GONE_STATUS = 499
+
+
+class ClientGone(Exception):
+    """The client closed (or half-closed) its connection while its request waited on a job."""
+
+
+def client_gone(job_id: str) -> ApiError:
+    """The answer, which no one reads, to a request whose client left while it waited on job `job_id`."""
+    return ApiError(
+        CLIENT_GONE_STATUS,
+        "client_closed_request",
+        f"the client left while waiting; job {job_id} was accepted and goes on at /v1/jobs/{job_id}",
+        headers={"Location": f"/v1/jobs/{job_id}"},
+    )
+
+
+async def wait_unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """`work`'s result (a wait on the store); None when the API process starts draining first
+    (service/api/draining.py); ClientGone when the client disconnects first. Either way `work` is cancelled, so the
+    blocking Redis read ends and the caller gives its slot back at once.
+
+    The disconnect is what the server's `receive()` says once the request's body has been read (uvicorn answers
+    `http.disconnect` when the connection closes; a half-close closes it too): a watcher awaits it beside the
+    wait, with no polling."""
+    draining: asyncio.Event = request.app.state.draining
+    if draining.is_set():
+        if asyncio.iscoroutine(work):
+            work.close()
+        return None
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(draining.wait())
+    gone = asyncio.ensure_future(_disconnected(request))
+    pending = {task, stop, gone}
+    try:
+        while True:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if stop in done:
+                return None
+            if gone in done and not gone.cancelled() and gone.exception() is None:
+                raise ClientGone
+            # The watcher itself failed (a server whose receive() does not behave): wait on without it.
+    finally:
+        for f in (stop, gone, task):
+            if not f.done():
+                f.cancel()
+        for f in (stop, gone, task):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await f
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client is gone. The body has been read by now: the next message is the disconnect."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        if message["type"] == "http.request" and not message.get("more_body", False) and not message["body"]:
+            # Some servers answer an empty final body again; do not spin on them.
+            await asyncio.sleep(0.5)
 
 
 class WaitSlots:

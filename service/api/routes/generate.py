@@ -12,12 +12,14 @@ from redis.exceptions import RedisError
 from meshserve.service import metrics
 from meshserve.service.api.catalog import normalise
 from meshserve.service.api.deps import current_tenant
-from meshserve.service.api.draining import unless_draining
-from meshserve.service.api.errors import FieldError
+from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, read_image_fields, with_image_inputs
 from meshserve.service.api.job_options import deadline_at, webhook_spec
+from meshserve.service.api.wait_slots import ClientGone, client_gone, wait_unless_gone
 from meshserve.service.contract import JobStatus
+from meshserve.service.job_queue import SubmitOutcomeUnknown
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, JobResponse
+from meshserve.service.settings import Settings
 from meshserve.service.store import request_hash
 
 log = logging.getLogger(__name__)
@@ -39,9 +41,33 @@ ERRORS = {
     503: {
         "model": ErrorResponse,
         "description": "No ready pool, the store is down, or the API holds as many request bodies as it may "
-        "(`server_busy`); see `Retry-After`.",
+        "(`server_busy`); see `Retry-After`. A `store_unavailable` with a `Location` means the store did not "
+        "answer the submit in time and the outcome is unknown: the job there may exist (follow it before "
+        "retrying; a /v1/generate sent with an `Idempotency-Key` is safely retried with the same key).",
     },
 }
+
+
+def outcome_unknown(
+    e: SubmitOutcomeUnknown, settings: Settings, idempotency_key: str | None = None
+) -> ApiError:
+    """The answer to a submit whose script Redis did not answer in time (service/job_queue.py): 503 like any store
+    failure, but with the Location of the job it may have made, and what to do about it."""
+    metrics.JOBS_REJECTED.labels("store_unavailable").inc()
+    retry = (
+        "retrying with the same Idempotency-Key returns it if it exists"
+        if idempotency_key
+        else "retrying without an Idempotency-Key may make a second job: follow Location first, or retry with "
+        "an Idempotency-Key"
+    )
+    return ApiError(
+        503,
+        "store_unavailable",
+        f"the job store did not answer in time, so the outcome is unknown: job {e.job_id} may have been "
+        f"created (it is if the store ran the submit late). Follow Location, /v1/jobs/{e.job_id}: a 404 there "
+        f"once the store answers again means it was not; {retry}",
+        headers={"Location": f"/v1/jobs/{e.job_id}", "Retry-After": str(settings.retry_after_s)},
+    )
 
 
 def prefer_wait(prefer: str | None, limit: int) -> int:
@@ -122,7 +148,7 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
         image, mask = await read_image_fields(body.image, body.mask, settings)
         params = await with_image_inputs(store, settings, params, image, mask)
-    job = None
+    job, unknown = None, None
     try:
         job = await store.submit(
             params,
@@ -134,9 +160,14 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
             deadline_at=deadline,
             webhook=webhook,
         )
+    except SubmitOutcomeUnknown as e:
+        unknown = e
     finally:
-        if params.image is not None:
+        # A job that may exist keeps its inputs (they expire with it, `job_ttl_s`); and the store is not answering.
+        if params.image is not None and unknown is None:
             await drop_unused_inputs(store, params, job)
+    if unknown is not None:
+        raise outcome_unknown(unknown, settings, key)
     metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
     # Without a wait slot (service/api/wait_slots.py: too many requests waiting) the preference is not honoured:
@@ -145,10 +176,13 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
         if wait_s and waiting and not job.status.terminal:
             try:
                 # A stopping API answers at once (service/api/draining.py): the job as it is, with its Location.
-                job = await unless_draining(store.wait(job.id, wait_s), request.app.state.draining) or job
+                # A client that leaves gives its slot back at once (service/api/wait_slots.py); its job goes on.
+                job = await wait_unless_gone(store.wait(job.id, wait_s), request) or job
                 headers["Preference-Applied"] = f"wait={wait_s}"
                 if job.status == JobStatus.QUEUED:
                     job.queue_position = await store.queue_position(job)
+            except ClientGone:
+                raise client_gone(job.id) from None
             except RedisError as e:
                 # The job is accepted: answer it (202, its Location) as without the wait, never a 503 without
                 # its id, which a client would retry into a second job.

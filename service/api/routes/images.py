@@ -17,11 +17,12 @@ from redis.exceptions import RedisError
 from meshserve.service import metrics
 from meshserve.service.api.catalog import ServedModel, normalise
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, TenantDep
-from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, with_image_inputs
-from meshserve.service.api.routes.generate import ERRORS
+from meshserve.service.api.routes.generate import ERRORS, outcome_unknown
+from meshserve.service.api.wait_slots import ClientGone, client_gone, wait_unless_gone
 from meshserve.service.contract import Job, JobParams, JobStatus
+from meshserve.service.job_queue import SubmitOutcomeUnknown
 from meshserve.service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -82,7 +83,10 @@ async def create_image(
     served = await catalog.resolve(body.model)
     params = _params(served, settings, body.size, prompt=body.prompt, n=body.n)
     with _wait_slot(request, tenant.name):
-        job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+        try:
+            job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+        except SubmitOutcomeUnknown as e:
+            raise outcome_unknown(e, settings) from None
         return await _answer(job, body.response_format, request, store, settings)
 
 
@@ -152,11 +156,16 @@ async def edit_image(
         params = await with_image_inputs(
             store, settings, params, image_bytes, mask_bytes, mask_from_alpha=True
         )
-        job = None
+        job, unknown = None, None
         try:
             job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+        except SubmitOutcomeUnknown as e:
+            unknown = e
         finally:
-            await drop_unused_inputs(store, params, job)
+            if unknown is None:  # a job that may exist keeps its inputs (they expire with it)
+                await drop_unused_inputs(store, params, job)
+        if unknown is not None:
+            raise outcome_unknown(unknown, settings)
         return await _answer(job, response_format, request, store, settings)
 
 
@@ -166,9 +175,10 @@ async def _answer(
     """Wait for the job and answer in OpenAI's shape (urls or base64), or the error its end calls for."""
     metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
     try:
-        waited = await unless_draining(
-            store.wait(job.id, settings.openai_timeout_s), request.app.state.draining
-        )
+        # A client that leaves gives its wait slot back at once (service/api/wait_slots.py); its job goes on.
+        waited = await wait_unless_gone(store.wait(job.id, settings.openai_timeout_s), request)
+    except ClientGone:
+        raise client_gone(job.id) from None
     except RedisError:
         # Accepted and running on: say which job, so a client follows it instead of submitting it again.
         raise ApiError(
