@@ -505,3 +505,19 @@ async def test_an_unreadable_multipart_form_is_a_422_that_says_so(api_img):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_form", r.text
     r = await client.post("/v1/images/edits", files={f"f{i}": ("a", b"x") for i in range(1001)})
     assert r.status_code == 422 and "Too many files" in r.json()["error"]["message"]
+
+
+async def test_images_edits_take_one_image_and_one_mask(api_img):
+    """A second image (or mask) part, or OpenAI's several-image `image[]`, is refused naming the field: the form
+    reader kept one silently (`image[]` alone is a missing `image`). Nothing is stored."""
+    client, store, _ = api_img
+    png = ("a.png", PNG, "image/png")
+    for files, field in (
+        ([("image", png), ("image", png)], "image"),
+        ([("image", png), ("image[]", png)], "image"),
+        ([("image", png), ("mask", png), ("mask", png)], "mask"),
+    ):
+        r = await client.post("/v1/images/edits", files=files, data={"model": "toy-img", "prompt": "p"})
+        assert r.status_code == 422, r.text
+        assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, "too_many"), r.text
+    assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []

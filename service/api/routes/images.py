@@ -137,6 +137,7 @@ async def edit_image(
         float | None, Form(gt=0, le=1, description="As /v1/generate's (an extension).")
     ] = None,
 ) -> ImagesResponse:
+    _one_file_each(await request.form())
     served = await catalog.resolve(model)
     # The task and strength are checked on the fields' presence; the bytes come next.
     marker = "uploaded"
@@ -167,6 +168,15 @@ async def edit_image(
         if unknown is not None:
             raise outcome_unknown(unknown, settings)
         return await _answer(job, response_format, request, store, settings)
+
+
+def _one_file_each(form) -> None:
+    """An edit takes one image and at most one mask: a second part of either name (or OpenAI's `image[]`, its
+    several-image form) is refused, where the form reader kept one of them silently."""
+    for field in ("image", "mask"):
+        parts = len(form.getlist(field)) + len(form.getlist(f"{field}[]"))
+        if parts > 1:
+            raise FieldError(field, "too_many", f"{field}: one file per edit, got {parts}")
 
 
 async def _answer(
