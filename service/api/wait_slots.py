@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import ApiError
 from meshserve.service.settings import Settings
 
@@ -61,27 +62,23 @@ async def wait_unless_gone(work: Awaitable[T], request: Request) -> T | None:
         if asyncio.iscoroutine(work):
             work.close()
         return None
+    return await unless_draining(_unless_gone(work, request), draining)
+
+
+async def _unless_gone(work: Awaitable[T], request: Request) -> T:
     task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(draining.wait())
     gone = asyncio.ensure_future(_disconnected(request))
-    pending = {task, stop, gone}
     try:
-        while True:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                return task.result()
-            if stop in done:
-                return None
-            if gone in done and not gone.cancelled() and gone.exception() is None:
-                raise ClientGone
-            # The watcher itself failed (a server whose receive() does not behave): wait on without it.
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and gone.exception() is None:
+            raise ClientGone
+        return await task  # done, or the watcher itself failed (a server whose receive() misbehaves): wait on
     finally:
-        for f in (stop, gone, task):
+        for f in (gone, task):
             if not f.done():
                 f.cancel()
-        for f in (stop, gone, task):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await f
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await f
 
 
 async def _disconnected(request: Request) -> None:
