@@ -101,10 +101,12 @@ class WaitSlots:
         self.retry_after_s = settings.retry_after_s
 
     def refusal(self, tenant: str) -> str | None:
-        """Why `tenant` may not take a slot now: "tenant" (its own limit), "process", or None."""
-        if self.held[tenant] >= self.per_tenant:
+        """Why `tenant` may not take a slot now: "tenant" (its own limit, when it is below the process's),
+        "process", or None. In open mode every client is one tenant whose limit is the process's: "process"."""
+        own = self.held[tenant] >= self.per_tenant
+        if own and self.per_tenant < self.limit:
             return "tenant"
-        if self.total >= self.limit:
+        if own or self.total >= self.limit:
             return "process"
         return None
 

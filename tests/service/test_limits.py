@@ -364,3 +364,17 @@ async def test_waiting_requests_are_bounded_per_key_and_per_process(make_setting
         cleanup = Store(settings)
         await drop_keys(cleanup)
         await cleanup.close()
+
+
+def test_a_full_process_in_open_mode_says_the_process_is_full(make_settings):
+    """In open mode every client is one tenant whose bound is the process's: a refusal there is the process's
+    503, not a 429 telling "this key" it holds too many (an audit's reading of it)."""
+    from meshserve.service.api.wait_slots import WaitSlots
+
+    slots = WaitSlots(make_settings(auth="none", max_waiting=2))
+    assert slots.take("anonymous") and slots.take("anonymous") and not slots.take("anonymous")
+    error = slots.refused("anonymous", "too_many_streams")
+    assert error.status == 503 and "this API process" in error.message
+    keyed = WaitSlots(make_settings(auth="keys", max_waiting=3, max_waiting_per_key=1))
+    assert keyed.take("alice") and not keyed.take("alice")
+    assert keyed.refused("alice", "too_many_streams").status == 429
