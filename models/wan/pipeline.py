@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -37,6 +37,7 @@ from meshserve.models.components.t5 import load_t5_encoder
 from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
+from meshserve.models.parallel.small_maps import MIN_ROWS
 from meshserve.models.schedulers import FLOW_SCHEDULER_NAMES, FlowMatchEulerDiscreteScheduler, make_scheduler
 from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES
 from meshserve.models.wan.autoencoder_kl_wan import load_autoencoder_kl_wan
@@ -315,8 +316,7 @@ class WanPipeline(DiffusionPipeline):
         constrain = None
         if self.placement is not None:
             b, _, h, w, _ = latents.shape
-            sharding = decode_sharding(self.placement.mesh, b, h, w)
-            constrain = partial(jax.lax.with_sharding_constraint, shardings=sharding)
+            constrain = decode_constraint(self.placement.mesh, b, h, w)
         video = vae.decode(z, constrain)  # [B, F, H, W, 3] in [-1, 1]
         return jnp.clip(video / 2 + 0.5, 0.0, 1.0)
 
@@ -326,6 +326,25 @@ def two_experts(index: dict) -> list[str]:
     steps, transformer_2 for those below boundary_ratio)."""
     keys = (("transformer_2", index.get("transformer_2")), ("boundary_ratio", index.get("boundary_ratio")))
     return [name for name, value in keys if value not in (None, [None, None])]
+
+
+def decode_constraint(mesh: Mesh, batch: int, height: int, width: int) -> Callable:
+    """x [B, T, H, W, C] -> x pinned to `decode_sharding`, except a map whose split dimension has fewer than
+    MIN_ROWS rows per device, which stays whole across the spatial axes (batch split only): XLA's partitioner
+    computes wrong convolutions on such maps (models/parallel/small_maps.py; a 16x16 video, 2x2 latents, on data 2
+    x context 4 decoded 0.33 max abs pixel off one device)."""
+    split = decode_sharding(mesh, batch, height, width)
+    axis = 2 if height > width else 3
+    names = split.spec[axis]
+    sizes = dict(mesh.shape)
+    ways = math.prod(sizes[a] for a in ((names,) if isinstance(names, str) else names or ()))
+    whole = NamedSharding(mesh, P(split.spec[0], None, None, None, None))
+
+    def constrain(x):
+        small = x.shape[axis] < MIN_ROWS * ways
+        return jax.lax.with_sharding_constraint(x, whole if small else split)
+
+    return constrain
 
 
 def decode_sharding(mesh: Mesh, batch: int, height: int, width: int) -> NamedSharding:
