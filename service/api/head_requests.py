@@ -9,7 +9,8 @@ GET's); the body is dropped, and once the headers have gone the handler is stopp
 from __future__ import annotations
 
 import asyncio
-import contextlib
+
+from meshserve.service.api.draining import unless_draining
 
 
 class HeadAsGet:
@@ -31,13 +32,6 @@ class HeadAsGet:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 answered.set()
 
-        run = asyncio.ensure_future(self.app({**scope, "method": "GET"}, receive, send_headers_only))
-        stop = asyncio.ensure_future(answered.wait())
-        await asyncio.wait([run, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not run.done():  # the answer has gone; the rest of the body is not wanted
-            run.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await run
-        else:
-            run.result()
+        # The GET runs until its body has begun, then is cancelled (the rest is not wanted): the same race as a
+        # wait that stops when the process drains.
+        await unless_draining(self.app({**scope, "method": "GET"}, receive, send_headers_only), answered)
