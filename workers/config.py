@@ -174,6 +174,10 @@ class PoolConfig(_Strict):
     # nothing; it adds one denoise program per bucket, batch size and CFG on/off for each method (Flux and Wan
     # have two, first_block and teacache; SDXL one).
     warm_up_cache: bool = False
+    # The schedulers compiled at start besides the model's own (a scheduler is part of the denoise program: a
+    # request naming another compiles it on first use): a list of the model's scheduler names, or "all". Each
+    # adds one denoise program per bucket, batch size, task and CFG on/off.
+    warm_up_schedulers: list[str] | Literal["all"] | None = None
     # The prompt-embedding cache's bound per model, in MiB of device memory (models/engine/prompt_cache.py;
     # 0: none). 64 MiB holds ~200 SDXL text rows or ~16 of Flux's or Wan's (bf16).
     prompt_cache_mb: float = Field(64.0, ge=0)

@@ -186,6 +186,15 @@ def load_runners(
             if not info.limits.cache:
                 raise ValueError(f"pool {cfg.name!r}: warm_up_cache, but {name} has no step cache")
             extra["cache"] = True
+        if cfg.warm_up_schedulers:
+            offered = list(info.limits.schedulers)
+            wanted = offered if cfg.warm_up_schedulers == "all" else list(cfg.warm_up_schedulers)
+            unknown = sorted(set(wanted) - set(offered))
+            if unknown:
+                raise ValueError(
+                    f"pool {cfg.name!r}: warm_up_schedulers {unknown} are not schedulers of {name} ({offered})"
+                )
+            extra["schedulers"] = wanted
         seconds = runner.warm_up(buckets, cfg.batch_sizes(), cfg.warm_up_steps, **extra)
         compiled = runner.compilations - before
         if compiled:

@@ -276,7 +276,9 @@ class PipelineRunner(Runner):
             limits=ModelLimits(**limits),
         )
 
-    def warm_up(self, buckets, batch_sizes, num_inference_steps, frames=(), tasks=None, cache=False) -> float:
+    def warm_up(
+        self, buckets, batch_sizes, num_inference_steps, frames=(), tasks=None, cache=False, schedulers=()
+    ) -> float:
         # One step is enough whatever num_inference_steps says: the step count is traced.
         buckets = list(buckets) or [(self.pipe.defaults["width"], self.pipe.defaults["height"])]
         batch_sizes = sorted({self.pipe.compiled_batch_size(b, self._data) for b in batch_sizes})
@@ -288,6 +290,8 @@ class PipelineRunner(Runner):
             **({"tasks": list(tasks)} if tasks else {}),
             # The pool's warm_up_cache: every step cache method's denoise programs too.
             cache=list(self.pipe.limits.get("cache") or {}) if cache else (),
+            # The pool's warm_up_schedulers, besides the folder's own (None).
+            schedulers=[None, *schedulers],
         )
         # The live previews' latent-to-RGB map, fitted on the folder's VAE once per load (docs/previews.md).
         self.pipe.previews.prepare()

@@ -574,6 +574,7 @@ class DiffusionPipeline:
         output_type: str = "np",
         loras: bool | None = None,
         cache: Sequence[str] = (),
+        schedulers: Sequence[str | None] = (None,),
     ) -> float:
         """Compiles every stage for each (width, height) bucket and batch size, with and without CFG, and for a
         video family each of `num_frames` (None: its default frame count; a frame count is a shape), for each
@@ -584,7 +585,8 @@ class DiffusionPipeline:
         also compiles each denoise program's LoRA variant (docs/lora.md), and the text_encode program's when the
         table has text-encoder targets, every adapter slot at scale 0: the first call with adapters then
         compiles nothing. `cache`: step cache methods (limits["cache"]) whose denoise programs to compile too
-        (a threshold never compiles: any one warms a method up)."""
+        (a threshold never compiles: any one warms a method up). `schedulers`: the scheduler names to compile
+        the denoise programs for (None: the folder's own; one equal to it compiles nothing more)."""
         t0 = time.perf_counter()
         d = self.defaults
         if tasks is None:
@@ -610,8 +612,8 @@ class DiffusionPipeline:
             for extra in frame_counts:
                 for task in tasks:
                     inputs = self._warm_up_task_inputs(task, width, height)
-                    calls = itertools.product(batch_sizes, (False, True), adapter_calls, cache_calls)
-                    for b, cfg, adapters, cached in calls:
+                    calls = itertools.product(batch_sizes, (False, True), adapter_calls, cache_calls, schedulers)
+                    for b, cfg, adapters, cached, scheduler in calls:
                         self(
                             [""] * b,
                             negative_prompt="" if cfg else None,
@@ -625,6 +627,7 @@ class DiffusionPipeline:
                             **inputs,
                             loras=adapters,
                             cache=cached,
+                            scheduler=scheduler,
                         )
         if self.prompt_cache is not None:  # the programs encoding a call's misses: 1, 2, 4... texts
             settings = {name: _batch_default(name, d, self.limits) for name in self.batch_fields}

@@ -142,3 +142,18 @@ def test_compiled_programs_record_their_temporaries(caplog):
     assert programs.temp_bytes["chain"] >= 256 * 256 * 4, programs.temp_bytes
     logged = [r.getMessage() for r in caplog.records if "compiled chain" in r.getMessage()]
     assert len(logged) == 2 and logged[0].endswith(" MiB per device"), logged
+
+
+def test_warm_up_compiles_the_schedulers_it_is_given(tiny_sdxl_path):
+    """warm_up(schedulers=...) (a pool's warm_up_schedulers) compiles each one's denoise programs, CFG off and
+    on; a call naming one then compiles nothing, and the folder's own scheduler by name adds no program."""
+    pipe = load_pipeline(tiny_sdxl_path)
+    pipe.warm_up([(W, H)])
+    plain = pipe.compilations
+    pipe.warm_up([(W, H)], schedulers=[None, "euler", "ddim"])
+    assert pipe.compilations == plain + 2  # ddim's denoise program without and with CFG; euler is the folder's
+    before = pipe.compilations
+    for scheduler, guidance in (("ddim", 1.0), ("ddim", 5.0), ("euler", 5.0)):
+        out = pipe("a cat", height=H, width=W, num_inference_steps=3, guidance_scale=guidance, scheduler=scheduler)
+        assert not out.compiled, scheduler
+    assert pipe.compilations == before

@@ -209,3 +209,29 @@ def test_pools_warm_up_the_image_tasks_they_are_told_to():
     pool = PoolConfig(name="p", models=["toy"], devices="0", warm_up_tasks=["inpaint"])
     with pytest.raises(ValueError, match=r"warm_up_tasks \['inpaint'\] are not tasks of toy"):
         load_runners(pool, {"toy": ModelSpec(runner="fake")})
+
+
+def test_pools_warm_up_the_schedulers_they_are_told_to():
+    """`warm_up_schedulers` reaches the pipeline's warm_up beside the folder's own scheduler (None); a name the
+    model does not offer stops the pool at start."""
+    import pytest
+
+    from meshserve.workers.pool import load_runners
+    from meshserve.workers.runner import PipelineRunner
+
+    calls = []
+    runner = PipelineRunner("m", None, "float32", None, None)
+    runner.pipe = types.SimpleNamespace(
+        defaults={"width": 64, "height": 64},
+        compiled_batch_size=lambda b, data: b,
+        warm_up=lambda **kw: calls.append(kw) or 1.0,
+        previews=types.SimpleNamespace(prepare=lambda: None, fit_seconds=0.0),
+        limits={},
+    )
+    runner.warm_up([(64, 64)], [1], None, schedulers=["ddim"])
+    runner.warm_up([(64, 64)], [1], None)
+    assert calls[0]["schedulers"] == [None, "ddim"] and calls[1]["schedulers"] == [None]
+
+    pool = PoolConfig(name="p", models=["toy"], devices="0", warm_up_schedulers=["heun"])
+    with pytest.raises(ValueError, match=r"warm_up_schedulers \['heun'\] are not schedulers of toy"):
+        load_runners(pool, {"toy": ModelSpec(runner="fake")})
