@@ -64,6 +64,20 @@ def pytest_collection_modifyitems(config, items):
     items[:] = longest_first(items, file_seconds())
 
 
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of the test's own (tests/private_redis.py), killed at teardown; skipped without one."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    from tests.private_redis import PrivateRedis
+
+    server = PrivateRedis(tmp_path)
+    yield server
+    server.kill()
+
+
 @pytest.fixture(scope="session")
 def tiny_sdxl_path(tmp_path_factory) -> Path:
     """A tiny random SDXL diffusers folder written by diffusers' own save_pretrained."""

@@ -612,7 +612,9 @@ class DiffusionPipeline:
             for extra in frame_counts:
                 for task in tasks:
                     inputs = self._warm_up_task_inputs(task, width, height)
-                    calls = itertools.product(batch_sizes, (False, True), adapter_calls, cache_calls, schedulers)
+                    calls = itertools.product(
+                        batch_sizes, (False, True), adapter_calls, cache_calls, schedulers
+                    )
                     for b, cfg, adapters, cached, scheduler in calls:
                         self(
                             [""] * b,

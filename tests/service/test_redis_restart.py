@@ -4,61 +4,49 @@ and no accepted job is lost. Uses its own redis-server (AOF, fsync always) on a 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import pytest
 
-from tests.private_redis import free_port, start_redis
 from tests.service.conftest import FakeWorker, api_client
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
+pytestmark = pytest.mark.anyio
 
 
-async def test_redis_restart(make_settings, tmp_path):
-    port = free_port()
-    proc = start_redis(port, tmp_path)
-    try:
-        settings = make_settings(redis_url=f"redis://127.0.0.1:{port}/0")
-        async with api_client(settings) as (client, store):
-            worker = FakeWorker(store)
-            await worker.register()
-            accepted = (await client.post("/v1/generate", json={"prompt": "before"})).json()
-            assert accepted["status"] == "queued"
+async def test_redis_restart(make_settings, private_redis):
+    settings = make_settings(redis_url=private_redis.url)
+    async with api_client(settings) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        accepted = (await client.post("/v1/generate", json={"prompt": "before"})).json()
+        assert accepted["status"] == "queued"
 
-            proc.kill()  # SIGKILL: no shutdown save, only what the AOF already holds
-            proc.wait()
-            for method, path, body in [
-                ("POST", "/v1/generate", {"prompt": "x"}),
-                ("GET", f"/v1/jobs/{accepted['id']}", None),
-                ("GET", "/readyz", None),
-                ("GET", "/v1/models", None),
-            ]:
-                t0 = time.monotonic()
-                r = await client.request(method, path, json=body)
-                assert r.status_code == 503, (path, r.status_code, r.text)
-                assert r.headers["retry-after"] and r.json()["error"]["code"] == "store_unavailable"
-                assert time.monotonic() - t0 < 3  # refused connections fail fast
-            assert (await client.get("/livez")).status_code == 200
-            assert (await client.get("/metrics")).status_code == 200
+        private_redis.kill()  # SIGKILL: no shutdown save, only what the AOF already holds
+        for method, path, body in [
+            ("POST", "/v1/generate", {"prompt": "x"}),
+            ("GET", f"/v1/jobs/{accepted['id']}", None),
+            ("GET", "/readyz", None),
+            ("GET", "/v1/models", None),
+        ]:
+            t0 = time.monotonic()
+            r = await client.request(method, path, json=body)
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            assert r.headers["retry-after"] and r.json()["error"]["code"] == "store_unavailable"
+            assert time.monotonic() - t0 < 3  # refused connections fail fast
+        assert (await client.get("/livez")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
 
-            proc = start_redis(port, tmp_path)  # same port and folder: the AOF is replayed
+        private_redis.start()  # same port and folder: the AOF is replayed
+        deadline = time.monotonic() + 10
+        while (await client.get("/readyz")).status_code != 200:
+            assert time.monotonic() < deadline, "the API did not recover"
+            await asyncio.sleep(0.05)
+        worker.start()
+        after = (await client.post("/v1/generate", json={"prompt": "after"})).json()
+        for job_id in (accepted["id"], after["id"]):
             deadline = time.monotonic() + 10
-            while (await client.get("/readyz")).status_code != 200:
-                assert time.monotonic() < deadline, "the API did not recover"
-                await asyncio.sleep(0.05)
-            worker.start()
-            after = (await client.post("/v1/generate", json={"prompt": "after"})).json()
-            for job_id in (accepted["id"], after["id"]):
-                deadline = time.monotonic() + 10
-                while (body := (await client.get(f"/v1/jobs/{job_id}")).json())["status"] != "succeeded":
-                    assert time.monotonic() < deadline, body
-                    await asyncio.sleep(0.02)
-            await worker.stop()
-            assert sorted(worker.finished) == sorted([accepted["id"], after["id"]])  # each exactly once
-    finally:
-        proc.kill()
-        proc.wait()
+            while (body := (await client.get(f"/v1/jobs/{job_id}")).json())["status"] != "succeeded":
+                assert time.monotonic() < deadline, body
+                await asyncio.sleep(0.02)
+        await worker.stop()
+        assert sorted(worker.finished) == sorted([accepted["id"], after["id"]])  # each exactly once

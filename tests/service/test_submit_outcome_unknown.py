@@ -8,54 +8,41 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 
 import pytest
 
-from tests.private_redis import free_port, start_redis
 from tests.service.conftest import FakeWorker, api_client
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-]
+pytestmark = pytest.mark.anyio
 
 
-async def test_a_submit_that_times_out_names_the_job_it_may_have_made(make_settings, tmp_path):
-    port = free_port()
-    proc = start_redis(port, tmp_path)
-    try:
-        # The catalog is cached (pool_cache_s): only the submit's script meets the stalled Redis.
-        settings = make_settings(
-            redis_url=f"redis://127.0.0.1:{port}/0", redis_command_timeout_s=0.5, pool_cache_s=60
+async def test_a_submit_that_times_out_names_the_job_it_may_have_made(make_settings, private_redis):
+    # The catalog is cached (pool_cache_s): only the submit's script meets the stalled Redis.
+    settings = make_settings(redis_url=private_redis.url, redis_command_timeout_s=0.5, pool_cache_s=60)
+    async with api_client(settings) as (client, store):
+        await FakeWorker(store).register()
+        assert (await client.post("/v1/generate", json={"prompt": "warm"})).status_code == 202
+        os.kill(private_redis.pid, signal.SIGSTOP)
+        try:
+            r = await client.post("/v1/generate", json={"prompt": "ghost"})
+        finally:
+            os.kill(private_redis.pid, signal.SIGCONT)  # Redis resumes and runs the script it was sent
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "store_unavailable"
+        location = r.headers.get("location", "")
+        job_id = location.rsplit("/", 1)[-1]
+        assert location == f"/v1/jobs/{job_id}" and job_id and job_id in error["message"], (
+            r.headers,
+            error,
         )
-        async with api_client(settings) as (client, store):
-            await FakeWorker(store).register()
-            assert (await client.post("/v1/generate", json={"prompt": "warm"})).status_code == 202
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
-                r = await client.post("/v1/generate", json={"prompt": "ghost"})
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)  # Redis resumes and runs the script it was sent
-            assert r.status_code == 503, r.text
-            error = r.json()["error"]
-            assert error["code"] == "store_unavailable"
-            location = r.headers.get("location", "")
-            job_id = location.rsplit("/", 1)[-1]
-            assert location == f"/v1/jobs/{job_id}" and job_id and job_id in error["message"], (
-                r.headers,
-                error,
-            )
-            assert "unknown" in error["message"] and "Idempotency-Key" in error["message"]
-            assert "retry-after" in r.headers
-            for _ in range(100):
-                r = await client.get(location)
-                if r.status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
-            assert r.status_code == 200, r.text
-            assert r.json()["params"]["prompt"] == "ghost" and r.json()["status"] == "queued"
-    finally:
-        proc.kill()
-        proc.wait()
+        assert "unknown" in error["message"] and "Idempotency-Key" in error["message"]
+        assert "retry-after" in r.headers
+        for _ in range(100):
+            r = await client.get(location)
+            if r.status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert r.status_code == 200, r.text
+        assert r.json()["params"]["prompt"] == "ghost" and r.json()["status"] == "queued"

@@ -3,7 +3,6 @@ once Redis is back (same AOF), every accepted job ends succeeded exactly once an
 Uses a private redis-server on a spare port (the shared one on 6379 is never touched)."""
 
 import asyncio
-import shutil
 
 import pytest
 
@@ -12,10 +11,7 @@ from meshserve.service.settings import Settings
 from meshserve.service.store import Store
 from meshserve.workers.config import WorkerConfig
 from meshserve.workers.main import Worker
-from tests.private_redis import free_port, start_redis
 from tests.workers.helpers import all_events, params, submit_many, wait_ended, wait_status
-
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 
 def _fake_worker(port: int, *, step_seconds: float, pool_stale_s: float) -> tuple[Settings, WorkerConfig]:
@@ -34,16 +30,13 @@ def _fake_worker(port: int, *, step_seconds: float, pool_stale_s: float) -> tupl
 
 
 @pytest.mark.parametrize("outage_s", [1.5, 4.0], ids=["write-retried", "write-abandoned-then-reclaimed"])
-def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
+def test_worker_survives_a_redis_restart_and_loses_no_job(private_redis, outage_s):
     """1.5 s: shorter than the lease (2 s), the finished job's write is retried until Redis is back. 4 s: the
     worker gives the write up after a lease; the job, still `running` in Redis with its lease lapsed, is
     reclaimed and run again - still one result."""
-    port = free_port()
-    redis_proc = start_redis(port, tmp_path)
-    settings, cfg = _fake_worker(port, step_seconds=0.05, pool_stale_s=5.0)
+    settings, cfg = _fake_worker(private_redis.port, step_seconds=0.05, pool_stale_s=5.0)
 
     async def main():
-        nonlocal redis_proc
         store = Store(settings)
         worker = Worker(cfg, settings)
         task = asyncio.create_task(worker.run())
@@ -51,11 +44,10 @@ def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
             await asyncio.wait_for(worker.ready.wait(), 20)
             ids = await submit_many(store, [params(f"job {i}", steps=10, seed=i) for i in range(5)])
             await wait_status(store, ids[0], JobStatus.RUNNING, timeout=10, step=2)
-            redis_proc.kill()
-            redis_proc.wait(5)
+            private_redis.kill()
             await asyncio.sleep(outage_s)  # the running job finishes its steps with Redis away
             assert not task.done()
-            redis_proc = start_redis(port, tmp_path)
+            private_redis.start()
             jobs = await wait_ended(store, ids, timeout=60)
             assert all(j.status == JobStatus.SUCCEEDED for j in jobs.values()), jobs
             for job_id in ids:
@@ -68,29 +60,23 @@ def test_worker_survives_a_redis_restart_and_loses_no_job(tmp_path, outage_s):
             await asyncio.wait_for(task, 30)
             await store.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        redis_proc.kill()
-        redis_proc.wait(5)
+    asyncio.run(main())
 
 
-def test_a_worker_that_warms_up_while_redis_is_down_registers_when_it_is_back(tmp_path):
+def test_a_worker_that_warms_up_while_redis_is_down_registers_when_it_is_back(private_redis):
     """Found by an audit: a pool whose warm-up ended with Redis away raised from its registration and the worker
     exited, throwing its loaded models away (minutes for a real one). Now it waits for Redis and serves."""
-    port = free_port()
-    settings, cfg = _fake_worker(port, step_seconds=0.01, pool_stale_s=3.0)
-    redis_proc = None
+    private_redis.kill()  # the worker starts with no Redis
+    settings, cfg = _fake_worker(private_redis.port, step_seconds=0.01, pool_stale_s=3.0)
 
     async def main():
-        nonlocal redis_proc
         worker = Worker(cfg, settings)
         task = asyncio.create_task(worker.run())
         store = None
         try:
             await asyncio.sleep(3.0)  # loaded and warmed up (the fake model: at once) with no Redis
             assert not task.done(), task.exception() if task.done() else None
-            redis_proc = start_redis(port, tmp_path)
+            private_redis.start()
             store = Store(settings)
             for _ in range(100):
                 if await store.list_pools():
@@ -106,9 +92,4 @@ def test_a_worker_that_warms_up_while_redis_is_down_registers_when_it_is_back(tm
             if store is not None:
                 await store.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        if redis_proc is not None:
-            redis_proc.kill()
-            redis_proc.wait(5)
+    asyncio.run(main())
