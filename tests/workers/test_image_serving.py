@@ -186,22 +186,32 @@ def test_a_multihost_batch_message_carries_the_image_inputs():
     assert (second.image, second.missing) == (None, "gone")
 
 
+def _runner_recording_warm_ups():
+    """A PipelineRunner whose pipeline records the keywords of each warm_up call in `runner.pipe.calls`."""
+    from meshserve.workers.runner import PipelineRunner
+
+    runner = PipelineRunner("m", None, "float32", None, None)
+    calls = []
+    runner.pipe = types.SimpleNamespace(
+        calls=calls,
+        defaults={"width": 64, "height": 64},
+        limits={},
+        compiled_batch_size=lambda b, data: b,
+        warm_up=lambda **kw: calls.append(kw) or 1.0,
+        previews=types.SimpleNamespace(prepare=lambda: None, fit_seconds=0.0),
+    )
+    return runner
+
+
 def test_pools_warm_up_the_image_tasks_they_are_told_to():
     """`warm_up_tasks` reaches the pipeline's warm_up (so no image job compiles on the request path); a task
     the model does not take stops the pool at start."""
     import pytest
 
     from meshserve.workers.pool import load_runners
-    from meshserve.workers.runner import PipelineRunner
 
-    calls = []
-    runner = PipelineRunner("m", None, "float32", None, None)
-    runner.pipe = types.SimpleNamespace(
-        defaults={"width": 64, "height": 64},
-        compiled_batch_size=lambda b, data: b,
-        warm_up=lambda **kw: calls.append(kw) or 1.0,
-        previews=types.SimpleNamespace(prepare=lambda: None, fit_seconds=0.0),
-    )
+    runner = _runner_recording_warm_ups()
+    calls = runner.pipe.calls
     runner.warm_up([(64, 64)], [1], None, tasks=["image-to-image", "inpaint"])
     runner.warm_up([(64, 64)], [1], None)
     assert calls[0]["tasks"] == ["image-to-image", "inpaint"] and "tasks" not in calls[1]
@@ -217,17 +227,9 @@ def test_pools_warm_up_the_schedulers_they_are_told_to():
     import pytest
 
     from meshserve.workers.pool import load_runners
-    from meshserve.workers.runner import PipelineRunner
 
-    calls = []
-    runner = PipelineRunner("m", None, "float32", None, None)
-    runner.pipe = types.SimpleNamespace(
-        defaults={"width": 64, "height": 64},
-        compiled_batch_size=lambda b, data: b,
-        warm_up=lambda **kw: calls.append(kw) or 1.0,
-        previews=types.SimpleNamespace(prepare=lambda: None, fit_seconds=0.0),
-        limits={},
-    )
+    runner = _runner_recording_warm_ups()
+    calls = runner.pipe.calls
     runner.warm_up([(64, 64)], [1], None, schedulers=["ddim"])
     runner.warm_up([(64, 64)], [1], None)
     assert calls[0]["schedulers"] == [None, "ddim"] and calls[1]["schedulers"] == [None]
