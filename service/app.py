@@ -116,6 +116,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.settings = settings
     app.state.draining = asyncio.Event()  # set when the process is told to stop (lifespan: drain_on_signals)
     app.state.wait_slots = WaitSlots(settings)  # requests that wait on a job, bounded
+    app.state.decode_slots = asyncio.Semaphore(settings.image_decode_slots)  # image inputs decoded at once
     install_error_handlers(app)
     for module in (generate, jobs, models, loras, images, health, playground):
         app.include_router(module.router)

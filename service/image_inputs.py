@@ -15,6 +15,10 @@ anything. So:
 - The pixel count is read from the header and checked against `max_pixels` before a pixel is decoded; Pillow's
   own decompression-bomb warning is an error here too.
 - More than one frame (APNG, animated WebP, MPO's second picture) is refused: a still is expected.
+- A JPEG of more than MAX_JPEG_SCANS scans is refused before decoding: each scan of a progressive JPEG makes
+  the decoder pass over the whole image, and a scan can be 16 bytes, so a small file could hold thousands (an
+  audit's 173 KiB 4096 x 4096 file of 400 scans took 26 s of the API's CPU to decode).
+- 16-bit grayscale (PNG's I;16) is scaled to 8 bits, not clipped (Pillow's convert makes mid-gray white).
 - EXIF orientation is applied (a phone's portrait JPEG is stored landscape), then the pixels are copied into a
   fresh image and re-encoded as PNG: nothing of the original file (metadata, ICC profile, trailing bytes) is
   kept or handed on to the workers.
@@ -38,6 +42,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from meshserve.service import ssrf
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
+# libjpeg's progressive JPEGs have 10 scans (jpeg_simple_progression, colour), a baseline JPEG one per component
+# at most. 59 scans at 4096 x 4096 decoded in 2.0 s, libjpeg's 10 in 1.3 s (the 2-core development machine,
+# loaded, 2026-11-28).
+MAX_JPEG_SCANS = 64
 
 # Magic numbers: the allowed formats, then formats we recognise only to name them in the refusal.
 _SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
@@ -91,6 +99,37 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
+def jpeg_scans(data: bytes) -> int:
+    """The scans (SOS markers) of a JPEG, found by walking its marker segments: a marker's bytes inside another
+    segment (an EXIF thumbnail, an ICC profile) are skipped with it, and inside entropy-coded data a 0xFF byte is
+    always followed by 0x00 or a restart marker, so the count is exact. Stops at EOI or the end of the bytes."""
+    scans, i, n = 0, 2, len(data)  # after SOI
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return scans  # not a marker where one must be: Pillow reports the corruption
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xD9:  # EOI
+            return scans
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # standalone markers
+            i += 2
+            continue
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xDA:  # SOS: its entropy-coded data runs to the next marker that is not RSTn or 0x00
+            scans += 1
+            while (
+                (i := data.find(b"\xff", i)) >= 0
+                and i + 1 < n
+                and (data[i + 1] == 0 or 0xD0 <= data[i + 1] <= 0xD7)
+            ):
+                i += 2
+            if i < 0:
+                return scans
+    return scans
+
+
 def decode_image(
     data: bytes,
     *,
@@ -112,6 +151,12 @@ def decode_image(
         raise ImageInputError(
             field, "unsupported_format", f"{field} is a {fmt} image; supported formats: PNG, JPEG, WebP"
         )
+    if fmt == "JPEG" and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+        raise ImageInputError(
+            field,
+            "too_many_scans",
+            f"{field} is a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are decoded",
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -130,18 +175,21 @@ def decode_image(
                 )
             img.load()
             img = ImageOps.exif_transpose(img)
+            if img.mode.startswith("I;16") or img.mode == "I":  # 16-bit grayscale: 65535 -> 255
+                img = img.convert("I").point(lambda v: v * (1 / 257)).convert("L")
             if from_alpha and mode == "L" and (img.has_transparency_data or "A" in img.getbands()):
                 pixels = ImageOps.invert(img.convert("RGBA").getchannel("A"))
             else:
                 pixels = img.convert(mode)
     except ImageInputError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ImageInputError(
-            field, "too_many_pixels", f"{field}: {e}; at most {max_pixels} pixels are decoded"
+            field, "too_many_pixels", f"{field} has too many pixels; at most {max_pixels} are decoded"
         ) from None
+    except UnidentifiedImageError:  # (its message names a BytesIO object)
+        raise ImageInputError(field, "not_an_image", f"{field} could not be decoded as {fmt}") from None
     except (
-        UnidentifiedImageError,
         OSError,
         SyntaxError,
         ValueError,

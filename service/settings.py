@@ -117,9 +117,13 @@ class Settings(BaseSettings):
     max_image_body_bytes: int = Field(24 << 20, ge=1024)
     # The bodies one API process holds at once, summed over the requests in flight: past it a request is a 503
     # (`server_busy`, Retry-After) as its bytes arrive. An image request holds about 3x its body while it
-    # is parsed and decoded (an audit measured 38 MB per 14 MB body), so 256 MiB bounds that part of the
-    # process near 0.8 GB however many clients send images at once.
+    # is parsed (an audit measured 38 MB per 14 MB body), so 256 MiB bounds that part of the process near
+    # 0.8 GB however many clients send images at once.
     max_buffered_body_bytes: int = Field(256 << 20, ge=1 << 20)
+    # Images decoded at once per API process. What a decode holds depends on its pixels, not its bytes: an
+    # 87 KB PNG of 4096 x 4096 zeros held ~170 MB while decoded and re-encoded (an audit: 8 at once took the API
+    # from 112 to 1,433 MiB); the others wait their turn (each decode is also CPU: 1-2 s at 4096 x 4096).
+    image_decode_slots: int = Field(2, ge=1)
     # A request body must arrive whole within this (else 408 body_timeout): 24 MiB at 2 Mbit/s takes 100 s.
     body_timeout_s: float = Field(120.0, gt=0)
     max_image_bytes: int = Field(10 << 20, ge=1024)

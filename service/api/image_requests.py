@@ -46,26 +46,29 @@ async def with_image_inputs(
     image: bytes,
     mask: bytes | None,
     *,
+    decode_slots: asyncio.Semaphore,
     mask_from_alpha: bool = False,
 ) -> JobParams:
     """Decode the image (and mask), store the re-encoded PNGs and return the params carrying their
-    references. Decoding runs in a thread: a 4096 x 4096 JPEG takes a few tenths of a second, which the event
-    loop must not wait on."""
+    references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a second, which the event loop must not
+    wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why)."""
     try:
-        decoded = await asyncio.to_thread(
-            decode_image, image, field="image", max_pixels=settings.max_image_pixels
-        )
+        async with decode_slots:
+            decoded = await asyncio.to_thread(
+                decode_image, image, field="image", max_pixels=settings.max_image_pixels
+            )
         decoded_mask = None
         if mask is not None:
-            decoded_mask = await asyncio.to_thread(
-                decode_image,
-                mask,
-                field="mask",
-                max_pixels=settings.max_image_pixels,
-                mode="L",
-                size=decoded.image.size,
-                from_alpha=mask_from_alpha,
-            )
+            async with decode_slots:
+                decoded_mask = await asyncio.to_thread(
+                    decode_image,
+                    mask,
+                    field="mask",
+                    max_pixels=settings.max_image_pixels,
+                    mode="L",
+                    size=decoded.image.size,
+                    from_alpha=mask_from_alpha,
+                )
     except ImageInputError as e:
         raise _refused(e) from None
     inputs = InputStore.of(store)

@@ -10,6 +10,7 @@ import functools
 import io
 import os
 import struct
+import time
 import zlib
 
 import pytest
@@ -85,6 +86,33 @@ def _bomb() -> bytes:
     )
 
 
+def _jpeg_segments(data: bytes) -> list[tuple[int, bytes]]:
+    """A JPEG's (marker, bytes) segments after SOI, each SOS with its entropy-coded data."""
+    i, out = 2, []
+    while i < len(data):
+        marker = data[i + 1]
+        if marker == 0xD9:
+            return [*out, (marker, data[i : i + 2])]
+        end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xDA:
+            while not (data[end] == 0xFF and data[end + 1] != 0 and not 0xD0 <= data[end + 1] <= 0xD7):
+                end += 1
+        out.append((marker, data[i:end]))
+        i = end
+    return out
+
+
+@functools.cache
+def _many_scans() -> bytes:
+    """An audit's decoder amplifier: a progressive JPEG whose small refinement scans (16-33 bytes each) are
+    repeated ten times: 90 scans where libjpeg writes 10. At 4096 x 4096, 400 scans in 173 KiB took 26 s to decode."""
+    segments = _jpeg_segments(encode(Image.new("RGB", (256, 256), (90, 40, 200)), "JPEG", progressive=True))
+    scans = [seg for marker, seg in segments if marker == 0xDA]
+    head = b"".join(seg for marker, seg in segments if marker not in (0xDA, 0xD9))
+    small = [seg for seg in scans[1:] if len(seg) < 100]
+    return b"\xff\xd8" + head + b"".join(scans) + b"".join(small) * 10 + b"\xff\xd9"
+
+
 # (name, bytes, rule) - each refused by decode_image with that rule, before or while decoding.
 REFUSED_BYTES = [
     ("text", b"hello, not an image", "not_an_image"),
@@ -106,6 +134,7 @@ REFUSED_BYTES = [
     ("mpo", encode(FRAMES[0], "MPO", save_all=True, append_images=FRAMES[1:]), "animated_not_allowed"),
     ("pixel bomb png", _bomb(), "too_many_pixels"),
     ("over max_pixels", encode(Image.new("L", (5000, 4000)), "PNG"), "too_many_pixels"),
+    ("jpeg of many scans", _many_scans(), "too_many_scans"),
 ]
 
 
@@ -127,6 +156,44 @@ def test_pixel_cap_is_checked_before_decoding(monkeypatch):
             decode_image(bomb, field="image", max_pixels=limit)
         assert e.value.rule == "too_many_pixels"
     assert loads == []
+
+
+def test_refusals_name_our_rule_not_the_decoders_internals():
+    """Pillow's own messages named a BytesIO object at an address, and its bomb limit instead of ours."""
+    for data, limit in ((encode(RED, "PNG")[:60], MAX_PIXELS), (b"\xff\xd8\xff" + bytes(40), MAX_PIXELS)):
+        with pytest.raises(ImageInputError) as e:
+            decode_image(data, field="image", max_pixels=limit)
+        assert "BytesIO" not in e.value.message and " at 0x" not in e.value.message, e.value.message
+    with pytest.raises(ImageInputError) as e:
+        decode_image(_bomb(), field="image", max_pixels=10**9)  # past Pillow's own bound
+    assert "1000000000" in e.value.message and "178956970" not in e.value.message, e.value.message
+
+
+def test_jpeg_scans_are_counted_by_walking_segments():
+    """libjpeg's progressive JPEGs (10 scans in colour, 6 in gray, 18 in CMYK) decode; marker bytes inside an
+    EXIF block are not scans; the amplifier's 90 are refused before a pixel is decoded."""
+    from meshserve.service.image_inputs import MAX_JPEG_SCANS, jpeg_scans
+
+    exif = b"Exif\x00\x00" + b"\xff\xda" * 100
+    for mode, scans in (("RGB", 10), ("L", 6), ("CMYK", 18)):
+        data = encode(Image.new(mode, (64, 48)), "JPEG", progressive=True, exif=exif)
+        assert jpeg_scans(data) == scans
+        assert decode_image(data, field="image", max_pixels=MAX_PIXELS).image.size == (64, 48)
+    assert jpeg_scans(encode(RED, "JPEG")) == 1
+    assert jpeg_scans(_many_scans()) == 90 > MAX_JPEG_SCANS
+
+
+def test_16_bit_grayscale_is_scaled_not_clipped():
+    """A 16-bit gray PNG (Pillow's I;16) read as 8 bits: 32768 is mid-gray, not white (Pillow's convert clips
+    it to 255, as diffusers' load_image does), as an image and as a mask."""
+    import numpy as np
+
+    values = np.array([[0, 1000, 32768, 65535]], np.uint16)
+    data = encode(Image.fromarray(values), "PNG")
+    assert Image.open(io.BytesIO(data)).mode.startswith("I")
+    image = decode_image(data, field="image", max_pixels=MAX_PIXELS).image
+    mask = decode_image(data, field="mask", max_pixels=MAX_PIXELS, mode="L").image
+    assert np.asarray(image)[0, :, 0].tolist() == np.asarray(mask)[0].tolist() == [0, 3, 127, 255]
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
@@ -367,6 +434,32 @@ async def test_image_urls_are_fetched_before_the_job_is_accepted(make_settings):
         )
 
 
+async def test_images_are_decoded_a_few_at_a_time(make_settings, monkeypatch):
+    """What a decode holds follows its pixels, not its bytes (an 87 KB PNG of 4096 x 4096 zeros held ~170 MB):
+    `image_decode_slots` bounds the decodes running at once; the requests over it wait, then are accepted."""
+    from meshserve.service.api import image_requests
+
+    running, most = 0, 0
+
+    def slow_decode(*args, **kwargs):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            time.sleep(0.1)
+            return decode_image(*args, **kwargs)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(image_requests, "decode_image", slow_decode)
+    async with api_client(make_settings(image_decode_slots=2)) as (client, store):
+        await FakeWorker(store, models=(TOY_IMG,)).register()
+        body = {"prompt": "p", "image": data_url(PNG), "mask": data_url(MASK)}
+        answers = await asyncio.gather(*(client.post("/v1/generate", json=body) for _ in range(5)))
+    assert [r.status_code for r in answers] == [202] * 5
+    assert most == 2
+
+
 async def test_body_limits(make_settings):
     """/v1/generate and /v1/images/edits take max_image_body_bytes; other routes keep max_body_bytes."""
     settings = make_settings(max_body_bytes=4096, max_image_body_bytes=64 * 1024, max_image_pixels=1 << 20)
@@ -478,6 +571,12 @@ async def test_images_edits(api_img):
             {"prompt": "p", "strength": "2"},
             "strength",
             "less_than_equal",
+        ),
+        (
+            {"image": ("a.png", PNG, "image/png")},
+            {"prompt": "p", "strength": "nan"},
+            "strength",
+            "finite_number",
         ),
         (
             {"image": ("a.png", PNG, "image/png")},

@@ -134,7 +134,7 @@ async def edit_image(
     size: Annotated[str | None, Form(pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT".')] = None,
     response_format: Annotated[Literal["url", "b64_json"], Form()] = "url",
     strength: Annotated[
-        float | None, Form(gt=0, le=1, description="As /v1/generate's (an extension).")
+        float | None, Form(gt=0, le=1, allow_inf_nan=False, description="As /v1/generate's (an extension).")
     ] = None,
 ) -> ImagesResponse:
     _one_file_each(await request.form())
@@ -155,7 +155,13 @@ async def edit_image(
         image_bytes = await _upload(image, "image", settings)
         mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
         params = await with_image_inputs(
-            store, settings, params, image_bytes, mask_bytes, mask_from_alpha=True
+            store,
+            settings,
+            params,
+            image_bytes,
+            mask_bytes,
+            decode_slots=request.app.state.decode_slots,
+            mask_from_alpha=True,
         )
         job, unknown = None, None
         try:
