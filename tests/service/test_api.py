@@ -145,6 +145,9 @@ async def test_idempotency_key(api):
     a = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "abc"})
     b = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "abc"})
     assert a.status_code == b.status_code == 202 and a.json()["id"] == b.json()["id"]
+    spelled_out = {**body, "priority": "normal", "negative_prompt": None}  # defaults: the same request
+    e = await client.post("/v1/generate", json=spelled_out, headers={"Idempotency-Key": "abc"})
+    assert e.status_code == 202 and e.json()["id"] == a.json()["id"], e.text
     c = await client.post("/v1/generate", json={**body, "seed": 2}, headers={"Idempotency-Key": "abc"})
     assert c.status_code == 422
     assert (

@@ -144,10 +144,13 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     deadline = deadline_at(request.headers.get("cancel-after"), body.deadline_s, settings)
     webhook = await webhook_spec(body.webhook, tenant, settings, store.redis, store.prefix)
     wait_s = prefer_wait(request.headers.get("prefer"), settings.max_wait_s)  # read before the job exists
-    digest = request_hash(body.model_dump(mode="json", exclude_unset=True)) if key else ""
+    # Fields at their defaults left out: a retry that spells a default out is the same request.
+    digest = request_hash(body.model_dump(mode="json", exclude_defaults=True)) if key else ""
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
         image, mask = await read_image_fields(body.image, body.mask, settings)
-        params = await with_image_inputs(store, settings, params, image, mask)
+        params = await with_image_inputs(
+            store, settings, params, image, mask, decode_slots=request.app.state.decode_slots
+        )
     job, unknown = None, None
     try:
         job = await store.submit(
