@@ -151,6 +151,8 @@ def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
 
     import uvicorn
 
+    from meshserve.service.api.http_protocol import BoundedHttpProtocol
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("MESHSERVE_AUTH", "keys")  # also read by uvicorn's worker processes (factory)
     os.environ.setdefault("MESHSERVE_DRAIN_ON_SIGNALS", "true")  # waits and streams end at SIGTERM
@@ -175,6 +177,7 @@ def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
             access_log=False,
             log_level="warning",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
+            http=BoundedHttpProtocol,  # header size and time bounds
         )
     else:
         uvicorn.run(
@@ -184,4 +187,5 @@ def run_api(host: str = "0.0.0.0", port: int = 8000, workers: int = 1) -> None:
             access_log=False,
             log_level="info",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
+            http=BoundedHttpProtocol,  # header size and time bounds
         )

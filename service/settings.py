@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     # 87 KB PNG of 4096 x 4096 zeros held ~170 MB while decoded and re-encoded (an audit: 8 at once took the API
     # from 112 to 1,433 MiB); the others wait their turn (each decode is also CPU: 1-2 s at 4096 x 4096).
     image_decode_slots: int = Field(2, ge=1)
+    # A request's line and headers: at most this many bytes (else 431, closed), arrived within this many seconds
+    # of the connection opening or of its previous response (else closed): service/api/http_protocol.py.
+    max_header_bytes: int = Field(64 << 10, ge=4096)
+    header_timeout_s: float = Field(20.0, gt=0)
     # A request body must arrive whole within this (else 408 body_timeout): 24 MiB at 2 Mbit/s takes 100 s.
     body_timeout_s: float = Field(120.0, gt=0)
     max_image_bytes: int = Field(10 << 20, ge=1024)

@@ -17,6 +17,7 @@ import os
 
 import uvicorn
 
+from meshserve.service.api.http_protocol import BoundedHttpProtocol
 from meshserve.service.app import create_app
 from meshserve.service.settings import get_settings
 from meshserve.workers.config import single_model_config
@@ -52,6 +53,7 @@ async def _serve(host: str, port: int, redis_url: str, model: str | None) -> Non
             access_log=False,
             log_level="info",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
+            http=BoundedHttpProtocol,  # header size and time bounds
         )
     )
 
