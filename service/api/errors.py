@@ -81,7 +81,7 @@ def _on_validation(request: Request, exc: RequestValidationError) -> JSONRespons
     first = errors[0] if errors else {"type": "invalid", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
-        return error_response(422, "invalid_json", f"the body is not valid JSON: {ctx}".rstrip(": "), "body")
+        return error_response(422, "invalid_json", _not_json(request, ctx), "body")
     if request.url.path.startswith("/v1/generate") or request.url.path.startswith("/v1/images"):
         metrics.JOBS_REJECTED.labels("invalid").inc()
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -103,6 +103,15 @@ def _on_validation(request: Request, exc: RequestValidationError) -> JSONRespons
     return error_response(422, first["type"], "; ".join(parts), field)
 
 
+def _not_json(request: Request, detail: str) -> str:
+    """The message of a body that is not JSON, naming a content coding as its likely cause (the API reads
+    bodies as sent: a gzip body is bytes that are not JSON)."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        return f"the body is not valid JSON: it was sent with Content-Encoding {coding!r}; send it unencoded"
+    return f"the body is not valid JSON: {detail}".rstrip(": ")
+
+
 def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
     return error_response(exc.status, exc.code, exc.message, exc.field, exc.headers)
 
@@ -116,7 +125,7 @@ def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             return error_response(
                 422, "invalid_form", f"the multipart form could not be read: {exc.detail}", "body"
             )
-        return error_response(422, "invalid_json", f"the body is not valid JSON: {exc.detail}", "body")
+        return error_response(422, "invalid_json", _not_json(request, exc.detail), "body")
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     headers = getattr(exc, "headers", None)
     if exc.status_code == 405:

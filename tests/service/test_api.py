@@ -576,3 +576,16 @@ async def test_a_body_without_a_json_content_type_says_so(api):
         error = r.json()["error"]
         assert r.status_code == 422 and (error["code"], error["field"]) == ("invalid_json", "body"), r.text
         assert "Content-Type: application/json" in error["message"]
+
+
+async def test_an_encoded_body_says_so(api):
+    """A gzip body is read as sent (bytes that are not JSON): the answer names the content coding."""
+    import gzip
+
+    client, _, _ = api
+    body = gzip.compress(b'{"model": "toy", "prompt": "x"}')
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    r = await client.post("/v1/generate", content=body, headers=headers)
+    error = r.json()["error"]
+    assert r.status_code == 422 and (error["code"], error["field"]) == ("invalid_json", "body"), r.text
+    assert "Content-Encoding 'gzip'" in error["message"], error
