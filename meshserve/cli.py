@@ -96,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
         data, _ = encode_output(output, fmt, fps=args.fps or pipe.defaults.get("fps", 16))
         path.write_bytes(data)
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
-    skipped = f"; cached steps {result.cached_steps}" if cache else ""
+    skipped = f"; cached steps {', '.join(map(str, result.cached_steps))}" if cache else ""
     print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages}{skipped})")
     return 0
 

@@ -273,7 +273,8 @@ class JobResponse(BaseModel):
     cached_steps: int | None = Field(
         None,
         description="A succeeded job that asked for a step cache (`params.cache`): the denoising steps that "
-        "reused cached features instead of running the denoiser's blocks (docs/step-cache.md).",
+        "reused cached features instead of running the denoiser's blocks (the fewest of its images: each decides "
+        "alone; docs/step-cache.md).",
     )
 
     @classmethod

@@ -136,7 +136,7 @@ class _RecordingPipe:
     def __call__(self, prompt, **kwargs):
         self.calls.append(kwargs)
         shape = (1, 5, 16, 32, 3) if self.video else (1, 16, 32, 3)
-        skipped = 1 if "cache" in kwargs else None
+        skipped = [1] if "cache" in kwargs else None
         return types.SimpleNamespace(
             images=np.full(shape, 0.5), seeds=[kwargs["seed"]], timings={}, cached_steps=skipped
         )

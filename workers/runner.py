@@ -93,7 +93,9 @@ class Generated:
     seeds: list[int]
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False
-    cached_steps: int | None = None  # steps a step cache skipped (the batch's; None: no cache asked)
+    cached_steps: int | None = (
+        None  # steps a step cache skipped (the fewest of the job's rows; None: no cache)
+    )
 
 
 @dataclass
@@ -393,7 +395,8 @@ class PipelineRunner(Runner):
             raise InvalidRequest(str(e)) from e
         images = np.asarray(out.images)[:real]  # [B, H, W, 3] or [B, F, H, W, 3]
         seeds, timings = list(out.seeds)[:real], dict(out.timings)
-        return split_rows(batch, images, seeds, timings, bool(out.compiled), out.cached_steps)
+        cached = None if out.cached_steps is None else list(out.cached_steps)[:real]
+        return split_rows(batch, images, seeds, timings, bool(out.compiled), cached)
 
     def _previews(self, batch, pad: int, previews: PreviewCallback | None) -> dict:
         """The pipeline's preview arguments: each row's period (from the jobs: the same on every process of a
@@ -550,15 +553,17 @@ def split_rows(
     seeds: list[int],
     timings: dict[str, float],
     compiled: bool,
-    cached_steps: int | None = None,
+    cached_steps: list[int] | None = None,
 ) -> list[Generated]:
-    """Cut a batch's rows [B, ...] back into per-job outputs (views: no copy). Batch-wide stage timings and
-    the step cache's skipped steps (one decision per step for the whole batch) are every job's."""
+    """Cut a batch's rows [B, ...] back into per-job outputs (views: no copy). Batch-wide stage timings are
+    every job's; the step cache's skipped steps are per row (each row decides alone): a job's are the fewest
+    any of its rows skipped."""
     out, row = [], 0
     for req in batch:
         n = req.params.n
         rows, row_seeds = images[row : row + n], list(seeds[row : row + n])
-        out.append(Generated(req.job_id, rows, row_seeds, timings, compiled, cached_steps))
+        skipped = None if cached_steps is None else min(cached_steps[row : row + n])
+        out.append(Generated(req.job_id, rows, row_seeds, timings, compiled, skipped))
         row += n
     return out
 

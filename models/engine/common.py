@@ -29,8 +29,8 @@ class PipelineOutput:
     seeds: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False
-    # With a step cache (models/engine/step_cache.py): the steps it skipped; None without one.
-    cached_steps: int | None = None
+    # With a step cache (models/engine/step_cache.py): the steps it skipped for each image; None without one.
+    cached_steps: list[int] | None = None
 
     @property
     def frames(self):

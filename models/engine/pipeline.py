@@ -856,7 +856,7 @@ class DiffusionPipeline:
             seeds=seeds,
             timings=timings,
             compiled=self.compilations > compiled_before,
-            cached_steps=int(skipped[0]) if skipped else None,
+            cached_steps=[int(n) for n in np.asarray(skipped[0])[: len(seeds)]] if skipped else None,
         )
         return out if return_dict else (out.images,)
 
@@ -983,7 +983,9 @@ class DiffusionPipeline:
                 start=start,
                 after_step=after_step,
                 preview=self.previews.in_loop(preview, shape),
-                step_cache=None if cache is None else CacheSlot(cache, init["cache_threshold"]),
+                step_cache=None
+                if cache is None
+                else CacheSlot(cache, init["cache_threshold"], cfg_rows if do_cfg else None),
             )
 
     # ---------------------------------------------------------------------------------------------

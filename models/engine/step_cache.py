@@ -24,12 +24,17 @@ computed steps.
 How it fits the compiled loop (models/engine/denoise_loop.py):
 - The decision is a traced value: `lax.cond` picks "add the cached tail" or "run the other blocks", so the
   method is a program variant (like CFG on/off) and the threshold is an input: a new threshold never compiles.
-- The decision is one per step for the whole model batch (the means run over every row, CFG halves included),
-  so the rows of a batch share it and a pool puts only jobs with equal cache settings in one batch (the
-  settings are in `batch_key`). The means are reductions to a replicated scalar, so every device of a layout
-  takes the same branch: the collectives inside the skipped blocks are skipped everywhere or nowhere.
-- The cache's state (r_ref, tail, whether a step computed yet, how many steps were skipped; TeaCache's also
-  the sum of changes since the last computed step) rides in the loop's carry. Its shapes come from tracing the denoiser once abstractly (`init_state`).
+- The decision is one per output row, as that row alone would take it: its means run over its own model rows
+  (both CFG halves, or only the positive one of a row without CFG in a CFG batch, what it computes alone), and
+  its state (reference, stored result, steps skipped, TeaCache's sum) is its own. The blocks are skipped when
+  every row of the batch skips; when some row computes, the blocks run for all and each row that decided to
+  skip still takes its stored result and keeps its state, so a row's output never depends on the rows batched
+  with it (an audit saw a shared decision move an image by 124/255 against the same job alone). Whether all
+  rows skip is a reduction to a replicated scalar, so every device of a layout takes the same branch: the
+  collectives inside the skipped blocks are skipped everywhere or nowhere.
+- The cache's state (per row: r_ref, tail, steps skipped, TeaCache's sum of changes since the row last computed;
+  whether a step computed yet) rides in the loop's carry. Its shapes come from tracing the denoiser once
+  abstractly (`init_state`).
 
 A family supports a method by routing its blocks through the method's hook; without an active cache of that
 method a hook is the plain model:
@@ -102,13 +107,37 @@ def parse_cache(cache, defaults: Mapping[str, float]) -> CacheSpec | None:
 class CacheSlot:
     """Trace-time exchange between the loop and the denoiser's blocks: the loop puts the carried state here
     before calling the model, the method's hook leaves the next state. `method`: static (it is part of the
-    program); `threshold`: a traced [] float32."""
+    program); `threshold`: a traced [] float32; `cfg_rows`: None when the model batch is one model row per
+    output row, else (CFG: rows interleaved uncond, cond) [B] bool, whether each output row runs CFG."""
 
-    def __init__(self, method: str, threshold):
+    def __init__(self, method: str, threshold, cfg_rows=None):
         self.method = method
         self.threshold = threshold
+        self.cfg_rows = cfg_rows
         self.state = None
         self.new_state = None
+
+    def row_change(self, signal, ref) -> jax.Array:
+        """[B] fp32, each output row's relative change mean|signal - ref| / mean|ref| over its own model rows:
+        both CFG halves, or the positive one alone for a row without CFG (what it computes alone)."""
+        s, s_ref = signal.astype(jnp.float32), ref.astype(jnp.float32)
+        axes = tuple(range(1, s.ndim))
+        num, den = jnp.mean(jnp.abs(s - s_ref), axis=axes), jnp.mean(jnp.abs(s_ref), axis=axes)
+        if self.cfg_rows is not None:
+            num, den = (
+                jnp.where(self.cfg_rows, v.reshape(-1, 2).mean(axis=1), v.reshape(-1, 2)[:, 1])
+                for v in (num, den)
+            )
+        return num / jnp.maximum(den, 1e-12)
+
+    def model_rows(self, per_row, like) -> jax.Array:
+        """[B] per output row -> broadcastable over `like` [model batch, ...] (each CFG pair takes its row's)."""
+        if self.cfg_rows is not None:
+            per_row = jnp.repeat(per_row, 2)
+        return per_row.reshape(-1, *([1] * (like.ndim - 1)))
+
+    def output_rows(self, model_batch: int) -> int:
+        return model_batch // 2 if self.cfg_rows is not None else model_batch
 
     def init_state(self, model: Callable, x, t):
         """The state before the first step: zeros shaped by one abstract trace of `model(x, t)` (no compute)."""
@@ -146,19 +175,13 @@ def _activate(slot: CacheSlot):
 
 
 def skipped_steps(state) -> jax.Array:
-    """The number of steps the cache skipped, from the loop's final cache state."""
+    """[B] int32, the steps the cache skipped for each output row, from the loop's final cache state."""
     return state[3]
 
 
 def _slot_for(method: str) -> CacheSlot | None:
     slot = _ACTIVE.get()
     return slot if slot is not None and slot.method == method else None
-
-
-def _relative_change(signal, ref) -> jax.Array:
-    """mean|signal - ref| / mean|ref|, a replicated fp32 scalar (the means run over every row and token)."""
-    s, s_ref = signal.astype(jnp.float32), ref.astype(jnp.float32)
-    return jnp.mean(jnp.abs(s - s_ref)) / jnp.maximum(jnp.mean(jnp.abs(s_ref)), 1e-12)
 
 
 def after_first_block(x_in, first, rest: Callable):
@@ -188,20 +211,23 @@ def before_blocks(x, signal, blocks: Callable):
         return blocks(x)
     if slot.state is None:  # init_state's abstract trace: only the shapes matter
         out = blocks(x)
-        slot.new_state = (signal, out - x, jnp.bool_(False), jnp.int32(0), jnp.float32(0))
+        rows = slot.output_rows(x.shape[0])
+        slot.new_state = (signal, out - x, jnp.bool_(False), jnp.zeros(rows, jnp.int32), jnp.zeros(rows))
         return out
     prev, stored, computed, skipped, moved = slot.state
-    moved = moved + _relative_change(signal, prev)
-    skip = computed & (moved < slot.threshold)
+    moved = moved + slot.row_change(signal, prev)
+    skip = computed & (moved < slot.threshold)  # [B]: each row's own decision
 
-    def cached(x):
+    def cached(x):  # every row skips: no block runs
         return x + stored.astype(x.dtype), stored, moved
 
-    def computed_now(x):
+    def computed_now(x):  # some row computes: the rows that skip keep their stored residual and their sum
         out = blocks(x)
-        return out, (out - x).astype(stored.dtype), jnp.float32(0)
+        keep = slot.model_rows(skip, out)
+        out = jnp.where(keep, x + stored.astype(x.dtype), out)
+        return out, jnp.where(keep, stored, (out - x).astype(stored.dtype)), jnp.where(skip, moved, 0.0)
 
-    out, stored, moved = jax.lax.cond(skip, cached, computed_now, x)
+    out, stored, moved = jax.lax.cond(jnp.all(skip), cached, computed_now, x)
     # The reference is always the previous step: TeaCache sums step-to-step changes.
     slot.new_state = (
         signal.astype(prev.dtype),
@@ -223,19 +249,25 @@ def _cached(signal, first, rest: Callable, *, residual: bool):
 
     if slot.state is None:  # init_state's abstract trace: only the shapes matter
         out = rest(first)
-        slot.new_state = (signal, stored_of(out, first), jnp.bool_(False), jnp.int32(0))
+        rows = slot.output_rows(first.shape[0])
+        slot.new_state = (signal, stored_of(out, first), jnp.bool_(False), jnp.zeros(rows, jnp.int32))
         return out
     ref, stored, computed, skipped = slot.state
-    skip = computed & (_relative_change(signal, ref) < slot.threshold)
+    skip = computed & (slot.row_change(signal, ref) < slot.threshold)  # [B]: each row's own decision
 
-    def cached(first, signal):
-        out = first + stored.astype(first.dtype) if residual else stored
-        return out, ref, stored
+    def reused(first):
+        return first + stored.astype(first.dtype) if residual else stored
 
-    def computed_now(first, signal):
+    def cached(first, signal):  # every row skips: `rest` does not run
+        return reused(first), ref, stored
+
+    def computed_now(first, signal):  # some row computes: the rows that skip keep their stored result and ref
         out = rest(first)
-        return out, signal.astype(ref.dtype), stored_of(out, first).astype(stored.dtype)
+        keep = slot.model_rows(skip, out)
+        new_ref = jnp.where(slot.model_rows(skip, signal), ref, signal.astype(ref.dtype))
+        new_stored = jnp.where(keep, stored, stored_of(out, first).astype(stored.dtype))
+        return jnp.where(keep, reused(first).astype(out.dtype), out), new_ref, new_stored
 
-    out, ref, stored = jax.lax.cond(skip, cached, computed_now, first, signal)
+    out, ref, stored = jax.lax.cond(jnp.all(skip), cached, computed_now, first, signal)
     slot.new_state = (ref, stored, jnp.bool_(True), skipped + skip.astype(jnp.int32))
     return out
