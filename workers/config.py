@@ -164,7 +164,7 @@ class PoolConfig(_Strict):
     # parts of at most max_batch rows) compiles on the request path. A shorter list starts faster and
     # compiles the sizes it leaves out when a batch first needs them.
     warm_up_batch_sizes: list[Annotated[int, Field(ge=1)]] | None = None
-    warm_up_steps: int | None = None  # None: the model's default step count
+    warm_up_steps: int | None = Field(None, ge=1)  # None: the model's default step count
     # The tasks compiled at start (an image task has its own image_encode and denoise programs): None, the
     # model's text task (every task of a model without one, e.g. Wan I2V); a list, or "all" (every task the
     # model takes: what `meshserve serve` does), so that no image job compiles on the request path (each task
@@ -249,6 +249,11 @@ class PoolConfig(_Strict):
             raise ValueError(f"pool {self.name!r}: frames {self.frames} repeat a frame count")
         if any(f < 1 for f in self.frames):
             raise ValueError(f"pool {self.name!r}: frames {self.frames} must be positive frame counts")
+        over = sorted(b for b in self.warm_up_batch_sizes or () if b > self.max_batch)
+        if over:  # a batch never has more rows than max_batch: those programs would never run
+            raise ValueError(
+                f"pool {self.name!r}: warm_up_batch_sizes {over} are over max_batch {self.max_batch}"
+            )
         return self
 
 

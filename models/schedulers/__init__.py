@@ -72,8 +72,12 @@ def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> 
     elif key in _BY_CLASS:
         cls, implied = _BY_CLASS[key], {}
     else:
-        what = "the config's _class_name" if name is None else "scheduler"
-        raise ValueError(f"unknown {what} {key!r}; expected one of {list(_BY_NAME)} or {sorted(_BY_CLASS)}")
+        what = (
+            f"the folder's scheduler {key!r} is not implemented"
+            if name is None
+            else f"unknown scheduler {key!r}"
+        )
+        raise ValueError(f"{what}; expected one of {list(_BY_NAME)} or {sorted(_BY_CLASS)}")
     return cls.from_config(config, **{**implied, **overrides})
 
 

@@ -253,6 +253,10 @@ def test_pools_warm_up_every_batch_size_up_to_max_batch():
     assert PoolConfig(name="p", models=["m"], max_batch=4, warm_up_batch_sizes=[4]).batch_sizes() == [4]
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         PoolConfig(name="p", models=["m"], warm_up_batch_sizes=[0])
+    with pytest.raises(ValueError, match=r"warm_up_batch_sizes \[4\] are over max_batch 2"):
+        PoolConfig(name="p", models=["m"], max_batch=2, warm_up_batch_sizes=[1, 4])
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        PoolConfig(name="p", models=["m"], warm_up_steps=0)
 
 
 def test_only_pipeline_errors_are_the_jobs_fault():
