@@ -23,7 +23,7 @@ resolved, or a Hub id), whatever the API checked.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from meshserve.service.contract import AdapterInfo
 from meshserve.service.lora_sources import LoraSource, LoraSourceError, resolve_source
@@ -41,6 +41,9 @@ class Adapters:
         self.runner, self.model, self.root, self.allow_hub = runner, model, root, allow_hub
         self._entries: dict[str, AdapterInfo] = {}  # name -> what the registry shows
         self._sources: dict[str, LoraSource] = {}  # name -> where to (re)load it from
+        # Set by the pool when it started without adapters: compiles the LoRA programs, once, when the first
+        # adapter is added (before it is published, so no job naming it compiles them).
+        self.warm_up_loras: Callable[[], None] | None = None
 
     # -- registration (pool thread) --------------------------------------------------------------------------
 
@@ -75,11 +78,21 @@ class Adapters:
         else:
             self._count_load("register", before, name)
             self._sources[name] = resolved
+            self._first_adapter_warm_up()
             entry = AdapterInfo(
                 name=name, source=source, origin=origin, rank=loaded.get("rank"), bytes=loaded.get("bytes")
             )
         self._entries[name] = entry
         return entry
+
+    def _first_adapter_warm_up(self) -> None:
+        warm_up, self.warm_up_loras = self.warm_up_loras, None
+        if warm_up is None:
+            return
+        try:
+            warm_up()
+        except Exception:  # the adapter is loaded: its first job compiles the programs instead
+            log.exception("model %s: compiling the LoRA programs failed", self.model)
 
     def remove(self, name: str) -> None:
         self._entries.pop(name, None)

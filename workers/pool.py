@@ -16,6 +16,7 @@ The followers run `load_runners` and `multihost.follow`, no Pool.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -210,8 +211,32 @@ def load_runners(
             cfg.batch_sizes(),
             time.perf_counter() - t0,
         )
+        if adapters is not None and not adapters.published():
+            # No adapter at start: the LoRA programs compile when the first one is added at run time (POST
+            # /v1/loras), before it is published, so that no job naming an adapter compiles them.
+            adapters.warm_up_loras = functools.partial(
+                _warm_up_again, cfg, name, runner, buckets, dict(extra), "its first LoRA adapter"
+            )
         runners[name], models[name] = runner, info
     return runners, models
+
+
+def _warm_up_again(cfg: PoolConfig, name: str, runner: Runner, buckets, extra: dict, why: str) -> None:
+    """The pool's warm-up once more (what is compiled already runs one step; what is new compiles), counted
+    as warm-up compilations: for `why`, something added since the start that has programs of its own."""
+    before, t0 = runner.compilations, time.perf_counter()
+    runner.warm_up(buckets, cfg.batch_sizes(), cfg.warm_up_steps, **extra)
+    compiled = runner.compilations - before
+    if compiled:
+        metrics.COMPILATIONS.labels(cfg.name, "warmup").inc(compiled)
+    log.info(
+        "pool %s: %s: %s; compiled %d programs in %.1f s",
+        cfg.name,
+        name,
+        why,
+        compiled,
+        time.perf_counter() - t0,
+    )
 
 
 def _declared_adapters(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import types
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -184,56 +183,3 @@ def test_a_multihost_batch_message_carries_the_image_inputs():
     assert np.array_equal(np.asarray(first.image), np.asarray(img))
     assert np.array_equal(np.asarray(first.mask), np.asarray(mask))
     assert (second.image, second.missing) == (None, "gone")
-
-
-def _runner_recording_warm_ups():
-    """A PipelineRunner whose pipeline records the keywords of each warm_up call in `runner.pipe.calls`."""
-    from meshserve.workers.runner import PipelineRunner
-
-    runner = PipelineRunner("m", None, "float32", None, None)
-    calls = []
-    runner.pipe = types.SimpleNamespace(
-        calls=calls,
-        defaults={"width": 64, "height": 64},
-        limits={},
-        compiled_batch_size=lambda b, data: b,
-        warm_up=lambda **kw: calls.append(kw) or 1.0,
-        previews=types.SimpleNamespace(prepare=lambda: None, fit_seconds=0.0),
-    )
-    return runner
-
-
-def test_pools_warm_up_the_image_tasks_they_are_told_to():
-    """`warm_up_tasks` reaches the pipeline's warm_up (so no image job compiles on the request path); a task
-    the model does not take stops the pool at start."""
-    import pytest
-
-    from meshserve.workers.pool import load_runners
-
-    runner = _runner_recording_warm_ups()
-    calls = runner.pipe.calls
-    runner.warm_up([(64, 64)], [1], None, tasks=["image-to-image", "inpaint"])
-    runner.warm_up([(64, 64)], [1], None)
-    assert calls[0]["tasks"] == ["image-to-image", "inpaint"] and "tasks" not in calls[1]
-
-    pool = PoolConfig(name="p", models=["toy"], devices="0", warm_up_tasks=["inpaint"])
-    with pytest.raises(ValueError, match=r"warm_up_tasks \['inpaint'\] are not tasks of toy"):
-        load_runners(pool, {"toy": ModelSpec(runner="fake")})
-
-
-def test_pools_warm_up_the_schedulers_they_are_told_to():
-    """`warm_up_schedulers` reaches the pipeline's warm_up beside the folder's own scheduler (None); a name the
-    model does not offer stops the pool at start."""
-    import pytest
-
-    from meshserve.workers.pool import load_runners
-
-    runner = _runner_recording_warm_ups()
-    calls = runner.pipe.calls
-    runner.warm_up([(64, 64)], [1], None, schedulers=["ddim"])
-    runner.warm_up([(64, 64)], [1], None)
-    assert calls[0]["schedulers"] == [None, "ddim"] and calls[1]["schedulers"] == [None]
-
-    pool = PoolConfig(name="p", models=["toy"], devices="0", warm_up_schedulers=["heun"])
-    with pytest.raises(ValueError, match=r"warm_up_schedulers \['heun'\] are not schedulers of toy"):
-        load_runners(pool, {"toy": ModelSpec(runner="fake")})
