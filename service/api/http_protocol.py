@@ -61,10 +61,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # a next request whose headers arrived already: it runs now
         super().on_response_complete()
         # Kept alive: the next request's headers get their own bounds (uvicorn's keep-alive timeout, 5 s by
         # default, closes an idle connection before this deadline; this one bounds a request that stalls).
-        if not self.transport.is_closing():
+        if not pipelined and not self.transport.is_closing():
             self._await_headers()
 
     def _await_headers(self) -> None:

@@ -22,6 +22,8 @@ MAX_HEADER_BYTES, HEADER_TIMEOUT_S = 8192, 0.5
 
 async def hello(scope, receive, send):
     assert scope["type"] == "http"
+    if scope["path"] == "/slow":  # a long answer: longer than the header deadline
+        await asyncio.sleep(HEADER_TIMEOUT_S * 2)
     body = b""
     while True:  # the whole body, however slowly it comes
         message = await receive()
@@ -128,3 +130,12 @@ async def test_a_slow_body_is_not_cut_by_the_header_deadline(server):
         writer.write(b"cd")
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         assert await reader.readexactly(6) == b"okabcd"
+
+
+async def test_a_pipelined_request_is_not_cut_by_the_header_deadline(server):
+    """Two requests in one write: the second's headers came with the first, so its long answer runs to the end."""
+    async with connection(server) as (reader, writer):
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\nGET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        for _ in range(2):
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+            assert await reader.readexactly(2) == b"ok"
