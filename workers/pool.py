@@ -215,27 +215,23 @@ def load_runners(
             # No adapter at start: the LoRA programs compile when the first one is added at run time (POST
             # /v1/loras), before it is published, so that no job naming an adapter compiles them.
             adapters.warm_up_loras = functools.partial(
-                _warm_up_again, cfg, name, runner, buckets, dict(extra), "its first LoRA adapter"
+                _compile_lora_programs, cfg, name, runner, buckets, extra
             )
         runners[name], models[name] = runner, info
     return runners, models
 
 
-def _warm_up_again(cfg: PoolConfig, name: str, runner: Runner, buckets, extra: dict, why: str) -> None:
-    """The pool's warm-up once more (what is compiled already runs one step; what is new compiles), counted
-    as warm-up compilations: for `why`, something added since the start that has programs of its own."""
+def _compile_lora_programs(cfg: PoolConfig, name: str, runner: Runner, buckets, extra: dict) -> None:
+    """The pool's warm-up once more, now that an adapter is registered: its LoRA programs compile (those
+    compiled already run one step), counted as warm-up compilations."""
     before, t0 = runner.compilations, time.perf_counter()
     runner.warm_up(buckets, cfg.batch_sizes(), cfg.warm_up_steps, **extra)
     compiled = runner.compilations - before
     if compiled:
         metrics.COMPILATIONS.labels(cfg.name, "warmup").inc(compiled)
+    elapsed = time.perf_counter() - t0
     log.info(
-        "pool %s: %s: %s; compiled %d programs in %.1f s",
-        cfg.name,
-        name,
-        why,
-        compiled,
-        time.perf_counter() - t0,
+        "pool %s: %s's first LoRA adapter: compiled %d programs in %.1f s", cfg.name, name, compiled, elapsed
     )
 
 

@@ -93,9 +93,8 @@ class Generated:
     seeds: list[int]
     timings: dict[str, float] = field(default_factory=dict)
     compiled: bool = False
-    cached_steps: int | None = (
-        None  # steps a step cache skipped (the fewest of the job's rows; None: no cache)
-    )
+    # Steps a step cache skipped (the fewest of the job's rows; None: no cache asked).
+    cached_steps: int | None = None
 
 
 @dataclass
