@@ -34,6 +34,7 @@ import io
 import re
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -99,26 +100,25 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def jpeg_scans(data: bytes) -> int:
-    """The scans (SOS markers) of a JPEG, found by walking its marker segments: a marker's bytes inside another
-    segment (an EXIF thumbnail, an ICC profile) are skipped with it, and inside entropy-coded data a 0xFF byte is
-    always followed by 0x00 or a restart marker, so the count is exact. Stops at EOI or the end of the bytes."""
-    scans, i, n = 0, 2, len(data)  # after SOI
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            return scans  # not a marker where one must be: Pillow reports the corruption
-        marker = data[i + 1]
+def jpeg_segments(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """A JPEG's marker segments after SOI, as (marker, start, end) byte offsets; a scan's (SOS) runs to the end of
+    its entropy-coded data. A marker's bytes inside another segment (an EXIF thumbnail, an ICC profile) are
+    skipped with it, and inside entropy-coded data a 0xFF byte is always followed by 0x00 or a restart marker,
+    so the walk is exact. Stops at EOI, at the end of the bytes, or where no marker is (Pillow reports that)."""
+    i, n = 2, len(data)
+    while i + 4 <= n and data[i] == 0xFF:
+        marker, start = data[i + 1], i
         if marker == 0xFF:  # fill byte
             i += 1
             continue
         if marker == 0xD9:  # EOI
-            return scans
+            yield marker, start, i + 2
+            return
         if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # standalone markers
             i += 2
             continue
         i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
         if marker == 0xDA:  # SOS: its entropy-coded data runs to the next marker that is not RSTn or 0x00
-            scans += 1
             while (
                 (i := data.find(b"\xff", i)) >= 0
                 and i + 1 < n
@@ -126,8 +126,14 @@ def jpeg_scans(data: bytes) -> int:
             ):
                 i += 2
             if i < 0:
-                return scans
-    return scans
+                yield marker, start, n
+                return
+        yield marker, start, min(i, n)
+
+
+def jpeg_scans(data: bytes) -> int:
+    """The scans (SOS segments) of a JPEG."""
+    return sum(1 for marker, _, _ in jpeg_segments(data) if marker == 0xDA)
 
 
 def decode_image(

@@ -151,9 +151,8 @@ def test_warm_up_compiles_the_schedulers_it_is_given(tiny_sdxl_path):
     pipe.warm_up([(W, H)])
     plain = pipe.compilations
     pipe.warm_up([(W, H)], schedulers=[None, "euler", "ddim"])
-    assert (
-        pipe.compilations == plain + 2
-    )  # ddim's denoise program without and with CFG; euler is the folder's
+    # ddim's denoise program without and with CFG; euler is the folder's own.
+    assert pipe.compilations == plain + 2
     before = pipe.compilations
     for scheduler, guidance in (("ddim", 1.0), ("ddim", 5.0), ("euler", 5.0)):
         out = pipe(

@@ -17,7 +17,13 @@ import pytest
 from PIL import Image, PngImagePlugin
 
 from meshserve.service.contract import StrengthLimits
-from meshserve.service.image_inputs import ImageInputError, decode_data_url, decode_image, sniff_format
+from meshserve.service.image_inputs import (
+    ImageInputError,
+    decode_data_url,
+    decode_image,
+    jpeg_segments,
+    sniff_format,
+)
 from meshserve.service.input_store import InputStore
 from meshserve.service.output_store import OutputStore
 from tests.service.conftest import TOY, TOY_VIDEO, FakeWorker, api_client
@@ -86,27 +92,12 @@ def _bomb() -> bytes:
     )
 
 
-def _jpeg_segments(data: bytes) -> list[tuple[int, bytes]]:
-    """A JPEG's (marker, bytes) segments after SOI, each SOS with its entropy-coded data."""
-    i, out = 2, []
-    while i < len(data):
-        marker = data[i + 1]
-        if marker == 0xD9:
-            return [*out, (marker, data[i : i + 2])]
-        end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-        if marker == 0xDA:
-            while not (data[end] == 0xFF and data[end + 1] != 0 and not 0xD0 <= data[end + 1] <= 0xD7):
-                end += 1
-        out.append((marker, data[i:end]))
-        i = end
-    return out
-
-
 @functools.cache
 def _many_scans() -> bytes:
     """An audit's decoder amplifier: a progressive JPEG whose small refinement scans (16-33 bytes each) are
     repeated ten times: 90 scans where libjpeg writes 10. At 4096 x 4096, 400 scans in 173 KiB took 26 s to decode."""
-    segments = _jpeg_segments(encode(Image.new("RGB", (256, 256), (90, 40, 200)), "JPEG", progressive=True))
+    data = encode(Image.new("RGB", (256, 256), (90, 40, 200)), "JPEG", progressive=True)
+    segments = [(marker, data[start:end]) for marker, start, end in jpeg_segments(data)]
     scans = [seg for marker, seg in segments if marker == 0xDA]
     head = b"".join(seg for marker, seg in segments if marker not in (0xDA, 0xD9))
     small = [seg for seg in scans[1:] if len(seg) < 100]
