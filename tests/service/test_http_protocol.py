@@ -24,6 +24,10 @@ async def hello(scope, receive, send):
     assert scope["type"] == "http"
     if scope["path"] == "/slow":  # a long answer: longer than the header deadline
         await asyncio.sleep(HEADER_TIMEOUT_S * 2)
+    if scope["path"] == "/refuse":  # answered before its body is read, as a refused key is
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
     body = b""
     while True:  # the whole body, however slowly it comes
         message = await receive()
@@ -139,3 +143,33 @@ async def test_a_pipelined_request_is_not_cut_by_the_header_deadline(server):
         for _ in range(2):
             assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
             assert await reader.readexactly(2) == b"ok"
+
+
+async def test_the_unread_body_of_an_answered_request_is_not_counted_as_headers(server):
+    """A request answered before its body was read (a refused key): the rest of its body, however large, is not
+    the next request's headers. An audit saw a keyed request after a keyless 2 MiB POST answered 431."""
+    size = 4 * MAX_HEADER_BYTES
+    async with connection(server) as (reader, writer):
+        writer.write(b"POST /refuse HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\nab" % size)
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 401")
+        for _ in range(4):  # the body comes after the answer, in pieces
+            writer.write(b"x" * (MAX_HEADER_BYTES // 2))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"x" * (size - 2 - 4 * (MAX_HEADER_BYTES // 2)) + b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(2) == b"ok"
+        # The next headers are counted again.
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * (MAX_HEADER_BYTES + 1000))
+        assert (await asyncio.wait_for(reader.read(65536), 5)).startswith(b"HTTP/1.1 431")
+
+
+async def test_headers_piling_up_behind_a_long_answer_end_the_connection(server):
+    """The next request's headers are counted while the previous one is still being answered (they were not)."""
+    async with connection(server) as (reader, writer):
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.sleep(0.05)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * (MAX_HEADER_BYTES + 1000))
+        # Closed at once, before the long answer (and no 431 written into it); before, the answer came and the
+        # header deadline closed the connection after it.
+        assert await asyncio.wait_for(reader.read(), 5) == b""
