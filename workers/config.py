@@ -243,6 +243,17 @@ class PoolConfig(_Strict):
             validate_weight_sharding(self.weights.model_dump(), self.mesh)
         except LayoutError as e:
             raise ValueError(f"pool {self.name!r}: {e}") from None
+        degree, strategy = self.attention.ulysses_degree, self.attention.context_strategy
+        if degree is not None and strategy != "hybrid":  # any other strategy would ignore it
+            raise ValueError(
+                f"pool {self.name!r}: attention.ulysses_degree applies to context_strategy 'hybrid' only "
+                f"(the pool's is {strategy or 'auto'!r})"
+            )
+        if degree is not None and self.mesh.context % degree:
+            raise ValueError(
+                f"pool {self.name!r}: attention.ulysses_degree {degree} does not divide mesh context="
+                f"{self.mesh.context}"
+            )
         if len(set(self.buckets)) != len(self.buckets):
             raise ValueError(f"pool {self.name!r}: buckets {self.buckets} repeat a size")
         if len(set(self.frames)) != len(self.frames):

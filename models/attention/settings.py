@@ -55,3 +55,8 @@ class AttentionSettings:
             raise ValueError(f"block sizes must be positive, got {self.block_q} x {self.block_kv}")
         if self.ulysses_degree is not None and self.ulysses_degree < 1:
             raise ValueError(f"ulysses_degree must be >= 1, got {self.ulysses_degree}")
+        if self.ulysses_degree is not None and self.context_strategy != "hybrid":
+            # Only "hybrid" splits the context axis into Ulysses groups; any other strategy would ignore it.
+            raise ValueError(
+                f"ulysses_degree applies to context_strategy 'hybrid' only, not {self.context_strategy!r}"
+            )

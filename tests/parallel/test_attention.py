@@ -427,6 +427,8 @@ def test_strategy_selection_and_layout_errors():
         jax.jit(lambda q, k, v: attention(q, k, v, settings=settings))(q, k, v)
     with pytest.raises(ValueError, match="unknown context strategy"):
         AttentionSettings(context_strategy="zigzag")
+    with pytest.raises(ValueError, match="ulysses_degree applies to context_strategy 'hybrid' only"):
+        AttentionSettings(context_strategy="ring", ulysses_degree=2)
 
 
 # --- kernels that can't run here: selection with a faked platform, argument mapping on the CPU --------------

@@ -88,6 +88,24 @@ def test_devices_default_to_the_mesh_size():
             "unknown mesh axis",
         ),
         ({"weights": {"shard": ["data"]}}, "shard"),
+        # Only "hybrid" reads ulysses_degree: under any other strategy it was ignored without a word.
+        (
+            {
+                "devices": "0-1",
+                "mesh": {"context": 2},
+                "attention": {"context_strategy": "ulysses", "ulysses_degree": 2},
+            },
+            "applies to context_strategy 'hybrid' only .the pool's is 'ulysses'",
+        ),
+        ({"attention": {"ulysses_degree": 1}}, "hybrid' only .the pool's is 'auto'"),
+        (
+            {
+                "devices": "0-3",
+                "mesh": {"context": 4},
+                "attention": {"context_strategy": "hybrid", "ulysses_degree": 3},
+            },
+            "ulysses_degree 3 does not divide mesh context=4",
+        ),
     ],
 )
 def test_bad_pool_is_a_clear_error(pool, message):
