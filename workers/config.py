@@ -56,7 +56,8 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    # A diffusers folder; None: the embedded tiny default model (tiny-sdxl); "tiny-flux" (or "embedded:tiny-flux"):
+    # A diffusers folder; None: the embedded model of the key's name (a key tiny-sdxl, tiny-flux or tiny-wan),
+    # else the embedded tiny default model (tiny-sdxl); "tiny-flux" (or "embedded:tiny-flux"):
     # the embedded tiny Flux, "tiny-wan" the tiny Wan (meshserve.models.load_pipeline resolves the names); a Hub id
     # "owner/name" or "owner/name@revision" (models/checkpoints/hub.py; `options: {variant: fp16}` picks a weights variant).
     path: str | None = None

@@ -222,10 +222,14 @@ class PipelineRunner(Runner):
 
     def load(self) -> None:
         from meshserve.models import load_pipeline  # JAX is imported only by a worker that runs a real model
+        from meshserve.models.registry import EMBEDDED_MODELS
 
+        path = self.path
+        if path is None and self.name in EMBEDDED_MODELS:  # `tiny-wan: {}` serves tiny-wan, not tiny-sdxl
+            path = f"embedded:{self.name}"
         with _LOAD_LOCK:
             self.pipe = load_pipeline(
-                self.path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
+                path, dtype=self.dtype, mesh=self.mesh, devices=self.devices, **self.options
             )
 
     takes_loras = True

@@ -272,3 +272,22 @@ def test_only_pipeline_errors_are_the_jobs_fault():
     with pytest.raises(ValueError, match="Incompatible shapes") as caught:
         _pipeline_runner(_contract_pipeline(fail=engine_bug)).run([_req("a")])
     assert not isinstance(caught.value, InvalidRequest)
+
+
+@pytest.mark.parametrize(
+    "name, path, loaded",
+    [
+        ("tiny-wan", None, "embedded:tiny-wan"),  # it loaded tiny-sdxl under the name tiny-wan
+        ("tiny-flux", None, "embedded:tiny-flux"),
+        ("sdxl", None, None),  # any other name: the default embedded model
+        ("tiny-wan", "/models/wan", "/models/wan"),
+    ],
+)
+def test_a_model_without_a_path_named_as_an_embedded_model_loads_that_one(monkeypatch, name, path, loaded):
+    import meshserve.models
+    from meshserve.workers.runner import PipelineRunner
+
+    seen = []
+    monkeypatch.setattr(meshserve.models, "load_pipeline", lambda path, **kw: seen.append(path))
+    PipelineRunner(name, path, "float32", None, None).load()
+    assert seen == [loaded]
