@@ -69,10 +69,7 @@ async def webhook_spec(
     """What the job keeps of the request's webhook, or a 422: a refused URL, or nothing to sign with."""
     if request is None:
         return None
-    try:
-        await ssrf.check_url(request.url, allow_private=settings.webhook_allow_private)
-    except ssrf.FetchError as e:  # BlockedURL (the rules) or a name that does not resolve
-        raise FieldError("webhook.url", e.reason, f"webhook.url: {e.message}") from None
+    # The secret first: a request that cannot be signed is refused without resolving its URL's name.
     if not await webhook_secrets(redis, prefix, tenant.key_digest, settings):
         raise FieldError(
             "webhook",
@@ -80,4 +77,8 @@ async def webhook_spec(
             "no secret to sign webhooks with: the API key has none (rotate it: `meshserve keys "
             "rotate-webhook-secret NAME`) and MESHSERVE_WEBHOOK_SECRET is not set",
         )
+    try:
+        await ssrf.check_url(request.url, allow_private=settings.webhook_allow_private)
+    except ssrf.FetchError as e:  # BlockedURL (the rules) or a name that does not resolve
+        raise FieldError("webhook.url", e.reason, f"webhook.url: {e.message}") from None
     return WebhookSpec(url=request.url, statuses=request.statuses(), key=tenant.key_digest)

@@ -417,8 +417,15 @@ async def test_open_mode_needs_the_secret_setting(make_settings):
         r = await client.post(
             "/v1/generate", json={"prompt": "a", "webhook": {"url": "http://127.0.0.1:9/h"}}
         )
-    assert r.status_code == 422
-    assert r.json()["error"]["code"] == "webhook_secret_missing" and r.json()["error"]["field"] == "webhook"
+        assert r.status_code == 422
+        assert (
+            r.json()["error"]["code"] == "webhook_secret_missing" and r.json()["error"]["field"] == "webhook"
+        )
+        # Refused before the URL's name is looked up (it said dns_error for a name that does not resolve).
+        r = await client.post(
+            "/v1/generate", json={"prompt": "a", "webhook": {"url": "http://no-such-host.invalid/h"}}
+        )
+        assert r.json()["error"]["code"] == "webhook_secret_missing", r.json()
 
 
 async def test_each_key_signs_with_its_own_secret_and_rotation_signs_with_both(
