@@ -103,11 +103,17 @@ async def stream_job_events(
                     if not ended:
                         yield ": keep-alive\n\n"
                     continue
+                # The events read together go out as one write: one per event (a resumed stream replays a job's
+                # dozens of progress events) wrote on after the client left, each write logging a warning.
+                chunk = []
                 for e in events:
                     last = e.id
-                    yield f"id: {e.id}\nevent: {e.type.value}\ndata: {json.dumps(e.data)}\n\n"
+                    chunk.append(f"id: {e.id}\nevent: {e.type.value}\ndata: {json.dumps(e.data)}\n\n")
                     if e.type.terminal:
-                        return
+                        break
+                yield "".join(chunk)
+                if events[len(chunk) - 1].type.terminal:
+                    return
         except RedisError as e:
             # The headers are sent: say why the stream ends; the client resumes with its last id.
             yield f"event: error\ndata: {json.dumps({'code': 'store_unavailable', 'message': str(e)})}\n\n"
