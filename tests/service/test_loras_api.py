@@ -212,6 +212,9 @@ async def test_served_loras_with_a_fake_pool(tmp_path, make_settings):
             r = await add("x", "missing.safetensors")  # passes the API's check; the pool reports it
             assert (r.status_code, r.json()["error"]["code"]) == (422, "lora_rejected")
             assert "no file or folder" in r.json()["error"]["message"]
+            # Withdrawn: not listed (it was listed as the pool's failure until the pool looked again).
+            listed = [e["name"] for e in (await client.get("/v1/loras", headers=admin)).json()["data"]]
+            assert listed == ["style"], listed
             assert (await add("x", "extra.safetensors", model="other")).status_code == 404
             r = await add("style", "extra.safetensors")
             assert (r.status_code, r.json()["error"]["code"]) == (409, "declared_in_config")
@@ -235,6 +238,8 @@ async def test_served_loras_with_a_fake_pool(tmp_path, make_settings):
             assert (r.status_code, r.json()["error"]["code"]) == (409, "declared_in_config")
             assert (await client.delete("/v1/loras/toy/nope", headers=admin)).status_code == 404
             assert (await client.delete("/v1/loras/toy/extra", headers=admin)).status_code == 204
+            listed = [e["name"] for e in (await client.get("/v1/loras", headers=admin)).json()["data"]]
+            assert listed == ["style", "third"], listed  # at once, though the pool still holds it
             for _ in range(100):
                 (card,) = (await client.get("/v1/models", headers=user)).json()["data"]
                 if [a["name"] for a in card["adapters"]] == ["style", "third"]:

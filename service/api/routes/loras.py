@@ -98,7 +98,12 @@ async def list_loras(store: StoreDep) -> LoraList:
     data = []
     for model in models:
         held = _pools_of(model, pools)
-        sources = {a.name: a.source for _, adapters in held for a in adapters.values()}
+        # What pools.yaml declares, and what is asked for now. An adapter added at run time that is no longer
+        # asked for (deleted, or rejected by a pool) is on its way out: pools drop it at their next look, and
+        # listing it meanwhile showed a rejected adapter as pending for ~40 s (an audit's finding).
+        sources = {
+            a.name: a.source for _, adapters in held for a in adapters.values() if a.origin == "config"
+        }
         sources.update(await wanted.get(model))
         usable = _usable(model, pools)
         data += [_entry(model, n, src, held, usable) for n, src in sorted(sources.items())]
