@@ -255,6 +255,13 @@ async def test_video_model_rules(make_settings):
         ]:
             err = (await post(**kw)).json()["error"]
             assert (err["field"], err["code"]) == (field, code)
+        # The OpenAI image routes answer images: a video model is refused there (it answered an MP4's URL).
+        r = await client.post("/v1/images/generations", json={"model": "toy-video", "prompt": "x"})
+        assert r.status_code == 422 and (r.json()["error"]["field"], r.json()["error"]["code"]) == (
+            "model",
+            "not_supported",
+        )
+        assert "use POST /v1/generate" in r.json()["error"]["message"]
 
 
 async def test_model_not_found_and_no_pool(make_settings):

@@ -44,6 +44,10 @@ SIZE_PATTERN = r"^\d{1,5}x\d{1,5}$"
 
 def _params(served: ServedModel, settings: Settings, size: str | None, **fields) -> JobParams:
     """The OpenAI fields as a /v1/generate request, normalised (422s name `size`, not width and height)."""
+    if served.info.limits.frames is not None:  # the answer's `data` are images: a video has no place in it
+        raise FieldError(
+            "model", "not_supported", f"{served.info.id} makes videos, not images: use POST /v1/generate"
+        )
     width = height = None
     if size:
         width, height = (int(v) for v in size.split("x"))
