@@ -162,7 +162,14 @@ def run_worker(
     config = load_config(config_path)
     spec = group_from_environment(coordinator, num_processes, process_id)
     if spec is None:
-        asyncio.run(_main(config))
+        try:
+            asyncio.run(_main(config))
+        except Exception:
+            # A pool that failed to start leaves the others' threads loading or compiling: ending through the
+            # interpreter's finalization with a daemon thread inside XLA aborted the process (C++ terminate).
+            log.exception("worker: ends with an error; exiting with 1")
+            logging.shutdown()
+            os._exit(1)
         return
     timing = GroupTiming.from_environment()
     check_group_config(config, spec)
