@@ -245,6 +245,9 @@ class TimingsOut(BaseModel):
     queue_s: float | None = None
     inference_s: float | None = None
     total_s: float | None = None
+    # Seconds per stage as the worker measured them (text_encode, denoise, decode, ...), as the `succeeded`
+    # event gives them; empty until the job succeeded.
+    stages: dict[str, float] = Field(default_factory=dict)
 
 
 class JobResponse(BaseModel):
@@ -293,7 +296,10 @@ class JobResponse(BaseModel):
             outputs=job.outputs,
             error=job.error,
             timings=TimingsOut(
-                queue_s=job.timings.queue_s, inference_s=job.timings.inference_s, total_s=job.timings.total_s
+                queue_s=job.timings.queue_s,
+                inference_s=job.timings.inference_s,
+                total_s=job.timings.total_s,
+                stages=job.timings.stages,
             ),
             deadline_at=job.deadline_at,
             webhook=job.webhook,

@@ -57,6 +57,8 @@ async def test_submit_poll_download(api):
     done = await wait_status(client, job["id"], {"succeeded"})
     assert done["status"] == "succeeded" and done["progress"] == {"step": 4, "total_steps": 4}
     assert done["timings"]["total_s"] >= done["timings"]["inference_s"] > 0
+    # The worker's stages, as the succeeded event has them (the job left them out).
+    assert set(done["timings"]["stages"]) == {"denoise"}
     assert [o["seed"] for o in done["outputs"]] == [p["seed"], p["seed"] + 1]
     for out in done["outputs"]:
         img = await client.get(out["url"])
