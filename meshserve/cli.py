@@ -46,11 +46,24 @@ def _generate(args: argparse.Namespace) -> int:
             pipe.load_lora(name, source)
         # Before generating anything: a format the model's outputs cannot be written in (an image model to
         # .mp4, a video model to .png), frames or a frame rate for images.
-        video_args = {"output_format": fmt, "fps": args.fps, "num_frames": args.frames}
+        # The scheduler and the step cache too, so that a typo is told before the progress bar starts.
+        video_args = {
+            "output_format": fmt,
+            "fps": args.fps,
+            "num_frames": args.frames,
+            "scheduler": args.scheduler,
+        }
         try:
             check_request(pipe.limits, video_args, model=pipe.model_id)
         except LimitError as e:
             raise UsageError(str(e)) from None
+        if cache:
+            from meshserve.models.engine.step_cache import parse_cache
+
+            try:
+                parse_cache(cache, pipe.cache_methods)
+            except PipelineError as e:
+                raise UsageError(f"--cache {args.cache!r}: {e}") from None
         if not can_encode(fmt):
             raise UsageError(f"-o/--output {out.name}: this install cannot write {fmt} (pip install av)")
         bar = tqdm(total=args.steps or pipe.defaults["num_inference_steps"], desc="denoise", unit="step")

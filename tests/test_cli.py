@@ -113,12 +113,16 @@ def _unsupported(tmp_path):
         (lambda p: ["--cache", "first_block"], "cache method must be one of ['deep_features', 'teacache']"),
         (lambda p: ["--cache", "teacache:2"], "cache threshold must be between 0 and 1, got 2.0"),
         (lambda p: ["--cache", "teacache:x"], "--cache 'teacache:x': the threshold must be a number"),
+        (lambda p: ["--scheduler", "EulerDiscreteScheduler"], "scheduler must be one of ['euler', "),
     ],
 )
 def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
-    r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *make_args(tmp_path))
+    args = make_args(tmp_path)
+    r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *args)
     assert r.returncode == 2
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if args[0] in ("--cache", "--scheduler"):  # told before the progress bar (it came on the bar's line)
+        assert "denoise" not in r.stderr, r.stderr
 
 
 class _RecordingPipe:
