@@ -61,7 +61,9 @@ def _generate(args: argparse.Namespace) -> int:
             from meshserve.models.engine.step_cache import parse_cache
 
             try:
-                parse_cache(cache, pipe.cache_methods)
+                parse_cache(
+                    cache, {m: v["default_threshold"] for m, v in (pipe.limits.get("cache") or {}).items()}
+                )
             except PipelineError as e:
                 raise UsageError(f"--cache {args.cache!r}: {e}") from None
         if not can_encode(fmt):

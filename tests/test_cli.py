@@ -134,6 +134,7 @@ class _RecordingPipe:
         self.model_id, self.family, self.row_fields = "fake", "wan" if video else "sdxl", ("guidance_scale",)
         self.defaults = {"width": 32, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8}
         self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
+        self.limits["cache"] = {"teacache": {"default_threshold": 0.2}}
         if video:
             self.limits["frames"] = {"min_frames": 1, "max_frames": 9, "default": 5}
 
