@@ -32,7 +32,6 @@ import base64
 import binascii
 import io
 import re
-import struct
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -180,7 +179,7 @@ def decode_image(
                     field, "animated_not_allowed", f"{field} has {frames} frames; a still image is expected"
                 )
             img.load()
-            img = ImageOps.exif_transpose(img)
+            img = _upright(img)
             if img.mode.startswith("I;16") or img.mode == "I":  # 16-bit grayscale: 65535 -> 255
                 img = img.convert("I").point(lambda v: v * (1 / 257)).convert("L")
             if from_alpha and mode == "L" and (img.has_transparency_data or "A" in img.getbands()):
@@ -195,14 +194,9 @@ def decode_image(
         ) from None
     except UnidentifiedImageError:  # (its message names a BytesIO object)
         raise ImageInputError(field, "not_an_image", f"{field} could not be decoded as {fmt}") from None
-    except (
-        OSError,
-        SyntaxError,
-        ValueError,
-        EOFError,
-        struct.error,
-        MemoryError,
-    ) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a decoder raises on a client's bytes is the bytes' fault
+        # (OSError, SyntaxError, ValueError, EOFError and struct.error are Pillow's usual ones; an audit found a
+        # TypeError from a malformed EXIF entry, 2026-11-28): a 422, never a 500.
         raise ImageInputError(field, "not_an_image", f"{field} could not be decoded as {fmt}: {e}") from None
     if size is not None and pixels.size != tuple(size):
         raise ImageInputError(
@@ -214,6 +208,27 @@ def decode_image(
     buf = io.BytesIO()
     clean.save(buf, format="PNG", compress_level=1)  # fast: it is read once by a worker, then expires
     return DecodedImage(clean, buf.getvalue(), fmt)
+
+
+# EXIF orientation -> the transpose that shows the picture upright (the EXIF/TIFF spec's eight values).
+_ORIENTATION_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says. Not `ImageOps.exif_transpose`: that also rewrites the EXIF
+    block into the copy, and a malformed entry elsewhere in it (an ASCII value in a RATIONAL tag) made it raise
+    TypeError; the EXIF is dropped here anyway, so only the orientation tag is read."""
+    orientation = img.getexif().get(0x0112)
+    method = _ORIENTATION_TRANSPOSE.get(orientation) if isinstance(orientation, int) else None
+    return img.transpose(method) if method is not None else img
 
 
 def decode_data_url(value: str, *, field: str, max_bytes: int) -> bytes:

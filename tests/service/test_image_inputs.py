@@ -13,8 +13,9 @@ import struct
 import time
 import zlib
 
+import numpy as np
 import pytest
-from PIL import Image, PngImagePlugin
+from PIL import Image, ImageOps, PngImagePlugin
 
 from meshserve.service.contract import StrengthLimits
 from meshserve.service.image_inputs import (
@@ -177,8 +178,6 @@ def test_jpeg_scans_are_counted_by_walking_segments():
 def test_16_bit_grayscale_is_scaled_not_clipped():
     """A 16-bit gray PNG (Pillow's I;16) read as 8 bits: 32768 is mid-gray, not white (Pillow's convert clips
     it to 255, as diffusers' load_image does), as an image and as a mask."""
-    import numpy as np
-
     values = np.array([[0, 1000, 32768, 65535]], np.uint16)
     data = encode(Image.fromarray(values), "PNG")
     assert Image.open(io.BytesIO(data)).mode.startswith("I")
@@ -207,6 +206,34 @@ def test_exif_orientation_is_applied_then_dropped():
     exif[0x0112] = 6  # rotate 90 degrees clockwise to display
     out = decode_image(encode(RED, "JPEG", exif=exif.tobytes()), field="image", max_pixels=MAX_PIXELS)
     assert out.image.size == (24, 40)
+    assert not Image.open(io.BytesIO(out.png)).getexif()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_each_exif_orientation_turns_the_image_as_pillow_does(orientation):
+    # A picture with no symmetry (a gradient across, a bar down one side), so every turn and flip differs.
+    x = np.arange(40, dtype=np.uint8)[None, :, None] * 6
+    pixels = np.broadcast_to(x, (24, 40, 3)).copy()
+    pixels[:, :5, 1] = 255
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(Image.fromarray(pixels), "PNG", exif=exif.tobytes())
+    out = decode_image(data, field="image", max_pixels=MAX_PIXELS).image
+    expected = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
+    assert out.size == expected.size
+    assert np.array_equal(np.asarray(out), np.asarray(expected))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_a_malformed_exif_entry_beside_the_orientation_still_decodes(fmt):
+    # IFD0 with Orientation 6 and XResolution (a RATIONAL tag) holding ASCII "ab": Pillow's exif_transpose
+    # raised TypeError rewriting that block (an audit's 500, 2026-11-28).
+    entries = [(0x0112, 3, 1, struct.pack("<HH", 6, 0)), (0x011A, 2, 3, b"ab\0\0")]
+    ifd = struct.pack("<H", len(entries))
+    ifd += b"".join(struct.pack("<HHI", tag, kind, n) + value for tag, kind, n, value in entries)
+    exif = b"Exif\0\0II*\0" + struct.pack("<I", 8) + ifd + struct.pack("<I", 0)
+    out = decode_image(encode(RED, fmt, exif=exif), field="image", max_pixels=MAX_PIXELS)
+    assert out.image.size == (24, 40)  # turned, then the EXIF dropped
     assert not Image.open(io.BytesIO(out.png)).getexif()
 
 
