@@ -368,8 +368,10 @@ return 1
 """
 )
 
-# API cancel. A queued job ends canceled at once (its stream entry is acked when a pool next meets it); a running
-# one gets the cancel flag, which its worker polls between steps, unless its lease has expired: its worker is gone
+# API cancel. A queued job ends canceled at once and its stream entry is deleted (acked first, in case a pool read
+# it and gave it back): an entry left in the stream would count against the model's queue limit until a pool read
+# past it, so a tenant submitting and canceling in a loop filled the queue for everyone (an audit's 1,000 canceled
+# entries refused other tenants with queue_full, 2026-11-28). A running one gets the cancel flag, which its worker polls between steps, unless its lease has expired: its worker is gone
 # (killed, or cut off from Redis for longer than the lease, when its later writes are fenced anyway), and waiting
 # for another pool to reclaim it could be for ever. ARGV: P, job id, now, ttl, events maxlen.
 CANCEL = (
@@ -380,7 +382,8 @@ local st = redis.call('HMGET', jk, 'status', 'model', 'stream', 'msg_id')
 if not st[1] then return {'missing'} end
 if st[1] == 'queued' then
   redis.call('HSET', jk, 'cancel', '1')
-  finish(ARGV[2], st[2], 'canceled', ARGV[3], ARGV[4], ARGV[5], nil, nil, {}, '{"status":"canceled"}')
+  finish(ARGV[2], st[2], 'canceled', ARGV[3], ARGV[4], ARGV[5], st[3], st[4], {}, '{"status":"canceled"}')
+  if st[3] then redis.call('XDEL', st[3], st[4]) end
   return {'canceled'}
 end
 if st[1] == 'running' then
@@ -471,6 +474,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':deadlines', '-inf', ARGV[
   elseif redis.call('EXISTS', P .. ':lease:' .. id) == 1 then
     redis.call('ZADD', P .. ':deadlines', tonumber(ARGV[2]) + tonumber(ARGV[6]), id)
   elseif past_deadline(id, st[2], ARGV[2], ARGV[3], ARGV[4], st[3], st[4]) then
+    if st[1] == 'queued' and st[3] then redis.call('XDEL', st[3], st[4]) end  -- (as CANCEL: frees queue room)
     table.insert(out, id)
   else
     redis.call('ZREM', P .. ':deadlines', id)

@@ -196,6 +196,33 @@ async def test_queue_limit_counts_undelivered_only(make_settings):
         await store.close()
 
 
+async def test_canceled_and_expired_queued_jobs_free_their_queue_room_at_once(make_settings):
+    """Submit-and-cancel in a loop (or deadlines that pass in the queue) must not fill the model's queue for every
+    tenant until a pool reads past the ended entries: no pool reads here at all."""
+    store = Store(make_settings(queue_max_length=3))
+    try:
+        for _ in range(5):
+            jobs = [await store.submit(params()) for _ in range(3)]
+            for job in jobs:
+                assert (await store.cancel(job.id)).status == JobStatus.CANCELED
+            assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 0
+        kept = await store.submit(params())
+        late = await store.submit(params(), deadline_at=time.time() - 1)
+        assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 2
+        assert await store.expire_due() == [late.id]
+        assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 1
+        # Room for two more; the one kept is the one a pool reads, ahead of them.
+        await store.submit(params())
+        await store.submit(params())
+        with pytest.raises(QueueFull):
+            await store.submit(params())
+        got = await store.claim(["toy"], "c1", max_jobs=1)
+        assert [d.job.id for d in got] == [kept.id]
+    finally:
+        await drop_keys(store)
+        await store.close()
+
+
 async def test_idempotent_submit(store: Store):
     from meshserve.service.contract import IdempotencyConflict
 
