@@ -42,6 +42,7 @@ import ipaddress
 import re
 import socket
 import ssl
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -267,7 +268,8 @@ async def fetch(
                 url,
                 method=method,
                 body=body,
-                headers=dict(headers or {}),
+                # Bodies are decoded here, bounded (_BoundedDecoder): ask for them as they are.
+                headers={"Accept-Encoding": "identity", **(headers or {})},
                 max_bytes=max_bytes,
                 connect_timeout_s=connect_timeout_s,
                 max_redirects=max_redirects,
@@ -406,15 +408,10 @@ async def _request_pinned(
                 raise FetchError(
                     "too_large", f"the answer declares {int(declared)} bytes, over the {max_bytes} cap"
                 )
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in response.aiter_bytes():  # decoded: a gzip bomb is capped at its expanded size
-                size += len(chunk)
-                if size > max_bytes:
-                    raise FetchError(
-                        "too_large", f"the answer passed the {max_bytes}-byte cap while streaming"
-                    )
-                chunks.append(chunk)
+            decode = _BoundedDecoder(response.headers.get("content-encoding", ""), max_bytes)
+            async for raw in response.aiter_raw():
+                decode.feed(raw)
+            content = decode.finish()
         except httpx.HTTPError as e:
             raise FetchError("connection_error", f"{type(e).__name__}: {e}") from None
         finally:
@@ -422,8 +419,67 @@ async def _request_pinned(
         return Response(
             status_code=response.status_code,
             headers=response.headers,
-            content=b"".join(chunks),
+            content=content,
             url=str(parsed),
             address=str(ip),
         )
     raise FetchError("connect_failed", f"could not connect to {host!r}: {last_error}")
+
+
+class _BoundedDecoder:
+    """A body as it arrives, decoded from its Content-Encoding (none, or one layer of gzip or deflate) and capped
+    at `max_bytes` AFTER decoding, a chunk at a time. Not httpx's own decoding: it expands each chunk in one call
+    with no bound and checks nothing until it returns, and it undoes stacked encodings, so an audit's 3,477-byte
+    answer (2 GiB of zeros gzipped twice) took an API to 4 GiB and stalled its event loop for 13 s (2026-11-28).
+    Anything else (br, zstd, stacked layers) is refused: fetch() asks for `identity` anyway."""
+
+    def __init__(self, content_encoding: str, max_bytes: int):
+        layers = [e.strip().lower() for e in content_encoding.split(",") if e.strip()]
+        layers = [e for e in layers if e != "identity"]
+        if len(layers) > 1 or (layers and layers[0] not in ("gzip", "x-gzip", "deflate")):
+            raise FetchError(
+                "bad_encoding", f"the answer's Content-Encoding {content_encoding!r} is not accepted"
+            )
+        self._encoding = layers[0] if layers else None
+        # gzip: the gzip header (wbits 16+); deflate: the zlib wrapper HTTP names, or a raw stream some servers
+        # send (decided on the first bytes).
+        self._inflate = (
+            zlib.decompressobj(16 + zlib.MAX_WBITS) if self._encoding in ("gzip", "x-gzip") else None
+        )
+        self._max_bytes = max_bytes
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._encoding is None:
+            self._keep(data)
+            return
+        if self._inflate is None:  # deflate, first bytes: a zlib header has a multiple of 31 in its first two
+            zlib_wrapped = len(data) >= 2 and (data[0] & 0x0F) == 8 and ((data[0] << 8) | data[1]) % 31 == 0
+            self._inflate = zlib.decompressobj(zlib.MAX_WBITS if zlib_wrapped else -zlib.MAX_WBITS)
+        try:
+            while data:
+                # At most one byte past the cap per call: a bomb is stopped before it expands.
+                out = self._inflate.decompress(data, self._max_bytes - self._size + 1)
+                self._keep(out)
+                data = self._inflate.unconsumed_tail
+        except zlib.error as e:
+            raise FetchError("bad_encoding", f"the answer's {self._encoding} body is corrupt: {e}") from None
+
+    def finish(self) -> bytes:
+        if self._inflate is not None:
+            try:
+                self._keep(self._inflate.flush(self._max_bytes - self._size + 1))
+            except zlib.error as e:
+                raise FetchError(
+                    "bad_encoding", f"the answer's {self._encoding} body is corrupt: {e}"
+                ) from None
+        return b"".join(self._chunks)
+
+    def _keep(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._max_bytes:
+            raise FetchError("too_large", f"the answer passed the {self._max_bytes}-byte cap while streaming")
+        self._chunks.append(data)

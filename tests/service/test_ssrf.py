@@ -4,9 +4,11 @@ the deadline on a silent server, and private targets when the setting allows the
 from __future__ import annotations
 
 import asyncio
+import gzip
 import ipaddress
 import socket
 import time
+import zlib
 from contextlib import asynccontextmanager
 
 import pytest
@@ -270,6 +272,54 @@ async def test_byte_cap():
             with pytest.raises(FetchError) as e:
                 await fetch(f"http://127.0.0.1:{port}{path}", allow_private=True, **LIMITS)
             assert e.value.reason == "too_large", path
+
+
+def _gzip(data: bytes) -> bytes:
+    return gzip.compress(data, compresslevel=9, mtime=0)
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+# path -> (Content-Encoding, body): a bomb is 16 MiB of zeros, a few KiB on the wire.
+_ENCODED = {
+    "/gzip": ("gzip", _gzip(b"hello " * 100)),
+    "/deflate": ("deflate", zlib.compress(b"hello " * 100)),
+    "/raw-deflate": ("deflate", _raw_deflate(b"hello " * 100)),
+    "/identity": ("identity", b"hello " * 100),
+    "/bomb": ("gzip", _gzip(bytes(16 << 20))),
+    "/stacked-bomb": ("gzip, gzip", _gzip(_gzip(bytes(16 << 20)))),
+    "/br": ("br", b"not really brotli"),
+    "/corrupt": ("gzip", _gzip(b"hello " * 100)[:-12] + b"garbage!" * 3),
+}
+
+
+async def encoded(path, headers, reader, writer):
+    encoding, body = _ENCODED[path]
+    writer.write(answer(200, body, {"content-encoding": encoding}))
+    await writer.drain()
+
+
+async def test_encoded_answers_are_decoded_under_the_cap_chunk_by_chunk():
+    """httpx expanded each chunk whole before the cap was checked: an audit's 3 KiB twice-gzipped answer took an API
+    to 4 GiB. Decoding is ours now: one layer of gzip or deflate, bounded as it expands; identity is asked for."""
+    limits = {**LIMITS, "max_bytes": 10_000}
+    async with http_server(encoded) as (port, seen):
+        for path in ("/gzip", "/deflate", "/raw-deflate", "/identity"):
+            r = await fetch(f"http://127.0.0.1:{port}{path}", allow_private=True, **limits)
+            assert r.content == b"hello " * 100, path
+        assert all(s["headers"]["accept-encoding"] == "identity" for s in seen)
+        for path, reason in (
+            ("/bomb", "too_large"),
+            ("/stacked-bomb", "bad_encoding"),
+            ("/br", "bad_encoding"),
+            ("/corrupt", "bad_encoding"),
+        ):
+            with pytest.raises(FetchError) as e:
+                await fetch(f"http://127.0.0.1:{port}{path}", allow_private=True, **limits)
+            assert e.value.reason == reason, path
 
 
 async def test_total_deadline_on_a_silent_server():
