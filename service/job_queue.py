@@ -213,10 +213,12 @@ class JobQueue(JobReads):
     ) -> list[Delivery]:
         """Take up to `max_jobs` jobs of `models` for `consumer`, highest priority first.
 
-        1. Takeover: per stream, entries idle longer than the lease whose lease key expired (their worker is gone)
-           are XCLAIMed (the XAUTOCLAIM rule, done in a script so the lease is checked atomically).
-        2. New entries: XREADGROUP `>` per stream in priority order (high, normal, low; models in the given order);
-           when none, one blocking XREADGROUP on all of them for up to `block_ms` (sliced to 10 s at most).
+        Stream by stream in priority order (high, normal, low; models in the given order):
+        1. Takeover: entries idle longer than the lease whose lease key expired (their worker is gone, or a pool
+           gave them back) are XCLAIMed (the XAUTOCLAIM rule, done in a script so the lease is checked atomically).
+        2. New entries: XREADGROUP `>`.
+        When there are none in any stream, one blocking XREADGROUP on all of them for up to `block_ms` (sliced to
+        10 s at most).
         Each taken entry then gets a new attempt number and a lease (`lease_s`). Entries of canceled or expired jobs
         are acked and skipped; an entry delivered more than `max_deliveries` times goes to `P:dlq:{model}` and its
         job ends failed with code "too_many_deliveries". May return fewer jobs than asked, or none."""
@@ -235,13 +237,14 @@ class JobQueue(JobReads):
         lease_ms = int(s.lease_s * 1000)
         common = [consumer, lease_ms, s.max_deliveries, repr(time.time()), s.job_ttl_s, s.events_max_length]
         taken: list[Delivery] = []
-        for stream in streams:
-            if len(taken) >= max_jobs:
-                break
-            res = await self._run("RECLAIM", [stream], [*common, max_jobs - len(taken)])
-            taken += self._deliveries([(stream, m, int(c), r) for m, _, c, r in res], consumer)
         new: list[tuple[str, str, str]] = []  # (stream, msg id, job id)
+        # Stream by stream in priority order, its takeovers (older) then its new entries: a low job given back by
+        # a pool must not be taken before a newer high one (an audit's high job waited behind two low ones).
         for stream in streams:
+            if len(taken) + len(new) >= max_jobs:
+                break
+            res = await self._run("RECLAIM", [stream], [*common, max_jobs - len(taken) - len(new)])
+            taken += self._deliveries([(stream, m, int(c), r) for m, _, c, r in res], consumer)
             if len(taken) + len(new) >= max_jobs:
                 break
             res = await self.redis.xreadgroup(

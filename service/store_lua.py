@@ -345,7 +345,7 @@ return 1
 """
 )
 
-# Give a job back (SIGTERM): it stays in the stream's pending list at its place, made idle for ever with its
+# Give a job back (SIGTERM, or claimed by a pool that could not fit it in its batch): it stays in the stream's pending list at its place, made idle for ever with its
 # delivery count lowered by one, so the next claim by any pool reclaims it without spending a delivery. The attempt
 # is bumped: the releasing worker's later writes are refused. ARGV: P, job id, attempt, consumer, events maxlen,
 # event data.
@@ -353,7 +353,8 @@ RELEASE = (
     _COMMON
     + r"""
 local jk = P .. ':job:' .. ARGV[2]
-if not owned(jk, ARGV[3]) then return 0 end
+local st = owned(jk, ARGV[3])
+if not st then return 0 end
 local s = redis.call('HMGET', jk, 'stream', 'msg_id')
 local pend = redis.call('XPENDING', s[1], 'pools', s[2], s[2], 1)
 local count = 1
@@ -363,7 +364,8 @@ redis.call('XCLAIM', s[1], 'pools', ARGV[4], 0, s[2], 'IDLE', 1000000000000, 'RE
 redis.call('HINCRBY', jk, 'attempt', 1)
 redis.call('HSET', jk, 'status', 'queued', 'worker', '', 'step', 0)
 redis.call('DEL', P .. ':lease:' .. ARGV[2])
-event(ARGV[2], 'queued', ARGV[6], ARGV[5])
+-- A job given back before it started never left `queued`: its client hears nothing.
+if st[1] == 'running' then event(ARGV[2], 'queued', ARGV[6], ARGV[5]) end
 return 1
 """
 )
@@ -371,9 +373,10 @@ return 1
 # API cancel. A queued job ends canceled at once and its stream entry is deleted (acked first, in case a pool read
 # it and gave it back): an entry left in the stream would count against the model's queue limit until a pool read
 # past it, so a tenant submitting and canceling in a loop filled the queue for everyone (an audit's 1,000 canceled
-# entries refused other tenants with queue_full, 2026-11-28). A running one gets the cancel flag, which its worker polls between steps, unless its lease has expired: its worker is gone
-# (killed, or cut off from Redis for longer than the lease, when its later writes are fenced anyway), and waiting
-# for another pool to reclaim it could be for ever. ARGV: P, job id, now, ttl, events maxlen.
+# entries refused other tenants with queue_full, 2026-11-28). A running one gets the cancel flag, which its worker
+# polls between steps, unless its lease has expired: its worker is gone (killed, or cut off from Redis for longer
+# than the lease, when its later writes are fenced anyway), and waiting for another pool to reclaim it could be for
+# ever. ARGV: P, job id, now, ttl, events maxlen.
 CANCEL = (
     _COMMON
     + r"""

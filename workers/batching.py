@@ -6,9 +6,16 @@ Flux's `true_cfg_scale`, seeds, input images and n may differ (they are per-row 
 and plain jobs runs the true-CFG program and selects each row's own prediction). A batch holds at most `max_batch` images (the sum of
 the jobs' n); a single job with more images than that runs alone.
 
+A redelivered job (`runs_alone`: an earlier delivery ended without finishing, because its process died or the
+run raised) runs in a batch of its own: a job that kills its process would otherwise take the jobs batched with it
+down again on every delivery, until all of them were dead-lettered (an audit, 2026-11-28: one tenant's crashing
+job failed two of another tenant's jobs with too_many_deliveries). Run alone, it spends only its own deliveries.
+
 `take_batch` is the pure choice; `gather_batch` waits up to `batch_wait_ms` for company after the first job,
-claiming more from the queue, and hands back whatever it claimed but could not fit (run next, before any new
-claim, so nothing claimed waits long).
+claiming more from the queue, and returns whatever it claimed but could not fit for the caller to give back to the
+queue at once: held by this pool, it would wait behind the batch while other pools sit idle (the audit's pool held
+three short jobs 5 s behind a long one with the other pool idle, and ran a held low-priority job before a newer
+high one).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class Batchable(Protocol):
     key: BatchKey
     images: int  # rows this job adds to the device batch
     priority_rank: int  # 0 = high: earlier ranks go first
+    runs_alone: bool  # redelivered after a delivery that did not finish: no company
 
 
 T = TypeVar("T", bound=Batchable)
@@ -36,14 +44,15 @@ T = TypeVar("T", bound=Batchable)
 
 def take_batch(pending: Sequence[T], max_batch: int) -> tuple[list[T], list[T]]:
     """The first job of the highest priority present anchors the batch; later jobs with its key join while
-    they fit. Returns (batch, the rest in their order)."""
+    they fit, unless the anchor or the job runs alone. Returns (batch, the rest in their order)."""
     if not pending:
         return [], []
     ordered = sorted(pending, key=lambda w: w.priority_rank)  # stable: arrival order within a priority
     anchor = ordered[0]
     batch, rest, images = [anchor], [], anchor.images
     for item in ordered[1:]:
-        if item.key == anchor.key and images + item.images <= max_batch:
+        joins = not anchor.runs_alone and not item.runs_alone and item.key == anchor.key
+        if joins and images + item.images <= max_batch:
             batch.append(item)
             images += item.images
         else:
@@ -52,7 +61,6 @@ def take_batch(pending: Sequence[T], max_batch: int) -> tuple[list[T], list[T]]:
 
 
 async def gather_batch(
-    pending: list[T],
     claim: Callable[[int, int], Awaitable[Sequence[T]]],
     *,
     max_batch: int,
@@ -60,21 +68,20 @@ async def gather_batch(
     idle_block_ms: int,
     stopping: Callable[[], bool] = lambda: False,
 ) -> tuple[list[T], list[T]]:
-    """Form the next batch. `claim(max_jobs, block_ms)` reads new work (an empty result after block_ms when
-    there is none). With nothing pending it blocks up to idle_block_ms for a first job; then it keeps claiming
-    until the batch is full or batch_wait_ms has passed since the first job was in hand."""
+    """Form the next batch. `claim(max_jobs, block_ms)` reads work (an empty result after block_ms when there is
+    none): it blocks up to idle_block_ms for a first job, then keeps claiming until the batch is full or
+    batch_wait_ms has passed since the first job was in hand. Returns (batch, the rest: claimed, not fitting)."""
+    pending = list(await claim(max_batch, idle_block_ms))
     if not pending:
-        pending = list(await claim(max_batch, idle_block_ms))
-        if not pending:
-            return [], []
+        return [], []
     batch, rest = take_batch(pending, max_batch)
     deadline = time.monotonic() + batch_wait_ms / 1000.0
     while not stopping():
         room = max_batch - sum(w.images for w in batch)
         left_ms = (deadline - time.monotonic()) * 1000.0
-        # Stop at a full batch, at the deadline, or when leftovers already wait (claiming more would only
-        # grow the backlog this process holds while other pools could be serving it).
-        if room <= 0 or left_ms < 1.0 or rest:
+        # Stop at a full batch, at the deadline, when the anchor runs alone, or when claims already brought jobs
+        # that do not fit (the queue holds other work: run this batch, give the rest back).
+        if room <= 0 or left_ms < 1.0 or batch[0].runs_alone or rest:
             break
         more = await claim(room, int(left_ms))
         if not more:

@@ -93,13 +93,16 @@ class Work:
     key: BatchKey
     images: int
     priority_rank: int
+    runs_alone: bool  # an earlier delivery did not finish (workers/batching.py)
 
     @classmethod
     def of(cls, delivery: Delivery, batch_key: Callable[[JobParams], tuple]) -> Work:
         """batch_key: the model's runner's `batch_key` (the fields its pipeline needs equal within a batch)."""
         p: JobParams = delivery.job.params
         key = BatchKey(delivery.job.model, batch_key(p))
-        return cls(delivery, key, p.n, PRIORITY_ORDER.index(delivery.job.priority))
+        rank = PRIORITY_ORDER.index(delivery.job.priority)
+        # A release (drain, give-back) does not count as a delivery: only a lease that lapsed does.
+        return cls(delivery, key, p.n, rank, runs_alone=delivery.delivery_count > 1)
 
     @property
     def job_id(self) -> str:
@@ -199,13 +202,11 @@ class JobLoop:
 
     async def run(self) -> None:
         heartbeats = asyncio.create_task(self._heartbeat_loop(), name=f"{self.pool}-leases")
-        pending: list[Work] = []
         backoff = 0.1
         try:
             while not self.stopping:
                 try:
-                    batch, pending = await gather_batch(
-                        pending,
+                    batch, rest = await gather_batch(
                         self._claim,
                         max_batch=self.max_batch,
                         batch_wait_ms=self.batch_wait_ms,
@@ -218,13 +219,15 @@ class JobLoop:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                # A leftover whose heartbeat was refused meanwhile belongs to another delivery now.
+                for (
+                    w
+                ) in rest:  # claimed but not fitting: back to the queue, for any pool (workers/batching.py)
+                    await self._release(w, "given_back")
+                # A job whose heartbeat was refused meanwhile belongs to another delivery now.
                 batch = [w for w in batch if w.job_id in self._held]
                 if batch:
                     await self._run_batch(batch)
         finally:
-            for w in [w for w in pending if w.job_id in self._held]:
-                await self._release(w)
             await self._drain_encoding()  # the leases of jobs being encoded are renewed until they end
             heartbeats.cancel()
             if self.encoder is not None:
@@ -644,9 +647,9 @@ class JobLoop:
                     )
             return False
 
-    async def _release(self, w: Work) -> None:
+    async def _release(self, w: Work, outcome: str = "released") -> None:
         self._active.pop(w.job_id, None)
-        await self._end(w, "released", lambda: self.store.release(w.delivery))
+        await self._end(w, outcome, lambda: self.store.release(w.delivery))
 
     def _drop(self, w: Work) -> None:
         """A write was refused: another delivery owns the job (our lease lapsed), or it ended elsewhere."""

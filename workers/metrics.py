@@ -85,8 +85,8 @@ POOL_READY = Gauge(
 )
 JOBS = Counter(
     "meshserve_worker_jobs_total",
-    "Jobs this worker finished, by outcome (succeeded, failed, canceled, released, "
-    "fenced: another attempt owns it).",
+    "Jobs this worker finished, by outcome (succeeded, failed, canceled, released: given back at a stop, "
+    "given_back: claimed but not fitting the batch, fenced: another attempt owns it).",
     ["model", "outcome"],
 )
 RECLAIMED = Counter(

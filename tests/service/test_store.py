@@ -148,6 +148,22 @@ async def test_release_keeps_place_and_delivery_budget(store: Store):
     assert not await store.complete(d, [blob()])
 
 
+async def test_a_job_given_back_keeps_its_priority_place(store: Store):
+    """Claims go stream by stream in priority order, takeovers then new entries: a low job a pool gave back is not
+    taken before a newer high one (an audit's high job waited behind two given-back low ones)."""
+    low = await store.submit(params(), Priority.LOW)
+    (d,) = await store.claim(["toy"], "c1")
+    assert await store.release(d)
+    events = [e["type"] for _, e in await store.redis.xrange(f"{store.prefix}:events:{low.id}")]
+    assert events == ["queued"]  # given back before it started: nothing new for its client
+    high = await store.submit(params(), Priority.HIGH)
+    normal = await store.submit(params())
+    got = await store.claim(["toy"], "c2", max_jobs=2)
+    assert [x.job.id for x in got] == [high.id, normal.id]
+    (again,) = await store.claim(["toy"], "c2")
+    assert again.job.id == low.id and again.delivery_count == 1  # a give-back spends no delivery
+
+
 async def test_cancel_queued_and_claimed(store: Store):
     queued = await store.submit(params())
     canceled = await store.cancel(queued.id)

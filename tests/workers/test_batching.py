@@ -16,6 +16,7 @@ class W:
     key: BatchKey = K64
     images: int = 1
     priority_rank: int = 1
+    runs_alone: bool = False
 
 
 def names(items):
@@ -63,14 +64,14 @@ def test_gather_waits_for_company_then_stops_at_the_deadline():
         await asyncio.sleep(0.001)
         return arrivals.pop(0) if arrivals else []
 
-    batch, rest = asyncio.run(gather_batch([], claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
+    batch, rest = asyncio.run(gather_batch(claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
     # "a" then an empty read (block elapsed: stop waiting) - b never joins.
     assert names(batch) == ["a"] and rest == []
     assert calls[0] == (4, 50) and calls[1][0] == 3
 
     arrivals[:] = [[W("a")], [W("b")], [W("c", key=BatchKey("m", (8, 8, None, 4, None)))], [W("d")]]
-    batch, rest = asyncio.run(gather_batch([], claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
-    # c is incompatible: it stays claimed and ends the wait (leftovers go first, next round).
+    batch, rest = asyncio.run(gather_batch(claim, max_batch=4, batch_wait_ms=200, idle_block_ms=50))
+    # c is incompatible: it ends the wait and comes back as the rest (the job loop gives it back to the queue).
     assert names(batch) == ["a", "b"] and names(rest) == ["c"]
 
 
@@ -80,19 +81,31 @@ def test_gather_is_bounded_by_batch_wait():
         return [W("x")]
 
     t0 = time.monotonic()
-    batch, _ = asyncio.run(gather_batch([], claim, max_batch=100, batch_wait_ms=50, idle_block_ms=10))
+    batch, _ = asyncio.run(gather_batch(claim, max_batch=100, batch_wait_ms=50, idle_block_ms=10))
     elapsed = time.monotonic() - t0
     assert 2 <= len(batch) < 100
     assert elapsed < 0.2
 
 
-def test_gather_uses_leftovers_before_claiming():
-    async def claim(max_jobs, block_ms):
-        raise AssertionError("must not claim while a full batch is pending")
+def test_a_redelivered_job_runs_alone():
+    """A job whose earlier delivery did not finish (its process died, or it raised) takes no company and joins
+    none: if it kills its process again, only its own deliveries are spent."""
+    suspect = W("s", runs_alone=True)
+    batch, rest = take_batch([suspect, W("a"), W("b")], max_batch=4)
+    assert names(batch) == ["s"] and names(rest) == ["a", "b"]
+    batch, rest = take_batch([W("a"), suspect, W("b")], max_batch=4)
+    assert names(batch) == ["a", "b"] and names(rest) == ["s"]
+    high = W("h", priority_rank=0, runs_alone=True)
+    batch, rest = take_batch([W("a"), high], max_batch=4)
+    assert names(batch) == ["h"] and names(rest) == ["a"]
 
-    pending = [W("a", images=2), W("b", images=2)]
-    batch, rest = asyncio.run(gather_batch(pending, claim, max_batch=4, batch_wait_ms=50, idle_block_ms=10))
-    assert names(batch) == ["a", "b"] and rest == []
+    async def claim(max_jobs, block_ms):
+        if max_jobs < 4:
+            raise AssertionError("no company is claimed for a job that runs alone")
+        return [suspect]
+
+    batch, rest = asyncio.run(gather_batch(claim, max_batch=4, batch_wait_ms=200, idle_block_ms=10))
+    assert names(batch) == ["s"] and rest == []
 
 
 def _delivery(job_id, **params):

@@ -118,6 +118,41 @@ def test_poison_job_that_crashes_the_process_is_dead_lettered_after_3_deliveries
     asyncio.run(main())
 
 
+def test_a_crashing_job_spends_only_its_own_deliveries_not_its_batch_neighbours(env):
+    """The poison job is batched with three others the first time; redelivered, each runs alone, so the crashes
+    that follow take only the poison job's deliveries (an audit's neighbours, another tenant's, were dead-lettered
+    with it: the same batch formed again on every delivery)."""
+
+    async def main():
+        store = Store(env.settings)
+        cfg = fake_config(env.tmp / "w.yaml", pools=[_pool("w", max_batch=4, batch_wait_ms=200)])
+        poison, *others = await submit_many(
+            store, [params("FAKE_CRASH")] + [params(f"fine {i}") for i in range(3)]
+        )
+        crashes, deadline = 0, time.monotonic() + 60
+        proc = env.spawn(cfg, "w")
+        while time.monotonic() < deadline:
+            jobs = [await store.get(j) for j in (poison, *others)]
+            if all(j.status.terminal for j in jobs):
+                break
+            if proc.poll() is not None:
+                assert proc.returncode == 17
+                crashes += 1
+                proc = env.spawn(cfg, "w")
+            await asyncio.sleep(0.05)
+        assert jobs[0].status == JobStatus.FAILED and jobs[0].error.code == "too_many_deliveries", jobs[0]
+        assert [j.status for j in jobs[1:]] == [JobStatus.SUCCEEDED] * 3, [j.error for j in jobs[1:]]
+        assert crashes == 3
+        # Started twice each: in the first batch, with the poison job, then alone.
+        for j in others:
+            assert (await all_events(store, j)).count("started") == 2
+        dlq = await store.redis.xrange(store.dlq_key("fake"))
+        assert [e[1]["job"] for e in dlq] == [poison]
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_paused_worker_is_fenced_off_and_its_late_result_refused(env):
     async def main():
         store = Store(env.settings)
