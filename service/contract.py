@@ -362,6 +362,8 @@ class Job(BaseModel):
     cached_steps: int | None = None
     # Not stored: jobs ahead of this one while queued, filled by `Store.submit` / `Store.queue_position`.
     queue_position: int | None = None
+    # Not stored: True when `Store.submit` returned an earlier job for the same Idempotency-Key (no job created).
+    replayed: bool = Field(False, exclude=True)
 
 
 class Delivery(BaseModel):

@@ -154,6 +154,7 @@ class JobQueue(JobReads):
                     webhook=webhook,
                 )
             prev.queue_position = await self.queue_position(prev)
+            prev.replayed = True
             return prev
         job = Job(
             id=job_id,

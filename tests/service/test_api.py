@@ -167,11 +167,16 @@ async def test_cancel_running_job(api):
 
 
 async def test_idempotency_key(api):
+    from meshserve.service import metrics
+
     client, _, _ = api
     body = {"model": "toy", "prompt": "x", "seed": 1}
+    submitted = metrics.JOBS_SUBMITTED.labels("toy", "normal")
+    before = submitted._value.get()
     a = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "abc"})
     b = await client.post("/v1/generate", json=body, headers={"Idempotency-Key": "abc"})
     assert a.status_code == b.status_code == 202 and a.json()["id"] == b.json()["id"]
+    assert submitted._value.get() == before + 1  # a replay creates no job
     spelled_out = {**body, "priority": "normal", "negative_prompt": None}  # defaults: the same request
     e = await client.post("/v1/generate", json=spelled_out, headers={"Idempotency-Key": "abc"})
     assert e.status_code == 202 and e.json()["id"] == a.json()["id"], e.text

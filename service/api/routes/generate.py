@@ -171,7 +171,8 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
             await drop_unused_inputs(store, params, job)
     if unknown is not None:
         raise outcome_unknown(unknown, settings, key)
-    metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
+    if not job.replayed:  # an idempotent replay created nothing
+        metrics.JOBS_SUBMITTED.labels(job.model, body.priority.value).inc()
     headers = {"Location": f"/v1/jobs/{job.id}"}
     # Without a wait slot (service/api/wait_slots.py: too many requests waiting) the preference is not honoured:
     # the job is answered at once, as RFC 7240 allows.

@@ -193,7 +193,8 @@ async def _answer(
     job: Job, response_format: str, request: Request, store: Store, settings: Settings
 ) -> ImagesResponse:
     """Wait for the job and answer in OpenAI's shape (urls or base64), or the error its end calls for."""
-    metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
+    if not job.replayed:  # an idempotent replay created nothing
+        metrics.JOBS_SUBMITTED.labels(job.model, job.priority.value).inc()
     try:
         # A client that leaves gives its wait slot back at once (service/api/wait_slots.py); its job goes on.
         waited = await wait_unless_gone(store.wait(job.id, settings.openai_timeout_s), request)
