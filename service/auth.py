@@ -43,9 +43,9 @@ from meshserve.service.settings import Settings
 from meshserve.service.webhooks.signing import new_secret
 
 KEY_PREFIX = "msk_"
-_KEY_FORMAT = re.compile(r"^msk_[A-Za-z0-9_-]{43}$")
+_KEY_FORMAT = re.compile(r"^msk_[A-Za-z0-9_-]{43}\Z")
 # Names end up in Redis keys and in `keys list`: a short, plain alphabet.
-NAME_FORMAT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_FORMAT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 
 
 class ApiKeyError(Exception):

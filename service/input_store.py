@@ -22,7 +22,7 @@ import secrets
 
 from meshserve.service.output_store import OutputStore
 
-_REF = re.compile(r"^(redis|store):([A-Za-z0-9_-]{22})$")
+_REF = re.compile(r"^(redis|store):([A-Za-z0-9_-]{22})\Z")
 
 
 class InputStore:

@@ -27,7 +27,7 @@ from meshserve.service.store_base import EXTENSIONS, StoreBase, valid_job_id
 
 log = logging.getLogger(__name__)
 
-_OUTPUT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{22}$")  # secrets.token_urlsafe(16)
+_OUTPUT_TOKEN = re.compile(r"^[A-Za-z0-9_-]{22}\Z")  # secrets.token_urlsafe(16)
 
 
 class JobOutputs(StoreBase):

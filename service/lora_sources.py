@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 # The Hub's repo id rule (models/checkpoints/hub.py: letters, digits, "-", "_", "."; no "--" or ".."), plus an
 # optional file in the repo; no revision: an adapter names one file.
-_HUB = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}(/[\w.-]+)*$")
+_HUB = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}(/[\w.-]+)*\Z")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # http:, https:, file:, s3:, hf:, C: ...
 # An adapter's name, as requests and routes carry it (a path segment of DELETE /v1/loras/{model}/{name}).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

@@ -47,9 +47,9 @@ from obstore.store import LocalStore, MemoryStore, from_url
 from meshserve.service.contract import CONTENT_TYPES
 
 # Path segments: a job id as the store validates them, a caller's key, a format name as the extension.
-_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-_EXT = re.compile(r"^[a-z0-9]{1,10}$")
+_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")
+_EXT = re.compile(r"^[a-z0-9]{1,10}\Z")
 _CLOUD_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 
 

@@ -30,6 +30,9 @@ from meshserve.service.lora_sources import MAX_SOURCE_CHARS, NAME_PATTERN
 from meshserve.service.webhooks.spec import WebhookRequest
 
 MAX_SEED = 2**32 - 1
+# A model id (a pools.yaml key or a Hub id, owner/name: 96 + 1 + 96 at most on the Hub). Unbounded, a 900 KB id
+# came back whole in its 404 (an audit, 2026-11-28).
+MAX_MODEL_ID_CHARS = 200
 # Every format some model may produce (which ones a model takes is its `limits.output_formats`).
 OutputFormat = Literal[tuple(CONTENT_TYPES)]
 # Metadata is echoed back, stored with the job and bounded like everything a client sends (OWASP API4): flat (no
@@ -131,7 +134,9 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str | None = Field(
-        None, description="A served model id; may be left out when exactly one is served."
+        None,
+        max_length=MAX_MODEL_ID_CHARS,
+        description="A served model id; may be left out when exactly one is served.",
     )
     # Lengths are bounded at admission by the `max_prompt_chars` setting (422 string_too_long).
     prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
@@ -230,7 +235,7 @@ class ImagesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_MODEL_ID_CHARS)
     n: int = Field(1, ge=1)
     size: str | None = Field(
         None, pattern=r"^\d{1,5}x\d{1,5}$", description='"WIDTHxHEIGHT", e.g. "1024x1024".'
@@ -396,7 +401,7 @@ class LoraCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
     name: str = Field(pattern=NAME_PATTERN)
     source: str = Field(
         min_length=1,

@@ -24,8 +24,8 @@ from meshserve.service.webhooks.spec import WebhookRequest, WebhookSpec
 
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
-_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ms|s|m|h))+$")
-_SECONDS = re.compile(r"^\d+(?:\.\d+)?$")
+_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ms|s|m|h))+\Z")
+_SECONDS = re.compile(r"^\d+(?:\.\d+)?\Z")
 MAX_HEADER_CHARS = 64
 
 

@@ -191,6 +191,7 @@ async def test_idempotency_key(api):
 
 
 BAD_BODIES = [
+    ({"model": "m" * 201}, "model", "string_too_long"),
     ({"width": 65}, "width", "not_multiple"),
     ({"height": 1024}, "height", "out_of_range"),
     ({"width": 16}, "width", "out_of_range"),

@@ -57,6 +57,9 @@ def test_source_rules(tmp_path):
     assert refused("missing.safetensors", root) == "not_found"
     assert refused("/abs/path.safetensors", None) == "no_lora_root"
     assert refused("owner/name", root, allow_hub=False) == "hub_not_allowed"
+    assert (
+        resolve_source("owner/name\n", root=str(root), must_exist=False).kind != "hub"
+    )  # `$` before a newline
     # The API's check (the files are where the pools run): a missing relative file is left to the pools.
     assert resolve_source("later.safetensors", root=str(root), must_exist=False).kind == "path"
 

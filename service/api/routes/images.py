@@ -23,7 +23,14 @@ from meshserve.service.api.routes.generate import ERRORS, outcome_unknown
 from meshserve.service.api.wait_slots import ClientGone, client_gone, wait_unless_gone
 from meshserve.service.contract import Job, JobParams, JobStatus
 from meshserve.service.job_queue import SubmitOutcomeUnknown
-from meshserve.service.schemas import ErrorResponse, GenerateRequest, ImageData, ImagesRequest, ImagesResponse
+from meshserve.service.schemas import (
+    MAX_MODEL_ID_CHARS,
+    ErrorResponse,
+    GenerateRequest,
+    ImageData,
+    ImagesRequest,
+    ImagesResponse,
+)
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
 
@@ -133,7 +140,7 @@ async def edit_image(
     mask: Annotated[
         UploadFile | None, File(description="Where to repaint (transparent), the image's size.")
     ] = None,
-    model: Annotated[str | None, Form()] = None,
+    model: Annotated[str | None, Form(max_length=MAX_MODEL_ID_CHARS)] = None,
     n: Annotated[int, Form(ge=1)] = 1,
     size: Annotated[str | None, Form(pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT".')] = None,
     response_format: Annotated[Literal["url", "b64_json"], Form()] = "url",
