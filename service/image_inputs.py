@@ -180,10 +180,16 @@ def decode_image(
                 )
             img.load()
             img = _upright(img)
-            if img.mode.startswith("I;16") or img.mode == "I":  # 16-bit grayscale: 65535 -> 255
-                img = img.convert("I").point(lambda v: v * (1 / 257)).convert("L")
-            if from_alpha and mode == "L" and (img.has_transparency_data or "A" in img.getbands()):
+            sixteen_bit = img.mode.startswith("I;16") or img.mode == "I"
+            key = img.info.get("transparency") if sixteen_bit else None
+            if from_alpha and mode == "L" and isinstance(key, int):
+                # 16-bit gray's transparency is one gray value (PNG's tRNS), which the 8-bit conversion below
+                # loses (an audit's fully transparent 16-bit mask meant "repaint nothing").
+                pixels = _where_value(img, key)
+            elif from_alpha and mode == "L" and (img.has_transparency_data or "A" in img.getbands()):
                 pixels = ImageOps.invert(img.convert("RGBA").getchannel("A"))
+            elif sixteen_bit:  # 16-bit grayscale: 65535 -> 255
+                pixels = img.convert("I").point(lambda v: v * (1 / 257)).convert("L").convert(mode)
             else:
                 pixels = img.convert(mode)
     except ImageInputError:
@@ -208,6 +214,13 @@ def decode_image(
     buf = io.BytesIO()
     clean.save(buf, format="PNG", compress_level=1)  # fast: it is read once by a worker, then expires
     return DecodedImage(clean, buf.getvalue(), fmt)
+
+
+def _where_value(img: Image.Image, value: int) -> Image.Image:
+    """An 8-bit mask of a 16-bit gray image: 255 where a pixel equals `value`, 0 elsewhere."""
+    import numpy as np  # (this path alone needs it)
+
+    return Image.fromarray(np.where(np.asarray(img.convert("I")) == value, 255, 0).astype(np.uint8), "L")
 
 
 # EXIF orientation -> the transpose that shows the picture upright (the EXIF/TIFF spec's eight values).

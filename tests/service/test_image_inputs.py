@@ -186,6 +186,18 @@ def test_16_bit_grayscale_is_scaled_not_clipped():
     assert np.asarray(image)[0, :, 0].tolist() == np.asarray(mask)[0].tolist() == [0, 3, 127, 255]
 
 
+def test_a_16_bit_mask_with_a_transparent_gray_repaints_where_transparent():
+    """OpenAI's edits mask: transparent = repaint. A 16-bit gray PNG states its transparency as one gray value."""
+    values = np.full((4, 8), 1000, np.uint16)
+    values[:, :3] = 40000
+    data = encode(Image.fromarray(values), "PNG", transparency=1000)
+    mask = decode_image(data, field="mask", max_pixels=MAX_PIXELS, mode="L", from_alpha=True).image
+    assert np.asarray(mask)[0].tolist() == [0, 0, 0, 255, 255, 255, 255, 255]
+    # Read as an image, or as a mask by value (not from alpha), it is scaled as usual.
+    gray = decode_image(data, field="mask", max_pixels=MAX_PIXELS, mode="L").image
+    assert np.asarray(gray)[0].tolist() == [40000 // 257] * 3 + [1000 // 257] * 5
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
 def test_allowed_formats_decode_to_a_clean_png(fmt):
     exif = Image.Exif()
