@@ -12,7 +12,8 @@ anything. So:
   JPEG and WebP reach a decoder: Pillow is opened with `formats=[that one]`, so no other plugin ever parses a
   client's bytes. A known other format (GIF, BMP, TIFF, AVIF/HEIC, SVG...) is `unsupported_format`; anything
   else `not_an_image`.
-- The pixel count is read from the header and checked against `max_pixels` before a pixel is decoded; Pillow's
+- The pixel count is read from the header and checked against `max_pixels` before a pixel is decoded, and so is
+  the aspect ratio (at most MAX_ASPECT_RATIO: a sliver of an image is resized into a huge one downstream); Pillow's
   own decompression-bomb warning is an error here too.
 - More than one frame (APNG, animated WebP, MPO's second picture) is refused: a still is expected.
 - A JPEG of more than MAX_JPEG_SCANS scans is refused before decoding: each scan of a progressive JPEG makes
@@ -46,6 +47,10 @@ ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
 # at most. 59 scans at 4096 x 4096 decoded in 2.0 s, libjpeg's 10 in 1.3 s (the 2-core development machine,
 # loaded, 2026-11-28).
 MAX_JPEG_SCANS = 64
+# The longer side over the shorter one. Within the pixel bound, a 10 x 1,600,000 image passed, and Wan's CLIP image
+# preprocessing (shortest side to 224) then asked for 224 x 35,840,000 pixels (32 GB) on the worker; at 1 x
+# 16,000,000 the API's own decode took 410 MB (an audit, 2026-11-28). A 16:1 banner or panorama still passes.
+MAX_ASPECT_RATIO = 16
 
 # Magic numbers: the allowed formats, then formats we recognise only to name them in the refusal.
 _SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
@@ -172,6 +177,13 @@ def decode_image(
                     field,
                     "too_many_pixels",
                     f"{field} is {width}x{height} = {width * height} pixels; at most {max_pixels} are decoded",
+                )
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise ImageInputError(
+                    field,
+                    "aspect_ratio",
+                    f"{field} is {width}x{height}; its longer side may be at most {MAX_ASPECT_RATIO} times the "
+                    "shorter",
                 )
             frames = getattr(img, "n_frames", 1)
             if frames != 1 or getattr(img, "is_animated", False):

@@ -127,7 +127,13 @@ REFUSED_BYTES = [
     ("pixel bomb png", _bomb(), "too_many_pixels"),
     ("over max_pixels", encode(Image.new("L", (5000, 4000)), "PNG"), "too_many_pixels"),
     ("jpeg of many scans", _many_scans(), "too_many_scans"),
+    ("a sliver, 17:1", encode(Image.new("L", (4, 68)), "PNG"), "aspect_ratio"),
+    ("a line, 1 x 16000", encode(Image.new("L", (16000, 1)), "PNG"), "aspect_ratio"),
 ]
+
+
+def test_a_16_to_1_banner_is_still_an_image():
+    assert decode_image(encode(Image.new("RGB", (64, 4)), "PNG"), field="image", max_pixels=MAX_PIXELS).image
 
 
 @pytest.mark.parametrize("name,data,rule", REFUSED_BYTES, ids=[r[0] for r in REFUSED_BYTES])
