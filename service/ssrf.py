@@ -42,6 +42,7 @@ import ipaddress
 import re
 import socket
 import ssl
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,8 +85,15 @@ _SPECIAL_PURPOSE = tuple(ipaddress.ip_network(n) for n in ("fec0::/10", "192.0.0
 # Names are resolved on threads of their own, each lookup with a deadline: uvloop resolves on libuv's pool of 4
 # threads, shared with the rest of the process, so four names whose DNS never answers held every lookup of the
 # process (an audit saw another tenant's submit take 19 s).
-_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ssrf-dns")
+_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="ssrf-dns")
 RESOLVE_TIMEOUT_S = 5.0
+# A lookup that passed its deadline still holds its thread until the system resolver gives up (glibc: 5 s x 2
+# tries by default), so 32 unanswered names every 10 s held all 32 threads and other tenants' lookups failed (an
+# audit, 2026-11-28). Lookups in flight are therefore capped per domain (a name's last two labels: what one
+# party's DNS answers for): an attacker's unanswered zone holds at most this many of the 64 threads.
+MAX_LOOKUPS_PER_DOMAIN = 8
+_lookups_lock = threading.Lock()
+_lookups: dict[str, int] = {}  # domain -> lookups on _RESOLVER threads (queued or running)
 # A host made only of numbers (decimal, octal 0..., hex 0x...) separated by dots: an IPv4 address in some form.
 _NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+))*\.?$", re.IGNORECASE)
 _REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -212,10 +220,7 @@ async def _resolve(parsed: httpx.URL, *, allow_private: bool) -> list[IPAddress]
     else:
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
         try:
-            infos = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(_RESOLVER, _getaddrinfo, host, port),
-                RESOLVE_TIMEOUT_S,
-            )
+            infos = await asyncio.wait_for(_lookup(host, port), RESOLVE_TIMEOUT_S)
         except TimeoutError:
             raise FetchError(
                 "dns_error", f"the host {host!r} did not resolve within {RESOLVE_TIMEOUT_S:g} s"
@@ -234,6 +239,29 @@ async def _resolve(parsed: httpx.URL, *, allow_private: bool) -> list[IPAddress]
                 "address_not_allowed", f"{shown}{why}: refused (server-side request forgery rules)"
             )
     return addresses
+
+
+def _lookup(host: str, port: int) -> asyncio.Future:
+    """`_getaddrinfo` on a `_RESOLVER` thread, counted against the name's domain until the thread is done (not
+    until the caller stops waiting). FetchError when the domain already has its MAX_LOOKUPS_PER_DOMAIN."""
+    domain = ".".join(host.rstrip(".").lower().rsplit(".", 2)[-2:])
+    with _lookups_lock:
+        if _lookups.get(domain, 0) >= MAX_LOOKUPS_PER_DOMAIN:
+            raise FetchError(
+                "dns_error",
+                f"{MAX_LOOKUPS_PER_DOMAIN} lookups of names under {domain!r} are still unanswered",
+            )
+        _lookups[domain] = _lookups.get(domain, 0) + 1
+
+    def done(_: concurrent.futures.Future) -> None:
+        with _lookups_lock:
+            left = _lookups.pop(domain) - 1
+            if left:
+                _lookups[domain] = left
+
+    future = _RESOLVER.submit(_getaddrinfo, host, port)
+    future.add_done_callback(done)
+    return asyncio.wrap_future(future)
 
 
 def _getaddrinfo(host: str, port: int) -> list:

@@ -412,6 +412,41 @@ async def test_a_name_whose_dns_never_answers_is_bounded_and_holds_no_other_look
         release.set()
 
 
+async def test_unanswered_lookups_are_capped_per_domain_until_their_threads_return(monkeypatch):
+    """A lookup past its deadline still holds its thread until the system resolver gives up: an audit's 32
+    unanswered names every 10 s held every thread, and other tenants' names failed. One domain holds at most
+    MAX_LOOKUPS_PER_DOMAIN threads; other domains resolve meanwhile."""
+    import threading
+
+    release = threading.Event()
+
+    def getaddrinfo(host, port):
+        if host.endswith(".hang.test"):
+            release.wait(30)
+            raise socket.gaierror("timed out")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+
+    monkeypatch.setattr(ssrf, "_getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(ssrf, "RESOLVE_TIMEOUT_S", 0.2)
+    cap = ssrf.MAX_LOOKUPS_PER_DOMAIN
+    try:
+        for i in range(cap):
+            with pytest.raises(FetchError, match="did not resolve within"):
+                await ssrf.check_url(f"http://a{i}.hang.test/")
+        # Their deadlines passed, their threads are still held: the domain is full, others are not.
+        with pytest.raises(FetchError, match="still unanswered") as e:
+            await ssrf.check_url("http://more.HANG.test./")
+        assert e.value.reason == "dns_error"
+        assert [str(a) for a in await ssrf.check_url("http://fine.example/")] == ["93.184.216.34"]
+    finally:
+        release.set()
+    for _ in range(100):  # the threads return
+        if not ssrf._lookups:
+            break
+        await asyncio.sleep(0.01)
+    assert ssrf._lookups == {}
+
+
 async def test_https_sends_the_name_as_sni(monkeypatch):
     """For https the request goes to the address, with the original name as SNI (and certificate check)."""
     sent = []
