@@ -34,7 +34,7 @@ import binascii
 import io
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -281,9 +281,12 @@ def decode_data_url(value: str, *, field: str, max_bytes: int) -> bytes:
     return data
 
 
-async def read_image_field(value: str, *, field: str, settings) -> bytes:
+async def read_image_field(
+    value: str, *, field: str, settings, hold: Callable[[int], bool] | None = None
+) -> bytes:
     """The bytes a request's image field names: a data URL, or an http(s) URL fetched under the SSRF rules
-    (service/ssrf.py) with the `image_fetch_*` settings. Raises ImageInputError (a 422)."""
+    (service/ssrf.py) with the `image_fetch_*` settings, its bytes counted by `hold` as they arrive (ssrf.fetch).
+    Raises ImageInputError (a 422), or ssrf.FetchError "busy" when `hold` refused bytes (the server's fault)."""
     scheme = value.split(":", 1)[0].lower() if ":" in value else ""
     if scheme == "data":
         return decode_data_url(value, field=field, max_bytes=settings.max_image_bytes)
@@ -299,10 +302,13 @@ async def read_image_field(value: str, *, field: str, settings) -> bytes:
             total_timeout_s=settings.image_fetch_timeout_s,
             max_redirects=settings.image_fetch_max_redirects,
             allow_private=settings.image_fetch_allow_private,
+            hold=hold,
         )
     except ssrf.BlockedURL as e:
         raise ImageInputError(field, "url_not_allowed", f"{field}: {e.message}") from None
     except ssrf.FetchError as e:
+        if e.reason == "busy":
+            raise
         rule = "too_large" if e.reason == "too_large" else "fetch_failed"
         raise ImageInputError(field, rule, f"{field}: fetching the URL failed: {e.message}") from None
     if response.status_code != 200:

@@ -281,6 +281,7 @@ async def fetch(
     max_redirects: int = 3,
     allow_private: bool = False,
     read_body: bool = True,
+    hold: Callable[[int], bool] | None = None,
 ) -> Response:
     """Fetch `url` under the rules above. Raises BlockedURL (refused) or FetchError (failed: timeout, too big,
     connection refused, too many redirects); any HTTP status is a Response.
@@ -288,7 +289,10 @@ async def fetch(
     `read_body=False`: the status and headers are the answer (`content` is empty). The body is never read, so
     neither its declared size nor its pace matters (`max_bytes` does not apply): the connection is closed as soon
     as the headers are in, and an answer whose headers came within `total_timeout_s` is returned even if closing
-    the connection runs past it."""
+    the connection runs past it.
+
+    `hold(n)`: called as each n bytes of a body arrive (decoded); False (the process holds as many as it may:
+    service/api/body_limit.py) ends the fetch with FetchError "busy"."""
     answered: list[Response] = []  # read_body=False: the final answer, kept as soon as its headers are in
     try:
         async with asyncio.timeout(total_timeout_s):
@@ -303,6 +307,7 @@ async def fetch(
                 max_redirects=max_redirects,
                 allow_private=allow_private,
                 answered=None if read_body else answered,
+                hold=hold,
             )
     except TimeoutError:
         if answered:  # the answer was in time; only hanging up on it was not
@@ -330,6 +335,7 @@ async def _fetch(
     max_redirects: int,
     allow_private: bool,
     answered: list[Response] | None,
+    hold: Callable[[int], bool] | None,
 ) -> Response:
     # No pool shared between fetches: every connection is opened to an address checked for this request.
     timeout = httpx.Timeout(None, connect=connect_timeout_s)
@@ -350,6 +356,7 @@ async def _fetch(
                 max_bytes,
                 answered=answered,
                 final=lambda status, hdrs: not _follows(status, hdrs, max_redirects),
+                hold=hold,
             )
             if not _follows(response.status_code, response.headers, max_redirects):
                 return response
@@ -385,6 +392,7 @@ async def _request_pinned(
     *,
     answered: list[Response] | None = None,
     final: Callable[[int, httpx.Headers], bool] | None = None,
+    hold: Callable[[int], bool] | None = None,
 ) -> Response:
     """One request to the first of `addresses` that takes a connection. `answered` not None: the status and
     headers only (the body is not read); the answer goes into `answered` before the connection is closed when
@@ -436,7 +444,7 @@ async def _request_pinned(
                 raise FetchError(
                     "too_large", f"the answer declares {int(declared)} bytes, over the {max_bytes} cap"
                 )
-            decode = _BoundedDecoder(response.headers.get("content-encoding", ""), max_bytes)
+            decode = _BoundedDecoder(response.headers.get("content-encoding", ""), max_bytes, hold)
             async for raw in response.aiter_raw():
                 decode.feed(raw)
             content = decode.finish()
@@ -461,7 +469,7 @@ class _BoundedDecoder:
     answer (2 GiB of zeros gzipped twice) took an API to 4 GiB and stalled its event loop for 13 s (2026-11-28).
     Anything else (br, zstd, stacked layers) is refused: fetch() asks for `identity` anyway."""
 
-    def __init__(self, content_encoding: str, max_bytes: int):
+    def __init__(self, content_encoding: str, max_bytes: int, hold: Callable[[int], bool] | None = None):
         layers = [e.strip().lower() for e in content_encoding.split(",") if e.strip()]
         layers = [e for e in layers if e != "identity"]
         if len(layers) > 1 or (layers and layers[0] not in ("gzip", "x-gzip", "deflate")):
@@ -474,7 +482,7 @@ class _BoundedDecoder:
         self._inflate = (
             zlib.decompressobj(16 + zlib.MAX_WBITS) if self._encoding in ("gzip", "x-gzip") else None
         )
-        self._max_bytes = max_bytes
+        self._max_bytes, self._hold = max_bytes, hold
         self._chunks: list[bytes] = []
         self._size = 0
 
@@ -510,4 +518,6 @@ class _BoundedDecoder:
         self._size += len(data)
         if self._size > self._max_bytes:
             raise FetchError("too_large", f"the answer passed the {self._max_bytes}-byte cap while streaming")
+        if self._hold is not None and data and not self._hold(len(data)):
+            raise FetchError("busy", "the server holds as many fetched bytes as it may; retry shortly")
         self._chunks.append(data)

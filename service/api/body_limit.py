@@ -13,7 +13,8 @@ are released when its request ends. Without it one key's burst of image requests
 600) could hold gigabytes. Only bytes that arrived count: when declared lengths were reserved up front, eleven
 connections that sent headers declaring 24 MiB and no body held the budget, and every client's POST got 503, for
 as long as they stayed open (an audit's finding). A body must also arrive whole within `body_timeout_s`, else
-408 `body_timeout`.
+408 `body_timeout`. The bytes a request fetches (image URLs) count against the same budget, through
+`request.state.hold_bytes(n)`, until the request ends.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class BodySizeLimit:
                 # Later calls wait for the disconnect, as the server's own receive does.
                 return await receive()
 
+            # What the request fetches (image URLs: service/api/image_requests.py) is held under the same budget,
+            # released with its body.
+            scope.setdefault("state", {})["hold_bytes"] = lambda n: hold(held + n)
             await self.app(scope, replay, send)
         finally:
             self.buffered -= held

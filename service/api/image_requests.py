@@ -8,13 +8,15 @@ a mask of another size are 422s naming the field and the rule, never a job that 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from meshserve.service import metrics
-from meshserve.service.api.errors import FieldError
+from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.contract import Job, JobParams
 from meshserve.service.image_inputs import ImageInputError, decode_image, read_image_field
 from meshserve.service.input_store import InputStore
 from meshserve.service.settings import Settings
+from meshserve.service.ssrf import FetchError
 from meshserve.service.store import Store
 
 
@@ -24,18 +26,27 @@ def _refused(e: ImageInputError) -> FieldError:
 
 
 async def read_image_fields(
-    image: str | None, mask: str | None, settings: Settings
+    image: str | None, mask: str | None, settings: Settings, hold: Callable[[int], bool] | None = None
 ) -> tuple[bytes | None, bytes | None]:
-    """The bytes of a request's `image` and `mask` fields (data URLs, or http(s) URLs fetched now)."""
+    """The bytes of a request's `image` and `mask` fields (data URLs, or http(s) URLs fetched now). `hold`: the
+    request's own share of the process's buffered bytes (service/api/body_limit.py), for the bytes fetched: a
+    hundred URLs that each sent 10 MB and held back their last byte took an API to 1.8 GB with nothing to bound
+    it (an audit, 2026-11-28); over the budget the request is a 503 `server_busy`, as a body would be."""
     try:
         image_bytes = (
-            await read_image_field(image, field="image", settings=settings) if image is not None else None
+            await read_image_field(image, field="image", settings=settings, hold=hold)
+            if image is not None
+            else None
         )
         mask_bytes = (
-            await read_image_field(mask, field="mask", settings=settings) if mask is not None else None
+            await read_image_field(mask, field="mask", settings=settings, hold=hold)
+            if mask is not None
+            else None
         )
     except ImageInputError as e:
         raise _refused(e) from None
+    except FetchError as e:  # "busy": read_image_field turns every other one into an ImageInputError
+        raise ApiError(503, "server_busy", e.message, None, {"Retry-After": "1"}) from None
     return image_bytes, mask_bytes
 
 

@@ -470,6 +470,42 @@ async def test_image_urls_are_fetched_before_the_job_is_accepted(make_settings):
         )
 
 
+async def test_fetched_bytes_count_against_the_process_budget_until_the_request_ends(make_settings):
+    """A URL that sends its bytes and holds back the last one holds them in the API: they count against
+    `max_buffered_body_bytes` with the bodies, and a fetch that would pass it is a 503 (an audit's 150 such
+    requests held 1.8 GB)."""
+    big = encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 480, 3), np.uint8)), "PNG")
+    assert 600 << 10 < len(big) < 1 << 20
+    release = asyncio.Event()
+
+    async def routes(path, headers, reader, writer):
+        head = answer(200, big, {"content-type": "image/png"})
+        if path == "/held.png":
+            writer.write(head[:-1])
+            await writer.drain()
+            await release.wait()
+            writer.write(head[-1:])
+        else:
+            writer.write(head)
+        await writer.drain()
+
+    settings = make_settings(image_fetch_allow_private=True, max_buffered_body_bytes=1 << 20)
+    async with api_client(settings) as (client, store), http_server(routes) as (port, _):
+        await FakeWorker(store, models=(TOY_IMG,)).register()
+        base = f"http://127.0.0.1:{port}"
+        held = asyncio.create_task(
+            client.post("/v1/generate", json={"prompt": "p", "image": f"{base}/held.png"})
+        )
+        await asyncio.sleep(0.3)
+        r = await client.post("/v1/generate", json={"prompt": "p", "image": f"{base}/now.png"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
+        assert r.headers["retry-after"] == "1"
+        release.set()
+        assert (await held).status_code == 202
+        r = await client.post("/v1/generate", json={"prompt": "p", "image": f"{base}/now.png"})
+        assert r.status_code == 202, r.text  # the first request's bytes were given back when it ended
+
+
 async def test_images_are_decoded_a_few_at_a_time(make_settings, monkeypatch):
     """What a decode holds follows its pixels, not its bytes (an 87 KB PNG of 4096 x 4096 zeros held ~170 MB):
     `image_decode_slots` bounds the decodes running at once; the requests over it wait, then are accepted."""

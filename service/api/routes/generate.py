@@ -147,7 +147,8 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     # Fields at their defaults left out: a retry that spells a default out is the same request.
     digest = request_hash(body.model_dump(mode="json", exclude_defaults=True)) if key else ""
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
-        image, mask = await read_image_fields(body.image, body.mask, settings)
+        hold = getattr(request.state, "hold_bytes", None)  # (service/api/body_limit.py)
+        image, mask = await read_image_fields(body.image, body.mask, settings, hold)
         params = await with_image_inputs(
             store, settings, params, image, mask, decode_slots=request.app.state.decode_slots
         )
