@@ -471,6 +471,12 @@ class JobQueue(JobReads):
             failed += await self._run("FAIL_UNSERVED", [self.stream_key(model, priority)], args)
         return failed
 
+    async def forget_consumers(self, models: list[str], idle_s: float) -> int:
+        """Delete the consumers of `models`' streams that hold no pending entry and have been idle for `idle_s`
+        (those of crashed or stopped pools). Returns how many."""
+        streams = [self.stream_key(m, p) for m in models for p in PRIORITY_ORDER]
+        return int(await self._run("FORGET_CONSUMERS", streams, [int(idle_s * 1000)])) if streams else 0
+
     async def models_with_jobs(self) -> list[str]:
         """Every model a job was ever submitted for (`P:models`)."""
         return sorted(await self.redis.smembers(f"{self.prefix}:models"))

@@ -34,6 +34,10 @@ class PoolRegistry(StoreBase):
         """Remove a pool's entry (clean shutdown)."""
         await self.redis.hdel(self.pools_key, name)
 
+    async def forget_pools(self, not_seen_for_s: float) -> list[str]:
+        """Drop the entries of pools not seen for `not_seen_for_s` (crashed: a clean stop removes its own)."""
+        return list(await self._run("FORGET_POOLS", [self.pools_key], [repr(time.time() - not_seen_for_s)]))
+
     async def list_pools(self, include_stale: bool = False) -> list[PoolInfo]:
         """Registered pools; those not seen for `pool_stale_s` are left out unless `include_stale`."""
         raw = await self.redis.hgetall(self.pools_key)

@@ -523,3 +523,44 @@ end
 return out
 """
 )
+
+
+# Housekeeping (service/registry_sweep.py). Registry entries of pools last seen before a cutoff: a pool that crashed
+# never removes its own. One script, so a pool's heartbeat cannot land between the read and the delete (a live pool
+# whose entry was dropped registers again at its next heartbeat anyway). KEYS: the pools hash. ARGV: P, cutoff (unix
+# seconds). Returns the names dropped.
+FORGET_POOLS = r"""
+local out = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local ok, info = pcall(cjson.decode, all[i + 1])
+  local seen = ok and type(info) == 'table' and tonumber(info['last_seen'])
+  if seen and seen < tonumber(ARGV[2]) then
+    redis.call('HDEL', KEYS[1], all[i])
+    table.insert(out, all[i])
+  end
+end
+return out
+"""
+
+# Consumers of group `pools` with nothing pending and idle past a bound: every process that ever read a stream left
+# one (XREADGROUP creates it; a crash never deletes it). Deleting a consumer drops its pending entries, so only
+# empty ones go, in one script (no read can slip in between). A live pool idle that long reads again and is
+# recreated. KEYS: streams. ARGV: P, idle ms. Returns how many were deleted.
+FORGET_CONSUMERS = r"""
+local n = 0
+for _, stream in ipairs(KEYS) do
+  local consumers = redis.pcall('XINFO', 'CONSUMERS', stream, 'pools')
+  if type(consumers) == 'table' and not consumers.err then
+    for _, c in ipairs(consumers) do
+      local f = {}
+      for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+      if tonumber(f['pending']) == 0 and tonumber(f['idle']) > tonumber(ARGV[2]) then
+        redis.call('XGROUP', 'DELCONSUMER', stream, 'pools', f['name'])
+        n = n + 1
+      end
+    end
+  end
+end
+return n
+"""

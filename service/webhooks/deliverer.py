@@ -17,7 +17,8 @@ so is an address the rules refuse. Anything else (another status, a timeout, a r
 
 The same loop runs the deadline sweep (`Store.expire_due`): jobs past their deadline end within about
 `webhook_poll_s` of it (queued ones `expired`, running ones whose worker is gone `canceled`), and the unserved
-sweep (service/unserved_sweep.py): the waiting jobs of a model no pool has served for `unserved_timeout_s` fail.
+sweep (service/unserved_sweep.py): the waiting jobs of a model no pool has served for `unserved_timeout_s` fail,
+and the registry sweep (service/registry_sweep.py): what crashed pools left in Redis goes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from redis.exceptions import RedisError
 
 from meshserve.service import metrics, ssrf
 from meshserve.service.auth import webhook_secrets
+from meshserve.service.registry_sweep import RegistrySweep
 from meshserve.service.schemas import JobResponse
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -75,6 +77,7 @@ class Deliverer:
             )
         self.queue = WebhookQueue(store.redis, store.prefix)
         self.unserved = UnservedSweep(store, self.settings)
+        self.registry = RegistrySweep(store, self.settings)
         self._inflight: set[asyncio.Task] = set()
         self._by_tenant: Counter[str] = (
             Counter()
@@ -115,6 +118,7 @@ class Deliverer:
         if expired:
             log.info("deadlines: %d jobs ended", len(expired))
         await self.unserved.tick()
+        await self.registry.tick()
         room = self.settings.webhook_concurrency - len(self._inflight)
         if room <= 0:
             return 0

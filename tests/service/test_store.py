@@ -267,6 +267,32 @@ async def test_pool_registry(store: Store):
     assert await store.list_pools(include_stale=True) == []
 
 
+async def test_what_gone_pools_leave_is_forgotten(store: Store):
+    """Crashed pools never remove their registry entries, and every consumer that ever read a stream stays in its
+    group: the registry sweep drops entries not seen for a while and idle consumers with nothing pending."""
+    from meshserve.service.registry_sweep import FORGET_AFTER_STALE, RegistrySweep
+
+    await FakeWorker(store, name="alive").register()
+    await FakeWorker(store, name="crashed").register()
+    raw = (await store.list_pools(include_stale=True))[0].model_copy(update={"last_seen": time.time() - 1000})
+    await store.redis.hset(store.pools_key, "crashed", raw.model_dump_json())
+    job = await store.submit(params())
+    (holder,) = await store.claim(["toy"], "holder")  # a consumer with a pending entry
+    stream = store.stream_key("toy", "normal")
+    await store.redis.xgroup_createconsumer(stream, "pools", "idle")  # one with none
+    await asyncio.sleep(0.1)
+    assert await store.heartbeat_pool("alive")
+    assert {c["name"] for c in await store.redis.xinfo_consumers(stream, "pools")} == {"holder", "idle"}
+    sweep = RegistrySweep(
+        store, store.settings.model_copy(update={"pool_stale_s": 0.05 / FORGET_AFTER_STALE})
+    )
+    assert await sweep.tick() == (["crashed"], 1)
+    assert [p.name for p in await store.list_pools(include_stale=True)] == ["alive"]
+    assert [c["name"] for c in await store.redis.xinfo_consumers(stream, "pools")] == ["holder"]
+    assert await sweep.tick() == ([], 0)  # not due again yet
+    assert holder.job.id == job.id and await store.start(holder) and await store.complete(holder, [blob()])
+
+
 async def test_two_consumers_finish_each_job_exactly_once(store: Store):
     jobs = [await store.submit(params(num_inference_steps=1)) for _ in range(100)]
     workers = [FakeWorker(store, name=f"w{i}", step_s=0, max_jobs=4) for i in range(2)]
