@@ -214,7 +214,8 @@ class JobQueue(JobReads):
     ) -> list[Delivery]:
         """Take up to `max_jobs` jobs of `models` for `consumer`, highest priority first.
 
-        Stream by stream in priority order (high, normal, low; models in the given order):
+        Stream by stream in priority order (high, normal, low; models in the given order), a stream whose oldest
+        waiting entry has waited `priority_aging_s` counting one priority higher (`_claim_order`):
         1. Takeover: entries idle longer than the lease whose lease key expired (their worker is gone, or a pool
            gave them back) are XCLAIMed (the XAUTOCLAIM rule, done in a script so the lease is checked atomically).
         2. New entries: XREADGROUP `>`.
@@ -225,12 +226,32 @@ class JobQueue(JobReads):
         job ends failed with code "too_many_deliveries". May return fewer jobs than asked, or none."""
         streams = [self.stream_key(m, p) for p in PRIORITY_ORDER for m in models]
         try:
+            streams = await self._claim_order(
+                streams, [r for r in range(len(PRIORITY_ORDER)) for _ in models]
+            )
             return await self._claim(streams, consumer, max_jobs, block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             self._groups.clear()  # Redis lost the groups (restart without persistence): create them again
             return await self._claim(streams, consumer, max_jobs, 0)
+
+    async def _claim_order(self, streams: list[str], ranks: list[int]) -> list[str]:
+        """`streams` (in priority order, `ranks` their priorities: 0 high) in the order a claim reads them: each
+        counts one priority higher for every `priority_aging_s` its oldest undelivered entry has waited (its id is
+        its enqueue time). Ties keep the priority order. One round trip; none with aging off."""
+        aging = self.settings.priority_aging_s
+        if aging <= 0 or len(streams) < 2:
+            return streams
+        stats = await self._run("QUEUE_STATS", streams, [])
+        now_ms = time.time() * 1000
+
+        def rank(i: int) -> float:
+            oldest = stats[i][1]
+            waited_s = max(0.0, now_ms - int(oldest.split("-")[0])) / 1000 if oldest else 0.0
+            return ranks[i] - waited_s / aging
+
+        return [streams[i] for i in sorted(range(len(streams)), key=rank)]
 
     async def _claim(self, streams: list[str], consumer: str, max_jobs: int, block_ms: int) -> list[Delivery]:
         s = self.settings

@@ -166,7 +166,12 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")
     output_format: OutputFormat | None = None
-    priority: Priority = Field(Priority.NORMAL, strict=False)  # JSON gives the enum its value, a string
+    priority: Priority = Field(
+        Priority.NORMAL,
+        strict=False,  # JSON gives the enum its value, a string
+        description="Pools read high before normal before low; a waiting job counts one priority higher for "
+        "every `priority_aging_s` (60 s by default) it has waited, so a lower priority waits longer, not for ever.",
+    )
     metadata: Annotated[dict[str, MetadataValue], AfterValidator(_check_metadata)] = Field(
         default_factory=dict, max_length=32
     )

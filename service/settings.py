@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     # a job delivered more than `max_deliveries` times goes to the dead-letter stream and ends failed.
     lease_s: float = Field(30.0, gt=0)
     max_deliveries: int = Field(3, ge=1)
+    # Priorities are read high -> normal -> low, but a waiting job counts one priority higher for every
+    # `priority_aging_s` it has waited: under steady high-priority load a low job waits about 2 x this longer
+    # than a high one, not for ever (an audit's low job, queued at 0.3 s, started at 28.4 s, after every high job
+    # that arrived meanwhile). 0: strict priorities.
+    priority_aging_s: float = Field(60.0, ge=0)
     # A model that no pool serves for this long has its waiting jobs (queued, or running with an expired lease)
     # failed with code `no_pool` (service/unserved_sweep.py); 0 lets them wait for ever. Long enough for a pool
     # to restart, load and compile (minutes for a real model).

@@ -35,7 +35,7 @@ class BatchKey:
 class Batchable(Protocol):
     key: BatchKey
     images: int  # rows this job adds to the device batch
-    priority_rank: int  # 0 = high: earlier ranks go first
+    priority_rank: float  # 0 = high, 1, 2 = low, less the waiting time's aging: lower ranks go first
     runs_alone: bool  # redelivered after a delivery that did not finish: no company
 
 
@@ -43,11 +43,11 @@ T = TypeVar("T", bound=Batchable)
 
 
 def take_batch(pending: Sequence[T], max_batch: int) -> tuple[list[T], list[T]]:
-    """The first job of the highest priority present anchors the batch; later jobs with its key join while
+    """The first job of the best (lowest) rank present anchors the batch; later jobs with its key join while
     they fit, unless the anchor or the job runs alone. Returns (batch, the rest in their order)."""
     if not pending:
         return [], []
-    ordered = sorted(pending, key=lambda w: w.priority_rank)  # stable: arrival order within a priority
+    ordered = sorted(pending, key=lambda w: w.priority_rank)  # stable: arrival order among equal ranks
     anchor = ordered[0]
     batch, rest, images = [anchor], [], anchor.images
     for item in ordered[1:]:

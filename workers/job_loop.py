@@ -92,15 +92,21 @@ class Work:
     delivery: Delivery
     key: BatchKey
     images: int
-    priority_rank: int
+    priority_rank: float  # the priority (0 high), less one per `priority_aging_s` waited
     runs_alone: bool  # an earlier delivery did not finish (workers/batching.py)
 
     @classmethod
-    def of(cls, delivery: Delivery, batch_key: Callable[[JobParams], tuple]) -> Work:
-        """batch_key: the model's runner's `batch_key` (the fields its pipeline needs equal within a batch)."""
+    def of(
+        cls, delivery: Delivery, batch_key: Callable[[JobParams], tuple], priority_aging_s: float = 0.0
+    ) -> Work:
+        """batch_key: the model's runner's `batch_key` (the fields its pipeline needs equal within a batch);
+        priority_aging_s: as the claim that read it (Settings: a job waiting that long counts one priority
+        higher), so that an aged low job anchors its batch instead of being given back behind a fresh high one."""
         p: JobParams = delivery.job.params
         key = BatchKey(delivery.job.model, batch_key(p))
-        rank = PRIORITY_ORDER.index(delivery.job.priority)
+        rank = float(PRIORITY_ORDER.index(delivery.job.priority))
+        if priority_aging_s > 0:
+            rank -= max(0.0, time.time() - delivery.job.created_at) / priority_aging_s
         # A release (drain, give-back) does not count as a delivery: only a lease that lapsed does.
         return cls(delivery, key, p.n, rank, runs_alone=delivery.delivery_count > 1)
 
@@ -235,7 +241,8 @@ class JobLoop:
 
     async def _claim(self, max_jobs: int, block_ms: int) -> list[Work]:
         deliveries = await self.store.claim(self.models, self.consumer, max_jobs=max_jobs, block_ms=block_ms)
-        works = [Work.of(d, self.runners[d.job.model].batch_key) for d in deliveries]
+        aging = self.settings.priority_aging_s
+        works = [Work.of(d, self.runners[d.job.model].batch_key, aging) for d in deliveries]
         for w in works:
             self._held[w.job_id] = w
             if w.delivery.delivery_count > 1:

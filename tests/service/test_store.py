@@ -164,6 +164,23 @@ async def test_a_job_given_back_keeps_its_priority_place(store: Store):
     assert again.job.id == low.id and again.delivery_count == 1  # a give-back spends no delivery
 
 
+@pytest.mark.parametrize("aging_s", [0.0, 0.1])
+async def test_a_waiting_job_counts_one_priority_higher_per_aging_period(make_settings, aging_s):
+    """Strict priorities starved low jobs under steady high load (an audit's waited 28 s, behind every high job
+    that arrived meanwhile). With `priority_aging_s`, a low job that waited 2.5 periods goes before a fresh high
+    one; with 0, priorities are strict (the pool's batch order: tests/workers/test_batching.py)."""
+    store = Store(make_settings(priority_aging_s=aging_s))
+    try:
+        low = await store.submit(params(), Priority.LOW)
+        await asyncio.sleep(0.25)
+        high = await store.submit(params(), Priority.HIGH)
+        got = await store.claim(["toy"], "c1", max_jobs=2)
+        assert [d.job.id for d in got] == ([low.id, high.id] if aging_s else [high.id, low.id])
+    finally:
+        await drop_keys(store)
+        await store.close()
+
+
 async def test_cancel_queued_and_claimed(store: Store):
     queued = await store.submit(params())
     canceled = await store.cancel(queued.id)

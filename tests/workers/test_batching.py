@@ -148,3 +148,22 @@ def test_work_takes_its_batch_key_from_the_runner():
 
 def names_of(works):
     return [w.job_id for w in works]
+
+
+def test_an_aged_job_anchors_its_batch():
+    """In a pool as in the claim (Settings.priority_aging_s): a low job that waited 2.5 aging periods ranks before
+    a fresh high one, so it anchors the batch instead of being given back behind it; aging off: strict."""
+    import time
+
+    from meshserve.service.contract import Priority
+    from meshserve.workers.job_loop import Work
+
+    low, high = _delivery("low"), _delivery("high")
+    low.job.priority, low.job.created_at = Priority.LOW, time.time() - 25
+    high.job.priority, high.job.created_at = Priority.HIGH, time.time()
+    aged = [Work.of(d, lambda p: (), priority_aging_s=10) for d in (high, low)]
+    assert aged[1].priority_rank < -0.4 and -0.1 < aged[0].priority_rank <= 0
+    assert names_of(take_batch(aged, max_batch=1)[0]) == ["low"]
+    strict = [Work.of(d, lambda p: ()) for d in (high, low)]
+    assert [w.priority_rank for w in strict] == [0, 2]
+    assert names_of(take_batch(strict, max_batch=1)[0]) == ["high"]
