@@ -23,6 +23,7 @@ A model whose keys differ beyond that passes `rename` (PyTorch key -> our key, o
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -86,20 +87,48 @@ def read_json(path: Path) -> dict:
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped, no copy)."""
+    """All tensors of one .safetensors file as read-only numpy arrays (memory-mapped, no copy). The header is held
+    to the format's rules (each tensor's bytes are its shape's, inside the data, none overlapping another's): a
+    LoRA file can come from a client (a path under `lora_root`), and an audit's file with two tensors on the same
+    bytes and one of shape [-1] was read as if valid."""
     path = Path(path)
+    size = path.stat().st_size
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise CheckpointError(f"{path}: the header claims {header_len} bytes; the file has {size}")
         header = json.loads(f.read(header_len))
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is not a JSON object")
     header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out = {}
+    data_len = size - 8 - header_len
+    data = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+        if data_len
+        else np.zeros(0, np.uint8)
+    )
+    out, spans = {}, []
     for name, info in header.items():
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+            raise CheckpointError(f"{path}: tensor {name} has an unsupported dtype or no header entry")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CheckpointError(f"{path}: tensor {name} has shape {shape!r}, not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointError(f"{path}: tensor {name} has data_offsets {offsets!r}, not [start, end]")
+        start, end = offsets
+        if not 0 <= start <= end <= data_len or end - start != math.prod(shape) * np.dtype(dtype).itemsize:
+            raise CheckpointError(
+                f"{path}: tensor {name}'s data_offsets {offsets} do not hold {dtype} {shape} within the "
+                f"{data_len} data bytes"
+            )
+        spans.append((start, end, name))
+        out[name] = data[start:end].view(dtype).reshape(shape)
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise CheckpointError(f"{path}: tensors {first} and {second} overlap")
     return out
 
 

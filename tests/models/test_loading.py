@@ -130,3 +130,40 @@ def test_no_weights_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no safetensors weights .* found: config.json"):
         read_component_weights(tmp_path)
+
+
+def _raw_safetensors(path, header: dict, data: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "why"),
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            "overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 16]}}, "not a list of sizes"),
+        ({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 16]}}, "do not hold"),
+        ({"a": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}, "do not hold"),  # past the data
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [-16, 0]}}, "do not hold"),
+        ({"a": {"dtype": "F32", "shape": [4]}}, r"not \[start, end\]"),
+        ({"a": {"dtype": "OBJ", "shape": [4], "data_offsets": [0, 16]}}, "unsupported dtype"),
+        ({"a": [1, 2]}, "unsupported dtype"),
+    ],
+)
+def test_a_safetensors_header_that_breaks_the_format_is_refused(tmp_path, header, why):
+    """LoRA files can come from clients (a path under lora_root): the header is held to the format's rules."""
+    path = tmp_path / "bad.safetensors"
+    _raw_safetensors(path, header, bytes(24))
+    with pytest.raises(CheckpointError, match=why):
+        read_safetensors(path)
+    _raw_safetensors(path, {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}, bytes(24))
+    assert read_safetensors(path)["a"].shape == (2, 3)
+    path.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(CheckpointError, match="the header claims"):
+        read_safetensors(path)
