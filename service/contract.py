@@ -381,6 +381,8 @@ class Delivery(BaseModel):
     attempt: int
     consumer: str
     tenant: str | None = None
+    # Taken over from a worker whose lease lapsed (it died or stalled), not first read nor given back by a pool.
+    taken_over: bool = False
 
 
 class Event(_Frozen):

@@ -40,6 +40,9 @@ from meshserve.service.store_base import job_from_hash, pairs, valid_job_id
 from meshserve.service.webhooks.spec import WebhookSpec
 
 GROUP = "pools"
+# A claim reads a stream again while what it read were entries of jobs that had ended (canceled or expired while
+# queued), at most this many times: past a flood of canceled entries in a few claims, without one claim taking long.
+_MAX_READS_PER_STREAM = 16
 
 
 def request_hash(body: Any) -> str:
@@ -101,7 +104,7 @@ class JobQueue(JobReads):
         """Queue a job for tenant `owner` (default `Settings.default_owner`): its hash, its stream entry (XADD)
         and its `queued` event, in one script.
 
-        Admission: when the model already has `queue_max_length` undelivered entries (all priorities) it raises
+        Admission: when the model already has `queue_max_length` jobs waiting (all priorities) it raises
         `QueueFull`; when `max_active` > 0 and the tenant has that many queued or running jobs, it raises
         `TooManyActiveJobs`. With an `idempotency_key` (scoped to the tenant), a second submit with the same key and
         `request_digest` returns the first job (its current state); another digest raises `IdempotencyConflict`.
@@ -190,9 +193,9 @@ class JobQueue(JobReads):
                     raise
             self._groups.add(stream)
 
-    def _deliveries(self, items: list[tuple[str, str, int, list]], consumer: str) -> list[Delivery]:
+    def _deliveries(self, items: list[tuple[str, str, int, list, bool]], consumer: str) -> list[Delivery]:
         out = []
-        for stream, msg_id, count, res in items:
+        for stream, msg_id, count, res, taken_over in items:
             if res[0] != "ok":
                 continue
             fields = pairs(res[2:])
@@ -205,6 +208,7 @@ class JobQueue(JobReads):
                     attempt=int(res[1]),
                     consumer=consumer,
                     tenant=fields.get("tenant") or self.settings.default_owner,
+                    taken_over=taken_over,
                 )
             )
         return out
@@ -259,21 +263,25 @@ class JobQueue(JobReads):
         lease_ms = int(s.lease_s * 1000)
         common = [consumer, lease_ms, s.max_deliveries, repr(time.time()), s.job_ttl_s, s.events_max_length]
         taken: list[Delivery] = []
-        new: list[tuple[str, str, str]] = []  # (stream, msg id, job id)
         # Stream by stream in priority order, its takeovers (older) then its new entries: a low job given back by
         # a pool must not be taken before a newer high one (an audit's high job waited behind two low ones).
         for stream in streams:
-            if len(taken) + len(new) >= max_jobs:
+            if len(taken) >= max_jobs:
                 break
-            res = await self._run("RECLAIM", [stream], [*common, max_jobs - len(taken) - len(new)])
-            taken += self._deliveries([(stream, m, int(c), r) for m, _, c, r in res], consumer)
-            if len(taken) + len(new) >= max_jobs:
-                break
-            res = await self.redis.xreadgroup(
-                GROUP, consumer, {stream: ">"}, count=max_jobs - len(taken) - len(new)
-            )
-            new += [(stream, m, f.get("job", "")) for _, entries in res or [] for m, f in entries]
-        if not taken and not new and block_ms > 0:
+            res = await self._run("RECLAIM", [stream], [*common, max_jobs - len(taken)])
+            taken += self._deliveries([(stream, m, int(c), r, bool(t)) for m, _, c, r, t in res], consumer)
+            # Entries of jobs that ended while queued (canceled, expired) are acked and skipped: read on past
+            # them (a bounded number of reads per claim).
+            for _ in range(_MAX_READS_PER_STREAM):
+                if len(taken) >= max_jobs:
+                    break
+                res = await self.redis.xreadgroup(GROUP, consumer, {stream: ">"}, count=max_jobs - len(taken))
+                read = [(stream, m, f.get("job", "")) for _, entries in res or [] for m, f in entries]
+                if not read:
+                    break
+                taken += await self._accept(read, common, consumer)
+        new: list[tuple[str, str, str]] = []  # (stream, msg id, job id)
+        if not taken and block_ms > 0:
             block = max(1, min(int(block_ms), MAX_BLOCK_MS))
             res = await self.redis.xreadgroup(
                 GROUP, consumer, dict.fromkeys(streams, ">"), count=max_jobs, block=block
@@ -286,12 +294,17 @@ class JobQueue(JobReads):
                 if entries[room:]:
                     await self._run("GIVE_BACK", [stream], [consumer, *(m for m, _ in entries[room:])])
         if new:
-            res = await self._run("ACCEPT", [], [*common, *(x for triple in new for x in triple)])
-            taken += self._deliveries(
-                [(st, m, 1, r) for (st, m, _), r in zip(new, res, strict=True)], consumer
-            )
+            taken += await self._accept(new, common, consumer)
         await self._maybe_trim(streams)
         return taken
+
+    async def _accept(self, new: list[tuple[str, str, str]], common: list, consumer: str) -> list[Delivery]:
+        """First deliveries of `new` (stream, msg id, job id) entries: the jobs still queued, each with an attempt
+        and a lease (ACCEPT); the rest are acked and left out."""
+        res = await self._run("ACCEPT", [], [*common, *(x for triple in new for x in triple)])
+        return self._deliveries(
+            [(st, m, 1, r, False) for (st, m, _), r in zip(new, res, strict=True)], consumer
+        )
 
     async def _maybe_trim(self, streams: list[str]) -> None:
         # Acked entries stay in a stream until trimmed; once a minute per stream is plenty.

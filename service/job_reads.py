@@ -71,8 +71,9 @@ class JobReads(JobOutputs, PoolRegistry):
         return await self.get(job_id)
 
     async def queue_depths(self) -> dict[tuple[str, Priority], dict[str, float]]:
-        """Per (model, priority): `depth` (undelivered), `oldest_age_s` (of the oldest undelivered entry, 0 when
-        none) and `pending` (delivered, not yet acknowledged), for every model ever submitted or served."""
+        """Per (model, priority): `depth` (waiting: undelivered, or given back by a pool), `oldest_age_s` (of the
+        oldest waiting entry, 0 when none) and `pending` (delivered, not yet acknowledged), for every model ever
+        submitted or served."""
         models = set(await self.redis.smembers(f"{self.prefix}:models"))
         models |= {m.id for p in await self.list_pools() for m in p.models}
         keys = [(m, p) for m in sorted(models) for p in PRIORITY_ORDER]

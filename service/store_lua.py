@@ -26,14 +26,51 @@ local function group_info(stream)
   return nil
 end
 
+-- Undelivered entries whose job already ended (canceled or expired while queued), per stream: left out of the
+-- depth until a pool reads them, so a tenant that submits and cancels in a loop cannot fill the queue. Not XDEL:
+-- once a stream is empty, Redis 7.0 computes a group's lag from counters that still include deleted entries (an
+-- audit's queue stayed "full" at 1005 with 9 entries, 2026-11-28).
+local function void_key(stream)
+  return (string.gsub(stream, ':stream:', ':void:', 1))
+end
+
+-- Stream ids "ms-seq": whether a comes after b.
+local function id_after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
+
+-- Entries a pool read and gave back (GIVE_BACK, RELEASE: made idle for 10^12 ms), oldest first: waiting again,
+-- at their old place. The pending list holds only what pools hold now, so the scan is short.
+local function given_back(stream, count)
+  local r = redis.pcall('XPENDING', stream, 'pools', 'IDLE', 100000000000, '-', '+', count)
+  if type(r) ~= 'table' or r.err then return {} end
+  return r
+end
+
+-- Jobs waiting in a stream: undelivered entries whose job has not ended, and entries given back.
 local function lag(stream)
   local g = group_info(stream)
   if not g then
     if redis.call('EXISTS', stream) == 1 then return redis.call('XLEN', stream) end
     return 0
   end
-  if g['lag'] then return tonumber(g['lag']) end
-  return #redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+')
+  local n
+  if g['lag'] then
+    n = tonumber(g['lag'])
+  else
+    n = #redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+')
+  end
+  return math.max(0, n - redis.call('SCARD', void_key(stream))) + #given_back(stream, 1000)
+end
+
+-- A queued job ended: if no pool has read its entry yet, it stops counting in the depth (void_key).
+local function void_if_undelivered(stream, msg_id)
+  if not stream or stream == '' then return end
+  local g = group_info(stream)
+  if not g or id_after(msg_id, g['last-delivered-id']) then redis.call('SADD', void_key(stream), msg_id) end
 end
 
 local function event(job_id, etype, data, maxlen)
@@ -90,6 +127,7 @@ end
 -- delivered more than `max_deliv` times, else bump the attempt (the fence) and set the lease.
 -- Returns {'ok', attempt, hash...} or {'skip'|'missing'|'canceled'|'dlq'}.
 local function accept(stream, msg_id, job_id, count, consumer, lease_ms, max_deliv, now, ttl, maxlen)
+  redis.call('SREM', void_key(stream), msg_id)  -- read now: no longer counted either way
   local jk = P .. ':job:' .. job_id
   local st = redis.call('HMGET', jk, 'status', 'cancel', 'model')
   if not st[1] then
@@ -217,6 +255,8 @@ local out, taken = {}, 0
 for _, e in ipairs(pend) do
   if taken >= tonumber(ARGV[8]) then break end
   local msg_id, holder, count = e[1], e[2], tonumber(e[4])
+  -- Given back (GIVE_BACK, RELEASE: idle set to 10^12 ms), not taken over from a worker that is gone.
+  local given_back = tonumber(e[3]) >= 100000000000
   local entry = redis.call('XRANGE', stream, msg_id, msg_id)
   if #entry == 0 then
     redis.call('XACK', stream, 'pools', msg_id)
@@ -233,11 +273,14 @@ for _, e in ipairs(pend) do
         local r = accept(stream, msg_id, job_id, count + 1, ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5],
           ARGV[6], ARGV[7])
         if r[1] == 'ok' then
-          local model = redis.call('HGET', P .. ':job:' .. job_id, 'model')
-          bump(model, 'reclaimed')
+          if not given_back then
+            bump(redis.call('HGET', P .. ':job:' .. job_id, 'model'), 'reclaimed')
+          end
           taken = taken + 1
         end
-        table.insert(out, {msg_id, job_id, count + 1, r})
+        local takeover = 1
+        if given_back then takeover = 0 end
+        table.insert(out, {msg_id, job_id, count + 1, r, takeover})
       end
     end
   end
@@ -249,12 +292,16 @@ return out
 # Entries delivered to this consumer that it will not run (it read more than it can take): make them idle for
 # ever and reset their delivery count, so the next reclaim by any consumer takes them as a first delivery.
 # KEYS: stream. ARGV: P, consumer, msg ids...
-GIVE_BACK = r"""
+GIVE_BACK = (
+    _COMMON
+    + r"""
 for i = 3, #ARGV do
   redis.call('XCLAIM', KEYS[1], 'pools', ARGV[2], 0, ARGV[i], 'IDLE', 1000000000000, 'RETRYCOUNT', 0, 'JUSTID')
+  redis.call('SREM', void_key(KEYS[1]), ARGV[i])
 end
 return #ARGV - 2
 """
+)
 
 # ARGV: P, job id, attempt, consumer, now, lease ms, events maxlen, ttl, event data.
 START = (
@@ -370,13 +417,13 @@ return 1
 """
 )
 
-# API cancel. A queued job ends canceled at once and its stream entry is deleted (acked first, in case a pool read
-# it and gave it back): an entry left in the stream would count against the model's queue limit until a pool read
-# past it, so a tenant submitting and canceling in a loop filled the queue for everyone (an audit's 1,000 canceled
-# entries refused other tenants with queue_full, 2026-11-28). A running one gets the cancel flag, which its worker
-# polls between steps, unless its lease has expired: its worker is gone (killed, or cut off from Redis for longer
-# than the lease, when its later writes are fenced anyway), and waiting for another pool to reclaim it could be for
-# ever. ARGV: P, job id, now, ttl, events maxlen.
+# API cancel. A queued job ends canceled at once; an entry no pool has read yet stops counting in the depth at once
+# (void_key: otherwise it held queue room until a pool read past it, and a tenant submitting and canceling in a loop
+# filled the queue for everyone: an audit's 1,000 canceled entries refused other tenants with queue_full,
+# 2026-11-28); one a pool read and gave back is acked. The entry is skipped when a pool reads it. A running one gets
+# the cancel flag, which its worker polls between steps, unless its lease has expired: its worker is gone (killed,
+# or cut off from Redis for longer than the lease, when its later writes are fenced anyway), and waiting for
+# another pool to reclaim it could be for ever. ARGV: P, job id, now, ttl, events maxlen.
 CANCEL = (
     _COMMON
     + r"""
@@ -385,8 +432,8 @@ local st = redis.call('HMGET', jk, 'status', 'model', 'stream', 'msg_id')
 if not st[1] then return {'missing'} end
 if st[1] == 'queued' then
   redis.call('HSET', jk, 'cancel', '1')
+  void_if_undelivered(st[3], st[4])
   finish(ARGV[2], st[2], 'canceled', ARGV[3], ARGV[4], ARGV[5], st[3], st[4], {}, '{"status":"canceled"}')
-  if st[3] then redis.call('XDEL', st[3], st[4]) end
   return {'canceled'}
 end
 if st[1] == 'running' then
@@ -417,7 +464,7 @@ return pos
 """
 )
 
-# Per stream: {undelivered, id of the oldest undelivered entry or '', delivered-but-unacked}. KEYS: streams.
+# Per stream: {waiting (lag), id of the oldest waiting entry or '', delivered-but-unacked}. KEYS: streams.
 QUEUE_STATS = (
     _COMMON
     + r"""
@@ -428,9 +475,17 @@ for _, stream in ipairs(KEYS) do
   if g then
     depth = lag(stream)
     pending = tonumber(g['pending'])
-    if depth > 0 then
-      local e = redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+', 'COUNT', 1)
-      if #e > 0 then oldest = e[1][1] end
+    local back = given_back(stream, 1)
+    if #back > 0 then
+      oldest = back[1][1]
+    elseif depth > 0 then  -- the first undelivered entry whose job has not ended (among the next 16)
+      local void = void_key(stream)
+      for _, e in ipairs(redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+', 'COUNT', 16)) do
+        if redis.call('SISMEMBER', void, e[1]) == 0 then
+          oldest = e[1]
+          break
+        end
+      end
     end
   end
   table.insert(out, {depth, oldest, pending})
@@ -446,6 +501,11 @@ TRIM = (
     + r"""
 local g = group_info(KEYS[1])
 if not g then return 0 end
+-- Void members a pool has read past (a path that read one without removing it): no longer undelivered.
+local last = g['last-delivered-id']
+for _, id in ipairs(redis.call('SMEMBERS', void_key(KEYS[1]))) do
+  if not id_after(id, last) then redis.call('SREM', void_key(KEYS[1]), id) end
+end
 local summary = redis.call('XPENDING', KEYS[1], 'pools')
 local minid
 if tonumber(summary[1]) > 0 then
@@ -477,7 +537,7 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':deadlines', '-inf', ARGV[
   elseif redis.call('EXISTS', P .. ':lease:' .. id) == 1 then
     redis.call('ZADD', P .. ':deadlines', tonumber(ARGV[2]) + tonumber(ARGV[6]), id)
   elseif past_deadline(id, st[2], ARGV[2], ARGV[3], ARGV[4], st[3], st[4]) then
-    if st[1] == 'queued' and st[3] then redis.call('XDEL', st[3], st[4]) end  -- (as CANCEL: frees queue room)
+    if st[1] == 'queued' then void_if_undelivered(st[3], st[4]) end  -- (as CANCEL: frees queue room)
     table.insert(out, id)
   else
     redis.call('ZREM', P .. ':deadlines', id)
@@ -501,6 +561,7 @@ local out = {}
 local err = cjson.encode({code = 'no_pool', message = ARGV[6]})
 local data = cjson.encode({status = 'failed', error = {code = 'no_pool', message = ARGV[6]}})
 local function fail(msg_id, fields)
+  redis.call('SREM', void_key(stream), msg_id)
   local job_id
   for i = 1, #fields, 2 do if fields[i] == 'job' then job_id = fields[i + 1] end end
   local st = job_id and redis.call('HMGET', P .. ':job:' .. job_id, 'status', 'model')

@@ -70,8 +70,12 @@ async def gather_batch(
 ) -> tuple[list[T], list[T]]:
     """Form the next batch. `claim(max_jobs, block_ms)` reads work (an empty result after block_ms when there is
     none): it blocks up to idle_block_ms for a first job, then keeps claiming until the batch is full or
-    batch_wait_ms has passed since the first job was in hand. Returns (batch, the rest: claimed, not fitting)."""
-    pending = list(await claim(max_batch, idle_block_ms))
+    batch_wait_ms has passed since the first job was in hand. Returns (batch, the rest: claimed, not fitting).
+
+    The first claim takes one job, the anchor, and later ones only the room its batch has left: a first claim of
+    `max_batch` jobs gave back three of every four when each job filled a batch by itself (n = max_batch: an
+    audit's 109 give-backs for 46 jobs)."""
+    pending = list(await claim(1, idle_block_ms))
     if not pending:
         return [], []
     batch, rest = take_batch(pending, max_batch)

@@ -245,7 +245,7 @@ class JobLoop:
         works = [Work.of(d, self.runners[d.job.model].batch_key, aging) for d in deliveries]
         for w in works:
             self._held[w.job_id] = w
-            if w.delivery.delivery_count > 1:
+            if w.delivery.taken_over:
                 metrics.RECLAIMED.labels(w.key.model).inc()
         return works
 

@@ -91,7 +91,7 @@ JOBS = Counter(
 )
 RECLAIMED = Counter(
     "meshserve_worker_reclaimed_total",
-    "Jobs this worker took over from another consumer (delivery count > 1).",
+    "Jobs this worker took over from a consumer whose lease lapsed (not ones a pool gave back).",
     ["model"],
 )
 CANCELLED = Counter(
