@@ -38,11 +38,15 @@ class RegistrySweep:
         after = FORGET_AFTER_STALE * self.settings.pool_stale_s
         pools = await self.store.forget_pools(after)
         consumers = await self.store.forget_consumers(await self.store.models_with_jobs(), after)
-        if pools or consumers:
+        if pools:
             log.info(
-                "registry sweep: dropped %d pool entries (%s) and %d idle consumers",
+                "registry sweep: dropped the entries of %d pools not seen for %.0f s: %s",
                 len(pools),
+                after,
                 ", ".join(pools),
-                consumers,
             )
+        if (
+            consumers
+        ):  # (also live pools' consumers of streams they have not read from lately: recreated on read)
+            log.debug("registry sweep: deleted %d idle consumers", consumers)
         return pools, consumers
