@@ -242,8 +242,9 @@ class JobQueue(JobReads):
 
     async def _claim_order(self, streams: list[str], ranks: list[int]) -> list[str]:
         """`streams` (in priority order, `ranks` their priorities: 0 high) in the order a claim reads them: each
-        counts one priority higher for every `priority_aging_s` its oldest undelivered entry has waited (its id is
-        its enqueue time). Ties keep the priority order. One round trip; none with aging off."""
+        counts one priority higher for every `priority_aging_s` its oldest waiting entry (undelivered, or given
+        back) has waited (its id is its enqueue time). Ties keep the priority order. One round trip; none with
+        aging off."""
         aging = self.settings.priority_aging_s
         if aging <= 0 or len(streams) < 2:
             return streams

@@ -225,9 +225,8 @@ class JobLoop:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                for (
-                    w
-                ) in rest:  # claimed but not fitting: back to the queue, for any pool (workers/batching.py)
+                # Claimed but not fitting: back to the queue at once, for any pool (workers/batching.py).
+                for w in rest:
                     await self._release(w, "given_back")
                 # A job whose heartbeat was refused meanwhile belongs to another delivery now.
                 batch = [w for w in batch if w.job_id in self._held]
