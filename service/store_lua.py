@@ -256,7 +256,7 @@ for _, e in ipairs(pend) do
   if taken >= tonumber(ARGV[8]) then break end
   local msg_id, holder, count = e[1], e[2], tonumber(e[4])
   -- Given back (GIVE_BACK, RELEASE: idle set to 10^12 ms), not taken over from a worker that is gone.
-  local given_back = tonumber(e[3]) >= 100000000000
+  local was_given_back = tonumber(e[3]) >= 100000000000
   local entry = redis.call('XRANGE', stream, msg_id, msg_id)
   if #entry == 0 then
     redis.call('XACK', stream, 'pools', msg_id)
@@ -273,13 +273,13 @@ for _, e in ipairs(pend) do
         local r = accept(stream, msg_id, job_id, count + 1, ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5],
           ARGV[6], ARGV[7])
         if r[1] == 'ok' then
-          if not given_back then
+          if not was_given_back then
             bump(redis.call('HGET', P .. ':job:' .. job_id, 'model'), 'reclaimed')
           end
           taken = taken + 1
         end
         local takeover = 1
-        if given_back then takeover = 0 end
+        if was_given_back then takeover = 0 end
         table.insert(out, {msg_id, job_id, count + 1, r, takeover})
       end
     end
@@ -392,9 +392,10 @@ return 1
 """
 )
 
-# Give a job back (SIGTERM, or claimed by a pool that could not fit it in its batch): it stays in the stream's pending list at its place, made idle for ever with its
-# delivery count lowered by one, so the next claim by any pool reclaims it without spending a delivery. The attempt
-# is bumped: the releasing worker's later writes are refused. ARGV: P, job id, attempt, consumer, events maxlen,
+# Give a job back (SIGTERM, or claimed by a pool that could not fit it in its batch): it stays in the stream's
+# pending list at its place, made idle for ever with its delivery count lowered by one, so the next claim by any
+# pool reclaims it without spending a delivery. The attempt is bumped: the releasing worker's later writes are
+# refused. ARGV: P, job id, attempt, consumer, events maxlen,
 # event data.
 RELEASE = (
     _COMMON
