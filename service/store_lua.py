@@ -243,8 +243,9 @@ return out
 
 # Take over entries of one stream idle longer than the lease whose lease key has expired (the holder is gone).
 # An entry still leased is re-claimed for its holder with JUSTID, which resets its idle time without counting a
-# delivery, so the next scan skips it. KEYS: stream. ARGV: P, consumer, lease ms, max deliveries, now, ttl,
-# events maxlen, max jobs. Returns a list of {msg id, job id, delivery count, accept result...}.
+# delivery, so the next scan skips it. Then the undelivered entries at the stream's head whose jobs ended are
+# passed. KEYS: stream. ARGV: P, consumer, lease ms, max deliveries, now, ttl, events maxlen, max jobs. Returns a
+# list of {msg id, job id, delivery count, accept result..., 1 if taken over from a worker that is gone}.
 RECLAIM = (
     _COMMON
     + r"""
@@ -281,6 +282,28 @@ for _, e in ipairs(pend) do
         local takeover = 1
         if was_given_back then takeover = 0 end
         table.insert(out, {msg_id, job_id, count + 1, r, takeover})
+      end
+    end
+  end
+end
+-- Undelivered entries at the head whose job already ended (void_key): read and acked here, so that the claim's
+-- read that follows starts at a live one (3,000 canceled entries ahead took claims of 16 reads each 1.8 s to pass).
+local void = void_key(stream)
+local nvoid = redis.call('SCARD', void)
+if nvoid > 0 then
+  local g = group_info(stream)
+  if g then
+    local n = 0
+    local head = redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+', 'COUNT', math.min(nvoid, 1000))
+    for _, e in ipairs(head) do
+      if redis.call('SISMEMBER', void, e[1]) == 0 then break end
+      n = n + 1
+    end
+    if n > 0 then
+      local read = redis.call('XREADGROUP', 'GROUP', 'pools', ARGV[2], 'COUNT', n, 'STREAMS', stream, '>')
+      for _, e in ipairs(read[1][2]) do
+        redis.call('XACK', stream, 'pools', e[1])
+        redis.call('SREM', void, e[1])
       end
     end
   end
@@ -455,13 +478,23 @@ POSITION = (
     _COMMON
     + r"""
 local pidx = tonumber(ARGV[2])
+local stream, msg = KEYS[pidx], ARGV[3]
 local pos = 0
 for i = 1, pidx - 1 do pos = pos + lag(KEYS[i]) end
-local g = group_info(KEYS[pidx])
-local from = '-'
-if g then from = '(' .. g['last-delivered-id'] end
-pos = pos + #redis.call('XRANGE', KEYS[pidx], from, '(' .. ARGV[3])
-return pos
+-- In its own stream: the entries given back before it, then the undelivered ones before it whose job has not ended.
+for _, e in ipairs(given_back(stream, 1000)) do
+  if id_after(msg, e[1]) then pos = pos + 1 end
+end
+local g = group_info(stream)
+local last = '0-0'
+if g then last = g['last-delivered-id'] end
+if id_after(msg, last) then
+  pos = pos + #redis.call('XRANGE', stream, '(' .. last, '(' .. msg)
+  for _, id in ipairs(redis.call('SMEMBERS', void_key(stream))) do
+    if id_after(id, last) and id_after(msg, id) then pos = pos - 1 end
+  end
+end
+return math.max(0, pos)
 """
 )
 
@@ -479,9 +512,10 @@ for _, stream in ipairs(KEYS) do
     local back = given_back(stream, 1)
     if #back > 0 then
       oldest = back[1][1]
-    elseif depth > 0 then  -- the first undelivered entry whose job has not ended (among the next 16)
+    elseif depth > 0 then  -- the first undelivered entry whose job has not ended (at most |void| come before it)
       local void = void_key(stream)
-      for _, e in ipairs(redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+', 'COUNT', 16)) do
+      local count = math.min(redis.call('SCARD', void), 10000) + 1
+      for _, e in ipairs(redis.call('XRANGE', stream, '(' .. g['last-delivered-id'], '+', 'COUNT', count)) do
         if redis.call('SISMEMBER', void, e[1]) == 0 then
           oldest = e[1]
           break

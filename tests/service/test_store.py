@@ -159,6 +159,7 @@ async def test_a_job_given_back_keeps_its_priority_place(store: Store):
     assert (await store.queue_depths())[("toy", Priority.LOW)]["depth"] == 1  # waiting again: it counts
     high = await store.submit(params(), Priority.HIGH)
     normal = await store.submit(params())
+    assert [await store.queue_position(await store.get(j.id)) for j in (high, normal, low)] == [0, 1, 2]
     got = await store.claim(["toy"], "c2", max_jobs=2)
     assert [x.job.id for x in got] == [high.id, normal.id]
     (again,) = await store.claim(["toy"], "c2")
@@ -173,6 +174,8 @@ async def test_a_waiting_job_counts_one_priority_higher_per_aging_period(make_se
     one; with 0, priorities are strict (the pool's batch order: tests/workers/test_batching.py)."""
     store = Store(make_settings(priority_aging_s=aging_s))
     try:
+        for _ in range(20):  # ended entries ahead of it do not hide its age
+            await store.cancel((await store.submit(params(), Priority.LOW)).id)
         low = await store.submit(params(), Priority.LOW)
         await asyncio.sleep(0.25)
         high = await store.submit(params(), Priority.HIGH)
@@ -257,10 +260,11 @@ async def test_canceled_and_expired_queued_jobs_free_their_queue_room_at_once(ma
         assert await store.expire_due() == [late.id]
         assert (await store.queue_depths())[("toy", Priority.NORMAL)]["depth"] == 1
         # Room for two more; the one kept is the one a pool reads, ahead of them.
-        await store.submit(params())
-        await store.submit(params())
+        later = [await store.submit(params()), await store.submit(params())]
         with pytest.raises(QueueFull):
             await store.submit(params())
+        # Positions leave out ended entries: the kept job is next, the two after it follow.
+        assert [await store.queue_position(await store.get(j.id)) for j in (kept, *later)] == [0, 1, 2]
         got = await store.claim(["toy"], "c1", max_jobs=1)
         assert [d.job.id for d in got] == [kept.id]  # read past the 15 ended entries in one claim
         assert first.job.status == JobStatus.QUEUED
