@@ -45,8 +45,7 @@ class RegistrySweep:
                 after,
                 ", ".join(pools),
             )
-        if (
-            consumers
-        ):  # (also live pools' consumers of streams they have not read from lately: recreated on read)
+        # (Live pools' consumers of streams they have not read lately go too: their next read recreates them.)
+        if consumers:
             log.debug("registry sweep: deleted %d idle consumers", consumers)
         return pools, consumers
