@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 DESCRIPTION = (
     "Diffusion-model generation over a durable Redis queue. Submit with `POST /v1/generate`, then poll "
     "`/v1/jobs/{id}`, follow `/v1/jobs/{id}/events` (SSE) and download `/v1/jobs/{id}/outputs/{i}`. Every error "
-    'is `{"error": {"code", "message", "field"}}`. With `MESHSERVE_AUTH=keys` every route but `/livez`, '
+    'is `{"error": {"code", "message", "field"}}`; a method a path does not serve is 405 with `Allow`. With `MESHSERVE_AUTH=keys` every route but `/livez`, '
     "`/readyz` and `/metrics` needs `Authorization: Bearer <key>` (`meshserve keys create`)."
 )
 _UNAUTHORIZED = {
@@ -41,6 +41,11 @@ _RATE_LIMITED = {
 }
 _TOO_LARGE = {
     "description": "The request body is over the size limit (1 MiB by default).",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}
+_HEADERS_TOO_LARGE = {
+    "description": "The request line and headers are over `max_header_bytes` (64 KiB by default); answered before "
+    "any route runs, and the connection is closed.",
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
 }
 _BODY_TIMEOUT = {
@@ -62,6 +67,8 @@ def _document_security(app: FastAPI) -> None:
             "bearerAuth": {"type": "http", "scheme": "bearer", "description": "An API key: `msk_...`."}
         }
         for path, operations in schema["paths"].items():
+            for op in operations.values():
+                op["responses"].setdefault("431", _HEADERS_TOO_LARGE)  # the HTTP protocol's, every path
             if path in OPEN_PATHS:
                 continue
             for method, op in operations.items():

@@ -36,6 +36,8 @@ def test_openapi_file_is_valid():
     errors = paths["/v1/generate"]["post"]["responses"]
     assert {"202", "200", "404", "422", "429", "503"} <= set(errors)
     assert errors["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    # The HTTP protocol's 431 (tests/service/test_http_protocol.py) comes before any route: every operation.
+    assert all("431" in op["responses"] for ops in paths.values() for op in ops.values())
 
 
 def test_the_export_takes_no_option_for_a_path(tmp_path, monkeypatch, capsys):
