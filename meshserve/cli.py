@@ -80,6 +80,10 @@ def _generate(args: argparse.Namespace) -> int:
             if "true_cfg_scale" not in pipe.row_fields:
                 raise UsageError(f"--true-cfg-scale: the {pipe.family} model has no true CFG; leave it out")
             settings["true_cfg_scale"] = args.true_cfg_scale
+        if args.guidance_rescale is not None:
+            if "guidance_rescale" not in pipe.row_fields:
+                raise UsageError(f"--guidance-rescale: the {pipe.family} model takes none; leave it out")
+            settings["guidance_rescale"] = args.guidance_rescale
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -254,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="Flux: true CFG on --negative-prompt (acts when > 1 and a negative prompt is given)",
+    )
+    gen.add_argument(
+        "--guidance-rescale",
+        type=float,
+        default=None,
+        help="SDXL: diffusers' guidance_rescale, 0 (off) to 1 (acts with --guidance-scale > 1)",
     )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(

@@ -104,13 +104,15 @@ class ModelDefaults(_Frozen):
     # knows to accept the request field; None: the model has none, the API refuses the field (422) and the
     # key is left out of what is written (the model card, the registry).
     true_cfg_scale: float | None = None
+    # Present (SDXL: 0.0, i.e. off) only for a model that takes diffusers' guidance_rescale, as true_cfg_scale.
+    guidance_rescale: float | None = None
     # Video models: the frame rate their outputs are written at (Wan: 16); None for image models, left out.
     fps: int | None = None
 
     @model_serializer(mode="wrap")
     def _leave_out_absent_fields(self, handler):
         data = handler(self)
-        for name in ("true_cfg_scale", "fps"):
+        for name in ("true_cfg_scale", "guidance_rescale", "fps"):
             if getattr(self, name) is None:
                 data.pop(name, None)
         return data
@@ -260,6 +262,7 @@ class JobParams(_Frozen):
     num_inference_steps: int
     guidance_scale: float
     true_cfg_scale: float | None = None  # the model's true-CFG scale (None: the model has none)
+    guidance_rescale: float | None = None  # SDXL's CFG rescale (None: the model has none)
     fps: int | None = None  # video models: the outputs' frame rate (None: an image model)
     scheduler: str | None = None
     seed: int

@@ -162,6 +162,16 @@ class GenerateRequest(BaseModel):
         "given (1, the default, is off). Only models whose `defaults` list `true_cfg_scale` take it; for any "
         "other model it is a 422.",
     )
+    guidance_rescale: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="diffusers' guidance_rescale (SDXL): the guided prediction is rescaled to the conditional "
+        "one's standard deviation and mixed in by this fraction (0, the default, is off); it acts only when "
+        "guidance_scale > 1. Only models whose `defaults` list `guidance_rescale` take it; for any other model "
+        "it is a 422.",
+    )
     scheduler: str | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")

@@ -357,7 +357,10 @@ class PipelineRunner(Runner):
         seeds, scopes = [], []
         for req in batch:
             for name, values in rows.items():
-                values += [getattr(req.params, name)] * req.params.n
+                value = getattr(req.params, name)
+                if value is None and name in self.pipe.row_fields:  # a job admitted on a card without it
+                    value = self.pipe.defaults[name]
+                values += [value] * req.params.n
             seeds += req.seeds()
             scopes += [req.tenant] * req.params.n
         # The pipeline says what batch the rows run as (images: padded to a power of two and a multiple of

@@ -43,12 +43,29 @@ def interleave(a, b):
     return jnp.stack([a, b], axis=1).reshape(-1, *a.shape[1:])
 
 
-def guide(out, guidance):
-    """Classifier-free guidance on an interleaved model output [2B, ...] -> [B, ...]; guidance [B]."""
+def guide(out, guidance, rescale=None):
+    """Classifier-free guidance on an interleaved model output [2B, ...] -> [B, ...]; guidance [B]. `rescale`
+    [B]: diffusers' guidance_rescale (rescale_noise_cfg, "Common Diffusion Noise Schedules and Sample Steps are
+    Flawed" section 3.4), applied to the rows whose value is > 0 (the others are the plain combine, exactly)."""
     out = out.reshape(-1, 2, *out.shape[1:])
     uncond, cond = out[:, 0], out[:, 1]
-    g = guidance.astype(out.dtype).reshape(-1, *([1] * (uncond.ndim - 1)))
-    return uncond + g * (cond - uncond)
+    per_row = (-1, *([1] * (uncond.ndim - 1)))
+    guided = uncond + guidance.astype(out.dtype).reshape(per_row) * (cond - uncond)
+    if rescale is None:
+        return guided
+    r = rescale.astype(jnp.float32).reshape(per_row)
+    return jnp.where(r > 0, rescale_noise_cfg(guided, cond, r), guided)
+
+
+def rescale_noise_cfg(guided, cond, rescale):
+    """diffusers' rescale_noise_cfg: the guided prediction scaled to the conditional one's standard deviation
+    (torch's unbiased std over all but the batch axis, a layout-free statistic), mixed in by `rescale` [B, 1...]."""
+    axes = tuple(range(1, guided.ndim))
+    g32 = guided.astype(jnp.float32)
+    ratio = jnp.std(cond.astype(jnp.float32), axis=axes, keepdims=True, ddof=1) / jnp.std(
+        g32, axis=axes, keepdims=True, ddof=1
+    )
+    return (rescale * (g32 * ratio) + (1 - rescale) * g32).astype(guided.dtype)
 
 
 def denoise_loop(
@@ -60,6 +77,7 @@ def denoise_loop(
     guidance,
     *,
     do_cfg: bool,
+    rescale=None,
     on_step: Callable[[int, jax.Array], np.bool_],
     constrain: Callable = lambda x: x,
     preview: Callable | None = None,
@@ -68,7 +86,7 @@ def denoise_loop(
     step_cache=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
-    [B]; guidance [B]. Returns (latents, steps_done): steps_done < schedule.num_steps - start when on_step
+    [B]; guidance [B]; rescale [B] or None (guide). Returns (latents, steps_done): steps_done < schedule.num_steps - start when on_step
     stopped the loop; with `step_cache`, (latents, steps_done, steps_skipped)."""
     num_steps = schedule.num_steps
 
@@ -84,7 +102,7 @@ def denoise_loop(
         else:
             out, cache_state = step_cache.step(model, x, t, cache_state)
         if do_cfg:
-            out = guide(out, guidance)
+            out = guide(out, guidance, rescale)
         key = step_keys(keys, i) if scheduler.stochastic else None
         latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key)
         if after_step is not None:

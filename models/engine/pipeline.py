@@ -38,6 +38,7 @@ What a family declares (class attributes) and implements (its stages); everythin
     denoiser_name                    the module the denoise program takes ("unet", "transformer")
     cfg_field, cfg_needs_negative    the row field that scales CFG, and whether a row needs a negative prompt
                                      for it (Flux's true CFG); a row runs CFG when that scale is > 1
+    rescale_field                    a row field that rescales the CFG combine (SDXL's guidance_rescale), or None
     latents_axes, latents_layout     the loop's latents -> diffusers' layout (`latents=`, output "latent")
     load(folder) -> modules          read the weights (`load_module`), by name: text encoders, denoiser, "vae"
     tokenize(texts, settings)        host: token arrays [T, L] for the text encoders
@@ -204,6 +205,9 @@ class DiffusionPipeline:
     batch_fields: tuple[str, ...] = ("width", "height", "num_inference_steps", "scheduler")
     cfg_field: str = "guidance_scale"
     cfg_needs_negative: bool = False
+    # A row field applied to the CFG combine of the rows that run CFG (denoise_loop.guide): diffusers'
+    # guidance_rescale on SDXL. Per-row data, so any value runs the program every other value runs.
+    rescale_field: str | None = None
     # Step cache methods (models/engine/step_cache.py) -> their default thresholds; a family whose denoiser
     # routes its blocks through step_cache.after_first_block declares "first_block", through before_blocks
     # "teacache".
@@ -742,6 +746,8 @@ class DiffusionPipeline:
         if self.cfg_needs_negative:
             cfg_rows &= np.repeat([neg is not None for neg in negatives], n)
         do_cfg = bool(cfg_rows.any())
+        if self.rescale_field is not None:  # diffusers rescales only when CFG runs
+            rows[self.rescale_field] = np.where(cfg_rows, rows[self.rescale_field], 0.0)
         shape = self.noise_shape(settings)
         sched, schedule, steps = self.schedule(settings["scheduler"], settings["num_inference_steps"], shape)
         start, full_strength, pixels = 0, False, None
@@ -978,6 +984,7 @@ class DiffusionPipeline:
                 keys,
                 rows[self.cfg_field],
                 do_cfg=do_cfg,
+                rescale=None if self.rescale_field is None else rows[self.rescale_field],
                 on_step=self.step_reporter,
                 constrain=self.constrain,
                 start=start,

@@ -3,8 +3,8 @@
 Mirrors diffusers' StableDiffusionXLPipeline (the reference it is tested against) on the engine's pipeline
 (models/engine/pipeline.py: the call, CFG rows, schedules, programs) and denoising loop. What is here is SDXL's
 own: the two encoders and their pooled projection, the UNet call with its micro-conditioning, the VAE's latent
-scaling, zeros for a missing negative prompt (`force_zeros_for_empty_prompt`). Latents are channels-last
-[B, h, w, C] in the loop, diffusers' [B, C, h, w] at the call's edges.
+scaling, zeros for a missing negative prompt (`force_zeros_for_empty_prompt`), `guidance_rescale` per row.
+Latents are channels-last [B, h, w, C] in the loop, diffusers' [B, C, h, w] at the call's edges.
 
 Image inputs (docs/image-inputs.md), as StableDiffusionXLImg2ImgPipeline and StableDiffusionXLInpaintPipeline:
 the image's latents are the VAE posterior's mode x scaling_factor (img2img: (z - mean) x scaling / std when the
@@ -49,6 +49,9 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     family = "sdxl"
     denoiser_name = "unet"
     lora_text_encoders = _ENCODERS  # both CLIPs take LoRA factors (docs/lora.md)
+    # diffusers' guidance_rescale (rescale_noise_cfg after the CFG combine; 0: off), one value per row.
+    row_fields = ("guidance_scale", "guidance_rescale")
+    rescale_field = "guidance_rescale"
     latents_axes = (0, 3, 1, 2)
     latents_layout = "[B, C, h, w]"
     strength_rule = "int"  # diffusers' SDXL get_timesteps: int(steps * strength) steps run
@@ -139,6 +142,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "height": height,
             "num_inference_steps": 30 if min(height, width) >= 512 else 4,
             "guidance_scale": 5.0,
+            "guidance_rescale": 0.0,
             **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
 

@@ -223,6 +223,13 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             f"{info.id} ({info.family}) has no true CFG; true_cfg_scale must be left out "
             "(guidance_scale is its guidance)",
         )
+    rescale = req.guidance_rescale if req.guidance_rescale is not None else d.guidance_rescale
+    if req.guidance_rescale is not None and d.guidance_rescale is None:
+        raise FieldError(
+            "guidance_rescale",
+            "not_supported",
+            f"{info.id} ({info.family}) takes no guidance_rescale; it must be left out",
+        )
     strength = _image_task_strength(req, info, steps)
     loras = _check_loras(req, info)
     cache = _check_cache(req, info)
@@ -236,6 +243,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         num_inference_steps=steps,
         guidance_scale=req.guidance_scale if req.guidance_scale is not None else d.guidance_scale,
         true_cfg_scale=true_cfg,
+        guidance_rescale=rescale,
         fps=None if lim.frames is None else (req.fps if req.fps is not None else d.fps or DEFAULT_FPS),
         scheduler=req.scheduler,
         seed=req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1),

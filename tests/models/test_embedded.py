@@ -47,7 +47,13 @@ class Shipped:
 SHIPPED = {
     "tiny-sdxl": Shipped(
         "tiny-sdxl",
-        {"width": 64, "height": 64, "num_inference_steps": 20, "guidance_scale": 2.0},
+        {
+            "width": 64,
+            "height": 64,
+            "num_inference_steps": 20,
+            "guidance_scale": 2.0,
+            "guidance_rescale": 0.0,
+        },
         "StableDiffusionXLPipeline",
         (1, 4, 16, 16),
         {"guidance_scale": 5.0},

@@ -100,6 +100,43 @@ def test_pipeline_without_guidance_matches_diffusers(ours, reference):
     assert float(np.abs(got - expected).max()) <= 1e-3
 
 
+def test_guidance_rescale_matches_diffusers_per_row(ours, reference):
+    """diffusers' guidance_rescale (rescale_noise_cfg) is one number per call; ours is per row: a batch whose
+    rows take 0.7 and 0 gives each row what diffusers gives that row alone. A row without CFG is not rescaled
+    (diffusers rescales only under CFG)."""
+    import torch
+
+    latents = np.random.default_rng(3).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    _diffusers_scheduler(reference, "euler")
+    kw = dict(height=H, width=W, num_inference_steps=3, output_type="np")
+    prompts, guidance, rescale = ["a cat", "a red car", "a dog"], [7.0, 7.0, 1.0], [0.7, 0.0, 0.7]
+    got = ours(
+        prompts,
+        guidance_scale=guidance,
+        guidance_rescale=rescale,
+        latents=latents,
+        negative_prompt="blur",
+        **kw,
+    ).images
+    worst = 0.0
+    for row in range(3):
+        expected = reference(
+            prompts[row],
+            negative_prompt="blur",
+            guidance_scale=guidance[row],
+            guidance_rescale=rescale[row],
+            latents=torch.from_numpy(latents[row : row + 1]),
+            **kw,
+        ).images[0]
+        worst = max(worst, float(np.abs(got[row] - expected).max()))
+    assert worst <= 1e-3
+    # The rescale moves the picture by far more than the two sides differ (a test that cannot fail otherwise):
+    # row 0 without it, on this random tiny UNet, by 5.2e-3 (the sides: 2.0e-6).
+    plain = ours(prompts[0], guidance_scale=7.0, latents=latents[:1], negative_prompt="blur", **kw).images[0]
+    moved = float(np.abs(plain - got[0]).max())
+    assert moved > max(1e-3, 100 * worst), (moved, worst)
+
+
 def test_bf16_runs_close_to_fp32(tiny_sdxl_path, ours, record_property):
     latents = np.random.default_rng(2).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
     bf16 = load_pipeline(tiny_sdxl_path, dtype="bfloat16")
@@ -119,8 +156,11 @@ def test_prompt_seed_guidance_never_recompile(ours):
     kw = dict(height=H, width=W, num_inference_steps=2, output_type="np")
     ours("first prompt", seed=1, guidance_scale=5.0, **kw)
     before = ours.compilations
-    for prompt, seed, g in (("another prompt", 2, 7.5), ("a third, longer prompt about cats", 99, 3.0)):
-        out = ours(prompt, seed=seed, guidance_scale=g, **kw)
+    for prompt, seed, g, r in (
+        ("another prompt", 2, 7.5, 0.7),
+        ("a third, longer prompt about cats", 99, 3.0, 0),
+    ):
+        out = ours(prompt, seed=seed, guidance_scale=g, guidance_rescale=r, **kw)
         assert not out.compiled
     assert ours.compilations == before
     # A new shape does compile: the counter is live, not a constant.

@@ -43,7 +43,13 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                 params(
                     "a blue circle", model="tiny-sdxl", steps=d.num_inference_steps, seed=5, size=d.width, n=2
                 ),
+                # diffusers' guidance_rescale, per row: batched with the jobs above, which carry none (a job from
+                # before the field: the pipeline's default, 0) and run as the direct call without it.
+                params(
+                    "a green triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=8, size=d.width
+                ).model_copy(update={"guidance_rescale": 0.7}),
             ]
+            assert d.guidance_rescale == 0.0
             ids = await submit_many(store, jobs)
             done = await wait_ended(store, ids, timeout=300)
             assert all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
@@ -65,6 +71,7 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         width=p.width,
                         num_inference_steps=p.num_inference_steps,
                         guidance_scale=[p.guidance_scale],
+                        guidance_rescale=[p.guidance_rescale or 0.0],
                         seed=[p.seed + i],
                         num_images_per_prompt=1,
                         output_type="np",

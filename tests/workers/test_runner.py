@@ -189,6 +189,18 @@ def test_pipeline_runner_passes_the_declared_row_fields_per_row():
     assert call["negative_prompt"] == ["fog", "fog", None, "fog"]
 
 
+def test_a_row_field_a_job_does_not_carry_takes_the_pipelines_default():
+    """A job admitted on a card without the field (SDXL's guidance_rescale: a pool from before it, or a job
+    queued then) runs with the pipeline's default, not None."""
+    pipe = _contract_pipeline(row_fields=("guidance_scale", "guidance_rescale"))
+    type(pipe).defaults = property(lambda self: {"width": 16, "height": 8, "num_inference_steps": 2,
+                                                 "guidance_scale": 5.0, "guidance_rescale": 0.0})  # fmt: skip
+    a = _req("a").params.model_copy(update={"guidance_rescale": 0.7})
+    _pipeline_runner(pipe).run([RunRequest("a", a), _req("b")])
+    (call,) = pipe.calls
+    assert call["guidance_rescale"] == [0.7, 0.0]
+
+
 def test_a_job_with_more_images_than_max_batch_runs_in_parts():
     """max_batch bounds one call's rows (the device memory the pool is sized for), also for one job's n: a
     job of 5 images on a pool of max_batch 2 runs as calls of 2, 2 and 1 rows (warmed-up sizes) with the
