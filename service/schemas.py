@@ -53,6 +53,39 @@ EXAMPLE_MASK = (
 )
 
 
+def _unicode_text(value: Any) -> Any:
+    """A field's value whose every string (dict keys, lists and nested request models included) is Unicode text.
+    JSON may escape a lone UTF-16 surrogate (`"\\ud800"`), which Python's parser reads into a str that cannot
+    be encoded: stored in a job it made the API answer 500 (an audit, 2026-11-29: `negative_prompt`, a metadata
+    value) or came back mangled (a metadata key)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise PydanticCustomError(
+                    "string_unicode", "a string holds a lone UTF-16 surrogate: it is not Unicode text"
+                ) from None
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple):
+            stack += item
+        elif isinstance(item, BaseModel):
+            stack += list(item.__dict__.values())
+    return value
+
+
+class _TextRequest(BaseModel):
+    """A request body whose strings are all Unicode text (`_unicode_text`), checked field by field."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:
+        return _unicode_text(value)
+
+
 def _check_metadata(metadata: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
     for key, value in metadata.items():
         if not 1 <= len(key) <= MAX_METADATA_KEY:
@@ -124,7 +157,7 @@ def _unique_loras(loras: list[LoraRequest] | None) -> list[LoraRequest] | None:
     return loras
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_TextRequest):
     """`POST /v1/generate`. Fields left out take the model's defaults; `seed` null picks a random seed, which the
     job's `params.seed` then shows."""
 
@@ -243,7 +276,7 @@ class GenerateRequest(BaseModel):
     )
 
 
-class ImagesRequest(BaseModel):
+class ImagesRequest(_TextRequest):
     """OpenAI-compatible `POST /v1/images/generations` (fields OpenAI clients send that do not apply here, such
     as `quality`, `style` or `user`, are accepted and ignored)."""
 
@@ -411,7 +444,7 @@ class ErrorResponse(BaseModel):
 # -- LoRA administration (admin key) ------------------------------------------------------------------------
 
 
-class LoraCreate(BaseModel):
+class LoraCreate(_TextRequest):
     """`POST /v1/loras`: register an adapter for a model on every pool serving it."""
 
     model_config = ConfigDict(extra="forbid")

@@ -252,6 +252,33 @@ async def test_numbers_are_finite_and_in_range(api, raw, field, code):
         assert "finite_number" in err["message"]
 
 
+@pytest.mark.parametrize(
+    ("route", "raw", "field"),
+    [
+        ("/v1/generate", '"prompt": "x", "negative_prompt": "a\\ud800b"', "negative_prompt"),
+        ("/v1/generate", '"prompt": "x", "metadata": {"k": "a\\udfffb"}', "metadata"),
+        ("/v1/generate", '"prompt": "x", "metadata": {"a\\ud800": 1}', "metadata"),
+        ("/v1/generate", '"prompt": "a\\ud800"', "prompt"),
+        ("/v1/images/generations", '"prompt": "a\\ud800"', "prompt"),
+    ],
+)
+async def test_a_lone_surrogate_in_any_string_is_a_422(api, route, raw, field):
+    """JSON may escape a lone UTF-16 surrogate, which Python reads into a str no encoder takes: an audit's
+    negative_prompt and metadata value made the API answer 500 (the job could not be written), a metadata key
+    was stored mangled. A real character written as an escaped pair is text and is accepted."""
+    client, store, _ = api
+    body = '{"model": "toy", ' + raw + "}"
+    r = await client.post(route, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, "string_unicode"), err
+    assert await store.redis.exists(store.stream_key("toy", "normal")) == 0
+    pair = '{"model": "toy", "prompt": "x", "negative_prompt": "\\ud83d\\ude00", "metadata": {"\\u00e9": "\\ud83d\\ude00"}}'
+    r = await client.post("/v1/generate", content=pair, headers={"content-type": "application/json"})
+    assert r.status_code == 202 and r.json()["params"]["negative_prompt"] == "\U0001f600", r.text
+    assert r.json()["params"]["metadata"] == {"\u00e9": "\U0001f600"}
+
+
 async def test_a_number_with_thousands_of_digits_is_a_422(api):
     client, *_ = api
     body = '{"model": "toy", "prompt": "x", "seed": ' + "9" * 5000 + "}"
