@@ -692,3 +692,21 @@ async def test_images_edits_take_one_image_and_one_mask(api_img):
         assert r.status_code == 422, r.text
         assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, "too_many"), r.text
     assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []
+
+
+async def test_an_edit_retried_with_its_idempotency_key_is_the_same_job(api_img):
+    """OpenAI's SDKs retry a 5xx as a new request: with the same key and files it returns the first job (its
+    stored inputs reused, the retry's dropped); other files under the key are a conflict."""
+    client, store, worker = api_img
+    worker.start()
+    files = {"image": ("in.png", PNG, "image/png"), "mask": ("mask.png", MASK, "image/png")}
+    data = {"prompt": "a cat", "model": "toy-img", "size": "64x48", "response_format": "b64_json"}
+    key = {"Idempotency-Key": "edit-1"}
+    first = await client.post("/v1/images/edits", files=files, data=data, headers=key)
+    again = await client.post("/v1/images/edits", files=files, data=data, headers=key)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert first.json()["data"] == again.json()["data"]
+    assert len([k async for k in store.redis.scan_iter(f"{store.prefix}:job:*")]) == 1
+    other = {**files, "image": ("in.png", encode(Image.new("RGB", (40, 24), (0, 9, 0)), "PNG"), "image/png")}
+    r = await client.post("/v1/images/edits", files=other, data=data, headers=key)
+    assert r.status_code == 422, r.text

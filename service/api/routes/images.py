@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterator
 from typing import Annotated, Literal
@@ -19,9 +20,9 @@ from meshserve.service.api.catalog import ServedModel, normalise
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, TenantDep
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, with_image_inputs
-from meshserve.service.api.routes.generate import ERRORS, outcome_unknown
+from meshserve.service.api.routes.generate import ERRORS, idempotency_key, outcome_unknown
 from meshserve.service.api.wait_slots import ClientGone, client_gone, wait_unless_gone
-from meshserve.service.contract import Job, JobParams, JobStatus
+from meshserve.service.contract import Job, JobParams, JobStatus, Priority
 from meshserve.service.job_queue import SubmitOutcomeUnknown
 from meshserve.service.schemas import (
     MAX_MODEL_ID_CHARS,
@@ -32,9 +33,22 @@ from meshserve.service.schemas import (
     ImagesResponse,
 )
 from meshserve.service.settings import Settings
-from meshserve.service.store import Store
+from meshserve.service.store import Store, request_hash
 
 router = APIRouter(tags=["openai"])
+
+# OpenAI's SDKs retry 408, 409, 429 and every 5xx twice by default, each time as a new submit, unless the answer
+# says `x-should-retry: false`: a failed, canceled or timed-out job was submitted three times (a client audit,
+# 2026-11-29; a canceled one came back twice). An answer about a job that exists says not to retry; the job's
+# Location says where to follow it. An `Idempotency-Key` makes a retry return the same job.
+NO_RETRY = {"x-should-retry": "false"}
+IDEMPOTENCY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "As on /v1/generate: the same key and request return the same job (and its result).",
+}
 
 RESPONSES = {
     **ERRORS,
@@ -81,6 +95,7 @@ def _params(served: ServedModel, settings: Settings, size: str | None, **fields)
     "/v1/images/generations",
     response_model=ImagesResponse,
     responses=RESPONSES,
+    openapi_extra={"parameters": [IDEMPOTENCY]},
     summary="Create images (OpenAI shape)",
 )
 async def create_image(
@@ -91,14 +106,31 @@ async def create_image(
     settings: SettingsDep,
     tenant: TenantDep,
 ) -> ImagesResponse:
+    key = idempotency_key(request)
     served = await catalog.resolve(body.model)
     params = _params(served, settings, body.size, prompt=body.prompt, n=body.n)
+    digest = request_hash({"route": "generations", **body.model_dump(exclude_defaults=True)}) if key else ""
     with _wait_slot(request, tenant.name):
         try:
-            job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+            job = await store.submit(
+                params,
+                Priority.NORMAL,
+                key,
+                request_digest=digest,
+                owner=tenant.name,
+                max_active=tenant.max_active,
+            )
         except SubmitOutcomeUnknown as e:
-            raise outcome_unknown(e, settings) from None
+            raise _unknown(e, settings, key) from None
         return await _answer(job, body.response_format, request, store, settings)
+
+
+def _unknown(e: SubmitOutcomeUnknown, settings: Settings, key: str | None) -> ApiError:
+    """The submit's outcome is unknown: without a key a retry may make a second job, so the SDK is told not to."""
+    error = outcome_unknown(e, settings, key)
+    if key is None:
+        error.headers = {**(error.headers or {}), **NO_RETRY}
+    return error
 
 
 @contextlib.contextmanager
@@ -124,6 +156,7 @@ async def _upload(file: UploadFile, field: str, settings: Settings) -> bytes:
     "/v1/images/edits",
     response_model=ImagesResponse,
     responses=RESPONSES,
+    openapi_extra={"parameters": [IDEMPOTENCY]},
     summary="Edit an image (OpenAI shape, multipart)",
     description="Image-to-image, or inpainting with a mask. As OpenAI's: the mask's transparent pixels are "
     "repainted (a mask without alpha is read as grayscale: white repaints). Bodies up to "
@@ -149,6 +182,7 @@ async def edit_image(
     ] = None,
 ) -> ImagesResponse:
     _one_file_each(await request.form())
+    key = idempotency_key(request)
     served = await catalog.resolve(model)
     # The task and strength are checked on the fields' presence; the bytes come next.
     marker = "uploaded"
@@ -165,6 +199,13 @@ async def edit_image(
     with _wait_slot(request, tenant.name):  # before the inputs are stored: a refusal leaves none
         image_bytes = await _upload(image, "image", settings)
         mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
+        digest = ""
+        if key:  # the request's fields and its files' bytes
+            fields = {"route": "edits", "prompt": prompt, "model": model, "n": n, "size": size}
+            fields |= {"response_format": response_format, "strength": strength}
+            for name, data in (("image", image_bytes), ("mask", mask_bytes)):
+                fields[name] = None if data is None else hashlib.sha256(data).hexdigest()
+            digest = request_hash(fields)
         params = await with_image_inputs(
             store,
             settings,
@@ -176,14 +217,21 @@ async def edit_image(
         )
         job, unknown = None, None
         try:
-            job = await store.submit(params, owner=tenant.name, max_active=tenant.max_active)
+            job = await store.submit(
+                params,
+                Priority.NORMAL,
+                key,
+                request_digest=digest,
+                owner=tenant.name,
+                max_active=tenant.max_active,
+            )
         except SubmitOutcomeUnknown as e:
             unknown = e
         finally:
             if unknown is None:  # a job that may exist keeps its inputs (they expire with it)
                 await drop_unused_inputs(store, params, job)
         if unknown is not None:
-            raise outcome_unknown(unknown, settings)
+            raise _unknown(unknown, settings, key)
         return await _answer(job, response_format, request, store, settings)
 
 
@@ -214,27 +262,39 @@ async def _answer(
             "store_unavailable",
             f"job {job.id} was accepted, but the job store stopped answering while waiting for it; "
             f"follow it at /v1/jobs/{job.id}",
-            headers={"Location": f"/v1/jobs/{job.id}", "Retry-After": str(settings.retry_after_s)},
+            headers={
+                "Location": f"/v1/jobs/{job.id}",
+                "Retry-After": str(settings.retry_after_s),
+                **NO_RETRY,
+            },
         ) from None
     if waited is None:  # the API is stopping (service/api/draining.py)
         raise ApiError(
             503,
             "shutting_down",
             f"job {job.id} was accepted, but this API process is stopping; follow it at /v1/jobs/{job.id}",
-            headers={"Location": f"/v1/jobs/{job.id}", "Retry-After": str(settings.retry_after_s)},
+            headers={
+                "Location": f"/v1/jobs/{job.id}",
+                "Retry-After": str(settings.retry_after_s),
+                **NO_RETRY,
+            },
         )
     job = waited
+    about = {"Location": f"/v1/jobs/{job.id}", **NO_RETRY}
     if job.status == JobStatus.FAILED:
         err = job.error
-        raise ApiError(502, err.code if err else "job_failed", err.message if err else "the job failed")
+        raise ApiError(
+            502, err.code if err else "job_failed", err.message if err else "the job failed", headers=about
+        )
     if job.status == JobStatus.CANCELED:
-        raise ApiError(409, "job_canceled", f"job {job.id} was canceled")
+        raise ApiError(409, "job_canceled", f"job {job.id} was canceled", headers=about)
     if job.status != JobStatus.SUCCEEDED:
         raise ApiError(
             504,
             "timeout",
             f"job {job.id} did not finish within {settings.openai_timeout_s:g} s; "
             f"follow it at /v1/jobs/{job.id}",
+            headers=about,
         )
     data = []
     for out in job.outputs:
