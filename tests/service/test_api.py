@@ -323,6 +323,15 @@ async def test_prefer_wait(api):
     assert (
         prefer_wait("wait=600", 60) == 60 and prefer_wait("wait=abc", 60) == 0 and prefer_wait(None, 60) == 0
     )
+    # RFC 7240: several Prefer headers (an audit's second header was never read), several preferences in one,
+    # and `wait` as another preference's parameter is not a wait.
+    assert prefer_wait(["respond-async", "wait=3"], 60) == 3 and prefer_wait(["x=1, WAIT = \"7\""], 60) == 7
+    assert prefer_wait("handling=strict; wait=3", 60) == 0 and prefer_wait("wait=5; foo=bar", 60) == 5
+    assert prefer_wait("nowait=5", 60) == 0
+    r = await client.post(
+        "/v1/generate", json={"prompt": "x"}, headers=[("Prefer", "respond-async"), ("Prefer", "wait=10")]
+    )
+    assert r.status_code == 200 and r.headers["preference-applied"] == "wait=10", r.text
     # Over 4,300 digits int() refuses: that was a 500 after the job was queued (its id never reached the client).
     r = await client.post("/v1/generate", json={"prompt": "x"}, headers={"Prefer": "wait=" + "1" * 5000})
     assert r.status_code == 200 and r.headers["preference-applied"] == "wait=60", r.text

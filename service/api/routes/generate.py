@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["generate"])
 
 MAX_IDEMPOTENCY_KEY = 255
-_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d+)\"?", re.IGNORECASE)
+_WAIT = re.compile(r"\s*wait\s*=\s*\"?(\d+)\"?\s*", re.IGNORECASE)
 ERRORS = {
     404: {
         "model": ErrorResponse,
@@ -70,15 +70,19 @@ def outcome_unknown(
     )
 
 
-def prefer_wait(prefer: str | None, limit: int) -> int:
+def prefer_wait(prefer: str | list[str] | None, limit: int) -> int:
     """Seconds asked for by `Prefer: wait=N`, capped at `limit` (RFC 7240: a preference the server cannot honour
-    in full is honoured in part, an unreadable one is ignored)."""
-    m = _WAIT.search(prefer or "")
-    if not m:
-        return 0
-    digits = m.group(1).lstrip("0")
-    # Python refuses int() of over 4,300 digits: a long number asks for more than any limit anyway.
-    return limit if len(digits) > 9 else min(int(digits or "0"), limit)
+    in full is honoured in part, an unreadable one is ignored). `prefer`: the Prefer headers' values; a request
+    may send several, and a header several preferences separated by commas, each with `;` parameters after it
+    (`handling=strict; wait=3` names no wait preference: wait is a parameter of handling there)."""
+    values = [prefer] if isinstance(prefer, str) else prefer or []
+    for preference in ",".join(values).split(","):
+        m = _WAIT.fullmatch(preference.split(";", 1)[0])
+        if m:
+            digits = m.group(1).lstrip("0")
+            # Python refuses int() of over 4,300 digits: a long number asks for more than any limit anyway.
+            return limit if len(digits) > 9 else min(int(digits or "0"), limit)
+    return 0
 
 
 def job_reply(job: JobResponse, response_status: int, headers: dict[str, str] | None = None) -> Response:
@@ -143,7 +147,7 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     params = normalise(body, served.info, settings.max_prompt_chars)
     deadline = deadline_at(request.headers.get("cancel-after"), body.deadline_s, settings)
     webhook = await webhook_spec(body.webhook, tenant, settings, store.redis, store.prefix)
-    wait_s = prefer_wait(request.headers.get("prefer"), settings.max_wait_s)  # read before the job exists
+    wait_s = prefer_wait(request.headers.getlist("prefer"), settings.max_wait_s)  # read before the job exists
     # Fields at their defaults left out: a retry that spells a default out is the same request.
     digest = request_hash(body.model_dump(mode="json", exclude_defaults=True)) if key else ""
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
