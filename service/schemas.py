@@ -284,11 +284,24 @@ class ImagesRequest(_TextRequest):
 
     prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
     model: str | None = Field(None, max_length=MAX_MODEL_ID_CHARS)
-    n: int = Field(1, ge=1)
+    # OpenAI marks n, size and response_format nullable (clients such as LiteLLM send null): null is the default.
+    n: int | None = Field(1, ge=1, description="null: 1.")
     size: str | None = Field(
-        None, pattern=r"^\d{1,5}x\d{1,5}$", description='"WIDTHxHEIGHT", e.g. "1024x1024".'
+        None,
+        pattern=r"^(\d{1,5}x\d{1,5}|auto)$",
+        description='"WIDTHxHEIGHT", e.g. "1024x1024"; "auto" or null: the model\'s default size.',
     )
-    response_format: Literal["url", "b64_json"] = "url"
+    response_format: Literal["url", "b64_json"] | None = Field("url", description="null: url.")
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(
+        None,
+        description="gpt-image-1's: the images' format, one the model lists in `limits.output_formats` (null: "
+        "the model's first).",
+    )
+    stream: bool | None = Field(
+        None,
+        description="Streaming partial images is not offered: true is a 422 `not_supported` (a job's previews "
+        "stream over `GET /v1/jobs/{id}/events`).",
+    )
 
 
 # -- responses ----------------------------------------------------------------------------------------------

@@ -325,7 +325,7 @@ async def test_prefer_wait(api):
     )
     # RFC 7240: several Prefer headers (an audit's second header was never read), several preferences in one,
     # and `wait` as another preference's parameter is not a wait.
-    assert prefer_wait(["respond-async", "wait=3"], 60) == 3 and prefer_wait(["x=1, WAIT = \"7\""], 60) == 7
+    assert prefer_wait(["respond-async", "wait=3"], 60) == 3 and prefer_wait(['x=1, WAIT = "7"'], 60) == 7
     assert prefer_wait("handling=strict; wait=3", 60) == 0 and prefer_wait("wait=5; foo=bar", 60) == 5
     assert prefer_wait("nowait=5", 60) == 0
     r = await client.post(
@@ -409,6 +409,26 @@ async def test_openai_images(api):
     assert r.status_code == 422 and r.json()["error"]["field"] == "size"
     r = await client.post("/v1/images/generations", json={"prompt": "x", "size": "100x100"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "not_multiple"
+
+
+async def test_openai_images_take_the_fields_openai_clients_send(api):
+    """OpenAI's nullable fields as null (LiteLLM-style clients), size "auto", gpt-image-1's output_format (an audit
+    got PNG for jpeg), and stream: true refused (the SDK then failed reading JSON as an event stream)."""
+    client, store, worker = api
+    worker.start()
+    body = {"prompt": "x", "n": None, "size": "auto", "response_format": None, "output_format": "jpeg"}
+    r = await client.post("/v1/images/generations", json=body)
+    assert r.status_code == 200, r.text
+    (data,) = r.json()["data"]
+    job = await store.get(data["url"].split("/v1/jobs/")[1].split("/")[0])
+    assert (job.params.output_format, job.params.n, job.params.width) == ("jpeg", 1, 64)
+    r = await client.post("/v1/images/generations", json={"prompt": "x", "stream": True})
+    assert r.status_code == 422 and (r.json()["error"]["field"], r.json()["error"]["code"]) == (
+        "stream",
+        "not_supported",
+    )
+    r = await client.post("/v1/images/generations", json={"prompt": "x", "output_format": "gif"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "output_format", r.text
 
 
 async def test_probes(make_settings):

@@ -60,7 +60,7 @@ RESPONSES = {
         "description": "Not done within the timeout; the job goes on (id in message).",
     },
 }
-SIZE_PATTERN = r"^\d{1,5}x\d{1,5}$"
+SIZE_PATTERN = r"^(\d{1,5}x\d{1,5}|auto)$"
 
 
 def _params(served: ServedModel, settings: Settings, size: str | None, **fields) -> JobParams:
@@ -70,7 +70,7 @@ def _params(served: ServedModel, settings: Settings, size: str | None, **fields)
             "model", "not_supported", f"{served.info.id} makes videos, not images: use POST /v1/generate"
         )
     width = height = None
-    if size:
+    if size and size != "auto":
         width, height = (int(v) for v in size.split("x"))
     try:
         req = GenerateRequest(model=served.info.id, width=width, height=height, **fields)
@@ -106,9 +106,16 @@ async def create_image(
     settings: SettingsDep,
     tenant: TenantDep,
 ) -> ImagesResponse:
+    if body.stream:  # OpenAI's SDK would read a JSON answer as an event stream and fail on it
+        raise FieldError(
+            "stream",
+            "not_supported",
+            "streaming partial images is not offered; previews stream over GET /v1/jobs/{id}/events",
+        )
     key = idempotency_key(request)
     served = await catalog.resolve(body.model)
-    params = _params(served, settings, body.size, prompt=body.prompt, n=body.n)
+    fields = {"prompt": body.prompt, "n": body.n or 1, "output_format": body.output_format}
+    params = _params(served, settings, body.size, **fields)
     digest = request_hash({"route": "generations", **body.model_dump(exclude_defaults=True)}) if key else ""
     with _wait_slot(request, tenant.name):
         try:
@@ -122,7 +129,7 @@ async def create_image(
             )
         except SubmitOutcomeUnknown as e:
             raise _unknown(e, settings, key) from None
-        return await _answer(job, body.response_format, request, store, settings)
+        return await _answer(job, body.response_format or "url", request, store, settings)
 
 
 def _unknown(e: SubmitOutcomeUnknown, settings: Settings, key: str | None) -> ApiError:
@@ -159,7 +166,8 @@ async def _upload(file: UploadFile, field: str, settings: Settings) -> bytes:
     openapi_extra={"parameters": [IDEMPOTENCY]},
     summary="Edit an image (OpenAI shape, multipart)",
     description="Image-to-image, or inpainting with a mask. As OpenAI's: the mask's transparent pixels are "
-    "repainted (a mask without alpha is read as grayscale: white repaints). Bodies up to "
+    "repainted (a mask without alpha is read as grayscale: white repaints). Unlike dall-e-2, an image's own "
+    "transparency is not read as a mask: without a `mask` the edit is image-to-image. Bodies up to "
     "`max_image_body_bytes`; each file up to `max_image_bytes` and `max_image_pixels`; PNG, JPEG or WebP.",
 )
 async def edit_image(
@@ -175,8 +183,13 @@ async def edit_image(
     ] = None,
     model: Annotated[str | None, Form(max_length=MAX_MODEL_ID_CHARS)] = None,
     n: Annotated[int, Form(ge=1)] = 1,
-    size: Annotated[str | None, Form(pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT".')] = None,
+    size: Annotated[
+        str | None, Form(pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT"; "auto": the model\'s default.')
+    ] = None,
     response_format: Annotated[Literal["url", "b64_json"], Form()] = "url",
+    output_format: Annotated[
+        Literal["png", "jpeg", "webp"] | None, Form(description="As /v1/images/generations'.")
+    ] = None,
     strength: Annotated[
         float | None, Form(gt=0, le=1, allow_inf_nan=False, description="As /v1/generate's (an extension).")
     ] = None,
@@ -193,6 +206,7 @@ async def edit_image(
         prompt=prompt,
         n=n,
         strength=strength,
+        output_format=output_format,
         image=marker,
         mask=marker if mask is not None else None,
     )
@@ -202,6 +216,7 @@ async def edit_image(
         digest = ""
         if key:  # the request's fields and its files' bytes
             fields = {"route": "edits", "prompt": prompt, "model": model, "n": n, "size": size}
+            fields["output_format"] = output_format
             fields |= {"response_format": response_format, "strength": strength}
             for name, data in (("image", image_bytes), ("mask", mask_bytes)):
                 fields[name] = None if data is None else hashlib.sha256(data).hexdigest()
