@@ -680,7 +680,7 @@ async def test_an_unreadable_multipart_form_is_a_422_that_says_so(api_img):
 
 async def test_images_edits_take_one_image_and_one_mask(api_img):
     """A second image (or mask) part, or OpenAI's several-image `image[]`, is refused naming the field: the form
-    reader kept one silently (`image[]` alone is a missing `image`). Nothing is stored."""
+    reader kept one silently. Nothing is stored."""
     client, store, _ = api_img
     png = ("a.png", PNG, "image/png")
     for files, field in (
@@ -692,6 +692,15 @@ async def test_images_edits_take_one_image_and_one_mask(api_img):
         assert r.status_code == 422, r.text
         assert (r.json()["error"]["field"], r.json()["error"]["code"]) == (field, "too_many"), r.text
     assert [k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")] == []
+    # One `image[]` (an SDK's list of one) is the image; a text field in its place is refused as such.
+    worker = api_img[2]
+    worker.start()
+    data = {"model": "toy-img", "prompt": "p", "size": "64x48", "response_format": "b64_json"}
+    r = await client.post("/v1/images/edits", files=[("image[]", png)], data=data)
+    assert r.status_code == 200, r.text
+    for text in ("image", "image[]"):
+        r = await client.post("/v1/images/edits", files=[("x", png)], data={**data, text: "text"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "image", r.text
 
 
 async def test_an_edit_retried_with_its_idempotency_key_is_the_same_job(api_img):

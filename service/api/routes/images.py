@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from pydantic import ValidationError
 from redis.exceptions import RedisError
+from starlette.datastructures import UploadFile as StarletteUploadFile
 
 from meshserve.service import metrics
 from meshserve.service.api.catalog import ServedModel, normalise
@@ -176,8 +177,14 @@ async def edit_image(
     catalog: CatalogDep,
     settings: SettingsDep,
     tenant: TenantDep,
-    image: Annotated[UploadFile, File(description="The image to edit: PNG, JPEG or WebP, one frame.")],
     prompt: Annotated[str, Form(min_length=1, description="At most `max_prompt_chars` characters.")],
+    image: Annotated[
+        UploadFile | None,
+        File(
+            description="The image to edit: PNG, JPEG or WebP, one frame (or one `image[]` part, the SDKs' "
+            "list form)."
+        ),
+    ] = None,
     mask: Annotated[
         UploadFile | None, File(description="Where to repaint (transparent), the image's size.")
     ] = None,
@@ -194,7 +201,7 @@ async def edit_image(
         float | None, Form(gt=0, le=1, allow_inf_nan=False, description="As /v1/generate's (an extension).")
     ] = None,
 ) -> ImagesResponse:
-    _one_file_each(await request.form())
+    image = _one_file_each(await request.form())
     key = idempotency_key(request)
     served = await catalog.resolve(model)
     # The task and strength are checked on the fields' presence; the bytes come next.
@@ -250,13 +257,20 @@ async def edit_image(
         return await _answer(job, response_format, request, store, settings)
 
 
-def _one_file_each(form) -> None:
-    """An edit takes one image and at most one mask: a second part of either name (or OpenAI's `image[]`, its
-    several-image form) is refused, where the form reader kept one of them silently."""
+def _one_file_each(form) -> StarletteUploadFile:
+    """The edit's image: an edit takes one image and at most one mask, each as a part of its name or as OpenAI's
+    list form (`image[]`, what the SDKs send for a list); a second part of either is refused, where the form
+    reader kept one of them silently (and a lone `image[]` was answered "image: Field required")."""
     for field in ("image", "mask"):
         parts = len(form.getlist(field)) + len(form.getlist(f"{field}[]"))
         if parts > 1:
             raise FieldError(field, "too_many", f"{field}: one file per edit, got {parts}")
+    image = form.get("image") or form.get("image[]")
+    if image is None:
+        raise FieldError("image", "missing", "image: Field required (missing)")
+    if not isinstance(image, StarletteUploadFile):  # (the form's parts are Starlette's, FastAPI's subclass)
+        raise FieldError("image", "not_a_file", "image must be a file part of the form, not a text field")
+    return image
 
 
 async def _answer(
