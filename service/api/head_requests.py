@@ -1,8 +1,8 @@
 """HEAD on every GET route (RFC 9110 9.3.2): the GET's status and headers, no body.
 
 FastAPI routes answer only the methods they declare, so `curl -I` on an output's URL, a job or /v1/models was a
-405. The request runs as the GET (same authentication, same handler: its Content-Length and ETag are the
-GET's); the body is dropped, and once the headers have gone the handler is stopped, so that a HEAD on a stream
+405. The request runs as the GET (same authentication, same handler: its Content-Length, and an output's ETag, are
+the GET's); the body is dropped, and once the headers have gone the handler is stopped, so that a HEAD on a stream
 (a job's events) holds no wait slot while the stream would run.
 """
 

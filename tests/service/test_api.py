@@ -658,3 +658,45 @@ async def test_an_encoded_body_says_so(api):
     error = r.json()["error"]
     assert r.status_code == 422 and (error["code"], error["field"]) == ("invalid_json", "body"), r.text
     assert "Content-Encoding 'gzip'" in error["message"], error
+
+
+async def test_outputs_answer_conditional_and_ranged_downloads(api):
+    """A `<video>` seeks with ranges (Safari plays an MP4 only from them) and a resumed download asks for the
+    rest: an audit got 200 and the whole body for every Range, and no ETag."""
+    client, _, worker = api
+    worker.start()
+    r = await client.post("/v1/generate", json={"prompt": "x"}, headers={"Prefer": "wait=10"})
+    url = r.json()["outputs"][0]["url"]
+    whole = await client.get(url)
+    data, etag, size = whole.content, whole.headers["etag"], len(whole.content)
+    assert whole.status_code == 200 and whole.headers["accept-ranges"] == "bytes" and etag.startswith('"')
+    for spec, start, end in (
+        ("0-9", 0, 9),
+        ("10-", 10, size - 1),
+        ("-7", size - 7, size - 1),
+        ("5-99999", 5, size - 1),
+    ):
+        r = await client.get(url, headers={"Range": f"bytes={spec}"})
+        assert r.status_code == 206, (spec, r.status_code)
+        assert (
+            r.content == data[start : end + 1] and r.headers["content-range"] == f"bytes {start}-{end}/{size}"
+        )
+    for spec in (f"{size}-", "-0"):
+        r = await client.get(url, headers={"Range": f"bytes={spec}"})
+        assert r.status_code == 416 and r.headers["content-range"] == f"bytes */{size}", spec
+    # Whole answers: several ranges, an invalid one, another unit, a stale If-Range.
+    for headers in (
+        {"Range": "bytes=0-1,4-5"},
+        {"Range": "bytes=9-3"},
+        {"Range": "items=0-1"},
+        {"Range": "bytes=0-1", "If-Range": '"other"'},
+    ):
+        r = await client.get(url, headers=headers)
+        assert r.status_code == 200 and r.content == data, headers
+    r = await client.get(url, headers={"Range": "bytes=0-1", "If-Range": etag})
+    assert r.status_code == 206 and r.content == data[:2]
+    for tag in (etag, f"W/{etag}", '"x", ' + etag, "*"):
+        r = await client.get(url, headers={"If-None-Match": tag})
+        assert r.status_code == 304 and not r.content and r.headers["etag"] == etag, tag
+    r = await client.head(url, headers={"Range": "bytes=0-9"})
+    assert r.status_code == 206 and r.headers["content-length"] == "10"

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
+from meshserve.service.api.byte_ranges import output_response
 from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep, TenantDep
 from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
@@ -151,14 +152,21 @@ def _valid_stream_id(value: str) -> bool:
             "content": {content_type: {} for content_type in CONTENT_TYPES.values()},
             "description": "The output's bytes.",
         },
+        206: {
+            "description": "One byte range of the output (`Range: bytes=...`; `Content-Range` says which)."
+        },
+        304: {
+            "description": "`If-None-Match` names the output's `ETag`: it has not changed (it never does)."
+        },
         **NOT_FOUND,
         410: {"model": ErrorResponse, "description": "The output expired."},
+        416: {"description": "The range starts past the output's end (`Content-Range: bytes */<size>`)."},
     },
     response_class=Response,
     summary="Download an output",
 )
 async def read_job_output(
-    job: JobDep, store: StoreDep, index: int = Path(ge=0, le=MAX_OUTPUT_INDEX)
+    request: Request, job: JobDep, store: StoreDep, index: int = Path(ge=0, le=MAX_OUTPUT_INDEX)
 ) -> Response:
     if job.status != JobStatus.SUCCEEDED:
         raise ApiError(
@@ -180,4 +188,5 @@ async def read_job_output(
         "Content-Disposition": f'inline; filename="{job.id}-{index}.{ext}"',
         "Cache-Control": "private",
     }
-    return Response(data, media_type=record.content_type, headers=headers)
+    # Conditional and ranged downloads (service/api/byte_ranges.py): an output never changes, so its id tags it.
+    return output_response(request, data, record.content_type, f'"{job.id}-{index}"', headers)
