@@ -140,7 +140,7 @@ def _allowed_methods(request: Request) -> list[str]:
     routers, so their routes are not a flat list)."""
     from starlette.routing import Match
 
-    return [
+    methods = [
         method
         for method in ("DELETE", "GET", "PATCH", "POST", "PUT")
         if any(
@@ -148,6 +148,8 @@ def _allowed_methods(request: Request) -> list[str]:
             for route in request.app.router.routes
         )
     ]
+    # Every GET route answers HEAD too (service/api/head_requests.py).
+    return sorted([*methods, "HEAD"]) if "GET" in methods else methods
 
 
 def _on_queue_full(request: Request, exc: QueueFull) -> JSONResponse:

@@ -373,6 +373,9 @@ async def test_not_found_shapes(api):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = await client.delete("/v1/generate")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+    r = await client.delete("/v1/models")  # a GET route answers HEAD too (head_requests.py): Allow says so
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
     job = (await client.post("/v1/generate", json={"prompt": "x"})).json()
     r = await client.get(f"/v1/jobs/{job['id']}/outputs/0")
     assert r.status_code == 404 and "queued" in r.json()["error"]["message"]

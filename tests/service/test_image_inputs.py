@@ -687,6 +687,7 @@ async def test_images_edits_take_one_image_and_one_mask(api_img):
         ([("image", png), ("image", png)], "image"),
         ([("image", png), ("image[]", png)], "image"),
         ([("image", png), ("mask", png), ("mask", png)], "mask"),
+        ([("image", png), ("prompt", (None, b"second"))], "prompt"),
     ):
         r = await client.post("/v1/images/edits", files=files, data={"model": "toy-img", "prompt": "p"})
         assert r.status_code == 422, r.text

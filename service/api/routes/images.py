@@ -260,11 +260,15 @@ async def edit_image(
 def _one_file_each(form) -> StarletteUploadFile:
     """The edit's image: an edit takes one image and at most one mask, each as a part of its name or as OpenAI's
     list form (`image[]`, what the SDKs send for a list); a second part of either is refused, where the form
-    reader kept one of them silently (and a lone `image[]` was answered "image: Field required")."""
+    reader kept one of them silently (and a lone `image[]` was answered "image: Field required"); so is a second
+    value of any other field."""
     for field in ("image", "mask"):
         parts = len(form.getlist(field)) + len(form.getlist(f"{field}[]"))
         if parts > 1:
             raise FieldError(field, "too_many", f"{field}: one file per edit, got {parts}")
+    for field in set(form.keys()):  # two prompts (or sizes...): the reader kept the last one silently
+        if (parts := len(form.getlist(field))) > 1:
+            raise FieldError(field, "too_many", f"{field}: one value per edit, got {parts}")
     image = form.get("image") or form.get("image[]")
     if image is None:
         raise FieldError("image", "missing", "image: Field required (missing)")
