@@ -90,6 +90,9 @@ class DecodedImage:
     image: Image.Image  # a fresh image (RGB, or L for a mask): no metadata, orientation applied
     png: bytes  # the same pixels, re-encoded: what is stored and handed to the workers
     source_format: str  # PNG, JPEG or WEBP
+    transparent: bool = (
+        False  # the source had an alpha channel (or a transparent colour) with a pixel below opaque
+    )
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -192,6 +195,7 @@ def decode_image(
                 )
             img.load()
             img = _upright(img)
+            transparent = _has_transparent_pixel(img)
             sixteen_bit = img.mode.startswith("I;16") or img.mode == "I"
             key = img.info.get("transparency") if sixteen_bit else None
             if from_alpha and mode == "L" and isinstance(key, int):
@@ -225,7 +229,18 @@ def decode_image(
     clean = Image.frombytes(mode, pixels.size, pixels.tobytes())  # no info, no ICC, no EXIF
     buf = io.BytesIO()
     clean.save(buf, format="PNG", compress_level=1)  # fast: it is read once by a worker, then expires
-    return DecodedImage(clean, buf.getvalue(), fmt)
+    return DecodedImage(clean, buf.getvalue(), fmt, transparent)
+
+
+def _has_transparent_pixel(img: Image.Image) -> bool:
+    """Whether a decoded image has a pixel that is not fully opaque (an alpha channel, or PNG's transparent colour
+    or palette entries): OpenAI's edits read such an image's transparency as the mask when none is sent."""
+    if not (img.has_transparency_data or "A" in img.getbands()):
+        return False
+    if img.mode.startswith("I;16") or img.mode == "I":  # 16-bit gray: one transparent gray value (tRNS)
+        key = img.info.get("transparency")
+        return isinstance(key, int) and _where_value(img, key).getextrema()[1] > 0
+    return img.convert("RGBA").getchannel("A").getextrema()[0] < 255
 
 
 def _where_value(img: Image.Image, value: int) -> Image.Image:

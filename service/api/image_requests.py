@@ -59,16 +59,20 @@ async def with_image_inputs(
     *,
     decode_slots: asyncio.Semaphore,
     mask_from_alpha: bool = False,
+    alpha_as_mask: bool = False,
 ) -> JobParams:
     """Decode the image (and mask), store the re-encoded PNGs and return the params carrying their
     references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a second, which the event loop must not
-    wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why)."""
+    wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why).
+    `alpha_as_mask` (OpenAI's edits): without a mask, an image with transparent pixels is its own mask."""
     try:
         async with decode_slots:
             decoded = await asyncio.to_thread(
                 decode_image, image, field="image", max_pixels=settings.max_image_pixels
             )
         decoded_mask = None
+        if mask is None and alpha_as_mask and decoded.transparent:
+            mask = image
         if mask is not None:
             async with decode_slots:
                 decoded_mask = await asyncio.to_thread(

@@ -610,6 +610,35 @@ async def test_images_edits(api_img):
     assert r.json()["data"][0]["url"].startswith("http://testserver/v1/jobs/")
 
 
+async def test_an_edit_without_a_mask_reads_the_images_transparency_as_one(api_img):
+    """OpenAI's dall-e-2 rule: with no mask, the image's transparent pixels are repainted (an audit's edit of an
+    image with a hole ran as image-to-image). An opaque image with an alpha channel, or a model without inpaint,
+    is edited whole (image-to-image), as before."""
+    client, store, worker = api_img
+    worker.start()
+    holed = Image.new("RGBA", (40, 24), (200, 0, 0, 255))
+    for x in range(10, 20):
+        for y in range(24):
+            holed.putpixel((x, y), (0, 0, 0, 0))
+    opaque = Image.new("RGBA", (40, 24), (200, 0, 0, 255))
+    data = {"prompt": "a cat", "size": "64x48", "response_format": "b64_json"}
+    for model, picture in (("toy-img", holed), ("toy-img", opaque), ("toy-i2i", holed)):
+        files = {"image": ("in.png", encode(picture, "PNG"), "image/png")}
+        r = await client.post("/v1/images/edits", files=files, data={**data, "model": model})
+        assert r.status_code == 200, r.text
+    jobs = [
+        await store.get(k.rsplit(":", 1)[1]) async for k in store.redis.scan_iter(f"{store.prefix}:job:*")
+    ]
+    by_model = sorted(((j.model, j.params.mask is not None, j.params.strength) for j in jobs), key=str)
+    defaults = TOY_IMG.limits.strength.defaults
+    assert sorted(by_model, key=str) == sorted(
+        [("toy-img", True, defaults["inpaint"]), ("toy-img", False, defaults["image-to-image"]),
+         ("toy-i2i", False, TOY_I2I.limits.strength.defaults["image-to-image"])], key=str)  # fmt: skip
+    (inpaint,) = [j for j in jobs if j.params.mask is not None]
+    mask = Image.open(io.BytesIO(await InputStore.of(store).get(inpaint.params.mask)))
+    assert mask.getpixel((15, 5)) == 255 and mask.getpixel((5, 5)) == mask.getpixel((30, 5)) == 0
+
+
 @pytest.mark.parametrize(
     "files,data,field,rule",
     [

@@ -167,8 +167,9 @@ async def _upload(file: UploadFile, field: str, settings: Settings) -> bytes:
     openapi_extra={"parameters": [IDEMPOTENCY]},
     summary="Edit an image (OpenAI shape, multipart)",
     description="Image-to-image, or inpainting with a mask. As OpenAI's: the mask's transparent pixels are "
-    "repainted (a mask without alpha is read as grayscale: white repaints). Unlike dall-e-2, an image's own "
-    "transparency is not read as a mask: without a `mask` the edit is image-to-image. Bodies up to "
+    "repainted (a mask without alpha is read as grayscale: white repaints). Without a `mask`, as dall-e-2's, "
+    "an image with transparent pixels is its own mask (inpaint); an opaque one is edited whole (image-to-image). "
+    "Bodies up to "
     "`max_image_body_bytes`; each file up to `max_image_bytes` and `max_image_pixels`; PNG, JPEG or WebP.",
 )
 async def edit_image(
@@ -206,17 +207,8 @@ async def edit_image(
     served = await catalog.resolve(model)
     # The task and strength are checked on the fields' presence; the bytes come next.
     marker = "uploaded"
-    params = _params(
-        served,
-        settings,
-        size,
-        prompt=prompt,
-        n=n,
-        strength=strength,
-        output_format=output_format,
-        image=marker,
-        mask=marker if mask is not None else None,
-    )
+    fields = dict(prompt=prompt, n=n, strength=strength, output_format=output_format, image=marker)
+    params = _params(served, settings, size, **fields, mask=marker if mask is not None else None)
     with _wait_slot(request, tenant.name):  # before the inputs are stored: a refusal leaves none
         image_bytes = await _upload(image, "image", settings)
         mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
@@ -236,7 +228,12 @@ async def edit_image(
             mask_bytes,
             decode_slots=request.app.state.decode_slots,
             mask_from_alpha=True,
+            # dall-e-2's rule: without a mask, the image's transparent pixels are where it is repainted.
+            alpha_as_mask=mask is None and "inpaint" in served.info.limits.tasks,
         )
+        if mask is None and params.mask is not None:  # so it is an inpaint: its task and default strength
+            refs = {"image": params.image, "mask": params.mask}
+            params = _params(served, settings, size, **fields, mask=marker).model_copy(update=refs)
         job, unknown = None, None
         try:
             job = await store.submit(
