@@ -12,14 +12,15 @@ down again on every delivery, until all of them were dead-lettered (an audit, 20
 job failed two of another tenant's jobs with too_many_deliveries). Run alone, it spends only its own deliveries.
 
 `take_batch` is the pure choice; `gather_batch` waits up to `batch_wait_ms` for company after the first job,
-claiming more from the queue, and returns whatever it claimed but could not fit for the caller to give back to the
-queue at once: held by this pool, it would wait behind the batch while other pools sit idle (the audit's pool held
-three short jobs 5 s behind a long one with the other pool idle, and ran a held low-priority job before a newer
-high one).
+claiming more from the queue (a claim that fails then ends the gathering: the jobs in hand are claimed and run),
+and returns whatever it claimed but could not fit for the caller to give back to the queue at once: held by this
+pool, it would wait behind the batch while other pools sit idle (the audit's pool held three short jobs 5 s behind
+a long one with the other pool idle, and ran a held low-priority job before a newer high one).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class Batchable(Protocol):
 
 
 T = TypeVar("T", bound=Batchable)
+log = logging.getLogger(__name__)
 
 
 def take_batch(pending: Sequence[T], max_batch: int) -> tuple[list[T], list[T]]:
@@ -87,7 +89,15 @@ async def gather_batch(
         # that do not fit (the queue holds other work: run this batch, give the rest back).
         if room <= 0 or left_ms < 1.0 or batch[0].runs_alone or rest:
             break
-        more = await claim(room, int(left_ms))
+        try:
+            more = await claim(room, int(left_ms))
+        except Exception as e:  # noqa: BLE001 - the jobs in hand are claimed: they run, whatever the claim raised
+            # Raised out of here, they were lost to the caller but still held by the pool, whose heartbeats then
+            # kept their leases alive for ever while nothing ran them (tests/workers/test_claim_failures.py).
+            log.warning(
+                "claiming company for a batch failed (%s); running the %d job(s) in hand", e, len(batch)
+            )
+            break
         if not more:
             break
         batch, rest = take_batch([*batch, *more], max_batch)

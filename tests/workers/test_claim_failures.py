@@ -1,0 +1,62 @@
+"""A claim that fails while a batch is being gathered (Redis silent past its command deadline, or gone) must not
+strand the jobs already claimed for that batch: the pool holds them, so its heartbeats kept their leases alive for
+ever while nothing ran them (found 2026-11-29 by reading the loop after a stalled mixed-load benchmark)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from meshserve.service.contract import JobStatus
+from meshserve.service.store import Store
+from meshserve.workers.fake_runner import FakeRunner
+from meshserve.workers.job_loop import JobLoop
+from meshserve.workers.threads import PoolThread
+from tests.workers.helpers import cleanup, make_settings, params, submit_many, wait_ended
+
+
+def test_jobs_claimed_before_a_failed_claim_still_run():
+    settings = make_settings(lease_s=2.0)
+
+    async def main():
+        store = Store(settings)
+        claims = 0
+        real_claim = store.claim
+
+        async def flaky_claim(*args, **kwargs):
+            nonlocal claims
+            claims += 1
+            if claims == 2:  # the first claim of a gather took the anchor; the one for its company fails
+                raise RedisTimeoutError("the store stopped answering")
+            return await real_claim(*args, **kwargs)
+
+        store.claim = flaky_claim
+        loop = JobLoop(
+            pool="p0",
+            consumer="test-host/p0",
+            runners={"fake": FakeRunner("fake")},
+            store=store,
+            settings=settings,
+            thread=PoolThread("p0"),
+            max_batch=4,
+            batch_wait_ms=200,
+            idle_block_ms=50,
+        )
+        try:
+            ids = await submit_many(store, [params("a", model="fake"), params("b", model="fake")])
+            task = asyncio.create_task(loop.run())
+            try:
+                # Within a lease or two: the anchor was neither run nor given back before (its lease renewed).
+                done = await wait_ended(store, ids, timeout=8)
+            finally:
+                loop.request_stop(0.0)
+                await asyncio.wait_for(task, 10)
+                loop.thread.close()
+            assert all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
+            assert claims >= 2
+        finally:
+            await store.close()
+            cleanup(settings)
+
+    asyncio.run(main())
