@@ -169,8 +169,8 @@ async def _upload(file: UploadFile, field: str, settings: Settings) -> bytes:
     description="Image-to-image, or inpainting with a mask. As OpenAI's: the mask's transparent pixels are "
     "repainted (a mask without alpha is read as grayscale: white repaints). Without a `mask`, as dall-e-2's, "
     "an image with transparent pixels is its own mask (inpaint); an opaque one is edited whole (image-to-image). "
-    "Bodies up to "
-    "`max_image_body_bytes`; each file up to `max_image_bytes` and `max_image_pixels`; PNG, JPEG or WebP.",
+    "Bodies up to `max_image_body_bytes`; each file up to `max_image_bytes` and `max_image_pixels`; PNG, JPEG "
+    "or WebP.",
 )
 async def edit_image(
     request: Request,
