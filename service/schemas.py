@@ -6,6 +6,7 @@ The per-model rules (sizes, steps, n, schedulers, formats) depend on what the po
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -53,6 +54,9 @@ EXAMPLE_MASK = (
 )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _unicode_text(value: Any) -> Any:
     """A field's value whose every string (dict keys, lists and nested request models included) is Unicode text.
     JSON may escape a lone UTF-16 surrogate (`"\\ud800"`), which Python's parser reads into a str that cannot
@@ -62,12 +66,10 @@ def _unicode_text(value: Any) -> Any:
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
+            if _SURROGATE.search(item):  # a search, not an encode: a data-URL image is a 24 MiB string
                 raise PydanticCustomError(
                     "string_unicode", "a string holds a lone UTF-16 surrogate: it is not Unicode text"
-                ) from None
+                )
         elif isinstance(item, dict):
             stack += [*item.keys(), *item.values()]
         elif isinstance(item, list | tuple):
