@@ -450,6 +450,10 @@ class ErrorBody(BaseModel):
     code: str = Field(description="Machine-readable: the rule that failed (e.g. not_multiple, queue_full).")
     message: str
     field: str | None = Field(None, description="The request field at fault, when there is one.")
+    param: str | None = Field(None, description="`field` again, under OpenAI's name (its SDKs read `param`).")
+    type: Literal["invalid_request_error", "server_error"] = Field(
+        "invalid_request_error", description="OpenAI's error kind: `server_error` for 5xx answers."
+    )
 
 
 class ErrorResponse(BaseModel):

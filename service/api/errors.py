@@ -1,4 +1,5 @@
-"""The one error shape, `{"error": {"code", "message", "field"}}`, for every failure the API can answer.
+"""The one error shape, `{"error": {"code", "message", "field"}}` (with OpenAI's `param` and `type`), for every
+failure the API can answer.
 
 Bad input is a 422 naming the field and the rule (`code` is the rule: pydantic's error type such as
 `greater_than_equal` or `missing`, `invalid_json` for malformed JSON, or a per-model rule such as `not_multiple`);
@@ -63,9 +64,11 @@ class FieldError(ApiError):
 def error_response(
     status: int, code: str, message: str, field: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"code": code, "message": message, "field": field}}, status, headers=headers
-    )
+    # `param` and `type` are the names OpenAI's error body gives the field and the kind of error, which its SDKs
+    # read into `e.param` and `e.type` (the OpenAI-compatible routes' clients): the same body serves both.
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"code": code, "message": message, "field": field, "param": field, "type": kind}
+    return JSONResponse({"error": body}, status, headers=headers)
 
 
 def _field_name(loc: tuple[Any, ...]) -> str | None:

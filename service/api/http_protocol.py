@@ -107,7 +107,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         body = (
             b'{"error":{"code":"headers_too_large","message":"the request line and headers are over '
             + str(self.max_header_bytes).encode()
-            + b' bytes"}}'
+            + b' bytes","field":null,"param":null,"type":"invalid_request_error"}}'
         )
         self.transport.write(_TOO_LARGE % (len(body), body))
         self.transport.close()

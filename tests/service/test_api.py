@@ -288,6 +288,8 @@ async def test_model_not_found_and_no_pool(make_settings):
             "code": "model_not_found",
             "field": "model",
             "message": "model 'sdxl-huge' is not served; served models: ['toy']",
+            "param": "model",  # OpenAI's names for the field and the kind, which its SDKs read
+            "type": "invalid_request_error",
         }
         # With one model served, `model` may be left out.
         assert (await client.post("/v1/generate", json={"prompt": "x"})).json()["model"] == "toy"
