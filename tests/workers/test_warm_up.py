@@ -45,6 +45,27 @@ def test_pools_warm_up_the_image_tasks_they_are_told_to():
         load_runners(pool, {"toy": ModelSpec(runner="fake")})
 
 
+def test_a_list_of_image_tasks_is_warmed_up_beside_the_text_task(monkeypatch):
+    """README: "a list of them compiles those at start too". A list replaced the text task, so an audit's pool
+    with `warm_up_tasks: [image-to-image]` compiled on the request path for its first text job."""
+    from meshserve.workers.fake_runner import FakeRunner
+    from meshserve.workers.pool import load_runners
+
+    calls, real_info = [], FakeRunner.info
+
+    def info(self):
+        card = real_info(self)
+        tasks = ["text-to-image", "image-to-image", "inpaint"]
+        return card.model_copy(update={"limits": card.limits.model_copy(update={"tasks": tasks})})
+
+    monkeypatch.setattr(FakeRunner, "info", info)
+    monkeypatch.setattr(FakeRunner, "warm_up", lambda self, *args, **kw: calls.append(kw) or 0.0)
+    for listed in (["image-to-image"], ["inpaint", "text-to-image"]):
+        pool = PoolConfig(name="p", models=["toy"], devices="0", warm_up_tasks=listed)
+        load_runners(pool, {"toy": ModelSpec(runner="fake")})
+    assert [c["tasks"] for c in calls] == [["text-to-image", "image-to-image"], ["text-to-image", "inpaint"]]
+
+
 def test_pools_warm_up_the_schedulers_they_are_told_to():
     """`warm_up_schedulers` reaches the pipeline's warm_up beside the folder's own scheduler (None); a name the
     model does not offer stops the pool at start."""
