@@ -189,6 +189,7 @@ class JobLoop:
         self.encoder = EncoderThreads(pool, encode_threads) if encode_threads > 0 else None
         self._encode_slots = asyncio.Semaphore(max(1, max_encoding))
         self._finishing: set[asyncio.Task] = set()  # one per batch handed to the encoder
+        self._encoding: set[str] = set()  # the jobs of those batches
 
     # -- control ---------------------------------------------------------------------------------------------
 
@@ -228,15 +229,26 @@ class JobLoop:
                 # Claimed but not fitting: back to the queue at once, for any pool (workers/batching.py).
                 for w in rest:
                     await self._release(w, "given_back")
+                await self._release_strays(batch)
                 # A job whose heartbeat was refused meanwhile belongs to another delivery now.
                 batch = [w for w in batch if w.job_id in self._held]
                 if batch:
                     await self._run_batch(batch)
         finally:
             await self._drain_encoding()  # the leases of jobs being encoded are renewed until they end
+            await self._release_strays([])
             heartbeats.cancel()
             if self.encoder is not None:
                 self.encoder.close()
+
+    async def _release_strays(self, batch: list[Work]) -> None:
+        """Give back every held job that is neither in `batch` nor being encoded. There should be none: such a
+        job's lease would be renewed by the heartbeats for as long as the pool lives while nothing runs it, as
+        happened to jobs claimed before a failed claim (tests/workers/test_claim_failures.py)."""
+        placed = {w.job_id for w in batch} | self._encoding
+        for w in [w for job_id, w in self._held.items() if job_id not in placed]:
+            log.error("pool %s: job %s was held but not run; giving it back", self.pool, w.job_id)
+            await self._release(w, "given_back")
 
     async def _claim(self, max_jobs: int, block_ms: int) -> list[Work]:
         deliveries = await self.store.claim(self.models, self.consumer, max_jobs=max_jobs, block_ms=block_ms)
@@ -382,6 +394,7 @@ class JobLoop:
         """Give a batch's outputs to the encoder and return (the pool thread is free for the next batch); waits
         only while `max_encoding` batches are already there."""
         await self._encode_slots.acquire()
+        self._encoding |= {w.job_id for w in batch}
         task = asyncio.create_task(self._finish(batch, requests, generated), name=f"{self.pool}-finish")
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
@@ -398,6 +411,7 @@ class JobLoop:
                 )
             )
         finally:
+            self._encoding -= {w.job_id for w in batch}
             self._encode_slots.release()
 
     async def _finish_job(self, w: Work, req: RunRequest, generated: Generated | RunResult) -> None:

@@ -60,3 +60,49 @@ def test_jobs_claimed_before_a_failed_claim_still_run():
             cleanup(settings)
 
     asyncio.run(main())
+
+
+def test_a_held_job_no_batch_took_is_given_back(monkeypatch):
+    """The net under any such bug: after each gathering, a held job that is in no batch, not given back and not
+    being encoded is given back (and logged), so another claim runs it. Here the gathering drops one."""
+    import meshserve.workers.job_loop as job_loop
+
+    settings = make_settings(lease_s=30.0)  # far longer than the wait: only the net can free the job in time
+    real_gather, dropped = job_loop.gather_batch, []
+
+    async def dropping_gather(*args, **kwargs):
+        batch, rest = await real_gather(*args, **kwargs)
+        if batch and not dropped:
+            dropped.append(batch.pop().job_id)
+        return batch, rest
+
+    monkeypatch.setattr(job_loop, "gather_batch", dropping_gather)
+
+    async def main():
+        store = Store(settings)
+        loop = JobLoop(
+            pool="p0",
+            consumer="test-host/p0",
+            runners={"fake": FakeRunner("fake")},
+            store=store,
+            settings=settings,
+            thread=PoolThread("p0"),
+            max_batch=4,
+            batch_wait_ms=50,
+            idle_block_ms=50,
+        )
+        try:
+            ids = await submit_many(store, [params("a", model="fake"), params("b", model="fake")])
+            task = asyncio.create_task(loop.run())
+            try:
+                done = await wait_ended(store, ids, timeout=8)
+            finally:
+                loop.request_stop(0.0)
+                await asyncio.wait_for(task, 10)
+                loop.thread.close()
+            assert dropped and all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
+        finally:
+            await store.close()
+            cleanup(settings)
+
+    asyncio.run(main())
