@@ -237,6 +237,12 @@ async def _main(config: WorkerConfig, group: Group | None = None) -> None:
     install_signal_handlers(asyncio.get_running_loop(), worker.stop)
     metrics.set_build_info()
     if config.metrics_port is not None:
-        port = metrics.serve_metrics(config.metrics_port)
+        try:
+            port = metrics.serve_metrics(config.metrics_port)
+        except OSError as e:  # before any pool starts: the worker ends at once, saying why
+            raise RuntimeError(
+                f"cannot serve /metrics on port {config.metrics_port}: {e.strerror} (a worker still draining "
+                "there? another process?); set `metrics_port` to a free port, or 0 for any"
+            ) from None
         log.info("worker %s: /metrics on port %d", worker.name, port)
     await worker.run()

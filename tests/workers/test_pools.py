@@ -337,3 +337,21 @@ def test_compilations_are_counted_by_pool_and_reason():
             assert h.worker.pools[0].runners["fake"].options["max_programs"] == 8
 
     asyncio.run(main())
+
+
+def test_a_metrics_port_in_use_ends_the_worker_at_once_saying_so(monkeypatch):
+    """A worker restarted while the old one still drains found its metrics port taken: it died with an OSError
+    traceback from deep in the HTTP server (an audit). Now it ends before any pool starts, naming the setting."""
+    import socket
+
+    from meshserve.workers import main as worker_main
+
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        cfg = _config([_pool("p0", "0")]).model_copy(update={"metrics_port": held.getsockname()[1]})
+        started = []
+        monkeypatch.setattr(worker_main.Worker, "run", lambda self: started.append(self) or asyncio.sleep(0))
+        with pytest.raises(RuntimeError, match="cannot serve /metrics on port .*set `metrics_port`"):
+            asyncio.run(worker_main._main(cfg))
+        assert started == []
