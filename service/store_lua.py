@@ -270,6 +270,15 @@ for _, e in ipairs(pend) do
       redis.call('XACK', stream, 'pools', msg_id)
     else
       local c = redis.call('XCLAIM', stream, 'pools', ARGV[2], ARGV[3], msg_id)
+      if #c > 0 and not was_given_back then
+        -- Its worker is gone mid-run: back to queued, and its client hears so before the next `started` (the
+        -- events went progress 5, started, progress 1: an audit, 2026-11-29).
+        local jk = P .. ':job:' .. job_id
+        if redis.call('HGET', jk, 'status') == 'running' then
+          redis.call('HSET', jk, 'status', 'queued', 'step', 0)
+          event(job_id, 'queued', '{"status":"queued","reason":"worker_lost"}', ARGV[7])
+        end
+      end
       if #c > 0 then
         local r = accept(stream, msg_id, job_id, count + 1, ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5],
           ARGV[6], ARGV[7])

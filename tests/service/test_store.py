@@ -113,6 +113,12 @@ async def test_takeover_after_lease_expiry_only(store: Store):
     (taken,) = await store.claim(["toy"], "c2")
     assert taken.job.id == job.id and taken.consumer == "c2" and taken.delivery_count == 2
     assert (await store.stats())[("toy", "reclaimed")] == 1
+    # Its client hears that the job went back to the queue before it starts again (it heard `started` twice).
+    assert (await store.get(job.id)).status == JobStatus.QUEUED
+    assert await store.start(taken)
+    events = await store.events(job.id)
+    assert [e.type.value for e in events] == ["queued", "started", "queued", "started"]
+    assert events[2].data["reason"] == "worker_lost"
 
 
 async def test_dead_letter_after_max_deliveries(store: Store):
