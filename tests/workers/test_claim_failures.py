@@ -16,6 +16,29 @@ from meshserve.workers.threads import PoolThread
 from tests.workers.helpers import cleanup, make_settings, params, submit_many, wait_ended
 
 
+async def _two_jobs_on_one_pool(store: Store, settings, batch_wait_ms: float) -> dict:
+    """Two compatible jobs on one JobLoop (the fake runner, batches of up to 4) until both end, within 8 s."""
+    loop = JobLoop(
+        pool="p0",
+        consumer="test-host/p0",
+        runners={"fake": FakeRunner("fake")},
+        store=store,
+        settings=settings,
+        thread=PoolThread("p0"),
+        max_batch=4,
+        batch_wait_ms=batch_wait_ms,
+        idle_block_ms=50,
+    )
+    ids = await submit_many(store, [params("a", model="fake"), params("b", model="fake")])
+    task = asyncio.create_task(loop.run())
+    try:
+        return await wait_ended(store, ids, timeout=8)
+    finally:
+        loop.request_stop(0.0)
+        await asyncio.wait_for(task, 10)
+        loop.thread.close()
+
+
 def test_jobs_claimed_before_a_failed_claim_still_run():
     settings = make_settings(lease_s=2.0)
 
@@ -32,27 +55,9 @@ def test_jobs_claimed_before_a_failed_claim_still_run():
             return await real_claim(*args, **kwargs)
 
         store.claim = flaky_claim
-        loop = JobLoop(
-            pool="p0",
-            consumer="test-host/p0",
-            runners={"fake": FakeRunner("fake")},
-            store=store,
-            settings=settings,
-            thread=PoolThread("p0"),
-            max_batch=4,
-            batch_wait_ms=200,
-            idle_block_ms=50,
-        )
         try:
-            ids = await submit_many(store, [params("a", model="fake"), params("b", model="fake")])
-            task = asyncio.create_task(loop.run())
-            try:
-                # Within a lease or two: the anchor was neither run nor given back before (its lease renewed).
-                done = await wait_ended(store, ids, timeout=8)
-            finally:
-                loop.request_stop(0.0)
-                await asyncio.wait_for(task, 10)
-                loop.thread.close()
+            # Within a lease or two: the anchor was neither run nor given back before (its lease renewed).
+            done = await _two_jobs_on_one_pool(store, settings, batch_wait_ms=200)
             assert all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
             assert claims >= 2
         finally:
@@ -80,26 +85,8 @@ def test_a_held_job_no_batch_took_is_given_back(monkeypatch):
 
     async def main():
         store = Store(settings)
-        loop = JobLoop(
-            pool="p0",
-            consumer="test-host/p0",
-            runners={"fake": FakeRunner("fake")},
-            store=store,
-            settings=settings,
-            thread=PoolThread("p0"),
-            max_batch=4,
-            batch_wait_ms=50,
-            idle_block_ms=50,
-        )
         try:
-            ids = await submit_many(store, [params("a", model="fake"), params("b", model="fake")])
-            task = asyncio.create_task(loop.run())
-            try:
-                done = await wait_ended(store, ids, timeout=8)
-            finally:
-                loop.request_stop(0.0)
-                await asyncio.wait_for(task, 10)
-                loop.thread.close()
+            done = await _two_jobs_on_one_pool(store, settings, batch_wait_ms=50)
             assert dropped and all(j.status == JobStatus.SUCCEEDED for j in done.values()), done
         finally:
             await store.close()

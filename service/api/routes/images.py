@@ -23,6 +23,7 @@ from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.api.image_requests import drop_unused_inputs, with_image_inputs
 from meshserve.service.api.routes.generate import ERRORS, idempotency_key, outcome_unknown
 from meshserve.service.api.wait_slots import ClientGone, client_gone, wait_unless_gone
+from meshserve.service.auth import Tenant
 from meshserve.service.contract import Job, JobParams, JobStatus, Priority
 from meshserve.service.job_queue import SubmitOutcomeUnknown
 from meshserve.service.schemas import (
@@ -120,17 +121,17 @@ async def create_image(
     digest = request_hash({"route": "generations", **body.model_dump(exclude_defaults=True)}) if key else ""
     with _wait_slot(request, tenant.name):
         try:
-            job = await store.submit(
-                params,
-                Priority.NORMAL,
-                key,
-                request_digest=digest,
-                owner=tenant.name,
-                max_active=tenant.max_active,
-            )
+            job = await _submit(store, params, key, digest, tenant)
         except SubmitOutcomeUnknown as e:
             raise _unknown(e, settings, key) from None
         return await _answer(job, body.response_format or "url", request, store, settings)
+
+
+async def _submit(store: Store, params: JobParams, key: str | None, digest: str, tenant: Tenant) -> Job:
+    """Queue the job at normal priority for the tenant, idempotently when the request has a key."""
+    return await store.submit(
+        params, Priority.NORMAL, key, request_digest=digest, owner=tenant.name, max_active=tenant.max_active
+    )
 
 
 def _unknown(e: SubmitOutcomeUnknown, settings: Settings, key: str | None) -> ApiError:
@@ -236,14 +237,7 @@ async def edit_image(
             params = _params(served, settings, size, **fields, mask=marker).model_copy(update=refs)
         job, unknown = None, None
         try:
-            job = await store.submit(
-                params,
-                Priority.NORMAL,
-                key,
-                request_digest=digest,
-                owner=tenant.name,
-                max_active=tenant.max_active,
-            )
+            job = await _submit(store, params, key, digest, tenant)
         except SubmitOutcomeUnknown as e:
             unknown = e
         finally:
