@@ -86,8 +86,9 @@ def denoise_loop(
     step_cache=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
-    [B]; guidance [B]; rescale [B] or None (guide). Returns (latents, steps_done): steps_done < schedule.num_steps - start when on_step
-    stopped the loop; with `step_cache`, (latents, steps_done, steps_skipped)."""
+    [B]; guidance [B]; rescale [B] or None (`guide`). Returns (latents, steps_done): steps_done <
+    schedule.num_steps - start when on_step stopped the loop; with `step_cache`, (latents, steps_done,
+    steps_skipped)."""
     num_steps = schedule.num_steps
 
     def model_input(latents, i):
