@@ -84,6 +84,11 @@ def _generate(args: argparse.Namespace) -> int:
             if "guidance_rescale" not in pipe.row_fields:
                 raise UsageError(f"--guidance-rescale: the {pipe.family} model takes none; leave it out")
             settings["guidance_rescale"] = args.guidance_rescale
+        for flag, name in (("--prompt-2", "prompt_2"), ("--negative-prompt-2", "negative_prompt_2")):
+            if getattr(args, name) is not None:
+                if not pipe.second_prompt:
+                    raise UsageError(f"{flag}: the {pipe.family} model has one text encoder; leave it out")
+                settings[name] = getattr(args, name)
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -239,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate an image locally (no server)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument(
+        "--prompt-2", default=None, help="SDXL: the second CLIP's text; Flux: T5's (default: --prompt)"
+    )
+    gen.add_argument(
+        "--negative-prompt-2",
+        default=None,
+        help="the second text encoder's negative (default: --negative-prompt)",
+    )
     gen.add_argument(
         "--model",
         default=None,

@@ -209,6 +209,9 @@ class ModelLimits(_Frozen):
     loras: LoraLimits | None = None
     # Step cache methods and their default thresholds (None: the model has no step cache; docs/step-cache.md).
     cache: dict[str, CacheMethodLimits] | None = None
+    # Whether the model's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2
+    # (SDXL's OpenCLIP-G, Flux's T5). False: the API refuses the fields (422 not_supported).
+    prompt_2: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -256,6 +259,9 @@ class JobParams(_Frozen):
     model: str
     prompt: str
     negative_prompt: str | None = None
+    # The second text encoder's texts (None: the prompt's, the negative prompt's: diffusers' fallback).
+    prompt_2: str | None = None
+    negative_prompt_2: str | None = None
     width: int
     height: int
     num_frames: int | None = None

@@ -176,6 +176,17 @@ class GenerateRequest(_TextRequest):
     # Lengths are bounded at admission by the `max_prompt_chars` setting (422 string_too_long).
     prompt: str = Field(min_length=1, description="At most `max_prompt_chars` characters (4000 by default).")
     negative_prompt: str | None = None
+    prompt_2: str | None = Field(
+        None,
+        description="diffusers' prompt_2 (SDXL: the second CLIP encoder's text; Flux: T5's): the prompt when left "
+        "out or empty. Only models whose `limits.prompt_2` is true take it; for any other model it is a 422.",
+    )
+    negative_prompt_2: str | None = Field(
+        None,
+        description="diffusers' negative_prompt_2: the second text encoder's negative text, the negative prompt "
+        "when left out or empty (and, as in diffusers, it acts only where the negative prompt does). Only models "
+        "whose `limits.prompt_2` is true take it.",
+    )
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
     num_frames: int | None = Field(None, gt=0, description="Video models only.")

@@ -268,7 +268,7 @@ class PipelineRunner(Runner):
         return int(self.pipe.lora.slots)
 
     def info(self) -> ModelInfo:
-        limits = dict(self.pipe.limits)
+        limits = dict(self.pipe.limits, prompt_2=self.pipe.second_prompt)
         # The formats this worker can write (an mp4 needs PyAV): a request for another is refused by the API.
         limits["output_formats"] = [f for f in output_formats(limits) if can_encode(f)]
         if limits.get("strength"):  # so that the API refuses a strength that would run no step (422)
@@ -353,7 +353,12 @@ class PipelineRunner(Runner):
         # One output per row: jobs with different n, prompts, negative prompts, seeds and the pipeline's row
         # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
         # empty negative (SDXL: zeros).
-        rows = {name: [] for name in ("prompt", "negative_prompt", *self.pipe.row_fields)}
+        texts = (
+            "prompt",
+            "negative_prompt",
+            *(("prompt_2", "negative_prompt_2") if self.pipe.second_prompt else ()),
+        )
+        rows = {name: [] for name in (*texts, *self.pipe.row_fields)}
         seeds, scopes = [], []
         for req in batch:
             for name, values in rows.items():

@@ -58,10 +58,22 @@ def to_list(value: str | Sequence[str], name: str) -> list[str]:
     return values
 
 
+def second_texts(value, firsts: list[str], name: str) -> list[str]:
+    """diffusers' `prompt_2 = prompt_2 or prompt` (and negative_prompt_2's fallback to the negative prompt),
+    per prompt: one text for all, one per prompt (None: that prompt's first text), or None / "" (the first
+    texts)."""
+    if not value:
+        return list(firsts)
+    values = [value] * len(firsts) if isinstance(value, str) else per_prompt(value, len(firsts), name)
+    return [first if v is None else v for v, first in zip(values, firsts, strict=True)]
+
+
 def per_prompt(value, prompts: int, name: str = "negative_prompt") -> list:
     """One negative prompt for all prompts, or one per prompt (None: that prompt has none)."""
     if value is None or isinstance(value, str):
         return [value] * prompts
+    if not isinstance(value, Sequence):
+        raise PipelineError(f"{name} must be a string, None, or a list of strings / None")
     values = list(value)
     if len(values) != prompts:
         raise PipelineError(f"{name}: expected {prompts} entries (one per prompt), got {len(values)}")

@@ -8,6 +8,8 @@ What the serving side reads (workers/runner.py relies on nothing else):
                                      video: frames; a text length: max_sequence_length)
     row_fields                       the per-row numbers of __call__ (guidance_scale; Flux adds true_cfg_scale):
                                      one value, one per prompt or one per output row
+    second_prompt                    whether __call__ takes prompt_2 / negative_prompt_2 (per prompt, like the
+                                     prompts: the second text encoder's texts; SDXL, Flux)
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
     compiled_batch_size(rows, data)  images pad to powers of two (few programs); video compiles exact sizes
@@ -101,6 +103,7 @@ from meshserve.models.engine.common import (
     PipelineOutput,
     UnsupportedArgument,
     per_prompt,
+    second_texts,
     to_list,
     to_pil,
 )
@@ -212,6 +215,9 @@ class DiffusionPipeline:
     # routes its blocks through step_cache.after_first_block declares "first_block", through before_blocks
     # "teacache".
     cache_methods: Mapping[str, float] = {}
+    # The family's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2 (SDXL's
+    # OpenCLIP-G, Flux's T5), each defaulting to the first encoder's text. `tokenize` then gets `texts_2`.
+    second_prompt: bool = False
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
     zeros_for_empty_negative: bool = False
@@ -411,7 +417,9 @@ class DiffusionPipeline:
     def limits(self) -> dict:
         raise NotImplementedError
 
-    def tokenize(self, texts: list[str], settings: dict) -> tuple[np.ndarray, ...]:
+    def tokenize(
+        self, texts: list[str], settings: dict, texts_2: list[str] | None = None
+    ) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
     def encode_prompt(self, states, *tokens):
@@ -661,6 +669,8 @@ class DiffusionPipeline:
         prompt: str | Sequence[str],
         *,
         negative_prompt: str | Sequence[str | None] | None = None,
+        prompt_2: str | Sequence[str | None] | None = None,
+        negative_prompt_2: str | Sequence[str | None] | None = None,
         height: int | None = None,
         width: int | None = None,
         num_inference_steps: int | None = None,
@@ -684,7 +694,9 @@ class DiffusionPipeline:
     ):
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed and
         the family's row fields (guidance_scale; Flux: true_cfg_scale); negative_prompt: one for all or one
-        per prompt (None: that prompt has none). `latents` and output_type "latent" use diffusers' layout
+        per prompt (None: that prompt has none). `prompt_2` / `negative_prompt_2` (families with
+        `second_prompt`): the second text encoder's texts, one for all or one per prompt, each defaulting to
+        the first encoder's (None: that prompt's). `latents` and output_type "latent" use diffusers' layout
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
         converted to uint8 on the device (workers/encoding.to_uint8's rounding), "pil" PIL
         images (video: a list of frames per row). `callback(step, total)` after every step; False cancels.
@@ -695,6 +707,10 @@ class DiffusionPipeline:
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
         own = (set(self.row_fields) | set(self.batch_fields)) - _COMMON_ARGUMENTS
+        if not self.second_prompt:
+            options |= {
+                k: v for k, v in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)) if v
+            }
         for name in options:
             if name not in own:
                 raise UnsupportedArgument(
@@ -739,6 +755,11 @@ class DiffusionPipeline:
             if not np.all(np.isfinite(rows[name])):
                 raise PipelineError(f"{name} must be a finite number")
         negatives = per_prompt(negative_prompt, len(prompts))
+        texts_2 = None  # the second encoder's texts: the prompts', then the negatives'
+        if prompt_2 or negative_prompt_2:
+            texts_2 = second_texts(prompt_2, prompts, "prompt_2") + second_texts(
+                negative_prompt_2, [neg or "" for neg in negatives], "negative_prompt_2"
+            )
         scopes = per_prompt(prompt_cache_scope, len(prompts), "prompt_cache_scope")
         # Per row: CFG runs when its scale is > 1 (and, for true CFG, it has a negative prompt). Whether any row
         # runs it is static (it doubles the denoiser's batch); the others select their positive prediction.
@@ -774,7 +795,10 @@ class DiffusionPipeline:
         # 1. Text: one call per encoder over the prompts and (with CFG) the negatives.
         t0 = time.perf_counter()
         texts = prompts + ([neg or "" for neg in negatives] if do_cfg else [])
-        tokens = self.tokenize(texts, settings)
+        if texts_2 is None:
+            tokens = self.tokenize(texts, settings)
+        else:
+            tokens = self.tokenize(texts, settings, texts_2 if do_cfg else texts_2[: len(prompts)])
         keep = None
         if self.zeros_for_empty_negative:
             keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))

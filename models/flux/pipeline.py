@@ -84,6 +84,7 @@ class FluxPipeline(DiffusionPipeline):
     batch_fields = (*DiffusionPipeline.batch_fields, "max_sequence_length")
     cfg_field = "true_cfg_scale"
     cfg_needs_negative = True
+    second_prompt = True  # prompt_2 / negative_prompt_2: T5's texts (CLIP's pooled vector reads `prompt`)
     # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
     # values, not yet measured on trained weights (docs/step-cache.md).
     step_cache_methods = {"first_block": 0.08, "teacache": 0.1}
@@ -206,8 +207,10 @@ class FluxPipeline(DiffusionPipeline):
         ids = np.concatenate([np.zeros((text_len, 3), np.float32), image_ids(shape[0] // 2, shape[1] // 2)])
         return self.put_replicated(flux_rope(ids, self.transformer_config.axes_dims_rope))
 
-    def tokenize(self, texts, settings):
-        t5 = tokenize_t5(self.tokenizer_2, texts, settings["max_sequence_length"])
+    def tokenize(self, texts, settings, texts_2=None):
+        t5 = tokenize_t5(
+            self.tokenizer_2, texts if texts_2 is None else texts_2, settings["max_sequence_length"]
+        )
         return tokenize(self.tokenizer, texts), t5.input_ids
 
     def encode_prompt(self, states, clip_ids, t5_ids):

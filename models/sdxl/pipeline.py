@@ -51,6 +51,9 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     lora_text_encoders = _ENCODERS  # both CLIPs take LoRA factors (docs/lora.md)
     # diffusers' guidance_rescale (rescale_noise_cfg after the CFG combine; 0: off), one value per row.
     row_fields = ("guidance_scale", "guidance_rescale")
+    second_prompt = (
+        True  # prompt_2 / negative_prompt_2: text_encoder_2's texts (OpenCLIP ViT-bigG in SDXL base)
+    )
     rescale_field = "guidance_rescale"
     latents_axes = (0, 3, 1, 2)
     latents_layout = "[B, C, h, w]"
@@ -170,8 +173,9 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     # ----------------------------------------------------------------------------------------------
     # The stages
 
-    def tokenize(self, texts, settings):
-        return tuple(tokenize(tokenizer, texts) for tokenizer in self.tokenizers)
+    def tokenize(self, texts, settings, texts_2=None):
+        first, second = self.tokenizers
+        return tokenize(first, texts), tokenize(second, texts if texts_2 is None else texts_2)
 
     def encode_prompt(self, states, ids, ids_2):
         """ids [T, 77] per encoder -> embeds [T, 77, D1+D2] (both encoders' penultimate states), pooled [T, P]

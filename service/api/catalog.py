@@ -184,7 +184,7 @@ def _check_loras(req: GenerateRequest, info: ModelInfo) -> list[LoraRef]:
 
 
 def _check_prompts(req: GenerateRequest, max_chars: int) -> None:
-    for name in ("prompt", "negative_prompt"):
+    for name in ("prompt", "negative_prompt", "prompt_2", "negative_prompt_2"):
         text = getattr(req, name)
         if text is not None and len(text) > max_chars:
             raise FieldError(
@@ -230,6 +230,13 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             "not_supported",
             f"{info.id} ({info.family}) takes no guidance_rescale; it must be left out",
         )
+    for name in ("prompt_2", "negative_prompt_2"):
+        if getattr(req, name) is not None and not lim.prompt_2:
+            raise FieldError(
+                name,
+                "not_supported",
+                f"{info.id} ({info.family}) has one text encoder; {name} must be left out",
+            )
     strength = _image_task_strength(req, info, steps)
     loras = _check_loras(req, info)
     cache = _check_cache(req, info)
@@ -237,6 +244,8 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         model=info.id,
         prompt=req.prompt,
         negative_prompt=req.negative_prompt,
+        prompt_2=req.prompt_2 or None,  # "" is the prompt's (diffusers' `prompt_2 or prompt`)
+        negative_prompt_2=req.negative_prompt_2 or None,
         width=width,
         height=height,
         num_frames=frames,

@@ -134,6 +134,41 @@ def test_true_cfg_matches_diffusers(dev, dev_reference):
     assert max_abs(plain, got_latents) > 100 * max(max_abs(got_latents, expected_latents), 1e-4)
 
 
+def test_prompt_2_and_negative_prompt_2_match_diffusers(dev, dev_reference):
+    """prompt_2 / negative_prompt_2 are T5's texts (CLIP's pooled vector reads prompt / negative_prompt); a None
+    entry falls back to that prompt's first text, as diffusers' `prompt_2 or prompt` does for a whole call."""
+    latents = packed_latents(2, seed=5)
+    kw = dict(negative_prompt=["a dog", "the cat"], true_cfg_scale=2.0, guidance_scale=3.5)
+    expected = run_reference(
+        dev_reference,
+        PROMPTS,
+        latents,
+        prompt_2=["a blue sky", PROMPTS[1]],
+        negative_prompt_2=["a dog", "dark"],
+        output_type="latent",
+        **kw,
+    )
+    got = run_ours(
+        dev,
+        PROMPTS,
+        latents=latents,
+        prompt_2=["a blue sky", None],
+        negative_prompt_2=[None, "dark"],
+        output_type="latent",
+        **kw,
+    )
+    err = rel_err(got, expected)
+    log.info("flux dev prompt_2, packed latents: max rel error %.2e", err)
+    assert err <= 1e-3
+    # T5's own texts acted on both rows: without them the latents are far from these (row 1, whose negative
+    # alone has a T5 text of its own, moved 6.7e-3 against a 1.7e-6 difference from diffusers).
+    plain = run_ours(dev, PROMPTS, latents=latents, output_type="latent", **kw)
+    worst = max_abs(got, expected)
+    for row in range(2):
+        moved = max_abs(plain[row], got[row])
+        assert moved > max(1e-3, 100 * worst), (row, moved, worst)
+
+
 def test_true_cfg_rows_in_a_mixed_batch_equal_their_single_runs(dev):
     """Row 0 runs true CFG; row 1 has no negative, row 2 a scale of 1: both must give their plain result."""
     latents = packed_latents(3, seed=3)

@@ -265,6 +265,8 @@ def test_diffusers_call_frames_and_max_sequence_length(wan, reference):
     np.testing.assert_array_equal(frames, out.frames)
     with pytest.raises(PipelineError, match="unsupported argument 'foo'"):
         wan(PROMPTS[0], foo=1)
+    with pytest.raises(PipelineError, match="unsupported argument 'prompt_2'"):  # one text encoder
+        wan(PROMPTS[0], prompt_2="a dog")
     with pytest.raises(PipelineError, match="max_sequence_length must be an integer between 1 and 512"):
         wan(PROMPTS[0], max_sequence_length=513)
 

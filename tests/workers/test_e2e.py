@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import httpx
 import numpy as np
@@ -48,6 +49,16 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                 params(
                     "a green triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=8, size=d.width
                 ).model_copy(update={"guidance_rescale": 0.7}),
+                # The second CLIP's own texts (prompt_2 / negative_prompt_2), per row in the same batch.
+                params(
+                    "a yellow triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=9, size=d.width
+                ).model_copy(
+                    update={
+                        "negative_prompt": "blue",
+                        "prompt_2": "a red circle",
+                        "negative_prompt_2": "white",
+                    }
+                ),
             ]
             assert d.guidance_rescale == 0.0
             ids = await submit_many(store, jobs)
@@ -63,10 +74,10 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                 for i, out in enumerate(job.outputs):
                     assert (out.width, out.height, out.content_type) == (p.width, p.height, "image/png")
                     got = np.asarray(Image.open(io.BytesIO(await store.output(job_id, i))).convert("RGB"))
-                    ref = await asyncio.to_thread(
+                    call = partial(
                         pipe,
                         [p.prompt],
-                        negative_prompt=[None],
+                        negative_prompt=[p.negative_prompt],
                         height=p.height,
                         width=p.width,
                         num_inference_steps=p.num_inference_steps,
@@ -74,12 +85,17 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         guidance_rescale=[p.guidance_rescale or 0.0],
                         seed=[p.seed + i],
                         num_images_per_prompt=1,
-                        output_type="np",
+                        output_type="uint8",
                     )
+                    seconds = {"prompt_2": [p.prompt_2], "negative_prompt_2": [p.negative_prompt_2]}
+                    ref = (await asyncio.to_thread(call, **seconds)).images[0]
                     # Same program, same inputs: identical up to a rounding level (batch of 1 vs n rows).
-                    diff = np.abs(got.astype(int) - to_uint8(ref.images[0]).astype(int)).max()
+                    diff = np.abs(got.astype(int) - ref.astype(int)).max()
                     assert diff <= 1, f"job {job_id} image {i}: max |diff| {diff}"
                     assert got.std() > 1  # not a blank image
+                    if p.prompt_2:  # the second texts acted: without them, another picture
+                        without = (await asyncio.to_thread(call)).images[0]
+                        assert np.abs(got.astype(int) - without.astype(int)).max() > 8
             # GenerationCancelled from inside the compiled loop surfaces as the runner's Cancelled.
             req = RunRequest(
                 "x", params("stop", model="tiny-sdxl", steps=d.num_inference_steps, size=d.width)

@@ -1,0 +1,64 @@
+"""`prompt_2` / `negative_prompt_2` over HTTP (ASGI, real Redis): taken only by a model whose limits publish
+`prompt_2` (SDXL and Flux pools do), bounded like the prompt, "" read as left out (diffusers' `prompt_2 or
+prompt`), refused with a 422 naming the field for any other model, and carried in the job to the worker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.service.conftest import TOY, FakeWorker, api_client
+
+pytestmark = pytest.mark.anyio
+
+TOY_TWO = TOY.model_copy(update={"id": "toy-two", "limits": TOY.limits.model_copy(update={"prompt_2": True})})
+
+
+@pytest.fixture
+async def served(make_settings):
+    async with api_client(make_settings(max_prompt_chars=40)) as (client, store):
+        await FakeWorker(store, name="mixed", models=(TOY_TWO, TOY)).register()
+        yield client, store
+
+
+def post(client, **body):
+    # json.dumps escapes a lone surrogate (\ud800) as JSON allows; httpx's json= cannot encode it.
+    body = json.dumps({"prompt": "a lighthouse", **body})
+    return client.post("/v1/generate", content=body, headers={"content-type": "application/json"})
+
+
+async def test_taken_by_a_model_that_publishes_it_and_reaches_the_worker(served):
+    client, store = served
+    cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert cards["toy-two"]["limits"]["prompt_2"] is True and cards["toy"]["limits"]["prompt_2"] is False
+    given = await post(client, model="toy-two", prompt_2="oil painting", negative_prompt_2="blurry", seed=1)
+    empty = await post(client, model="toy-two", prompt_2="", negative_prompt_2="", seed=2)
+    assert given.status_code == empty.status_code == 202, (given.text, empty.text)
+    assert given.json()["params"]["prompt_2"] == "oil painting"
+    assert given.json()["params"]["negative_prompt_2"] == "blurry"
+    assert empty.json()["params"]["prompt_2"] is None and empty.json()["params"]["negative_prompt_2"] is None
+    claimed = {d.job.id: d.job.params for d in await store.claim(["toy-two"], "w", 10, 100)}
+    assert claimed[given.json()["id"]].prompt_2 == "oil painting"
+
+
+@pytest.mark.parametrize("field", ["prompt_2", "negative_prompt_2"])
+async def test_refused_for_a_model_with_one_text_encoder(served, field):
+    client, store = served
+    r = await post(client, model="toy", **{field: "oil painting"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, "not_supported")
+    assert await store.redis.exists(store.stream_key("toy", "normal")) == 0
+
+
+@pytest.mark.parametrize("field", ["prompt_2", "negative_prompt_2"])
+@pytest.mark.parametrize(
+    ("value", "code"), [("x" * 41, "string_too_long"), (3, "string_type"), ("\ud800", "string_unicode")]
+)
+async def test_checked_like_the_prompt(served, field, value, code):
+    client, _ = served
+    r = await post(client, model="toy-two", **{field: value})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, code)
