@@ -89,6 +89,10 @@ def _generate(args: argparse.Namespace) -> int:
                 if not pipe.second_prompt:
                     raise UsageError(f"{flag}: the {pipe.family} model has one text encoder; leave it out")
                 settings[name] = getattr(args, name)
+        if args.clip_skip is not None:
+            if "clip_skip" not in pipe.text_fields:
+                raise UsageError(f"--clip-skip: the {pipe.family} model takes none; leave it out")
+            settings["clip_skip"] = args.clip_skip
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -246,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument(
         "--prompt-2", default=None, help="SDXL: the second CLIP's text; Flux: T5's (default: --prompt)"
+    )
+    gen.add_argument(
+        "--clip-skip",
+        type=int,
+        default=None,
+        help="SDXL: diffusers' clip_skip, the text states this many layers before the penultimate (0: it)",
     )
     gen.add_argument(
         "--negative-prompt-2",

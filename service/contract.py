@@ -212,6 +212,8 @@ class ModelLimits(_Frozen):
     # Whether the model's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2
     # (SDXL's OpenCLIP-G, Flux's T5). False: the API refuses the fields (422 not_supported).
     prompt_2: bool = False
+    # diffusers' clip_skip, 0 to this (SDXL: its encoders' layers - 1); None: the model takes none (422).
+    max_clip_skip: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -262,6 +264,7 @@ class JobParams(_Frozen):
     # The second text encoder's texts (None: the prompt's, the negative prompt's: diffusers' fallback).
     prompt_2: str | None = None
     negative_prompt_2: str | None = None
+    clip_skip: int | None = None  # SDXL: diffusers' clip_skip (None: the penultimate layer's states, as 0)
     width: int
     height: int
     num_frames: int | None = None

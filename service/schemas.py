@@ -187,6 +187,13 @@ class GenerateRequest(_TextRequest):
         "when left out or empty (and, as in diffusers, it acts only where the negative prompt does). Only models "
         "whose `limits.prompt_2` is true take it.",
     )
+    clip_skip: int | None = Field(
+        None,
+        ge=0,
+        description="diffusers' clip_skip (SDXL): the prompt's text states come from this many layers before the "
+        "penultimate one of both CLIP encoders (0, like leaving it out: the penultimate). At most the model's "
+        "`limits.max_clip_skip`; a model without it answers 422.",
+    )
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)
     num_frames: int | None = Field(None, gt=0, description="Video models only.")

@@ -109,6 +109,7 @@ def _unsupported(tmp_path):
             lambda p: ["--model", "tiny-wan", "-o", str(p / "o.mp4"), "--prompt-2", "x"],
             "--prompt-2: the wan model has one text encoder",
         ),
+        (lambda p: ["--clip-skip", "99"], "clip_skip must be an integer between 0 and"),
         # A format the model's outputs cannot be written in is refused before generating anything.
         (lambda p: ["-o", str(p / "o.mp4")], "output_format 'mp4' is not one of ['png', 'jpeg', 'webp']"),
         (lambda p: ["--model", "tiny-wan"], "output_format 'png' is not one of ['mp4', 'webp'] for tiny-wan"),
@@ -136,7 +137,7 @@ class _RecordingPipe:
     def __init__(self, video: bool):
         self.video, self.calls = video, []
         self.model_id, self.family, self.row_fields = "fake", "wan" if video else "sdxl", ("guidance_scale",)
-        self.second_prompt = not video
+        self.second_prompt, self.text_fields = not video, () if video else ("clip_skip",)
         self.defaults = {"width": 32, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8}
         self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
         self.limits["cache"] = {"teacache": {"default_threshold": 0.2}}
@@ -191,15 +192,25 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
         assert Image.open(out).size == (32, 16)
 
 
-def test_generate_passes_the_second_texts(tmp_path, monkeypatch):
+def test_generate_passes_the_second_texts_and_clip_skip(tmp_path, monkeypatch):
     from meshserve import cli
 
     pipe = _RecordingPipe(video=False)
     monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
-    args = ["generate", "--prompt", "a cat", "--prompt-2", "oil", "--negative-prompt-2", "blur"]
+    args = [
+        "generate",
+        "--prompt",
+        "a cat",
+        "--prompt-2",
+        "oil",
+        "--negative-prompt-2",
+        "blur",
+        "--clip-skip",
+        "1",
+    ]
     assert cli.main([*args, "-o", str(tmp_path / "o.png")]) == 0
     (call,) = pipe.calls
-    assert (call["prompt_2"], call["negative_prompt_2"]) == ("oil", "blur")
+    assert (call["prompt_2"], call["negative_prompt_2"], call["clip_skip"]) == ("oil", "blur", 1)
 
 
 def _file(tmp_path, name, data=None, image=None):

@@ -350,14 +350,11 @@ class PipelineRunner(Runner):
         from meshserve.models import GenerationCancelled, PipelineError
 
         first = batch[0].params.model_dump()
-        # One output per row: jobs with different n, prompts, negative prompts, seeds and the pipeline's row
-        # fields (guidance; Flux: true_cfg_scale) share one program. A negative prompt of None is the family's
-        # empty negative (SDXL: zeros).
-        texts = (
-            "prompt",
-            "negative_prompt",
-            *(("prompt_2", "negative_prompt_2") if self.pipe.second_prompt else ()),
-        )
+        # One output per row: jobs with different n, prompts, negative prompts, seeds, the pipeline's row
+        # fields (guidance; Flux: true_cfg_scale) and its per-prompt texts and text fields (prompt_2; SDXL:
+        # clip_skip) share one program. A negative prompt of None is the family's empty negative (SDXL: zeros).
+        second = ("prompt_2", "negative_prompt_2") if self.pipe.second_prompt else ()
+        texts = ("prompt", "negative_prompt", *second, *self.pipe.text_fields)
         rows = {name: [] for name in (*texts, *self.pipe.row_fields)}
         seeds, scopes = [], []
         for req in batch:

@@ -58,6 +58,22 @@ def to_list(value: str | Sequence[str], name: str) -> list[str]:
     return values
 
 
+def per_prompt_ints(value, prompts: int, name: str) -> list[int | None]:
+    """One integer for all prompts, or one per prompt (None: the family's default for that prompt)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        values = list(value)
+        if len(values) != prompts:
+            raise PipelineError(
+                f"{name}: expected one value or {prompts} (one per prompt), got {len(values)}"
+            )
+    else:
+        values = [value] * prompts
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)):
+            raise PipelineError(f"{name} must be an integer, or a list of integers / None (one per prompt)")
+    return [None if v is None else int(v) for v in values]
+
+
 def second_texts(value, firsts: list[str], name: str) -> list[str]:
     """diffusers' `prompt_2 = prompt_2 or prompt` (and negative_prompt_2's fallback to the negative prompt),
     per prompt: one text for all, one per prompt (None: that prompt's first text), or None / "" (the first

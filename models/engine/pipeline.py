@@ -10,6 +10,7 @@ What the serving side reads (workers/runner.py relies on nothing else):
                                      one value, one per prompt or one per output row
     second_prompt                    whether __call__ takes prompt_2 / negative_prompt_2 (per prompt, like the
                                      prompts: the second text encoder's texts; SDXL, Flux)
+    text_fields                      per-prompt integers __call__ takes for the text encoders (SDXL: clip_skip)
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
     compiled_batch_size(rows, data)  images pad to powers of two (few programs); video compiles exact sizes
@@ -103,6 +104,7 @@ from meshserve.models.engine.common import (
     PipelineOutput,
     UnsupportedArgument,
     per_prompt,
+    per_prompt_ints,
     second_texts,
     to_list,
     to_pil,
@@ -218,6 +220,10 @@ class DiffusionPipeline:
     # The family's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2 (SDXL's
     # OpenCLIP-G, Flux's T5), each defaulting to the first encoder's text. `tokenize` then gets `texts_2`.
     second_prompt: bool = False
+    # Per-prompt integers the family's text encoding reads (SDXL: diffusers' clip_skip): `tokenize` gets each as
+    # a keyword argument, one value per text (None for the negatives' and where a prompt gave none), and returns
+    # it as a token array, so it is a traced input and part of the prompt cache's keys.
+    text_fields: tuple[str, ...] = ()
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
     zeros_for_empty_negative: bool = False
@@ -706,7 +712,7 @@ class DiffusionPipeline:
         prompt is served only what its own scope cached: models/engine/prompt_cache.py).
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
-        own = (set(self.row_fields) | set(self.batch_fields)) - _COMMON_ARGUMENTS
+        own = (set(self.row_fields) | set(self.batch_fields) | set(self.text_fields)) - _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
                 k: v for k, v in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)) if v
@@ -717,6 +723,7 @@ class DiffusionPipeline:
                     f"unsupported argument {name!r}; {type(self).__name__} takes, besides the common ones, "
                     f"{sorted(own) or 'none'}"
                 )
+        text_options = {name: options.pop(name, None) for name in self.text_fields}
         given = {
             "height": height,
             "width": width,
@@ -755,6 +762,7 @@ class DiffusionPipeline:
             if not np.all(np.isfinite(rows[name])):
                 raise PipelineError(f"{name} must be a finite number")
         negatives = per_prompt(negative_prompt, len(prompts))
+        text_options = {k: per_prompt_ints(v, len(prompts), k) for k, v in text_options.items()}
         texts_2 = None  # the second encoder's texts: the prompts', then the negatives'
         if prompt_2 or negative_prompt_2:
             texts_2 = second_texts(prompt_2, prompts, "prompt_2") + second_texts(
@@ -795,10 +803,11 @@ class DiffusionPipeline:
         # 1. Text: one call per encoder over the prompts and (with CFG) the negatives.
         t0 = time.perf_counter()
         texts = prompts + ([neg or "" for neg in negatives] if do_cfg else [])
-        if texts_2 is None:
-            tokens = self.tokenize(texts, settings)
-        else:
-            tokens = self.tokenize(texts, settings, texts_2 if do_cfg else texts_2[: len(prompts)])
+        negative_texts = len(texts) - len(prompts)
+        text_options = {k: v + [None] * negative_texts for k, v in text_options.items()}
+        if texts_2 is not None:
+            text_options["texts_2"] = texts_2 if do_cfg else texts_2[: len(prompts)]
+        tokens = self.tokenize(texts, settings, **text_options)
         keep = None
         if self.zeros_for_empty_negative:
             keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))

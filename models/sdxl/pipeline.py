@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
@@ -35,6 +36,7 @@ from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
 from meshserve.models.components.clip import load_clip_text_model
 from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
+from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
 from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
 from meshserve.models.sdxl.unet_2d_condition import Attention as UNetAttention
@@ -51,9 +53,11 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     lora_text_encoders = _ENCODERS  # both CLIPs take LoRA factors (docs/lora.md)
     # diffusers' guidance_rescale (rescale_noise_cfg after the CFG combine; 0: off), one value per row.
     row_fields = ("guidance_scale", "guidance_rescale")
-    second_prompt = (
-        True  # prompt_2 / negative_prompt_2: text_encoder_2's texts (OpenCLIP ViT-bigG in SDXL base)
-    )
+    # prompt_2 / negative_prompt_2: text_encoder_2's texts (OpenCLIP ViT-bigG in SDXL base).
+    second_prompt = True
+    # diffusers' clip_skip: the prompt's states from hidden_states[-(clip_skip + 2)] of both encoders (the
+    # negatives' stay at [-2], as in diffusers), per prompt, a traced layer index (any value, one program).
+    text_fields = ("clip_skip",)
     rescale_field = "guidance_rescale"
     latents_axes = (0, 3, 1, 2)
     latents_layout = "[B, C, h, w]"
@@ -117,6 +121,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         # A 9-channel UNet inpaints only: it takes the mask and the masked image's latents every step.
         self.inpaint_condition = unet.config.in_channels == 2 * latent + 1
         self.projection_dim = modules["text_encoder_2"].config.projection_dim
+        # hidden_states[-(clip_skip + 2)] must exist in both encoders: their layers - 1 at most (11 for SDXL).
+        self.max_clip_skip = min(modules[n].config.num_hidden_layers for n in _ENCODERS) - 1
         return {**modules, "unet": unet, "vae": vae}
 
     # ----------------------------------------------------------------------------------------------
@@ -168,24 +174,34 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "strength": self.strength_limits(),
             "loras": self.lora.limits,
             "cache": self.cache_limits(),
+            "max_clip_skip": self.max_clip_skip,
         }
 
     # ----------------------------------------------------------------------------------------------
     # The stages
 
-    def tokenize(self, texts, settings, texts_2=None):
+    def tokenize(self, texts, settings, texts_2=None, clip_skip=None):
+        """Both tokenizers' ids [T, 77] and each text's clip_skip [T] (0: the penultimate layer's states)."""
         first, second = self.tokenizers
-        return tokenize(first, texts), tokenize(second, texts if texts_2 is None else texts_2)
+        skip = [0 if s is None else s for s in clip_skip or [None] * len(texts)]
+        if any(not 0 <= s <= self.max_clip_skip for s in skip):
+            raise PipelineError(
+                f"clip_skip must be an integer between 0 and {self.max_clip_skip}, got {max(skip)}"
+            )
+        ids = tokenize(first, texts), tokenize(second, texts if texts_2 is None else texts_2)
+        return (*ids, np.asarray(skip, np.int32))
 
-    def encode_prompt(self, states, ids, ids_2):
-        """ids [T, 77] per encoder -> embeds [T, 77, D1+D2] (both encoders' penultimate states), pooled [T, P]
-        (the second encoder's projection)."""
+    def encode_prompt(self, states, ids, ids_2, clip_skip):
+        """ids [T, 77] per encoder, clip_skip [T] -> embeds [T, 77, D1+D2] (both encoders' hidden_states[-(skip
+        + 2)]: the penultimate layer's at 0), pooled [T, P] (the second encoder's projection)."""
         out = self.merged("text_encoder", states["text_encoder"])(ids)
         out_2 = self.merged("text_encoder_2", states["text_encoder_2"])(ids_2)
         # diffusers' encode_prompt pools from the first encoder whose output [0] is 2-D: text_encoder's when
         # it is a CLIPTextModelWithProjection too (its text_embeds), else text_encoder_2's.
         pooled = out.text_embeds if out.text_embeds is not None else out_2.text_embeds
-        return jnp.concatenate([out.hidden_states[-2], out_2.hidden_states[-2]], axis=-1), pooled
+        embeds = [_skipped(out.hidden_states, clip_skip, self.max_clip_skip)]
+        embeds.append(_skipped(out_2.hidden_states, clip_skip, self.max_clip_skip))
+        return jnp.concatenate(embeds, axis=-1), pooled
 
     def noise_shape(self, settings):
         f = self.vae_scale_factor
@@ -238,3 +254,13 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             latents = latents / cfg.scaling_factor
         image = vae.decode(latents).astype(jnp.float32)  # [B, H, W, 3] in [-1, 1], in the VAE's dtype
         return jnp.clip(image / 2 + 0.5, 0.0, 1.0)
+
+
+def _skipped(hidden_states, clip_skip, max_skip: int):
+    """Each row's hidden_states[-(clip_skip + 2)]: [T, S, D] from the (layers + 1) states and clip_skip [T].
+    Selected in the layers' order, the earliest candidate first, so each layer's states can be freed once the
+    next layer's are selected (a gather from them stacked would hold them all)."""
+    chosen = hidden_states[-(max_skip + 2)]
+    for skip in range(max_skip - 1, -1, -1):
+        chosen = jnp.where((clip_skip == skip)[:, None, None], hidden_states[-(skip + 2)], chosen)
+    return chosen

@@ -237,6 +237,15 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
                 "not_supported",
                 f"{info.id} ({info.family}) has one text encoder; {name} must be left out",
             )
+    if req.clip_skip is not None:
+        if lim.max_clip_skip is None:
+            raise FieldError("clip_skip", "not_supported", f"{info.id} ({info.family}) takes no clip_skip")
+        if req.clip_skip > lim.max_clip_skip:
+            raise FieldError(
+                "clip_skip",
+                "out_of_range",
+                f"clip_skip must be between 0 and {lim.max_clip_skip} for {info.id}, got {req.clip_skip}",
+            )
     strength = _image_task_strength(req, info, steps)
     loras = _check_loras(req, info)
     cache = _check_cache(req, info)
@@ -246,6 +255,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         negative_prompt=req.negative_prompt,
         prompt_2=req.prompt_2 or None,  # "" is the prompt's (diffusers' `prompt_2 or prompt`)
         negative_prompt_2=req.negative_prompt_2 or None,
+        clip_skip=req.clip_skip,
         width=width,
         height=height,
         num_frames=frames,

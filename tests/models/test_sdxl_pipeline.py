@@ -175,6 +175,44 @@ def test_prompt_2_and_negative_prompt_2_match_diffusers_per_row(ours, reference)
         assert moved > max(1e-3, 100 * worst), (row, moved, worst)
 
 
+def test_clip_skip_matches_diffusers_per_prompt(ours, reference):
+    """diffusers' clip_skip (both encoders' hidden_states[-(clip_skip + 2)] for the prompt; the negative's
+    stay at [-2]) is one value per call there; ours is one per prompt, a traced index: a batch whose prompts
+    take 1, none and the deepest skip gives each what diffusers gives it alone, and compiles nothing new."""
+    import torch
+
+    assert ours.limits["max_clip_skip"] == ours.max_clip_skip >= 1
+    latents = np.random.default_rng(5).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    _diffusers_scheduler(reference, "euler")
+    kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, output_type="np")
+    prompts, skips = ["a cat", "a red car", "a dog"], [1, None, ours.max_clip_skip]
+    ours(prompts, clip_skip=None, latents=latents, negative_prompt="blur", **kw)  # compiles the programs
+    compiled = ours.compilations
+    got = ours(prompts, clip_skip=skips, latents=latents, negative_prompt="blur", **kw).images
+    assert ours.compilations == compiled
+    worst = 0.0
+    for row in range(3):
+        expected = reference(
+            prompts[row],
+            negative_prompt="blur",
+            clip_skip=skips[row],
+            latents=torch.from_numpy(latents[row : row + 1]),
+            **kw,
+        ).images[0]
+        worst = max(worst, float(np.abs(got[row] - expected).max()))
+    assert worst <= 1e-3
+    plain = ours(prompts, latents=latents, negative_prompt="blur", **kw).images
+    for row in (0, 2):  # the skipped layers moved the pictures by far more than the sides differ
+        moved = float(np.abs(plain[row] - got[row]).max())
+        assert moved > max(1e-3, 100 * worst), (row, moved, worst)
+    with pytest.raises(
+        PipelineError, match=f"clip_skip must be an integer between 0 and {ours.max_clip_skip}"
+    ):
+        ours("a cat", clip_skip=ours.max_clip_skip + 1, **kw)
+    with pytest.raises(PipelineError, match="clip_skip must be an integer"):
+        ours("a cat", clip_skip=1.5, **kw)
+
+
 def test_bf16_runs_close_to_fp32(tiny_sdxl_path, ours, record_property):
     latents = np.random.default_rng(2).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
     bf16 = load_pipeline(tiny_sdxl_path, dtype="bfloat16")

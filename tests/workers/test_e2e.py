@@ -44,11 +44,11 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                 params(
                     "a blue circle", model="tiny-sdxl", steps=d.num_inference_steps, seed=5, size=d.width, n=2
                 ),
-                # diffusers' guidance_rescale, per row: batched with the jobs above, which carry none (a job from
-                # before the field: the pipeline's default, 0) and run as the direct call without it.
+                # diffusers' guidance_rescale and clip_skip, per row: batched with the jobs above, which carry
+                # none (a job from before the fields: the pipeline's defaults) and run as the call without them.
                 params(
                     "a green triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=8, size=d.width
-                ).model_copy(update={"guidance_rescale": 0.7}),
+                ).model_copy(update={"guidance_rescale": 0.7, "clip_skip": 1}),
                 # The second CLIP's own texts (prompt_2 / negative_prompt_2), per row in the same batch.
                 params(
                     "a yellow triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=9, size=d.width
@@ -87,13 +87,17 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         num_images_per_prompt=1,
                         output_type="uint8",
                     )
-                    seconds = {"prompt_2": [p.prompt_2], "negative_prompt_2": [p.negative_prompt_2]}
-                    ref = (await asyncio.to_thread(call, **seconds)).images[0]
+                    texts = {
+                        "prompt_2": p.prompt_2,
+                        "negative_prompt_2": p.negative_prompt_2,
+                        "clip_skip": p.clip_skip,
+                    }
+                    ref = (await asyncio.to_thread(call, **{k: [v] for k, v in texts.items()})).images[0]
                     # Same program, same inputs: identical up to a rounding level (batch of 1 vs n rows).
                     diff = np.abs(got.astype(int) - ref.astype(int)).max()
                     assert diff <= 1, f"job {job_id} image {i}: max |diff| {diff}"
                     assert got.std() > 1  # not a blank image
-                    if p.prompt_2:  # the second texts acted: without them, another picture
+                    if any(texts.values()):  # the second texts or the skip acted: without, another picture
                         without = (await asyncio.to_thread(call)).images[0]
                         assert np.abs(got.astype(int) - without.astype(int)).max() > 8
             # GenerationCancelled from inside the compiled loop surfaces as the runner's Cancelled.

@@ -1,6 +1,7 @@
-"""`prompt_2` / `negative_prompt_2` over HTTP (ASGI, real Redis): taken only by a model whose limits publish
-`prompt_2` (SDXL and Flux pools do), bounded like the prompt, "" read as left out (diffusers' `prompt_2 or
-prompt`), refused with a 422 naming the field for any other model, and carried in the job to the worker."""
+"""The text encoders' request fields over HTTP (ASGI, real Redis). `prompt_2` / `negative_prompt_2`: taken only
+by a model whose limits publish `prompt_2` (SDXL and Flux pools do), bounded like the prompt, "" read as left
+out (diffusers' `prompt_2 or prompt`). `clip_skip`: taken by a model whose limits publish `max_clip_skip` (SDXL),
+0 to that. Both refused with a 422 naming the field for any other model, and carried in the job to the worker."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from tests.service.conftest import TOY, FakeWorker, api_client
 
 pytestmark = pytest.mark.anyio
 
-TOY_TWO = TOY.model_copy(update={"id": "toy-two", "limits": TOY.limits.model_copy(update={"prompt_2": True})})
+TOY_TWO = TOY.model_copy(
+    update={"id": "toy-two", "limits": TOY.limits.model_copy(update={"prompt_2": True, "max_clip_skip": 3})}
+)
 
 
 @pytest.fixture
@@ -62,3 +65,35 @@ async def test_checked_like_the_prompt(served, field, value, code):
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert (err["field"], err["code"]) == (field, code)
+
+
+async def test_clip_skip_within_the_models_range_reaches_the_worker(served):
+    client, store = served
+    cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert (
+        cards["toy-two"]["limits"]["max_clip_skip"] == 3 and cards["toy"]["limits"]["max_clip_skip"] is None
+    )
+    given, left_out = await post(client, model="toy-two", clip_skip=3), await post(client, model="toy-two")
+    assert given.status_code == left_out.status_code == 202, (given.text, left_out.text)
+    assert given.json()["params"]["clip_skip"] == 3 and left_out.json()["params"]["clip_skip"] is None
+    claimed = {d.job.id: d.job.params for d in await store.claim(["toy-two"], "w", 10, 100)}
+    assert claimed[given.json()["id"]].clip_skip == 3
+
+
+@pytest.mark.parametrize(
+    ("model", "value", "code"),
+    [
+        ("toy", 1, "not_supported"),
+        ("toy-two", 4, "out_of_range"),
+        ("toy-two", -1, "greater_than_equal"),
+        ("toy-two", 1.0, "int_type"),
+        ("toy-two", True, "int_type"),
+    ],
+)
+async def test_clip_skip_refused(served, model, value, code):
+    client, store = served
+    r = await post(client, model=model, clip_skip=value)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == ("clip_skip", code)
+    assert await store.redis.exists(store.stream_key(model, "normal")) == 0
