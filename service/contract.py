@@ -186,6 +186,17 @@ class LoraRef(_Frozen):
     scale: float = 1.0
 
 
+# SDXL's micro-conditioning request fields (diffusers' names; ModelLimits.micro_conditioning says who takes them).
+MICRO_CONDITIONING = (
+    "original_size",
+    "crops_coords_top_left",
+    "target_size",
+    "negative_original_size",
+    "negative_crops_coords_top_left",
+    "negative_target_size",
+)
+
+
 class ModelLimits(_Frozen):
     """What a request may ask of a model (the pipeline's `limits`). `buckets`, when given, are the only sizes."""
 
@@ -214,6 +225,9 @@ class ModelLimits(_Frozen):
     prompt_2: bool = False
     # diffusers' clip_skip, 0 to this (SDXL: its encoders' layers - 1); None: the model takes none (422).
     max_clip_skip: int | None = None
+    # Whether the model takes SDXL's micro-conditioning (original_size, crops_coords_top_left, target_size and
+    # their negatives); False: the API refuses them (422 not_supported).
+    micro_conditioning: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -265,6 +279,13 @@ class JobParams(_Frozen):
     prompt_2: str | None = None
     negative_prompt_2: str | None = None
     clip_skip: int | None = None  # SDXL: diffusers' clip_skip (None: the penultimate layer's states, as 0)
+    # SDXL's micro-conditioning, diffusers' names and (height, width) / (top, left) pairs (None: its defaults).
+    original_size: tuple[int, int] | None = None
+    crops_coords_top_left: tuple[int, int] | None = None
+    target_size: tuple[int, int] | None = None
+    negative_original_size: tuple[int, int] | None = None
+    negative_crops_coords_top_left: tuple[int, int] | None = None
+    negative_target_size: tuple[int, int] | None = None
     width: int
     height: int
     num_frames: int | None = None

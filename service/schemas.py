@@ -31,6 +31,19 @@ from meshserve.service.lora_sources import MAX_SOURCE_CHARS, NAME_PATTERN
 from meshserve.service.webhooks.spec import WebhookRequest
 
 MAX_SEED = 2**32 - 1
+# SDXL's micro-conditioning sizes and crop corners (pixels); the UNet embeds them as numbers, any value runs.
+MAX_CONDITIONING_PIXELS = 16384
+# Lists of two (a strict model takes no JSON array as a tuple); the job holds them as tuples.
+_Size = Annotated[
+    list[Annotated[int, Field(ge=1, le=MAX_CONDITIONING_PIXELS)]], Field(min_length=2, max_length=2)
+]
+_Corner = Annotated[
+    list[Annotated[int, Field(ge=0, le=MAX_CONDITIONING_PIXELS)]], Field(min_length=2, max_length=2)
+]
+_MICRO = (
+    "diffusers' micro-conditioning (SDXL paper, section 2.2); only models whose `limits.micro_conditioning` is "
+    "true take it, any other answers 422. "
+)
 # A model id (a pools.yaml key or a Hub id, owner/name: 96 + 1 + 96 at most on the Hub). Unbounded, a 900 KB id
 # came back whole in its 404 (an audit, 2026-11-28).
 MAX_MODEL_ID_CHARS = 200
@@ -193,6 +206,27 @@ class GenerateRequest(_TextRequest):
         description="diffusers' clip_skip (SDXL): the prompt's text states come from this many layers before the "
         "penultimate one of both CLIP encoders (0, like leaving it out: the penultimate). At most the model's "
         "`limits.max_clip_skip`; a model without it answers 422.",
+    )
+    original_size: _Size | None = Field(
+        None,
+        description=_MICRO
+        + "[height, width] the picture is conditioned as upscaled from (default: the size).",
+    )
+    crops_coords_top_left: _Corner | None = Field(
+        None, description=_MICRO + "[top, left] of the crop it is conditioned as cut from (default [0, 0])."
+    )
+    target_size: _Size | None = Field(None, description=_MICRO + "[height, width] (default: the size).")
+    negative_original_size: _Size | None = Field(
+        None,
+        description=_MICRO
+        + "The negative prompt's original_size. Text-to-image uses the negative triple only "
+        "when both negative sizes are given (as diffusers); image-to-image and inpaint default each to the prompt's "
+        "and, as diffusers' pipelines do, use the prompt's crop for the negative (negative_crops_coords_top_left "
+        "acts in text-to-image only).",
+    )
+    negative_crops_coords_top_left: _Corner | None = Field(None, description=_MICRO + "The negative's crop.")
+    negative_target_size: _Size | None = Field(
+        None, description=_MICRO + "The negative prompt's target_size."
     )
     width: int | None = Field(None, gt=0)
     height: int | None = Field(None, gt=0)

@@ -355,7 +355,7 @@ class PipelineRunner(Runner):
         # clip_skip) share one program. A negative prompt of None is the family's empty negative (SDXL: zeros).
         second = ("prompt_2", "negative_prompt_2") if self.pipe.second_prompt else ()
         texts = ("prompt", "negative_prompt", *second, *self.pipe.text_fields)
-        rows = {name: [] for name in (*texts, *self.pipe.row_fields)}
+        rows = {name: [] for name in (*texts, *self.pipe.row_fields, *self.pipe.pair_fields)}
         seeds, scopes = [], []
         for req in batch:
             for name, values in rows.items():

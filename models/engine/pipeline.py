@@ -11,6 +11,7 @@ What the serving side reads (workers/runner.py relies on nothing else):
     second_prompt                    whether __call__ takes prompt_2 / negative_prompt_2 (per prompt, like the
                                      prompts: the second text encoder's texts; SDXL, Flux)
     text_fields                      per-prompt integers __call__ takes for the text encoders (SDXL: clip_skip)
+    pair_fields                      per-row pairs __call__ takes for the denoiser (SDXL: the micro-conditioning)
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
     compiled_batch_size(rows, data)  images pad to powers of two (few programs); video compiles exact sizes
@@ -113,7 +114,7 @@ from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop, int
 from meshserve.models.engine.image_inputs import blend_known, check_scheduler, check_strength, noise_to
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms, compiler_options
-from meshserve.models.engine.seeds import initial_noise, key_data, per_row, row_keys, row_seeds
+from meshserve.models.engine.seeds import initial_noise, key_data, per_row, per_row_pairs, row_keys, row_seeds
 from meshserve.models.engine.step_cache import CacheSlot, parse_cache
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
@@ -224,6 +225,10 @@ class DiffusionPipeline:
     # a keyword argument, one value per text (None for the negatives' and where a prompt gave none), and returns
     # it as a token array, so it is a traced input and part of the prompt cache's keys.
     text_fields: tuple[str, ...] = ()
+    # Per-row pairs of numbers (SDXL's micro-conditioning: original_size, crops_coords_top_left, target_size and
+    # their negatives): one pair, one per prompt or one per row, None where a row gives none. `pair_rows` turns
+    # them into the denoiser's per-row inputs (rows [B, k]), traced like the row fields.
+    pair_fields: tuple[str, ...] = ()
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
     zeros_for_empty_negative: bool = False
@@ -426,6 +431,10 @@ class DiffusionPipeline:
     def tokenize(
         self, texts: list[str], settings: dict, texts_2: list[str] | None = None
     ) -> tuple[np.ndarray, ...]:
+        raise NotImplementedError
+
+    def pair_rows(self, pairs: dict[str, list], settings: dict, task: str) -> dict[str, np.ndarray]:
+        """Host: the `pair_fields`' per-row pairs (None: not given) -> the denoiser's per-row inputs [B, k]."""
         raise NotImplementedError
 
     def encode_prompt(self, states, *tokens):
@@ -712,7 +721,8 @@ class DiffusionPipeline:
         prompt is served only what its own scope cached: models/engine/prompt_cache.py).
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
-        own = (set(self.row_fields) | set(self.batch_fields) | set(self.text_fields)) - _COMMON_ARGUMENTS
+        own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
+        own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
                 k: v for k, v in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)) if v
@@ -724,6 +734,7 @@ class DiffusionPipeline:
                     f"{sorted(own) or 'none'}"
                 )
         text_options = {name: options.pop(name, None) for name in self.text_fields}
+        pairs = {name: options.pop(name, None) for name in self.pair_fields}
         given = {
             "height": height,
             "width": width,
@@ -777,6 +788,9 @@ class DiffusionPipeline:
         do_cfg = bool(cfg_rows.any())
         if self.rescale_field is not None:  # diffusers rescales only when CFG runs
             rows[self.rescale_field] = np.where(cfg_rows, rows[self.rescale_field], 0.0)
+        if pairs:
+            pairs = {k: per_row_pairs(v, len(prompts), n, k) for k, v in pairs.items()}
+            rows |= self.pair_rows(pairs, settings, task)
         shape = self.noise_shape(settings)
         sched, schedule, steps = self.schedule(settings["scheduler"], settings["num_inference_steps"], shape)
         start, full_strength, pixels = 0, False, None

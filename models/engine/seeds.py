@@ -36,6 +36,35 @@ def per_row(value, prompts: int, n: int, name: str, kind) -> list:
     raise PipelineError(f"{name}: expected one value, one per prompt or one per image, got {len(values)}")
 
 
+def per_row_pairs(value, prompts: int, n: int, name: str) -> list[tuple[float, float] | None]:
+    """One pair of numbers (a size, a corner) for every row, one per prompt or one per image -> a list of
+    prompts * n pairs; None (or a None entry): the family's default for that row."""
+
+    def pair(v):
+        if v is None:
+            return None
+        if isinstance(v, str) or not hasattr(v, "__len__") or len(v) != 2:
+            raise PipelineError(f"{name} must be a pair of numbers (height, width or top, left), got {v!r}")
+        if not all(isinstance(x, int | float | np.integer | np.floating) and np.isfinite(x) for x in v):
+            raise PipelineError(f"{name} must be a pair of finite numbers, got {v!r}")
+        return float(v[0]), float(v[1])
+
+    if isinstance(value, str):
+        raise PipelineError(f"{name} must be a pair of numbers, or a list of pairs / None, got {value!r}")
+    if value is None or (hasattr(value, "__len__") and len(value) == 2 and not _holds_pairs(value)):
+        return [pair(value)] * (prompts * n)
+    values = [pair(v) for v in value]
+    if len(values) == prompts:
+        return [v for v in values for _ in range(n)]
+    if len(values) == prompts * n:
+        return values
+    raise PipelineError(f"{name}: expected one pair, one per prompt or one per image, got {len(values)}")
+
+
+def _holds_pairs(value) -> bool:
+    return any(v is None or hasattr(v, "__len__") for v in value)
+
+
 def row_seeds(seed, prompts: int, n: int) -> list[int]:
     """The seed of every output row: random when None; one int gives seed, seed + 1, ... (distinct noise per
     image, reproducible from one seed); else one per prompt or one per image."""

@@ -37,6 +37,7 @@ from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
 from meshserve.models.components.clip import load_clip_text_model
 from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
 from meshserve.models.engine.common import PipelineError
+from meshserve.models.engine.denoise_loop import interleave
 from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
 from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
 from meshserve.models.sdxl.unet_2d_condition import Attention as UNetAttention
@@ -58,6 +59,16 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     # diffusers' clip_skip: the prompt's states from hidden_states[-(clip_skip + 2)] of both encoders (the
     # negatives' stay at [-2], as in diffusers), per prompt, a traced layer index (any value, one program).
     text_fields = ("clip_skip",)
+    # diffusers' micro-conditioning (SDXL paper, section 2.2), per row: the UNet's time ids (original size, crop
+    # top-left, target size) for the prompt and for the negative prompt (pair_rows: diffusers' defaults).
+    pair_fields = (
+        "original_size",
+        "crops_coords_top_left",
+        "target_size",
+        "negative_original_size",
+        "negative_crops_coords_top_left",
+        "negative_target_size",
+    )
     rescale_field = "guidance_rescale"
     latents_axes = (0, 3, 1, 2)
     latents_layout = "[B, C, h, w]"
@@ -175,6 +186,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "loras": self.lora.limits,
             "cache": self.cache_limits(),
             "max_clip_skip": self.max_clip_skip,
+            "micro_conditioning": True,
         }
 
     # ----------------------------------------------------------------------------------------------
@@ -227,13 +239,37 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         f = self.vae_scale_factor
         return mask[:, ::f, ::f, :].astype(self.latent_dtype)
 
+    def pair_rows(self, pairs, settings, task):
+        """The micro-conditioning's pairs per row -> time ids [B, 6] for the prompt and for the negative, with
+        diffusers' defaults: sizes (height, width), crops (0, 0). The negative's: StableDiffusionXLPipeline
+        takes the negative triple only when both negative sizes are given, else the prompt's ids (its crop
+        included); the img2img and inpaint pipelines default each negative size to the prompt's and take the
+        prompt's crop (their _get_add_time_ids read no negative crop without an aesthetic score)."""
+        size, corner = (float(settings["height"]), float(settings["width"])), (0.0, 0.0)
+        ids, negative_ids = [], []
+        for original, crop, target, n_original, n_crop, n_target in zip(
+            *(pairs[name] for name in self.pair_fields), strict=True
+        ):
+            original, crop, target = original or size, crop or corner, target or size
+            ids.append((*original, *crop, *target))
+            if task != "text-to-image":
+                negative_ids.append((*(n_original or original), *crop, *(n_target or target)))
+            elif n_original and n_target:
+                negative_ids.append((*n_original, *(n_crop or corner), *n_target))
+            else:
+                negative_ids.append(ids[-1])
+        return {
+            "time_ids": np.asarray(ids, np.float32),
+            "negative_time_ids": np.asarray(negative_ids, np.float32),
+        }
+
     def denoiser(self, state, cond, rows, extras, *, shape, do_cfg, image=None):
         embeds, pooled = (c.astype(self.dtype) for c in cond)
-        # Micro-conditioning: (original size, crop top-left, target size), the same for both CFG halves.
-        height, width = (d * self.vae_scale_factor for d in shape[:2])
-        time_ids = jnp.tile(
-            jnp.asarray([[height, width, 0, 0, height, width]], self.dtype), (embeds.shape[0], 1)
-        )
+        # Micro-conditioning per row; with CFG each row's negative first, as the conditioning is interleaved.
+        time_ids = rows["time_ids"]
+        if do_cfg:
+            time_ids = interleave(rows["negative_time_ids"], time_ids)
+        time_ids = time_ids.astype(self.dtype)
 
         def model(x, t):
             unet, x = self.merged_per_step(state, x)

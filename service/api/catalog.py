@@ -25,6 +25,7 @@ from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.contract import (
     DEFAULT_FPS,
+    MICRO_CONDITIONING,
     AdapterInfo,
     CacheSettings,
     JobParams,
@@ -246,6 +247,12 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
                 "out_of_range",
                 f"clip_skip must be between 0 and {lim.max_clip_skip} for {info.id}, got {req.clip_skip}",
             )
+    micro = {name: getattr(req, name) for name in MICRO_CONDITIONING if getattr(req, name) is not None}
+    if micro and not lim.micro_conditioning:
+        name = next(iter(micro))
+        raise FieldError(
+            name, "not_supported", f"{info.id} ({info.family}) takes no micro-conditioning ({name})"
+        )
     strength = _image_task_strength(req, info, steps)
     loras = _check_loras(req, info)
     cache = _check_cache(req, info)
@@ -256,6 +263,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         prompt_2=req.prompt_2 or None,  # "" is the prompt's (diffusers' `prompt_2 or prompt`)
         negative_prompt_2=req.negative_prompt_2 or None,
         clip_skip=req.clip_skip,
+        **micro,
         width=width,
         height=height,
         num_frames=frames,

@@ -123,6 +123,36 @@ def test_img2img_matches_diffusers_and_never_recompiles(ours, base_reference, sa
     assert not np.allclose(other.images, got.images)
 
 
+def test_img2img_micro_conditioning_matches_diffusers(ours, base_reference, same_noise):
+    """The img2img pipeline's micro-conditioning rule differs from text-to-image's: each negative size defaults
+    to the prompt's (so one acts alone) and the negative takes the prompt's crop (a negative crop is ignored)."""
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    ref = StableDiffusionXLImg2ImgPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    images, noise = _images(2), np.random.default_rng(3).standard_normal((2, 4, H // 2, W // 2))
+    same_noise["noise"] = noise = noise.astype(np.float32)
+    micro = dict(
+        original_size=(256, 192),
+        crops_coords_top_left=(8, 8),
+        negative_original_size=(32, 32),
+        negative_crops_coords_top_left=(4, 0),
+    )
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=STEPS, guidance_scale=5.0, strength=0.8)
+    expected = ref(
+        PROMPTS,
+        image=[torch.from_numpy(i.transpose(2, 0, 1)) for i in images],
+        output_type="np",
+        **micro,
+        **kw,
+    )
+    got = ours(PROMPTS, image=images, height=H, width=W, latents=noise, output_type="np", **micro, **kw)
+    _check(got.images, expected.images, "img2img micro-conditioning")
+    plain = ours(PROMPTS, image=images, height=H, width=W, latents=noise, output_type="np", **kw)
+    assert float(np.abs(plain.images - got.images).max()) > 1e-2
+
+
 def test_inpaint_base_unet_matches_diffusers(ours, base_reference, same_noise):
     from diffusers import StableDiffusionXLInpaintPipeline
     from PIL import Image

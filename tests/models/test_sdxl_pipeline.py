@@ -213,6 +213,53 @@ def test_clip_skip_matches_diffusers_per_prompt(ours, reference):
         ours("a cat", clip_skip=1.5, **kw)
 
 
+# diffusers' micro-conditioning arguments, per row: rows 0 and 1 exercise text-to-image's rule that the negative
+# sizes act only as a pair (row 1's negative crop alone is ignored: the negative takes the prompt's ids).
+MICRO = [
+    dict(original_size=(128, 96), crops_coords_top_left=(8, 4)),
+    dict(target_size=(32, 24), crops_coords_top_left=(16, 0), negative_crops_coords_top_left=(4, 4)),
+    dict(
+        negative_original_size=(32, 32), negative_target_size=(64, 48), negative_crops_coords_top_left=(2, 2)
+    ),
+]
+
+
+def test_micro_conditioning_matches_diffusers_per_row(ours, reference):
+    """diffusers' original_size, crops_coords_top_left, target_size and their negatives are one value per call
+    there; ours are one per row (traced: nothing compiles)."""
+    import torch
+
+    latents = np.random.default_rng(6).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    _diffusers_scheduler(reference, "euler")
+    kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, output_type="np")
+    prompts = ["a cat", "a red car", "a dog"]
+    plain = ours(prompts, negative_prompt="blur", latents=latents, **kw).images
+    compiled = ours.compilations
+    per_row = {name: [m.get(name) for m in MICRO] for name in ours.pair_fields}
+    got = ours(prompts, negative_prompt="blur", latents=latents, **per_row, **kw).images
+    assert ours.compilations == compiled
+    worst = 0.0
+    for row in range(3):
+        expected = reference(
+            prompts[row],
+            negative_prompt="blur",
+            latents=torch.from_numpy(latents[row : row + 1]),
+            **MICRO[row],
+            **kw,
+        ).images[0]
+        worst = max(worst, float(np.abs(got[row] - expected).max()))
+        moved = float(np.abs(plain[row] - got[row]).max())
+        assert moved > max(1e-3, 100 * worst), (row, moved, worst)
+    assert worst <= 1e-3
+    for bad, match in [
+        ((64,), "must be a pair"),
+        ((64, float("nan")), "finite"),
+        ("64x64", "must be a pair"),
+    ]:
+        with pytest.raises(PipelineError, match=match):
+            ours("a cat", original_size=bad, **kw)
+
+
 def test_bf16_runs_close_to_fp32(tiny_sdxl_path, ours, record_property):
     latents = np.random.default_rng(2).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
     bf16 = load_pipeline(tiny_sdxl_path, dtype="bfloat16")

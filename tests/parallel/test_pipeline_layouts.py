@@ -42,8 +42,16 @@ def test_layout_matches_single_device(tiny_sdxl_path, single, name, record_prope
     pipe = load_pipeline(tiny_sdxl_path, mesh=sizes, devices=list(range(n)), attention=settings)
     prompts, latents = _inputs(batch)
     # guidance_rescale's standard deviations run over every latent: sharded tokens (context) reduce across devices.
+    # clip_skip's layer index and prompt_2's texts are text rows, split over `data` like the prompts.
     kw = dict(
-        height=H, width=W, guidance_scale=5.0, guidance_rescale=0.7, negative_prompt="blurry", latents=latents
+        height=H,
+        width=W,
+        guidance_scale=5.0,
+        guidance_rescale=0.7,
+        negative_prompt="blurry",
+        prompt_2="oil painting",
+        clip_skip=[1, 0][:batch],
+        latents=latents,
     )
 
     # One denoise step (UNet on the CFG batch + guidance + scheduler step), compared on the latents.

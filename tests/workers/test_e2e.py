@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from meshserve.service.contract import JobStatus
+from meshserve.service.contract import MICRO_CONDITIONING, JobStatus
 from meshserve.service.store import Store
 from meshserve.training.shape_score import read_picture
 from meshserve.workers.config import single_model_config
@@ -49,7 +49,8 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                 params(
                     "a green triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=8, size=d.width
                 ).model_copy(update={"guidance_rescale": 0.7, "clip_skip": 1}),
-                # The second CLIP's own texts (prompt_2 / negative_prompt_2), per row in the same batch.
+                # The second CLIP's own texts (prompt_2 / negative_prompt_2) and a crop's micro-conditioning,
+                # per row in the same batch.
                 params(
                     "a yellow triangle", model="tiny-sdxl", steps=d.num_inference_steps, seed=9, size=d.width
                 ).model_copy(
@@ -57,6 +58,7 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         "negative_prompt": "blue",
                         "prompt_2": "a red circle",
                         "negative_prompt_2": "white",
+                        "crops_coords_top_left": (16, 8),
                     }
                 ),
             ]
@@ -87,17 +89,14 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         num_images_per_prompt=1,
                         output_type="uint8",
                     )
-                    texts = {
-                        "prompt_2": p.prompt_2,
-                        "negative_prompt_2": p.negative_prompt_2,
-                        "clip_skip": p.clip_skip,
-                    }
+                    names = ("prompt_2", "negative_prompt_2", "clip_skip", *MICRO_CONDITIONING)
+                    texts = {name: getattr(p, name) for name in names}
                     ref = (await asyncio.to_thread(call, **{k: [v] for k, v in texts.items()})).images[0]
                     # Same program, same inputs: identical up to a rounding level (batch of 1 vs n rows).
                     diff = np.abs(got.astype(int) - ref.astype(int)).max()
                     assert diff <= 1, f"job {job_id} image {i}: max |diff| {diff}"
                     assert got.std() > 1  # not a blank image
-                    if any(texts.values()):  # the second texts or the skip acted: without, another picture
+                    if any(v is not None for v in texts.values()):  # they acted: without, another picture
                         without = (await asyncio.to_thread(call)).images[0]
                         assert np.abs(got.astype(int) - without.astype(int)).max() > 8
             # GenerationCancelled from inside the compiled loop surfaces as the runner's Cancelled.
