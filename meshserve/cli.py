@@ -290,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(
-        "--scheduler", default=None, help="euler | euler_ancestral | ddim | dpmpp_2m | dpmpp_2m_sde"
+        "--scheduler",
+        default=None,
+        help="euler | euler_ancestral | ddim | dpmpp_2m | dpmpp_2m_sde, or euler / dpmpp_2m / dpmpp_2m_sde + _karras",
     )
     gen.add_argument("-n", type=int, default=1, help="images (or videos) for the prompt")
     gen.add_argument("--frames", type=int, default=None, help="video models: frames per video")

@@ -37,6 +37,17 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "ddim": (DDIMScheduler, {}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
+    # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras", the commonest
+    # SDXL sampler): diffusers' use_karras_sigmas=True on the same class, as its docs map them.
+    "euler_karras": (EulerDiscreteScheduler, {"use_karras_sigmas": True}),
+    "dpmpp_2m_karras": (
+        DPMSolverMultistepScheduler,
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+    ),
+    "dpmpp_2m_sde_karras": (
+        DPMSolverMultistepScheduler,
+        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+    ),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
     # Wan 2.1's scheduler; only its flow-matching form is implemented, so the name implies it.
     "unipc": (UniPCMultistepScheduler, {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),

@@ -33,9 +33,20 @@ CLASS = {
     "ddim": "DDIMScheduler",
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde": "DPMSolverMultistepScheduler",
+    "euler_karras": "EulerDiscreteScheduler",
+    "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
+    "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
+# What a name means in diffusers' terms (its docs' A1111 table), given to the reference alone: ours must read
+# the same from the name.
+NAMED = {
+    "dpmpp_2m_sde": SDE,
+    "euler_karras": dict(use_karras_sigmas=True),
+    "dpmpp_2m_karras": dict(use_karras_sigmas=True),
+    "dpmpp_2m_sde_karras": dict(SDE, use_karras_sigmas=True),
+}
 
 # (name, config changes over the tiny SDXL config, runtime overrides)
 CASES = [
@@ -97,6 +108,9 @@ CASES = [
     ("dpmpp_2m_sde", SDE, {}),
     ("dpmpp_2m_sde", dict(SDE, solver_type="heun", use_karras_sigmas=True), {}),
     ("DPMSolverMultistepScheduler", dict(SDE, solver_order=3), {}),
+    ("euler_karras", {}, {}),
+    ("dpmpp_2m_karras", {}, {}),
+    ("dpmpp_2m_sde_karras", {}, {}),
 ]
 
 
@@ -126,7 +140,7 @@ def build(sdxl_config: dict, case):
     name, changes, runtime = case
     config = {**sdxl_config, **changes}
     ref_cls = getattr(diffusers, CLASS.get(name, name))
-    return make_scheduler(name, config, **runtime), ref_cls.from_config(config)
+    return make_scheduler(name, config, **runtime), ref_cls.from_config({**config, **NAMED.get(name, {})})
 
 
 def fake_model(x, t, xp):
@@ -169,7 +183,7 @@ def test_schedule_matches_diffusers(sdxl_config, case, steps):
 
 @pytest.mark.parametrize("name", SCHEDULER_NAMES)
 def test_new_step_count_gives_new_schedule(sdxl_config, name):
-    ours, ref = build(sdxl_config, (name, SDE if name == "dpmpp_2m_sde" else {}, {}))
+    ours, ref = build(sdxl_config, (name, {}, {}))
     first = ours.schedule(10)
     second = ours.schedule(25)
     ref.set_timesteps(10)
@@ -329,7 +343,9 @@ def test_jitted_step_compiles_once(sdxl_config, name):
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c[0] in ("euler_ancestral", "dpmpp_2m_sde")], ids=case_id
+    "case",
+    [c for c in CASES if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras")],
+    ids=case_id,
 )
 def test_key_draws_standard_normal_noise(sdxl_config, case):
     ours, _ = build(sdxl_config, case)

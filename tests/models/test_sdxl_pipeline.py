@@ -27,10 +27,12 @@ def reference(tiny_sdxl_path):
 def _diffusers_scheduler(pipe, name):
     from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
+    base = name.removesuffix("_karras")
     cls = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler, "dpmpp_2m": DPMSolverMultistepScheduler}[
-        name
+        base
     ]
-    pipe.scheduler = cls.from_config(pipe.scheduler.config)
+    karras = {"use_karras_sigmas": True} if base != name else {}  # diffusers' docs: A1111's "Karras"
+    pipe.scheduler = cls.from_config(pipe.scheduler.config, **karras)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +41,7 @@ def _diffusers_scheduler(pipe, name):
         ("euler", ["a photo of a cat", "the dog and the cat"], None, 4),
         ("ddim", ["a photo of a cat", "a red car"], ["blurry", "low quality"], 3),
         ("dpmpp_2m", ["mountains at dawn", ""], "ugly", 4),
+        ("dpmpp_2m_karras", ["a photo of a cat", "a red car"], None, 4),
     ],
 )
 def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):
