@@ -104,7 +104,8 @@ class Catalog:
 def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
     """The first info, with `limits.buckets` the sizes every one of `infos` serves (None only when all serve any
     size) and the default size moved to the first common bucket when the first pool's default is not one; for a
-    video model the same for its frame counts (`limits.frames.served`, `limits.frames.default`)."""
+    video model the same for its frame counts (`limits.frames.served`, `limits.frames.default`), and the request
+    fields every pool takes (adapters, prompt_2, clip_skip, micro-conditioning)."""
     first = infos[0]
     if len(infos) == 1:
         return first
@@ -132,6 +133,16 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
                 )
             }
         )
+    # The text encoders' and micro-conditioning fields: taken only when every pool takes them (a pool of an
+    # older worker publishes none, and would ignore them: its job params drop fields it does not know).
+    skips = [info.limits.max_clip_skip for info in infos]
+    limits = limits.model_copy(
+        update={
+            "prompt_2": all(info.limits.prompt_2 for info in infos),
+            "micro_conditioning": all(info.limits.micro_conditioning for info in infos),
+            "max_clip_skip": None if None in skips else min(skips),
+        }
+    )
     served = [info.limits.frames.served for info in infos if info.limits.frames is not None]
     served = [s for s in served if s is not None]
     if limits.frames is not None and served:

@@ -97,3 +97,23 @@ async def test_clip_skip_refused(served, model, value, code):
     err = r.json()["error"]
     assert (err["field"], err["code"]) == ("clip_skip", code)
     assert await store.redis.exists(store.stream_key(model, "normal")) == 0
+
+
+async def test_taken_only_when_every_pool_of_the_model_takes_them(make_settings):
+    """Two pools serve toy-two, one publishing none of these fields (an older worker, whose job params would drop
+    them): the card says so and the fields are refused; the lower clip_skip bound of two pools holds."""
+    older = TOY.model_copy(update={"id": "toy-two"})
+    fewer = TOY_TWO.model_copy(update={"limits": TOY_TWO.limits.model_copy(update={"max_clip_skip": 1})})
+    async with api_client(make_settings()) as (client, store):
+        await FakeWorker(store, name="new", models=(TOY_TWO,)).register()
+        await FakeWorker(store, name="fewer", models=(fewer,)).register()
+        (card,) = (await client.get("/v1/models")).json()["data"]
+        assert card["limits"]["prompt_2"] is True and card["limits"]["max_clip_skip"] == 1
+        r = await post(client, model="toy-two", clip_skip=2)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "out_of_range", r.text
+        await FakeWorker(store, name="old", models=(older,)).register()
+        (card,) = (await client.get("/v1/models")).json()["data"]
+        assert card["limits"]["prompt_2"] is False and card["limits"]["max_clip_skip"] is None
+        for field, value in (("prompt_2", "oil"), ("clip_skip", 1)):
+            r = await post(client, model="toy-two", **{field: value})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "not_supported", r.text
