@@ -196,10 +196,11 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         """Both tokenizers' ids [T, 77] and each text's clip_skip [T] (0: the penultimate layer's states)."""
         first, second = self.tokenizers
         skip = [0 if s is None else s for s in clip_skip or [None] * len(texts)]
-        if any(not 0 <= s <= self.max_clip_skip for s in skip):
-            raise PipelineError(
-                f"clip_skip must be an integer between 0 and {self.max_clip_skip}, got {max(skip)}"
-            )
+        for s in skip:
+            if not 0 <= s <= self.max_clip_skip:
+                raise PipelineError(
+                    f"clip_skip must be an integer between 0 and {self.max_clip_skip}, got {s}"
+                )
         ids = tokenize(first, texts), tokenize(second, texts if texts_2 is None else texts_2)
         return (*ids, np.asarray(skip, np.int32))
 

@@ -212,6 +212,8 @@ def test_clip_skip_matches_diffusers_per_prompt(ours, reference):
         PipelineError, match=f"clip_skip must be an integer between 0 and {ours.max_clip_skip}"
     ):
         ours("a cat", clip_skip=ours.max_clip_skip + 1, **kw)
+    with pytest.raises(PipelineError, match="clip_skip must be an integer between 0 and .*, got -1"):
+        ours(["a cat", "a dog"], clip_skip=[0, -1], **kw)
     with pytest.raises(PipelineError, match="clip_skip must be an integer"):
         ours("a cat", clip_skip=1.5, **kw)
 
