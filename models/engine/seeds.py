@@ -53,12 +53,7 @@ def per_row_pairs(value, prompts: int, n: int, name: str) -> list[tuple[float, f
         raise PipelineError(f"{name} must be a pair of numbers, or a list of pairs / None, got {value!r}")
     if value is None or (hasattr(value, "__len__") and len(value) == 2 and not _holds_pairs(value)):
         return [pair(value)] * (prompts * n)
-    values = [pair(v) for v in value]
-    if len(values) == prompts:
-        return [v for v in values for _ in range(n)]
-    if len(values) == prompts * n:
-        return values
-    raise PipelineError(f"{name}: expected one pair, one per prompt or one per image, got {len(values)}")
+    return per_row(value, prompts, n, name, pair)
 
 
 def _holds_pairs(value) -> bool:

@@ -103,39 +103,39 @@ def test_pipeline_without_guidance_matches_diffusers(ours, reference):
     assert float(np.abs(got - expected).max()) <= 1e-3
 
 
+def _rows_against_diffusers(ours, reference, prompts, latents, per_row: dict, **kw):
+    """Ours on the batch of `prompts` with `per_row`'s values (one per prompt), against diffusers called once
+    per row with that row's values (its arguments are one per call; a None is left out, diffusers' default):
+    (our images, the largest |difference| in a pixel)."""
+    import torch
+
+    got = ours(prompts, latents=latents, **per_row, **kw).images
+    worst = 0.0
+    for row, prompt in enumerate(prompts):
+        one = {name: values[row] for name, values in per_row.items() if values[row] is not None}
+        expected = reference(prompt, latents=torch.from_numpy(latents[row : row + 1]), **one, **kw).images[0]
+        worst = max(worst, float(np.abs(got[row] - expected).max()))
+    return got, worst
+
+
+def _latents(seed: int, rows: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 4, H // 2, W // 2)).astype(np.float32)
+
+
 def test_guidance_rescale_matches_diffusers_per_row(ours, reference):
     """diffusers' guidance_rescale (rescale_noise_cfg) is one number per call; ours is per row: a batch whose
     rows take 0.7 and 0 gives each row what diffusers gives that row alone. A row without CFG is not rescaled
     (diffusers rescales only under CFG)."""
-    import torch
-
-    latents = np.random.default_rng(3).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    latents = _latents(3)
     _diffusers_scheduler(reference, "euler")
-    kw = dict(height=H, width=W, num_inference_steps=3, output_type="np")
-    prompts, guidance, rescale = ["a cat", "a red car", "a dog"], [7.0, 7.0, 1.0], [0.7, 0.0, 0.7]
-    got = ours(
-        prompts,
-        guidance_scale=guidance,
-        guidance_rescale=rescale,
-        latents=latents,
-        negative_prompt="blur",
-        **kw,
-    ).images
-    worst = 0.0
-    for row in range(3):
-        expected = reference(
-            prompts[row],
-            negative_prompt="blur",
-            guidance_scale=guidance[row],
-            guidance_rescale=rescale[row],
-            latents=torch.from_numpy(latents[row : row + 1]),
-            **kw,
-        ).images[0]
-        worst = max(worst, float(np.abs(got[row] - expected).max()))
+    kw = dict(height=H, width=W, num_inference_steps=3, output_type="np", negative_prompt="blur")
+    prompts, per_row = ["a cat", "a red car", "a dog"], {"guidance_scale": [7.0, 7.0, 1.0]}
+    per_row["guidance_rescale"] = [0.7, 0.0, 0.7]
+    got, worst = _rows_against_diffusers(ours, reference, prompts, latents, per_row, **kw)
     assert worst <= 1e-3
     # The rescale moves the picture by far more than the two sides differ (a test that cannot fail otherwise):
     # row 0 without it, on this random tiny UNet, by 5.2e-3 (the sides: 2.0e-6).
-    plain = ours(prompts[0], guidance_scale=7.0, latents=latents[:1], negative_prompt="blur", **kw).images[0]
+    plain = ours(prompts[0], guidance_scale=7.0, latents=latents[:1], **kw).images[0]
     moved = float(np.abs(plain - got[0]).max())
     assert moved > max(1e-3, 100 * worst), (moved, worst)
 
@@ -144,36 +144,18 @@ def test_prompt_2_and_negative_prompt_2_match_diffusers_per_row(ours, reference)
     """diffusers' prompt_2 / negative_prompt_2 (text_encoder_2's texts, each falling back to the first
     encoder's) are one value per call there; ours take one per prompt, None falling back per row. A row whose
     negative prompt is None keeps zeros whatever its negative_prompt_2 (force_zeros_for_empty_prompt)."""
-    import torch
-
-    latents = np.random.default_rng(4).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    latents = _latents(4)
     _diffusers_scheduler(reference, "euler")
     kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, output_type="np")
     prompts = ["a cat", "a red car", "a dog"]
-    second, negative, negative_2 = ["a blue sky", None, "grass"], ["blur", "ugly", None], [None, "dark", "x"]
-    got = ours(
-        prompts,
-        prompt_2=second,
-        negative_prompt=negative,
-        negative_prompt_2=negative_2,
-        latents=latents,
-        **kw,
-    ).images
-    worst = 0.0
-    for row in range(3):
-        expected = reference(
-            prompts[row],
-            prompt_2=second[row],
-            negative_prompt=negative[row],
-            negative_prompt_2=negative_2[row],
-            latents=torch.from_numpy(latents[row : row + 1]),
-            **kw,
-        ).images[0]
-        worst = max(worst, float(np.abs(got[row] - expected).max()))
+    per_row = {"prompt_2": ["a blue sky", None, "grass"], "negative_prompt": ["blur", "ugly", None]}
+    per_row["negative_prompt_2"] = [None, "dark", "x"]
+    got, worst = _rows_against_diffusers(ours, reference, prompts, latents, per_row, **kw)
     assert worst <= 1e-3
-    # The second texts move the pictures by far more than the two sides differ (rows 0 and 1).
-    plain = ours(prompts[:2], negative_prompt=negative[:2], latents=latents[:2], **kw).images
-    for row in range(2):
+    # The second texts move the pictures by far more than the two sides differ (measured: 2.3e-2 to 3.2e-2
+    # against 1.2e-6).
+    plain = ours(prompts, negative_prompt=per_row["negative_prompt"], latents=latents, **kw).images
+    for row in range(3):
         moved = float(np.abs(plain[row] - got[row]).max())
         assert moved > max(1e-3, 100 * worst), (row, moved, worst)
 
@@ -182,29 +164,17 @@ def test_clip_skip_matches_diffusers_per_prompt(ours, reference):
     """diffusers' clip_skip (both encoders' hidden_states[-(clip_skip + 2)] for the prompt; the negative's
     stay at [-2]) is one value per call there; ours is one per prompt, a traced index: a batch whose prompts
     take 1, none and the deepest skip gives each what diffusers gives it alone, and compiles nothing new."""
-    import torch
-
     assert ours.limits["max_clip_skip"] == ours.max_clip_skip >= 1
-    latents = np.random.default_rng(5).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    latents = _latents(5)
     _diffusers_scheduler(reference, "euler")
     kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, output_type="np")
-    prompts, skips = ["a cat", "a red car", "a dog"], [1, None, ours.max_clip_skip]
-    ours(prompts, clip_skip=None, latents=latents, negative_prompt="blur", **kw)  # compiles the programs
+    kw["negative_prompt"] = "blur"
+    prompts, per_row = ["a cat", "a red car", "a dog"], {"clip_skip": [1, None, ours.max_clip_skip]}
+    plain = ours(prompts, latents=latents, **kw).images  # compiles the programs
     compiled = ours.compilations
-    got = ours(prompts, clip_skip=skips, latents=latents, negative_prompt="blur", **kw).images
+    got, worst = _rows_against_diffusers(ours, reference, prompts, latents, per_row, **kw)
     assert ours.compilations == compiled
-    worst = 0.0
-    for row in range(3):
-        expected = reference(
-            prompts[row],
-            negative_prompt="blur",
-            clip_skip=skips[row],
-            latents=torch.from_numpy(latents[row : row + 1]),
-            **kw,
-        ).images[0]
-        worst = max(worst, float(np.abs(got[row] - expected).max()))
     assert worst <= 1e-3
-    plain = ours(prompts, latents=latents, negative_prompt="blur", **kw).images
     for row in (0, 2):  # the skipped layers moved the pictures by far more than the sides differ
         moved = float(np.abs(plain[row] - got[row]).max())
         assert moved > max(1e-3, 100 * worst), (row, moved, worst)
@@ -232,30 +202,20 @@ MICRO = [
 def test_micro_conditioning_matches_diffusers_per_row(ours, reference):
     """diffusers' original_size, crops_coords_top_left, target_size and their negatives are one value per call
     there; ours are one per row (traced: nothing compiles)."""
-    import torch
-
-    latents = np.random.default_rng(6).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    latents = _latents(6)
     _diffusers_scheduler(reference, "euler")
     kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, output_type="np")
+    kw["negative_prompt"] = "blur"
     prompts = ["a cat", "a red car", "a dog"]
-    plain = ours(prompts, negative_prompt="blur", latents=latents, **kw).images
+    plain = ours(prompts, latents=latents, **kw).images
     compiled = ours.compilations
     per_row = {name: [m.get(name) for m in MICRO] for name in ours.pair_fields}
-    got = ours(prompts, negative_prompt="blur", latents=latents, **per_row, **kw).images
+    got, worst = _rows_against_diffusers(ours, reference, prompts, latents, per_row, **kw)
     assert ours.compilations == compiled
-    worst = 0.0
+    assert worst <= 1e-3
     for row in range(3):
-        expected = reference(
-            prompts[row],
-            negative_prompt="blur",
-            latents=torch.from_numpy(latents[row : row + 1]),
-            **MICRO[row],
-            **kw,
-        ).images[0]
-        worst = max(worst, float(np.abs(got[row] - expected).max()))
         moved = float(np.abs(plain[row] - got[row]).max())
         assert moved > max(1e-3, 100 * worst), (row, moved, worst)
-    assert worst <= 1e-3
     for bad, match in [
         ((64,), "must be a pair"),
         ((64, float("nan")), "finite"),
