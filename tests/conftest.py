@@ -128,6 +128,14 @@ def tiny_wan_i2v_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_flf2v_path(tmp_path_factory) -> Path:
+    """The tiny Wan 2.1 image-to-video folder with a first-last-frame transformer (pos_embed_seq_len)."""
+    from tests.fixtures.tiny_wan_i2v import build_tiny_wan_i2v
+
+    return build_tiny_wan_i2v(tmp_path_factory.mktemp("tiny_wan_flf2v"), first_last=True)
+
+
+@pytest.fixture(scope="session")
 def embedded_sdxl():
     """The embedded tiny SDXL (a trained VAE: previews look like its pictures), loaded once per session so its
     compiled programs are shared without even a cache read. Tests that set `prompt_cache` on it reset it."""

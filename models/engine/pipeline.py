@@ -11,6 +11,7 @@ What the serving side reads (workers/runner.py relies on nothing else):
     second_prompt                    whether __call__ takes prompt_2 / negative_prompt_2 (per prompt, like the
                                      prompts: the second text encoder's texts; SDXL, Flux)
     text_fields                      per-prompt integers __call__ takes for the text encoders (SDXL: clip_skip)
+    image_fields                     image arguments besides image= and mask_image= (Wan FLF2V: last_image)
     pair_fields                      per-row pairs __call__ takes for the denoiser (SDXL: the micro-conditioning)
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
@@ -229,6 +230,9 @@ class DiffusionPipeline:
     # their negatives): one pair, one per prompt or one per row, None where a row gives none. `pair_rows` turns
     # them into the denoiser's per-row inputs (rows [B, k]), traced like the row fields.
     pair_fields: tuple[str, ...] = ()
+    # Image arguments besides `image` and `mask_image` (Wan first-last-frame-to-video: last_image), one for all,
+    # one per prompt or one per row like `image`; handed to `preprocess_images` as keywords (None: not given).
+    image_fields: tuple[str, ...] = ()
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
     zeros_for_empty_negative: bool = False
@@ -722,6 +726,7 @@ class DiffusionPipeline:
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
         own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
+        own |= set(self.image_fields)
         own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
@@ -735,6 +740,7 @@ class DiffusionPipeline:
                 )
         text_options = {name: options.pop(name, None) for name in self.text_fields}
         pairs = {name: options.pop(name, None) for name in self.pair_fields}
+        images = {name: options.pop(name, None) for name in self.image_fields}
         given = {
             "height": height,
             "width": width,
@@ -801,7 +807,9 @@ class DiffusionPipeline:
                 )
                 full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
                 check_scheduler(sched)
-            pixels, mask_pixels = self.preprocess_images(image, mask_image, len(prompts), n, settings)
+            pixels, mask_pixels = self.preprocess_images(
+                image, mask_image, len(prompts), n, settings, **images
+            )
             steps -= start  # the steps this call runs (and reports)
         seeds = row_seeds(seed, len(prompts), n)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).

@@ -16,6 +16,12 @@ against) on the engine's image hook (models/engine/pipeline.py, models/engine/im
   crop: models/components/clip_vision.py), in the transformer dtype; with CFG both halves take the same
   embeds (diffusers passes `image_embeds` to the conditional and the unconditional call alike).
 
+First-last-frame-to-video (Wan2.1-FLF2V-14B-720P: a transformer whose config has `pos_embed_seq_len`, twice the
+CLIP tokens) takes `last_image=` too, and requires it, as diffusers' `last_image`: the condition video is
+[image, 0, ..., 0, last image], its mask also 1 on the last frame (the last latent frame's last channel), and
+the image states both images' CLIP states one after the other ([B, 2 x 257, 1280]). An I2V model without the
+position embedding refuses `last_image` (diffusers' would fail on the doubled image states).
+
 The loop starts from pure noise (each row's seed, or `latents=` as that noise) as diffusers' I2V does; the
 image enters only as the condition and the image tokens, so there is no `strength` (an error names it), and
 no `mask_image` (no inpainting). What is Wan's own is otherwise WanPipeline's (text, scheduler, decode,
@@ -57,6 +63,7 @@ __all__ = ["WanImageToVideoPipeline"]
 
 class WanImageToVideoPipeline(WanPipeline):
     task = "image-to-video"
+    image_fields = ("last_image",)  # first-last-frame-to-video's last frame (models with pos_embed_seq_len)
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
@@ -95,6 +102,14 @@ class WanImageToVideoPipeline(WanPipeline):
                 f"{folder / 'image_processor'}: makes {self.image_processor.output_size()} images, the image "
                 f"encoder takes {c.image_size}x{c.image_size}"
             )
+        # First-last-frame-to-video: the transformer's image position embedding covers both frames' CLIP states.
+        tokens = (c.image_size // c.patch_size) ** 2 + 1
+        self.first_last = self.transformer_config.pos_embed_seq_len is not None
+        if self.first_last and self.transformer_config.pos_embed_seq_len != 2 * tokens:
+            raise CheckpointError(
+                f"{folder / 'transformer'}: pos_embed_seq_len {self.transformer_config.pos_embed_seq_len} is not "
+                f"twice the image encoder's {tokens} tokens (the first and the last frame's)"
+            )
         modules["image_encoder"] = image_encoder
         return modules
 
@@ -131,17 +146,40 @@ class WanImageToVideoPipeline(WanPipeline):
 
     def warm_up_inputs(self, width: int, height: int) -> dict:
         # Any image compiles the same programs (its pixels are traced inputs): a black one of the video's size.
-        return {"image": np.zeros((height, width, 3), np.uint8)}
+        black = np.zeros((height, width, 3), np.uint8)
+        return {"image": black, "last_image": black} if self.first_last else {"image": black}
 
-    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict):
+    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, last_image=None):
         """Host: one row per output video of the call's images, twice: for the VAE [B, H, W, 3] in [-1, 1] at
-        the call's size, and for CLIP [B, 224, 224, 3] (the folder's image processor)."""
+        the call's size, and for CLIP [B, 224, 224, 3] (the folder's image processor); first-last-frame models
+        the same of `last_image` ("last_video", "last_clip")."""
         if mask_image is not None:  # the engine's task check refuses it first; kept for direct callers
             raise PipelineError("mask_image: Wan image-to-video takes no mask")
+        if self.first_last and last_image is None:
+            raise PipelineError(
+                f"{self.model_id or self.family} is a first-last-frame model: it needs last_image= (the last "
+                "frame) besides image="
+            )
+        if not self.first_last and last_image is not None:
+            raise PipelineError(
+                f"last_image: {self.model_id or self.family} is not a first-last-frame model (its transformer "
+                "has no pos_embed_seq_len); it takes image= alone"
+            )
+        if self.first_last and settings["num_frames"] < 2:
+            raise PipelineError(
+                "num_frames: a first-last-frame video needs at least 2 frames (the first and the last)"
+            )
         height, width = settings["height"], settings["width"]
-        video = image_rows(image, prompts, n, "image", preprocess_image, height, width)
-        clip = image_rows(image, prompts, n, "image", self._clip_pixels, height, width)
-        return {"video": video, "clip": clip}, None
+        pixels = {}
+        for prefix, name, value in (("", "image", image), ("last_", "last_image", last_image)):
+            if value is not None:
+                pixels[prefix + "video"] = image_rows(
+                    value, prompts, n, name, preprocess_image, height, width
+                )
+                pixels[prefix + "clip"] = image_rows(
+                    value, prompts, n, name, self._clip_pixels, height, width
+                )
+        return pixels, None
 
     def _clip_pixels(self, image, height: int, width: int, name: str) -> np.ndarray:
         if isinstance(image, np.ndarray):
@@ -162,12 +200,15 @@ class WanImageToVideoPipeline(WanPipeline):
             raise PipelineError(f"{name}: {e}") from None
 
     def image_inputs(self, states, pixels, mask, *, shape, task):
-        """Traced (the image_encode program): {"video": [B, H, W, 3] in [-1, 1], "clip": [B, 224, 224, 3]} ->
-        {"condition": [B, T, h, w, tf + z] fp32, "image_embeds": [B, 257, image_dim] in the model dtype}."""
+        """Traced (the image_encode program): {"video": [B, H, W, 3] in [-1, 1], "clip": [B, 224, 224, 3]} (and
+        first-last-frame's "last_video", "last_clip") -> {"condition": [B, T, h, w, tf + z] fp32, "image_embeds":
+        [B, 257 (first-last: 514), image_dim] in the model dtype}."""
         b, height, width, _ = pixels["video"].shape
         frames = (shape[0] - 1) * self.temporal_factor + 1
         image = pixels["video"].astype(jnp.float32)[:, None]
-        video = jnp.concatenate([image, jnp.zeros((b, frames - 1, height, width, 3), jnp.float32)], axis=1)
+        last = pixels["last_video"].astype(jnp.float32)[:, None] if "last_video" in pixels else None
+        zeros = jnp.zeros((b, frames - 1 - (last is not None), height, width, 3), jnp.float32)
+        video = jnp.concatenate([image, zeros] + ([last] if last is not None else []), axis=1)
         latents = self.merged("vae", states["vae"]).encode(video).mode()  # [B, T, h, w, z]
         cfg = self.vae_config
         # diffusers: (z - mean) * (1 / std), per channel, fp32.
@@ -176,6 +217,12 @@ class WanImageToVideoPipeline(WanPipeline):
         mask = jnp.zeros((*latents.shape[:4], self.temporal_factor), jnp.float32).at[:, 0].set(1.0)
         encoder = self.merged("image_encoder", states["image_encoder"])
         embeds = encoder(pixels["clip"]).hidden_states[-2].astype(self.dtype)
+        if last is not None:
+            # diffusers' mask keeps the last frame too: the last latent frame's last channel (the frame it ends
+            # with); the image states are both images' CLIP states, the first image's first.
+            mask = mask.at[:, -1, ..., -1].set(1.0)
+            last_embeds = encoder(pixels["last_clip"]).hidden_states[-2].astype(self.dtype)
+            embeds = jnp.concatenate([embeds, last_embeds], axis=1)
         return {
             "condition": self.constrain(jnp.concatenate([mask, latents], axis=-1)),
             "image_embeds": self.constrain(embeds),

@@ -62,8 +62,9 @@ Parallelism:
   video have exactly as many tokens as the text, the entry shards the text too: still exact, only slower.)
   The image tokens of I2V (257) take the same rule.
 
-Not covered: Wan 2.1 first-last-frame-to-video's image position embedding (pos_embed_seq_len, which the
-config rejects); Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v projections are a runtime
+Wan 2.1 first-last-frame-to-video (FLF2V): `pos_embed_seq_len` adds a learned position embedding to the image
+states, which are then both frames' CLIP states one after the other ([B, 2 x 257, image_dim]; diffusers views
+its [2B, 257, D] stack as that). Not covered: Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v projections are a runtime
 option in diffusers; checkpoints store them apart. diffusers builds the RMSNorm q/k norms whatever `qk_norm`
 says (0.42.1), and so does this model.
 """
@@ -160,8 +161,8 @@ class WanTransformer3DConfig:
     @classmethod
     def from_config(cls, config: dict) -> WanTransformer3DConfig:
         """From a diffusers config.json; `_`-prefixed metadata is ignored, any other unknown field raises, and
-        so does what this model does not implement (pos_embed_seq_len: Wan 2.1 FLF2V's image position
-        embedding; image_dim without added_kv_proj_dim or the reverse)."""
+        so does what this model does not implement (image_dim without added_kv_proj_dim or the reverse; a
+        pos_embed_seq_len without image_dim)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in config if not k.startswith("_") and k not in names)
         if unknown:
@@ -170,11 +171,10 @@ class WanTransformer3DConfig:
         if "patch_size" in values:
             values["patch_size"] = tuple(values["patch_size"])
         out = cls(**values)
-        if out.pos_embed_seq_len is not None:
+        if out.pos_embed_seq_len is not None and out.image_dim is None:
             raise ValueError(
-                f"WanTransformer3DModel config sets pos_embed_seq_len={out.pos_embed_seq_len} (Wan 2.1 "
-                "first-last-frame-to-video's image position embedding): not supported; Wan 2.1 text-to-video and "
-                "image-to-video (image_dim, added_kv_proj_dim) are"
+                f"WanTransformer3DModel config sets pos_embed_seq_len={out.pos_embed_seq_len} (the image position "
+                "embedding of first-last-frame-to-video) without image_dim"
             )
         if (out.image_dim is None) != (out.added_kv_proj_dim is None):
             raise ValueError(
@@ -325,19 +325,34 @@ class WanImageFeedForward(nnx.Module):
 
 
 class WanImageEmbedding(nnx.Module):
-    """diffusers' WanImageEmbedding (Wan 2.1 I2V; no pos_embed): norm1 -> FeedForward(mult=1, erf GELU) -> norm2.
+    """diffusers' WanImageEmbedding (Wan 2.1 I2V): [+ pos_embed] -> norm1 -> FeedForward(mult=1, erf GELU) ->
+    norm2.
 
     The CLIP states [B, 257, image_dim] become [B, 257, dim] image tokens for the blocks' added K/V. norm1/norm2
     are diffusers' FP32LayerNorm (eps 1e-5, affine): fp32 statistics and weights (their names are in
     KEEP_IN_FP32, so a bf16 load keeps them fp32), output in the input's dtype; the FF runs in `dtype`.
+    FLF2V (`pos_embed_seq_len`): the states are both frames' [B, 2 x 257, image_dim], plus a learned
+    pos_embed [1, 2 x 257, image_dim] in `dtype` (not in diffusers' fp32 list).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, out_features: int, pos_embed_seq_len=None, *, dtype, rngs: nnx.Rngs):
         self.norm1 = LayerNorm(in_features, IMAGE_EMBEDDING_EPS, dtype=jnp.float32, rngs=rngs)
         self.ff = WanImageFeedForward(in_features, out_features, dtype=dtype, rngs=rngs)
         self.norm2 = LayerNorm(out_features, IMAGE_EMBEDDING_EPS, dtype=jnp.float32, rngs=rngs)
+        self.pos_embed = (
+            nnx.Param(jnp.zeros((1, pos_embed_seq_len, in_features), dtype))
+            if pos_embed_seq_len is not None
+            else None
+        )
 
     def __call__(self, x):  # [B, S_img, image_dim] -> [B, S_img, dim], x's dtype
+        if self.pos_embed is not None:
+            if x.shape[1] != self.pos_embed.shape[1]:
+                raise ValueError(
+                    f"first-last-frame image states: expected {self.pos_embed.shape[1]} tokens (both frames'), "
+                    f"got {x.shape[1]}"
+                )
+            x = x + self.pos_embed[...].astype(x.dtype)
         return self.norm2(self.ff(self.norm1(x)))
 
 
@@ -350,14 +365,24 @@ class WanTimeTextImageEmbedding(nnx.Module):
     """
 
     def __init__(
-        self, dim: int, freq_dim: int, text_dim: int, image_dim: int | None, *, dtype, rngs: nnx.Rngs
+        self,
+        dim: int,
+        freq_dim: int,
+        text_dim: int,
+        image_dim: int | None,
+        pos_embed_seq_len: int | None = None,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
     ):
         self.freq_dim, self.dtype = freq_dim, dtype
         self.time_embedder = TimestepEmbedding(freq_dim, dim, dtype=jnp.float32, rngs=rngs)
         self.time_proj = linear(dim, 6 * dim, dtype=dtype, rngs=rngs)
         self.text_embedder = TextProjection(text_dim, dim, dtype=dtype, rngs=rngs)
         self.image_embedder = (
-            WanImageEmbedding(image_dim, dim, dtype=dtype, rngs=rngs) if image_dim is not None else None
+            WanImageEmbedding(image_dim, dim, pos_embed_seq_len, dtype=dtype, rngs=rngs)
+            if image_dim is not None
+            else None
         )
 
     def __call__(self, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
@@ -520,7 +545,9 @@ class WanTransformer3DModel(nnx.Module):
         dim = c.inner_dim
         kw = dict(dtype=dtype, rngs=rngs)
         self.patch_embedding = PatchEmbed3D(c.in_channels, dim, c.patch_size, **kw)
-        self.condition_embedder = WanTimeTextImageEmbedding(dim, c.freq_dim, c.text_dim, c.image_dim, **kw)
+        self.condition_embedder = WanTimeTextImageEmbedding(
+            dim, c.freq_dim, c.text_dim, c.image_dim, c.pos_embed_seq_len, **kw
+        )
         self.blocks = nnx.List([WanTransformerBlock(c, settings=settings, **kw) for _ in range(c.num_layers)])
         self.proj_out = linear(dim, c.output_channels * math.prod(c.patch_size), **kw)
         self.scale_shift_table = nnx.Param(

@@ -138,6 +138,43 @@ def test_i2v_transformer_equals_diffusers(i2v_transformer_folder):
     assert rel_err(blank, want.numpy()) > 1e-2
 
 
+def test_first_last_frame_transformer_equals_diffusers(tmp_path):
+    """Wan 2.1 FLF2V's transformer: its image embedder adds a learned position embedding over both frames' CLIP
+    states. diffusers takes them as [2B, 257, D] (image, last image, image, ...) and views them [B, 514, D];
+    ours takes that view. fp32 <= 1e-4; the embedding matters (zeroed, the output moves)."""
+    from diffusers import WanTransformer3DModel as TorchWan
+
+    from tests.fixtures.tiny_wan_i2v import build_tiny_wan_i2v_transformer
+
+    folder = build_tiny_wan_i2v_transformer(tmp_path / "flf2v", first_last=True)
+    reference = TorchWan.from_pretrained(str(folder)).eval()
+    inputs = make_inputs()
+    both = np.random.RandomState(7).randn(2, 2 * S_IMG, I2V_TRANSFORMER["image_dim"]).astype(np.float32)
+    with torch.no_grad():
+        want = reference(
+            hidden_states=torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3),
+            timestep=torch.from_numpy(inputs["timestep"]),
+            encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
+            encoder_hidden_states_image=torch.from_numpy(both.reshape(4, S_IMG, -1)),
+        ).sample.permute(0, 2, 3, 4, 1)
+    model = load_wan_transformer(folder)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, image):
+        x, t = jnp.asarray(inputs["hidden_states"]), jnp.asarray(inputs["timestep"], jnp.int32)
+        rope = model.rope(FRAMES, HEIGHT, WIDTH)
+        return nnx.merge(graphdef, state)(x, t, jnp.asarray(inputs["encoder_hidden_states"]), rope, image)
+
+    got = forward(state, jnp.asarray(both))
+    err = rel_err(got, want.numpy())
+    log.info("Wan FLF2V transformer fp32: max rel err %.2e", err)
+    assert err <= 1e-4
+    embed = model.condition_embedder.image_embedder.pos_embed
+    embed.value = jnp.zeros_like(embed.value)
+    assert rel_err(forward(nnx.state(model), jnp.asarray(both)), want.numpy()) > 1e-2
+
+
 def test_image_states_required_exactly_for_i2v(i2v_transformer_folder):
     config = WanTransformer3DConfig.from_config(
         json.loads((i2v_transformer_folder / "config.json").read_text())
@@ -157,8 +194,13 @@ def test_image_states_required_exactly_for_i2v(i2v_transformer_folder):
 
 
 def test_config_rejects_what_i2v_does_not_implement():
-    with pytest.raises(ValueError, match="pos_embed_seq_len=514.*not supported"):
-        WanTransformer3DConfig.from_config({**WAN_I2V_14B, "pos_embed_seq_len": 514})
+    assert (
+        WanTransformer3DConfig.from_config({**WAN_I2V_14B, "pos_embed_seq_len": 514}).pos_embed_seq_len == 514
+    )
+    with pytest.raises(ValueError, match="pos_embed_seq_len=514 .* without image_dim"):
+        WanTransformer3DConfig.from_config(
+            {**WAN_I2V_14B, "pos_embed_seq_len": 514, "image_dim": None, "added_kv_proj_dim": None}
+        )
     with pytest.raises(ValueError, match="needs both"):
         WanTransformer3DConfig.from_config({**WAN_I2V_14B, "added_kv_proj_dim": None})
     with pytest.raises(ValueError, match="must be the model's inner dim 5120"):
@@ -360,3 +402,48 @@ def test_an_image_processor_without_a_fixed_size_is_refused(tiny_wan_i2v_path, t
     path.write_text(json.dumps({**config, "do_center_crop": False, "size": {"shortest_edge": 32}}))
     with pytest.raises(ModelFolderError, match="without a center crop or a fixed size"):
         load_pipeline(folder)
+
+
+def test_first_last_frame_pipeline_equals_diffusers(tiny_wan_flf2v_path, monkeypatch):
+    """Wan 2.1 first-last-frame-to-video (a transformer with pos_embed_seq_len): `last_image=` per row as
+    `image=`; each video equals diffusers' WanImageToVideoPipeline(image=, last_image=) for that row alone, fp32
+    <= 1e-3; another last frame gives another video; it is required, and refused by a plain I2V model."""
+    import diffusers.pipelines.wan.pipeline_wan as t2v
+    import diffusers.pipelines.wan.pipeline_wan_i2v as i2v_module
+    from diffusers import WanImageToVideoPipeline
+
+    from meshserve.models import PipelineError, load_pipeline
+
+    monkeypatch.setattr(i2v_module, "basic_clean", t2v.basic_clean)  # as the `reference` fixture does
+    reference = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_flf2v_path), torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    flf2v = load_pipeline(tiny_wan_flf2v_path, dtype="float32")
+    firsts, lasts = two_images(), two_images()[::-1]
+    noise = np.random.default_rng(2).standard_normal((2, *NOISE)).astype(np.float32)
+    kw = dict(negative_prompt="blurry", guidance_scale=4.0, latents=noise, **PIPE)
+    got = flf2v(PROMPTS, image=firsts, last_image=lasts, **kw).images
+    errors = []
+    for row in range(2):
+        want = diffusers_video(
+            reference,
+            firsts[row],
+            PROMPTS[row],
+            noise[row : row + 1],
+            last_image=lasts[row],
+            negative_prompt="blurry",
+            guidance_scale=4.0,
+        )
+        errors.append(float(np.abs(got[row : row + 1] - want).max()))
+    log.info("Wan FLF2V pipeline fp32: max abs frame error %s", errors)
+    assert max(errors) <= 1e-3
+    other = flf2v(PROMPTS, image=firsts, last_image=firsts, **kw).images
+    assert min(float(np.abs(other[r] - got[r]).max()) for r in range(2)) > 1e-2
+    with pytest.raises(PipelineError, match="needs last_image"):
+        flf2v(PROMPTS, image=firsts, **kw)
+
+
+def test_last_image_is_refused_by_a_plain_i2v_model(i2v):
+    from meshserve.models import PipelineError
+
+    with pytest.raises(PipelineError, match="not a first-last-frame model"):
+        i2v("a cat", image=two_images()[0], last_image=two_images()[1], **PIPE)
