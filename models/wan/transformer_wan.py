@@ -173,8 +173,8 @@ class WanTransformer3DConfig:
         out = cls(**values)
         if out.pos_embed_seq_len is not None and out.image_dim is None:
             raise ValueError(
-                f"WanTransformer3DModel config sets pos_embed_seq_len={out.pos_embed_seq_len} (the image position "
-                "embedding of first-last-frame-to-video) without image_dim"
+                f"WanTransformer3DModel config sets pos_embed_seq_len={out.pos_embed_seq_len} (first-last-frame "
+                "image-to-video's image position embedding) without image_dim"
             )
         if (out.image_dim is None) != (out.added_kv_proj_dim is None):
             raise ValueError(
