@@ -83,3 +83,30 @@ def test_wan_i2v_layout_matches_single_device(tiny_wan_i2v_path, reference, name
             ...
         ]
         assert {s.data.shape for s in fc1.addressable_shards} == {(fc1.shape[0] // 8, fc1.shape[1])}
+
+
+def test_first_last_frame_on_cfg2_x_context2_matches_single_device(tiny_wan_flf2v_path):
+    """First-last-frame-to-video (both frames' 2 x 17 image tokens with their position embedding, the mask's
+    last frame) on cfg2 x context2 (Ulysses) gives the single-device latents."""
+    rs = np.random.RandomState(4)
+    firsts = [Image.fromarray(rs.randint(0, 256, (40, 60, 3), np.uint8)) for _ in range(2)]
+    lasts = [Image.fromarray(rs.randint(0, 256, (40, 60, 3), np.uint8)) for _ in range(2)]
+    noise = np.random.default_rng(5).standard_normal((2, 4, 2, 4, 6)).astype(np.float32)
+    kw = dict(image=firsts, last_image=lasts, negative_prompt="blurry", guidance_scale=4.0, latents=noise)
+
+    def call(pipe):
+        return pipe(PROMPTS, output_type="latent", **kw, **PIPE).images
+
+    single = call(load_pipeline(tiny_wan_flf2v_path))
+    mesh = {"cfg": 2, "context": 2}
+    split = call(
+        load_pipeline(
+            tiny_wan_flf2v_path,
+            mesh=mesh,
+            devices=list(range(4)),
+            attention=AttentionSettings(context_strategy="ulysses"),
+        )
+    )
+    err = float(np.abs(split - single).max())
+    print(f"FLF2V cfg2 x context2: latents max abs err {err:.2e}")
+    assert err <= 1e-4 and single.std() > 1e-2
