@@ -171,7 +171,11 @@ def _image_inputs(args: argparse.Namespace) -> dict:
     """--image / --mask / --strength as the pipeline's image, mask_image and strength, read under the API's
     decoding rules (service/image_inputs.py: PNG, JPEG or WebP, one frame, EXIF orientation applied)."""
     if args.image is None:
-        for flag, value in (("--mask", args.mask), ("--strength", args.strength)):
+        for flag, value in (
+            ("--mask", args.mask),
+            ("--strength", args.strength),
+            ("--last-image", args.last_image),
+        ):
             if value is not None:
                 raise UsageError(f"{flag} needs --image")
         return {}
@@ -193,6 +197,8 @@ def _image_inputs(args: argparse.Namespace) -> dict:
     inputs = {"image": image}
     if args.mask is not None:
         inputs["mask_image"] = read(args.mask, "mask", mode="L", size=image.size)
+    if args.last_image is not None:
+        inputs["last_image"] = read(args.last_image, "last-image")
     if args.strength is not None:
         inputs["strength"] = args.strength
     return inputs
@@ -310,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--mask", default=None, help="inpainting: white is repainted, black kept; the image's size"
+    )
+    gen.add_argument(
+        "--last-image",
+        default=None,
+        help="a Wan 2.1 first-last-frame (FLF2V) folder: the video's last frame (--image is the first)",
     )
     gen.add_argument(
         "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"

@@ -177,6 +177,9 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
     ]
     if not video:
         args += ["--mask", str(tmp_path / "mask.png"), "--strength", "0.6"]
+    else:  # a first-last-frame folder's last frame
+        Image.new("RGB", (32, 16), (10, 200, 30)).save(tmp_path / "last.png")
+        args += ["--last-image", str(tmp_path / "last.png")]
     assert cli.main(args) == 0
     (call,) = pipe.calls
     assert call["image"].mode == "RGB" and call["image"].size == (32, 16)
@@ -184,6 +187,7 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
     if video:
         import av
 
+        assert call["last_image"].getpixel((0, 0)) == (10, 200, 30)
         assert "mask_image" not in call and "strength" not in call
         with av.open(str(out)) as container:
             assert len(list(container.decode(video=0))) == 5
@@ -226,6 +230,10 @@ def _file(tmp_path, name, data=None, image=None):
     "make_args,match",
     [
         (lambda p: ["--mask", _file(p, "m.png", image=Image.new("L", (8, 8)))], "--mask needs --image"),
+        (
+            lambda p: ["--last-image", _file(p, "l.png", image=Image.new("RGB", (8, 8)))],
+            "--last-image needs --image",
+        ),
         (lambda p: ["--strength", "0.5"], "--strength needs --image"),
         (
             lambda p: ["--image", _file(p, "i.png", image=Image.new("RGB", (8, 8))), "--strength", "1.5"],
