@@ -228,6 +228,8 @@ class ModelLimits(_Frozen):
     # Whether the model takes SDXL's micro-conditioning (original_size, crops_coords_top_left, target_size and
     # their negatives); False: the API refuses them (422 not_supported).
     micro_conditioning: bool = False
+    # A first-last-frame video model (Wan 2.1 FLF2V): it takes, and needs, `last_image` besides `image`.
+    last_image: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -304,6 +306,7 @@ class JobParams(_Frozen):
     # service/input_store.py), never the bytes; the strength used (the task's default when none was asked).
     image: str | None = None
     mask: str | None = None
+    last_image: str | None = None  # a first-last-frame video's last frame (the same kind of reference)
     strength: float | None = None
     # LoRA adapters applied to every output of the job, with their scales (the job ran with exactly these).
     loras: list[LoraRef] = Field(default_factory=list)

@@ -298,6 +298,12 @@ class GenerateRequest(_TextRequest):
         "kept (read as grayscale). Needs `image`; the model must list the `inpaint` task.",
         examples=[EXAMPLE_MASK],
     )
+    last_image: str | None = Field(
+        None,
+        min_length=1,
+        description="A first-last-frame video model's last frame (Wan 2.1 FLF2V: `limits.last_image` true), in "
+        "the same forms as `image`, which is the first; such a model needs both, any other answers 422.",
+    )
     strength: float | None = Field(
         None,
         gt=0,

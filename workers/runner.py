@@ -73,6 +73,7 @@ class RunRequest:
     params: JobParams
     image: Any = None  # PIL RGB image
     mask: Any = None  # PIL L image, the image's size: white repaints
+    last_image: Any = None  # PIL RGB image: a first-last-frame video's last frame
     missing: str | None = None
     tenant: str | None = None  # who submitted it: the scope of its texts in the pool's prompt cache
     # A part of a job too big for one batch (`row_parts`): the index of its first output in the job.
@@ -269,6 +270,7 @@ class PipelineRunner(Runner):
 
     def info(self) -> ModelInfo:
         limits = dict(self.pipe.limits, prompt_2=self.pipe.second_prompt)
+        limits["last_image"] = bool(getattr(self.pipe, "first_last", False))  # Wan 2.1 FLF2V
         # The formats this worker can write (an mp4 needs PyAV): a request for another is refused by the API.
         limits["output_formats"] = [f for f in output_formats(limits) if can_encode(f)]
         if limits.get("strength"):  # so that the API refuses a strength that would run no step (422)
@@ -445,7 +447,7 @@ def lora_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
 
 def image_key(params: JobParams) -> tuple:
     """What image inputs add to a batch key: the task they ask for (image? mask?) and the strength."""
-    return (params.image is not None, params.mask is not None, params.strength)
+    return (params.image is not None, params.mask is not None, params.last_image is not None, params.strength)
 
 
 def image_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
@@ -455,9 +457,10 @@ def image_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
         return {}
     images = [req.image for req in batch for _ in range(req.params.n)]
     args = {"image": images + images[:1] * pad}
-    if batch[0].mask is not None:
-        masks = [req.mask for req in batch for _ in range(req.params.n)]
-        args["mask_image"] = masks + masks[:1] * pad
+    for name, arg in (("mask", "mask_image"), ("last_image", "last_image")):
+        if getattr(batch[0], name) is not None:
+            rows = [getattr(req, name) for req in batch for _ in range(req.params.n)]
+            args[arg] = rows + rows[:1] * pad
     if batch[0].params.strength is not None:
         args["strength"] = batch[0].params.strength
     return args
@@ -476,7 +479,7 @@ async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[R
             out.append(req)
             continue
         decoded = {}
-        for name, mode in (("image", "RGB"), ("mask", "L")):
+        for name, mode in (("image", "RGB"), ("mask", "L"), ("last_image", "RGB")):
             ref = getattr(p, name)
             if ref is None:
                 continue
@@ -496,7 +499,7 @@ async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[R
         if isinstance(decoded, str):
             out.append(dataclasses.replace(req, missing=decoded))
         else:
-            out.append(dataclasses.replace(req, image=decoded["image"], mask=decoded.get("mask")))
+            out.append(dataclasses.replace(req, **{"mask": None, "last_image": None, **decoded}))
     return out
 
 

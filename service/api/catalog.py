@@ -140,6 +140,9 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
         update={
             "prompt_2": all(info.limits.prompt_2 for info in infos),
             "micro_conditioning": all(info.limits.micro_conditioning for info in infos),
+            # Pools of one model should agree; a mix (a misconfiguration) takes no last_image, so a job with one
+            # never reaches a pool that drops it.
+            "last_image": all(info.limits.last_image for info in infos),
             "max_clip_skip": None if None in skips else min(skips),
         }
     )
@@ -334,6 +337,12 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
     tasks, lim = list(info.limits.tasks), info.limits
     if req.mask is not None and req.image is None:
         raise FieldError("mask", "mask_without_image", "mask needs an image to inpaint: give image too")
+    if req.last_image is not None and not lim.last_image:
+        raise FieldError(
+            "last_image",
+            "not_supported",
+            f"{info.id} is not a first-last-frame model: it takes no last_image",
+        )
     if req.strength is not None and req.image is None:
         raise FieldError(
             "strength", "strength_without_image", "strength applies to an image input: give image"
@@ -345,6 +354,12 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
         field = "mask" if req.mask is not None else "image"
         raise FieldError(
             field, "task_not_supported", f"{info.id} does not take {task} ({field} given); it takes {tasks}"
+        )
+    if lim.last_image and req.last_image is None:
+        raise FieldError(
+            "last_image",
+            "missing",
+            f"{info.id} is a first-last-frame model: it needs last_image besides image",
         )
     defaults = lim.strength.defaults if lim.strength is not None else {}
     if task not in defaults:

@@ -26,28 +26,23 @@ def _refused(e: ImageInputError) -> FieldError:
 
 
 async def read_image_fields(
-    image: str | None, mask: str | None, settings: Settings, hold: Callable[[int], bool] | None = None
-) -> tuple[bytes | None, bytes | None]:
-    """The bytes of a request's `image` and `mask` fields (data URLs, or http(s) URLs fetched now). `hold`: the
+    fields: dict[str, str | None], settings: Settings, hold: Callable[[int], bool] | None = None
+) -> dict[str, bytes]:
+    """The bytes of a request's image fields by name (`image`, `mask`, `last_image`: data URLs, or http(s)
+    URLs fetched now; the fields given). `hold`: the
     request's own share of the process's buffered bytes (service/api/body_limit.py), for the bytes fetched: a
     hundred URLs that each sent 10 MB and held back their last byte took an API to 1.8 GB with nothing to bound
     it (an audit, 2026-11-28); over the budget the request is a 503 `server_busy`, as a body would be."""
+    out = {}
     try:
-        image_bytes = (
-            await read_image_field(image, field="image", settings=settings, hold=hold)
-            if image is not None
-            else None
-        )
-        mask_bytes = (
-            await read_image_field(mask, field="mask", settings=settings, hold=hold)
-            if mask is not None
-            else None
-        )
+        for name, value in fields.items():
+            if value is not None:
+                out[name] = await read_image_field(value, field=name, settings=settings, hold=hold)
     except ImageInputError as e:
         raise _refused(e) from None
     except FetchError as e:  # "busy": read_image_field turns every other one into an ImageInputError
         raise ApiError(503, "server_busy", e.message, None, {"Retry-After": "1"}) from None
-    return image_bytes, mask_bytes
+    return out
 
 
 async def with_image_inputs(
@@ -60,9 +55,10 @@ async def with_image_inputs(
     decode_slots: asyncio.Semaphore,
     mask_from_alpha: bool = False,
     alpha_as_mask: bool = False,
+    last_image: bytes | None = None,
 ) -> JobParams:
-    """Decode the image (and mask), store the re-encoded PNGs and return the params carrying their
-    references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a second, which the event loop must not
+    """Decode the image (and mask, or a first-last-frame video's last image), store the re-encoded PNGs and
+    return the params carrying their references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a second, which the event loop must not
     wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why).
     `alpha_as_mask` (OpenAI's edits): without a mask, an image with transparent pixels is its own mask."""
     try:
@@ -84,12 +80,20 @@ async def with_image_inputs(
                     size=decoded.image.size,
                     from_alpha=mask_from_alpha,
                 )
+        decoded_last = None
+        if last_image is not None:
+            async with decode_slots:
+                decoded_last = await asyncio.to_thread(
+                    decode_image, last_image, field="last_image", max_pixels=settings.max_image_pixels
+                )
     except ImageInputError as e:
         raise _refused(e) from None
     inputs = InputStore.of(store)
     refs = {"image": await inputs.put(decoded.png)}
     if decoded_mask is not None:
         refs["mask"] = await inputs.put(decoded_mask.png)
+    if decoded_last is not None:
+        refs["last_image"] = await inputs.put(decoded_last.png)
     return params.model_copy(update=refs)
 
 
@@ -97,7 +101,7 @@ async def drop_unused_inputs(store: Store, params: JobParams, job: Job | None) -
     """Delete the inputs stored for a submit that did not make a job with them (refused: queue full, too many
     active jobs; or an idempotent replay answered with the earlier job)."""
     inputs = InputStore.of(store)
-    for name in ("image", "mask"):
+    for name in ("image", "mask", "last_image"):
         ref = getattr(params, name)
         if ref is not None and (job is None or getattr(job.params, name) != ref):
             await inputs.delete(ref)

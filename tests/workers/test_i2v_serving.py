@@ -82,6 +82,8 @@ def test_image_to_video_served_end_to_end_and_by_the_cli(tiny_wan_i2v_path, tmp_
                     (base, ("image", "missing")),
                     ({**base, "image": image, "mask": image}, ("mask", "task_not_supported")),
                     ({**base, "image": image, "strength": 0.5}, ("strength", "not_supported")),
+                    # a first-last-frame model's field (tests/workers/test_flf2v_serving.py)
+                    ({**base, "image": image, "last_image": image}, ("last_image", "not_supported")),
                 ]
                 for body, expected in refused:
                     r = await client.post("/v1/generate", json=body)

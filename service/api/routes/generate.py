@@ -152,9 +152,16 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     digest = request_hash(body.model_dump(mode="json", exclude_defaults=True)) if key else ""
     if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
         hold = getattr(request.state, "hold_bytes", None)  # (service/api/body_limit.py)
-        image, mask = await read_image_fields(body.image, body.mask, settings, hold)
+        fields = {"image": body.image, "mask": body.mask, "last_image": body.last_image}
+        read = await read_image_fields(fields, settings, hold)
         params = await with_image_inputs(
-            store, settings, params, image, mask, decode_slots=request.app.state.decode_slots
+            store,
+            settings,
+            params,
+            read["image"],
+            read.get("mask"),
+            decode_slots=request.app.state.decode_slots,
+            last_image=read.get("last_image"),
         )
     job, unknown = None, None
     try:
