@@ -106,13 +106,22 @@ class ModelDefaults(_Frozen):
     true_cfg_scale: float | None = None
     # Present (SDXL: 0.0, i.e. off) only for a model that takes diffusers' guidance_rescale, as true_cfg_scale.
     guidance_rescale: float | None = None
+    # Present (6.0 and 2.5) only for a model with diffusers' aesthetic score in its time ids (the SDXL refiner).
+    aesthetic_score: float | None = None
+    negative_aesthetic_score: float | None = None
     # Video models: the frame rate their outputs are written at (Wan: 16); None for image models, left out.
     fps: int | None = None
 
     @model_serializer(mode="wrap")
     def _leave_out_absent_fields(self, handler):
         data = handler(self)
-        for name in ("true_cfg_scale", "guidance_rescale", "fps"):
+        for name in (
+            "true_cfg_scale",
+            "guidance_rescale",
+            "aesthetic_score",
+            "negative_aesthetic_score",
+            "fps",
+        ):
             if getattr(self, name) is None:
                 data.pop(name, None)
         return data
@@ -295,6 +304,8 @@ class JobParams(_Frozen):
     guidance_scale: float
     true_cfg_scale: float | None = None  # the model's true-CFG scale (None: the model has none)
     guidance_rescale: float | None = None  # SDXL's CFG rescale (None: the model has none)
+    aesthetic_score: float | None = None  # the SDXL refiner's (None: the model has none)
+    negative_aesthetic_score: float | None = None
     fps: int | None = None  # video models: the outputs' frame rate (None: an image model)
     scheduler: str | None = None
     seed: int

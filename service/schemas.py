@@ -259,6 +259,22 @@ class GenerateRequest(_TextRequest):
         "guidance_scale > 1. Only models whose `defaults` list `guidance_rescale` take it; for any other model "
         "it is a 422.",
     )
+    aesthetic_score: float | None = Field(
+        None,
+        ge=0,
+        le=10,
+        allow_inf_nan=False,
+        description="diffusers' aesthetic_score (the SDXL refiner's micro-conditioning, default 6): only models "
+        "whose `defaults` list it take it; for any other model it is a 422.",
+    )
+    negative_aesthetic_score: float | None = Field(
+        None,
+        ge=0,
+        le=10,
+        allow_inf_nan=False,
+        description="diffusers' negative_aesthetic_score (the refiner's negative conditioning, default 2.5), as "
+        "`aesthetic_score`.",
+    )
     scheduler: str | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")

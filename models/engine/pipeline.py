@@ -437,8 +437,11 @@ class DiffusionPipeline:
     ) -> tuple[np.ndarray, ...]:
         raise NotImplementedError
 
-    def pair_rows(self, pairs: dict[str, list], settings: dict, task: str) -> dict[str, np.ndarray]:
-        """Host: the `pair_fields`' per-row pairs (None: not given) -> the denoiser's per-row inputs [B, k]."""
+    def pair_rows(
+        self, pairs: dict[str, list], settings: dict, task: str, rows: dict
+    ) -> dict[str, np.ndarray]:
+        """Host: the `pair_fields`' per-row pairs (None: not given) -> the denoiser's per-row inputs [B, k];
+        `rows`: the row fields' per-row values, should the inputs take some."""
         raise NotImplementedError
 
     def encode_prompt(self, states, *tokens):
@@ -796,7 +799,7 @@ class DiffusionPipeline:
             rows[self.rescale_field] = np.where(cfg_rows, rows[self.rescale_field], 0.0)
         if pairs:
             pairs = {k: per_row_pairs(v, len(prompts), n, k) for k, v in pairs.items()}
-            rows |= self.pair_rows(pairs, settings, task)
+            rows |= self.pair_rows(pairs, settings, task, rows)
         shape = self.noise_shape(settings)
         sched, schedule, steps = self.schedule(settings["scheduler"], settings["num_inference_steps"], shape)
         start, full_strength, pixels = 0, False, None

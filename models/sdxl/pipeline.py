@@ -13,8 +13,10 @@ strength picks the start step by diffusers' int rule (image_inputs.start_step);
 default strength 0.3 (img2img), 0.9999 (inpaint). Inpainting with the base (4-channel) UNet puts the known
 region back after every step, noised to the next step; at strength 1 it starts from noise x init sigma
 (diffusers' is_strength_max). A 9-channel inpainting UNet folder (StableDiffusionXLInpaintPipeline) takes
-[mask, masked image latents] after the latents every step and only inpaints. The micro-conditioning is
-text-to-image's: requires_aesthetics_score (the refiner) is refused at load. Programs:
+[mask, masked image latents] after the latents every step and only inpaints. A refiner folder
+(requires_aesthetics_score, no first text encoder: stable-diffusion-xl-refiner-1.0) conditions on
+text_encoder_2 alone, puts diffusers' aesthetic_score / negative_aesthetic_score (row fields) in its five
+time ids, and takes images only (image-to-image, inpaint), as diffusers runs it. Programs:
 
     text_encode  ids [T, 77] x 2 (T = prompts, + negatives with CFG) -> embeds [B or 2B, 77, D1+D2], pooled
     denoise      seeds' key data [B, 2] (or latents [B, h, w, C]), embeds, pooled, guidance -> latents
@@ -88,27 +90,35 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
         self.zeros_for_empty_negative = bool(index.get("force_zeros_for_empty_prompt", True))
-        if index.get("requires_aesthetics_score"):
+        # The refiner (stable-diffusion-xl-refiner-1.0): the aesthetic score in its time ids instead of the
+        # target size, and no first text encoder; diffusers runs it with its img2img and inpaint pipelines.
+        self.aesthetics = bool(index.get("requires_aesthetics_score"))
+        # diffusers' SDXL pipelines run with the first text encoder absent (`[null, null]` in the index: the
+        # refiner has no CLIP-L): the conditioning is then the second encoder's alone. The second, which makes
+        # the pooled vector, is needed.
+        absent = [n for n in ("tokenizer_2", "text_encoder_2") if not (folder / n).is_dir()]
+        first = [(folder / n).is_dir() for n in ("tokenizer", "text_encoder")]
+        if absent or (any(first) and not all(first)):
+            partial = [n for n, here in zip(("tokenizer", "text_encoder"), first, strict=True) if not here]
+            missing = absent + (partial if any(first) else [])
             raise CheckpointError(
-                f"{folder}: requires_aesthetics_score (the SDXL refiner's micro-conditioning) is not supported"
+                f"{folder}: no {', '.join(missing)}; meshserve's SDXL needs the second CLIP text encoder and its "
+                "tokenizer, and the first with its tokenizer or neither (the refiner has only the second)"
             )
-        # diffusers' StableDiffusionXLPipeline runs with either text encoder absent (`[null, null]` in the
-        # index: the refiner has no CLIP-L); this one conditions on both and says which is missing.
-        absent = [n for n in ("tokenizer", "tokenizer_2", *_ENCODERS) if not (folder / n).is_dir()]
-        if absent:
-            raise CheckpointError(
-                f"{folder}: no {', '.join(absent)}; meshserve's SDXL needs both CLIP text encoders and their "
-                "tokenizers, as SDXL base has them (the refiner, without the first, is not served)"
-            )
+        self.encoders = _ENCODERS if all(first) else _ENCODERS[1:]
+        # Both encoders' own texts (prompt_2); with one, diffusers encodes `prompt` with it and ignores prompt_2.
+        self.second_prompt = len(self.encoders) == 2
+        self.lora_text_encoders = self.encoders
+        if self.aesthetics:  # diffusers' img2img / inpaint call arguments, one value per row here
+            self.row_fields = (*type(self).row_fields, "aesthetic_score", "negative_aesthetic_score")
         self.folder_defaults = folder_serving_defaults(folder)
         self.tokenizers = [
-            load_clip_tokenizer(folder / "tokenizer"),
-            load_clip_tokenizer(folder / "tokenizer_2"),
+            load_clip_tokenizer(folder / name.replace("text_encoder", "tokenizer")) for name in self.encoders
         ]
         plain = self.plain_attention
         modules = {
             name: self.load_module(load_clip_text_model, folder / name, CLIP_RULES, attention=plain)
-            for name in _ENCODERS
+            for name in self.encoders
         }
         unet = self.load_module(load_unet, folder / "unet", UNET_RULES, attention=self.attention)
         self.validate_heads({m.heads for _, m in nnx.iter_graph(unet) if isinstance(m, UNetAttention)})
@@ -132,8 +142,26 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         # A 9-channel UNet inpaints only: it takes the mask and the masked image's latents every step.
         self.inpaint_condition = unet.config.in_channels == 2 * latent + 1
         self.projection_dim = modules["text_encoder_2"].config.projection_dim
+        # What the UNet takes must be what the encoders make (diffusers fails in the UNet, or in
+        # _get_add_time_ids, on the first call): the states' width and the added embedding's input.
+        width = sum(modules[n].config.hidden_size for n in self.encoders)
+        context = unet.config.cross_attention_dim
+        if any(c != width for c in (context if isinstance(context, tuple | list) else (context,))):
+            raise CheckpointError(
+                f"{folder / 'unet'}: cross_attention_dim {context} is not the width of the text states "
+                f"{' + '.join(self.encoders)} make ({width})"
+            )
+        time_ids = 5 if self.aesthetics else 6
+        added = unet.config.projection_class_embeddings_input_dim
+        if added is not None and unet.config.addition_time_embed_dim is not None:
+            if added != time_ids * unet.config.addition_time_embed_dim + self.projection_dim:
+                raise CheckpointError(
+                    f"{folder / 'unet'}: projection_class_embeddings_input_dim {added} is not {time_ids} time ids "
+                    f"x {unet.config.addition_time_embed_dim} + the pooled projection {self.projection_dim} "
+                    "(requires_aesthetics_score in model_index.json: 5 time ids, else 6)"
+                )
         # hidden_states[-(clip_skip + 2)] must exist in both encoders: their layers - 1 at most (11 for SDXL).
-        self.max_clip_skip = min(modules[n].config.num_hidden_layers for n in _ENCODERS) - 1
+        self.max_clip_skip = min(modules[n].config.num_hidden_layers for n in self.encoders) - 1
         return {**modules, "unet": unet, "vae": vae}
 
     # ----------------------------------------------------------------------------------------------
@@ -163,6 +191,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "num_inference_steps": 30 if min(height, width) >= 512 else 4,
             "guidance_scale": 5.0,
             "guidance_rescale": 0.0,
+            # diffusers' img2img / inpaint defaults for a model with the aesthetic score (the refiner)
+            **({"aesthetic_score": 6.0, "negative_aesthetic_score": 2.5} if self.aesthetics else {}),
             **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
 
@@ -170,6 +200,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     def tasks(self) -> tuple[str, ...]:
         if self.inpaint_condition:
             return ("inpaint",)
+        if self.aesthetics:  # diffusers' text-to-image pipeline cannot make the refiner's time ids
+            return ("image-to-image", "inpaint")
         return ("text-to-image", "image-to-image", "inpaint")
 
     def default_strength(self, task):
@@ -193,27 +225,27 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     # The stages
 
     def tokenize(self, texts, settings, texts_2=None, clip_skip=None):
-        """Both tokenizers' ids [T, 77] and each text's clip_skip [T] (0: the penultimate layer's states)."""
-        first, second = self.tokenizers
+        """Each encoder's ids [T, 77] (the first's of `texts`, the second's of `texts_2`, else `texts`) and each
+        text's clip_skip [T] (0: the penultimate layer's states)."""
         skip = [0 if s is None else s for s in clip_skip or [None] * len(texts)]
         for s in skip:
             if not 0 <= s <= self.max_clip_skip:
                 raise PipelineError(
                     f"clip_skip must be an integer between 0 and {self.max_clip_skip}, got {s}"
                 )
-        ids = tokenize(first, texts), tokenize(second, texts if texts_2 is None else texts_2)
+        seconds = texts if texts_2 is None else texts_2
+        ids = [tokenize(t, texts if i == 0 else seconds) for i, t in enumerate(self.tokenizers)]
         return (*ids, np.asarray(skip, np.int32))
 
-    def encode_prompt(self, states, ids, ids_2, clip_skip):
-        """ids [T, 77] per encoder, clip_skip [T] -> embeds [T, 77, D1+D2] (both encoders' hidden_states[-(skip
+    def encode_prompt(self, states, *tokens):
+        """ids [T, 77] per encoder, clip_skip [T] -> embeds [T, 77, D1(+D2)] (the encoders' hidden_states[-(skip
         + 2)]: the penultimate layer's at 0), pooled [T, P] (the second encoder's projection)."""
-        out = self.merged("text_encoder", states["text_encoder"])(ids)
-        out_2 = self.merged("text_encoder_2", states["text_encoder_2"])(ids_2)
+        *ids, clip_skip = tokens
+        outs = [self.merged(name, states[name])(x) for name, x in zip(self.encoders, ids, strict=True)]
         # diffusers' encode_prompt pools from the first encoder whose output [0] is 2-D: text_encoder's when
         # it is a CLIPTextModelWithProjection too (its text_embeds), else text_encoder_2's.
-        pooled = out.text_embeds if out.text_embeds is not None else out_2.text_embeds
-        embeds = [_skipped(out.hidden_states, clip_skip, self.max_clip_skip)]
-        embeds.append(_skipped(out_2.hidden_states, clip_skip, self.max_clip_skip))
+        pooled = next(out.text_embeds for out in outs if out.text_embeds is not None)
+        embeds = [_skipped(out.hidden_states, clip_skip, self.max_clip_skip) for out in outs]
         return jnp.concatenate(embeds, axis=-1), pooled
 
     def noise_shape(self, settings):
@@ -240,18 +272,27 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         f = self.vae_scale_factor
         return mask[:, ::f, ::f, :].astype(self.latent_dtype)
 
-    def pair_rows(self, pairs, settings, task):
+    def pair_rows(self, pairs, settings, task, rows):
         """The micro-conditioning's pairs per row -> time ids [B, 6] for the prompt and for the negative, with
-        diffusers' defaults: sizes (height, width), crops (0, 0). The negative's: StableDiffusionXLPipeline
+        diffusers' defaults: sizes (height, width), crops (0, 0). The refiner's [B, 5]: (original size, crop,
+        the row's aesthetic_score), the negative's (negative original size or the prompt's, negative crop or
+        (0, 0), negative_aesthetic_score), as diffusers' img2img and inpaint pipelines make them. The negative's: StableDiffusionXLPipeline
         takes the negative triple only when both negative sizes are given, else the prompt's ids (its crop
         included); the img2img and inpaint pipelines default each negative size to the prompt's and take the
         prompt's crop (their _get_add_time_ids read no negative crop without an aesthetic score)."""
         size, corner = (float(settings["height"]), float(settings["width"])), (0.0, 0.0)
         ids, negative_ids = [], []
-        for original, crop, target, n_original, n_crop, n_target in zip(
-            *(pairs[name] for name in self.pair_fields), strict=True
+        for row, (original, crop, target, n_original, n_crop, n_target) in enumerate(
+            zip(*(pairs[name] for name in self.pair_fields), strict=True)
         ):
             original, crop, target = original or size, crop or corner, target or size
+            if (
+                self.aesthetics
+            ):  # the refiner: (original size, crop, aesthetic score), the negative's own crop
+                ids.append((*original, *crop, rows["aesthetic_score"][row]))
+                n_score = rows["negative_aesthetic_score"][row]
+                negative_ids.append((*(n_original or original), *(n_crop or corner), n_score))
+                continue
             ids.append((*original, *crop, *target))
             if task != "text-to-image":
                 negative_ids.append((*(n_original or original), *crop, *(n_target or target)))

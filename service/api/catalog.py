@@ -245,6 +245,13 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             "not_supported",
             f"{info.id} ({info.family}) takes no guidance_rescale; it must be left out",
         )
+    scores = {}
+    for name in ("aesthetic_score", "negative_aesthetic_score"):
+        if getattr(req, name) is not None and getattr(d, name) is None:
+            raise FieldError(
+                name, "not_supported", f"{info.id} ({info.family}) takes no {name}; leave it out"
+            )
+        scores[name] = getattr(req, name) if getattr(req, name) is not None else getattr(d, name)
     for name in ("prompt_2", "negative_prompt_2"):
         if getattr(req, name) is not None and not lim.prompt_2:
             raise FieldError(
@@ -278,6 +285,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         negative_prompt_2=req.negative_prompt_2 or None,
         clip_skip=req.clip_skip,
         **micro,
+        **scores,
         width=width,
         height=height,
         num_frames=frames,

@@ -153,6 +153,53 @@ def test_img2img_micro_conditioning_matches_diffusers(ours, base_reference, same
     assert float(np.abs(plain.images - got.images).max()) > 1e-2
 
 
+def test_the_refiner_matches_diffusers_img2img(tmp_path, same_noise):
+    """A refiner folder (stable-diffusion-xl-refiner-1.0's kind: requires_aesthetics_score, no first text
+    encoder) loads as image-to-image and inpaint only, conditions on text_encoder_2 alone, and takes diffusers'
+    aesthetic_score / negative_aesthetic_score per row in its five time ids (with the negative's own crop):
+    each row equals StableDiffusionXLImg2ImgPipeline on the same folder, fp32."""
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    from tests.fixtures.tiny_sdxl import build_tiny_sdxl
+
+    folder = build_tiny_sdxl(tmp_path / "refiner", refiner=True)
+    refiner = load_pipeline(folder, dtype="float32")
+    assert refiner.tasks == ("image-to-image", "inpaint") and refiner.encoders == ("text_encoder_2",)
+    assert (refiner.defaults["aesthetic_score"], refiner.defaults["negative_aesthetic_score"]) == (6.0, 2.5)
+    reference = StableDiffusionXLImg2ImgPipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    images, noise = _images(7), np.random.default_rng(8).standard_normal((2, 4, H // 2, W // 2))
+    noise = noise.astype(np.float32)
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=STEPS, guidance_scale=5.0, strength=0.8)
+    micro = dict(crops_coords_top_left=(8, 4), negative_crops_coords_top_left=(2, 2))
+    scores = {"aesthetic_score": [7.5, 6.0], "negative_aesthetic_score": [1.0, 2.5]}
+    got = refiner(
+        PROMPTS, image=images, height=H, width=W, latents=noise, output_type="np", **scores, **micro, **kw
+    )
+    worst = 0.0
+    for row in range(2):
+        same_noise["noise"] = noise[row : row + 1]
+        expected = reference(
+            PROMPTS[row],
+            image=torch.from_numpy(images[row].transpose(2, 0, 1))[None],
+            output_type="np",
+            aesthetic_score=scores["aesthetic_score"][row],
+            negative_aesthetic_score=scores["negative_aesthetic_score"][row],
+            **micro,
+            **{**kw, "negative_prompt": NEGATIVE[row]},
+        ).images[0]
+        worst = max(worst, float(np.abs(got.images[row] - expected).max()))
+    print(f"refiner img2img: max abs pixel difference from diffusers {worst:.2e}")
+    assert worst <= 1e-3
+    plain = refiner(PROMPTS, image=images, height=H, width=W, latents=noise, output_type="np", **micro, **kw)
+    assert float(np.abs(plain.images[0] - got.images[0]).max()) > 100 * max(worst, 1e-5)  # row 0's 7.5 acted
+    with pytest.raises(PipelineError, match="needs an image|image-to-image"):
+        refiner("a cat", height=H, width=W, num_inference_steps=STEPS)
+    with pytest.raises(PipelineError, match="prompt_2"):
+        refiner("a cat", image=images[0], prompt_2="oil", height=H, width=W, num_inference_steps=STEPS)
+
+
 def test_inpaint_base_unet_matches_diffusers(ours, base_reference, same_noise):
     from diffusers import StableDiffusionXLInpaintPipeline
     from PIL import Image

@@ -31,8 +31,8 @@ def _diffusers_scheduler(pipe, name):
     cls = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler, "dpmpp_2m": DPMSolverMultistepScheduler}[
         base
     ]
-    karras = {"use_karras_sigmas": True} if base != name else {}  # diffusers' docs: A1111's "Karras"
-    pipe.scheduler = cls.from_config(pipe.scheduler.config, **karras)
+    # diffusers' docs: A1111's "Karras". Said either way: from_config keeps what an earlier test's scheduler set.
+    pipe.scheduler = cls.from_config(pipe.scheduler.config, use_karras_sigmas=base != name)
 
 
 @pytest.mark.parametrize(
@@ -420,8 +420,9 @@ def test_the_scheduler_is_the_class_model_index_names(tiny_sdxl_path, tmp_path):
 
 
 def test_a_folder_without_the_first_text_encoder_is_refused_naming_it(tiny_sdxl_path, tmp_path):
-    """The SDXL refiner's layout (`text_encoder: [null, null]`, no CLIP-L): before, a tokenizer error about a
-    missing vocab.json."""
+    """The SDXL refiner's layout (`text_encoder: [null, null]`, no CLIP-L) around a base UNet: its context is
+    wider than the second encoder's states, and its time ids are 6, not the refiner's 5 (a refiner folder
+    loads: tests/models/test_sdxl_image_inputs.py). Before, a tokenizer error about a missing vocab.json."""
     import json
     import shutil
 
@@ -432,5 +433,10 @@ def test_a_folder_without_the_first_text_encoder_is_refused_naming_it(tiny_sdxl_
     index = json.loads((folder / "model_index.json").read_text())
     index.update(text_encoder=[None, None], tokenizer=[None, None])
     (folder / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelFolderError, match="no tokenizer, text_encoder; meshserve's SDXL needs both"):
+    with pytest.raises(ModelFolderError, match="cross_attention_dim 64 is not the width of the text states"):
+        load_pipeline(folder)
+    index.update(requires_aesthetics_score=True)
+    (folder / "model_index.json").write_text(json.dumps(index))
+    shutil.rmtree(folder / "text_encoder_2")
+    with pytest.raises(ModelFolderError, match="no text_encoder_2; meshserve's SDXL needs the second"):
         load_pipeline(folder)
