@@ -30,6 +30,9 @@ from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteSc
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
+_OTHER_SIGMAS_OFF = {"use_exponential_sigmas": False, "use_beta_sigmas": False}
+_DPM_SIGMAS_OFF = {**_OTHER_SIGMAS_OFF, "use_lu_lambdas": False}
+
 # The names the API offers, each with its class and the settings the name implies (over the model's config).
 _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "euler": (EulerDiscreteScheduler, {}),
@@ -38,15 +41,23 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
     # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras", the commonest
-    # SDXL sampler): diffusers' use_karras_sigmas=True on the same class, as its docs map them.
-    "euler_karras": (EulerDiscreteScheduler, {"use_karras_sigmas": True}),
+    # SDXL sampler): diffusers' use_karras_sigmas=True on the same class, as its docs map them. The name is the
+    # whole sigma choice: a folder's other sigma setting (exponential, beta, Lu's lambdas) is turned off, where
+    # diffusers' from_config(..., use_karras_sigmas=True) raises on the pair (an audit, 2026-11-29: every call
+    # of a listed scheduler failed on such a folder).
+    "euler_karras": (EulerDiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
     "dpmpp_2m_karras": (
         DPMSolverMultistepScheduler,
-        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True, **_DPM_SIGMAS_OFF},
     ),
     "dpmpp_2m_sde_karras": (
         DPMSolverMultistepScheduler,
-        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+        {
+            "algorithm_type": "sde-dpmsolver++",
+            "solver_order": 2,
+            "use_karras_sigmas": True,
+            **_DPM_SIGMAS_OFF,
+        },
     ),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
     # Wan 2.1's scheduler; only its flow-matching form is implemented, so the name implies it.

@@ -41,11 +41,12 @@ VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, t
 SDE = dict(algorithm_type="sde-dpmsolver++")
 # What a name means in diffusers' terms (its docs' A1111 table), given to the reference alone: ours must read
 # the same from the name.
+KARRAS = dict(use_karras_sigmas=True, use_exponential_sigmas=False, use_beta_sigmas=False)
 NAMED = {
     "dpmpp_2m_sde": SDE,
-    "euler_karras": dict(use_karras_sigmas=True),
-    "dpmpp_2m_karras": dict(use_karras_sigmas=True),
-    "dpmpp_2m_sde_karras": dict(SDE, use_karras_sigmas=True),
+    "euler_karras": KARRAS,
+    "dpmpp_2m_karras": dict(KARRAS, use_lu_lambdas=False),
+    "dpmpp_2m_sde_karras": dict(SDE, **KARRAS, use_lu_lambdas=False),
 }
 
 # (name, config changes over the tiny SDXL config, runtime overrides)
@@ -111,6 +112,10 @@ CASES = [
     ("euler_karras", {}, {}),
     ("dpmpp_2m_karras", {}, {}),
     ("dpmpp_2m_sde_karras", {}, {}),
+    # A folder's own other sigma setting: the Karras name wins (NAMED turns it off for diffusers too).
+    ("euler_karras", dict(use_beta_sigmas=True), {}),
+    ("dpmpp_2m_karras", dict(use_lu_lambdas=True), {}),
+    ("dpmpp_2m_sde_karras", dict(use_exponential_sigmas=True), {}),
 ]
 
 
