@@ -282,7 +282,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         prompt's crop (their _get_add_time_ids read no negative crop without an aesthetic score). Where the
         negative sizes differ from the prompt's, a StableDiffusionXLPipeline call of several images orders its
         time ids [neg, pos, neg, pos] against embeddings [neg, neg, pos, pos] (its `cat([neg, pos])` then
-        `repeat(batch)`, diffusers 0.36): each row here is what its own one-image call gives (an audit found
+        `repeat(batch)`, diffusers 0.42.1): each row here is what its own one-image call gives (an audit found
         2.4e-2 to 4.6e-2 from a several-image diffusers call, 1.3e-6 from one-image calls)."""
         size, corner = (float(settings["height"]), float(settings["width"])), (0.0, 0.0)
         ids, negative_ids = [], []
