@@ -13,16 +13,22 @@ import numpy as np
 
 from meshserve.models import load_pipeline
 from meshserve.service.store import Store
-from meshserve.workers.config import ModelSpec, PoolConfig, WorkerConfig
-from meshserve.workers.encoding import encode_video
 from meshserve.workers.main import Worker
 from tests.service.conftest import api_client
 from tests.workers.helpers import cleanup, job_when_ended, make_settings
-from tests.workers.test_i2v_serving import data_url, frames_of, still
+from tests.workers.test_i2v_serving import (
+    FRAMES,
+    PROMPT,
+    STEPS,
+    data_url,
+    direct_video,
+    frames_of,
+    still,
+    video_pool,
+)
 
 MODEL = "tiny-wan-flf2v"
-PROMPT = "a red ball rolls across a blue floor"
-FRAMES, STEPS, SEED = 5, 2, 4
+SEED = 4
 
 
 def test_first_last_frame_video_served_end_to_end(tiny_wan_flf2v_path, monkeypatch):
@@ -34,14 +40,7 @@ def test_first_last_frame_video_served_end_to_end(tiny_wan_flf2v_path, monkeypat
 
     async def main():
         settings = make_settings(lease_s=60.0, pool_cache_s=0)
-        config = WorkerConfig(
-            models={MODEL: ModelSpec(path=str(tiny_wan_flf2v_path))},
-            pools=[
-                PoolConfig(name="flf2v-0", models=[MODEL], devices="0", frames=[FRAMES], prompt_cache_mb=0)
-            ],
-            metrics_port=None,
-        )
-        worker = Worker(config, settings)
+        worker = Worker(video_pool(MODEL, tiny_wan_flf2v_path), settings)
         task = asyncio.create_task(worker.run())
         store = Store(settings)
         try:
@@ -76,25 +75,8 @@ def test_first_last_frame_video_served_end_to_end(tiny_wan_flf2v_path, monkeypat
     p, served = asyncio.run(main())
     assert served.shape == (FRAMES, height, width, 3)
 
-    def direct(last_frame) -> np.ndarray:
-        """The job's call made directly (the runner's arguments), its frames through the same MP4 encoder."""
-        video = pipe(
-            [PROMPT],
-            negative_prompt=[None],
-            guidance_scale=[p["guidance_scale"]],
-            seed=[SEED],
-            height=height,
-            width=width,
-            num_frames=FRAMES,
-            num_inference_steps=STEPS,
-            num_images_per_prompt=1,
-            image=[first],
-            last_image=[last_frame],
-            output_type="np",
-        ).images[0]
-        return frames_of(encode_video(video, "mp4", fps=p["fps"])[0]).astype(int)
-
-    same, other = direct(last), direct(still((20, 220, 20)))
+    same = direct_video(pipe, p, PROMPT, SEED, image=first, last_image=last)
+    other = direct_video(pipe, p, PROMPT, SEED, image=first, last_image=still((20, 220, 20)))
     err, moved = np.abs(served - same), np.abs(served - other)
     print(
         f"served vs direct: max {err.max()}, mean {err.mean():.3f}; another last frame: mean {moved.mean():.2f}"

@@ -54,6 +54,36 @@ def frames_of(mp4: bytes) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
+def video_pool(model: str, folder) -> WorkerConfig:
+    """One pool serving the video model in `folder` at FRAMES frames, no prompt cache, no metrics port."""
+    return WorkerConfig(
+        models={model: ModelSpec(path=str(folder))},
+        pools=[
+            PoolConfig(name=f"{model}-0", models=[model], devices="0", frames=[FRAMES], prompt_cache_mb=0)
+        ],
+        metrics_port=None,
+    )
+
+
+def direct_video(pipe, params: dict, prompt: str, seed: int, **images) -> np.ndarray:
+    """A served job's call made directly (the runner's arguments; `images`: one PIL image per argument), its
+    frames through the same MP4 encoder: [F, H, W, 3] int."""
+    video = pipe(
+        [prompt],
+        negative_prompt=[None],
+        guidance_scale=[params["guidance_scale"]],
+        seed=[seed],
+        height=params["height"],
+        width=params["width"],
+        num_frames=params["num_frames"],
+        num_inference_steps=params["num_inference_steps"],
+        num_images_per_prompt=1,
+        output_type="np",
+        **{name: [image] for name, image in images.items()},
+    ).images[0]
+    return frames_of(encode_video(video, "mp4", fps=params["fps"])[0]).astype(int)
+
+
 def test_image_to_video_served_end_to_end_and_by_the_cli(tiny_wan_i2v_path, tmp_path, monkeypatch):
     pipe = load_pipeline(tiny_wan_i2v_path)
     monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
@@ -62,12 +92,7 @@ def test_image_to_video_served_end_to_end_and_by_the_cli(tiny_wan_i2v_path, tmp_
 
     async def main():
         settings = make_settings(lease_s=60.0, pool_cache_s=0)
-        config = WorkerConfig(
-            models={MODEL: ModelSpec(path=str(tiny_wan_i2v_path))},
-            pools=[PoolConfig(name="i2v-0", models=[MODEL], devices="0", frames=[FRAMES], prompt_cache_mb=0)],
-            metrics_port=None,
-        )
-        worker = Worker(config, settings)
+        worker = Worker(video_pool(MODEL, tiny_wan_i2v_path), settings)
         task = asyncio.create_task(worker.run())
         store = Store(settings)
         try:
@@ -115,24 +140,8 @@ def test_image_to_video_served_end_to_end_and_by_the_cli(tiny_wan_i2v_path, tmp_
     p, served = asyncio.run(main())
     assert served.shape == (FRAMES, height, width, 3)
 
-    def direct(img: Image.Image) -> np.ndarray:
-        """The job's call made directly (the runner's arguments), its frames through the same MP4 encoder."""
-        video = pipe(
-            [PROMPT],
-            negative_prompt=[None],
-            guidance_scale=[p["guidance_scale"]],
-            seed=[SEED],
-            height=height,
-            width=width,
-            num_frames=FRAMES,
-            num_inference_steps=STEPS,
-            num_images_per_prompt=1,
-            image=[img],
-            output_type="np",
-        ).images[0]
-        return frames_of(encode_video(video, "mp4", fps=p["fps"])[0]).astype(int)
-
-    same, other = direct(still((220, 20, 20))), direct(still((20, 220, 20)))
+    same = direct_video(pipe, p, PROMPT, SEED, image=still((220, 20, 20)))
+    other = direct_video(pipe, p, PROMPT, SEED, image=still((20, 220, 20)))
     err, moved = np.abs(served - same), np.abs(served - other)
     print(f"served vs direct: max {err.max()}, mean {err.mean():.3f}; another image: mean {moved.mean():.2f}")
     assert err.max() <= 2, err.max()
