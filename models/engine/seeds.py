@@ -62,13 +62,17 @@ def _holds_pairs(value) -> bool:
 
 def row_seeds(seed, prompts: int, n: int) -> list[int]:
     """The seed of every output row: random when None; one int gives seed, seed + 1, ... (distinct noise per
-    image, reproducible from one seed); else one per prompt or one per image."""
+    image, reproducible from one seed); one per prompt gives each prompt's images its seed, seed + 1, ...;
+    else one per image."""
     if seed is None:
         rng = np.random.default_rng()
         return [int(s) for s in rng.integers(0, 2**31 - 1, size=prompts * n)]
     if isinstance(seed, int | np.integer):
         return [int(seed) + i for i in range(prompts * n)]
-    return per_row(seed, prompts, n, "seed", int)
+    seeds = per_row(seed, prompts, n, "seed", int)
+    if n > 1 and len(seed) == prompts:  # a prompt's n images: not n copies of one picture (an audit)
+        seeds = [s + i % n for i, s in enumerate(seeds)]
+    return seeds
 
 
 def key_data(seeds: list[int]) -> np.ndarray:

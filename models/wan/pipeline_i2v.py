@@ -167,7 +167,7 @@ class WanImageToVideoPipeline(WanPipeline):
             )
         if self.first_last and settings["num_frames"] < 2:
             raise PipelineError(
-                "num_frames: a first-last-frame video needs at least 2 frames (the first and the last)"
+                "num_frames: a first-last-frame video needs more than one frame (the first and the last): 5 at least"
             )
         height, width = settings["height"], settings["width"]
         pixels = {}

@@ -67,3 +67,14 @@ def test_key_data_equals_jax_keys():
     seeds = [0, 7, 2**31 - 1, 2**32 - 1, 2**32 + 5]
     expected = np.stack([np.asarray(jax.random.key_data(jax.random.key(s))) for s in seeds])
     np.testing.assert_array_equal(key_data(seeds), expected)
+
+
+def test_a_seed_per_prompt_gives_its_images_distinct_seeds():
+    """One seed per prompt with num_images_per_prompt > 1: each prompt's images take seed, seed + 1, ... as one
+    int seed gives them (they were n copies of one picture); one per image is taken as given."""
+    from meshserve.models.engine.seeds import row_seeds
+
+    assert row_seeds([7], 1, 2) == [7, 8]
+    assert row_seeds([7, 20], 2, 3) == [7, 8, 9, 20, 21, 22]
+    assert row_seeds([1, 1, 1, 1], 2, 2) == [1, 1, 1, 1]
+    assert row_seeds(5, 2, 2) == [5, 6, 7, 8] and row_seeds([7, 8], 2, 1) == [7, 8]
