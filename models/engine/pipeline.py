@@ -715,8 +715,9 @@ class DiffusionPipeline:
         **options,
     ):
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed (one
-        int, or one per prompt: that prompt's images take it, it + 1, ...) and the family's row fields (guidance_scale; Flux: true_cfg_scale); negative_prompt: one for all or one
-        per prompt (None: that prompt has none). `prompt_2` / `negative_prompt_2` (families with
+        int, or one per prompt: that prompt's images take it, it + 1, ...) and the family's row fields
+        (guidance_scale; Flux: true_cfg_scale); negative_prompt: one for all or one per prompt (None: that
+        prompt has none). `prompt_2` / `negative_prompt_2` (families with
         `second_prompt`): the second text encoder's texts, one for all or one per prompt, each defaulting to
         the first encoder's (None: that prompt's). `latents` and output_type "latent" use diffusers' layout
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same

@@ -40,8 +40,8 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "ddim": (DDIMScheduler, {}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
-    # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras", the commonest
-    # SDXL sampler): diffusers' use_karras_sigmas=True on the same class, as its docs map them. The name is the
+    # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras"): diffusers'
+    # use_karras_sigmas=True on the same class, as its docs map them. The name is the
     # whole sigma choice: a folder's other sigma setting (exponential, beta, Lu's lambdas) is turned off, where
     # diffusers' from_config(..., use_karras_sigmas=True) raises on the pair (an audit, 2026-11-29: every call
     # of a listed scheduler failed on such a folder).

@@ -160,7 +160,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
                     f"x {unet.config.addition_time_embed_dim} + the pooled projection {self.projection_dim} "
                     "(requires_aesthetics_score in model_index.json: 5 time ids, else 6)"
                 )
-        # hidden_states[-(clip_skip + 2)] must exist in both encoders: their layers - 1 at most (11 for SDXL).
+        # hidden_states[-(clip_skip + 2)] must exist in every encoder: their layers - 1 at most (11 for SDXL).
         self.max_clip_skip = min(modules[n].config.num_hidden_layers for n in self.encoders) - 1
         return {**modules, "unet": unet, "vae": vae}
 
@@ -225,8 +225,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     # The stages
 
     def tokenize(self, texts, settings, texts_2=None, clip_skip=None):
-        """Each encoder's ids [T, 77] (the first's of `texts`, the second's of `texts_2`, else `texts`) and each
-        text's clip_skip [T] (0: the penultimate layer's states)."""
+        """Each encoder's ids [T, 77] (the first encoder's of `texts`; with two, the second's of `texts_2`, else
+        `texts`) and each text's clip_skip [T] (0: the penultimate layer's states)."""
         skip = [0 if s is None else s for s in clip_skip or [None] * len(texts)]
         for s in skip:
             if not 0 <= s <= self.max_clip_skip:
@@ -274,16 +274,17 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
     def pair_rows(self, pairs, settings, task, rows):
         """The micro-conditioning's pairs per row -> time ids [B, 6] for the prompt and for the negative, with
-        diffusers' defaults: sizes (height, width), crops (0, 0). The refiner's [B, 5]: (original size, crop,
-        the row's aesthetic_score), the negative's (negative original size or the prompt's, negative crop or
-        (0, 0), negative_aesthetic_score), as diffusers' img2img and inpaint pipelines make them. The negative's: StableDiffusionXLPipeline
+        diffusers' defaults: sizes (height, width), crops (0, 0). The negative's: StableDiffusionXLPipeline
         takes the negative triple only when both negative sizes are given, else the prompt's ids (its crop
         included); the img2img and inpaint pipelines default each negative size to the prompt's and take the
         prompt's crop (their _get_add_time_ids read no negative crop without an aesthetic score). Where the
         negative sizes differ from the prompt's, a StableDiffusionXLPipeline call of several images orders its
         time ids [neg, pos, neg, pos] against embeddings [neg, neg, pos, pos] (its `cat([neg, pos])` then
         `repeat(batch)`, diffusers 0.42.1): each row here is what its own one-image call gives (an audit found
-        2.4e-2 to 4.6e-2 from a several-image diffusers call, 1.3e-6 from one-image calls)."""
+        2.4e-2 to 4.6e-2 from a several-image diffusers call, 1.3e-6 from one-image calls).
+        The refiner's are [B, 5]: (original size, crop, the row's aesthetic_score) and the negative's (negative
+        original size or the prompt's, negative crop or (0, 0), negative_aesthetic_score), as diffusers' img2img
+        and inpaint pipelines make them with requires_aesthetics_score."""
         size, corner = (float(settings["height"]), float(settings["width"])), (0.0, 0.0)
         ids, negative_ids = [], []
         for row, (original, crop, target, n_original, n_crop, n_target) in enumerate(
@@ -340,8 +341,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
 def _skipped(hidden_states, clip_skip, max_skip: int):
     """Each row's hidden_states[-(clip_skip + 2)]: [T, S, D] from the (layers + 1) states and clip_skip [T].
-    Selected in the layers' order, the earliest candidate first, so each layer's states can be freed once the
-    next layer's are selected (a gather from them stacked would hold them all)."""
+    Selected in the layers' order, the earliest candidate first, so no layer's states need outlive the next
+    selection (a gather from them stacked would hold them all at once)."""
     chosen = hidden_states[-(max_skip + 2)]
     for skip in range(max_skip - 1, -1, -1):
         chosen = jnp.where((clip_skip == skip)[:, None, None], hidden_states[-(skip + 2)], chosen)

@@ -64,8 +64,8 @@ Parallelism:
 
 Wan 2.1 first-last-frame-to-video (FLF2V): `pos_embed_seq_len` adds a learned position embedding to the image
 states, which are then both frames' CLIP states one after the other ([B, 2 x 257, image_dim]; diffusers views
-its [2B, 257, D] stack as that). Not covered: Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v projections are a runtime
-option in diffusers; checkpoints store them apart. diffusers builds the RMSNorm q/k norms whatever `qk_norm`
+its [2B, 257, D] stack as that). Not covered: Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v
+projections are a runtime option in diffusers; checkpoints store them apart. diffusers builds the RMSNorm q/k norms whatever `qk_norm`
 says (0.42.1), and so does this model.
 """
 

@@ -58,8 +58,8 @@ async def with_image_inputs(
     last_image: bytes | None = None,
 ) -> JobParams:
     """Decode the image (and mask, or a first-last-frame video's last image), store the re-encoded PNGs and
-    return the params carrying their references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a second, which the event loop must not
-    wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why).
+    return the params carrying their references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a
+    second, which the event loop must not wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why).
     `alpha_as_mask` (OpenAI's edits): without a mask, an image with transparent pixels is its own mask."""
     try:
         async with decode_slots:
