@@ -16,10 +16,14 @@ text-to-video, image-to-video; absent: its text task) and strength ({min (exclus
 strength}}: a model with an image-to-image or inpaint task). Fields absent from the request, or None, are not
 checked. The rules, as the API's 422 `code`: int_type, number_type, not_multiple, out_of_range,
 size_not_supported, frames_not_supported, not_supported.
+
+`custom_schedule_steps` checks a custom schedule (diffusers' `sigmas` / `timesteps` call arguments) against
+limits["custom_schedules"] and gives its step count; its own rules: conflict, not_decreasing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from numbers import Integral, Real
@@ -185,3 +189,74 @@ def _check_size(limits, request: Mapping, model: str, names: Mapping[str, str]) 
             raise LimitError(
                 name, "out_of_range", f"{name} must be an integer between {low} and {high}, got {value}"
             )
+
+
+# limits["custom_schedules"]' key for the model's own scheduler (a request that names none).
+DEFAULT_SCHEDULER = "default"
+
+
+def custom_schedule_steps(limits, request: Mapping, *, model: str = "the model") -> int | None:
+    """The steps of the request's custom schedule, diffusers' `sigmas` or `timesteps` (None: it has none), after
+    checking it against limits["custom_schedules"][scheduler] (absent: the model takes none), as diffusers'
+    `retrieve_timesteps` and `set_timesteps` take them: {"sigmas", "timesteps": whether the scheduler takes
+    each; "sigmas_end": whether sigmas include the last step's end (Euler: N + 1 values for N steps, the last
+    0 or more; flow matching: N, a 0 appended); "max_sigma": the largest sigma (flow matching: 1) or None;
+    "max_timestep": the largest timestep}. Values run strictly downwards (from noise to the image); a sigma a
+    step starts from is above 0 (Euler divides by it). `request`: sigmas, timesteps, scheduler and, when the
+    caller gave one, num_inference_steps, which must then equal the schedule's steps."""
+    sigmas, timesteps = request.get("sigmas"), request.get("timesteps")
+    if sigmas is None and timesteps is None:
+        return None
+    if sigmas is not None and timesteps is not None:
+        raise LimitError("timesteps", "conflict", "only one of sigmas or timesteps can be given")
+    field, values = ("sigmas", sigmas) if sigmas is not None else ("timesteps", timesteps)
+    scheduler = request.get("scheduler")
+    rules = _get(_get(limits, "custom_schedules", {}), scheduler or DEFAULT_SCHEDULER)
+    named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
+    if rules is None or not _get(rules, field, False):
+        raise LimitError(field, "not_supported", f"{model} takes no custom {field} with {named}")
+    values = list(values)
+    for v in values:
+        if field == "timesteps" and (not isinstance(v, Integral) or isinstance(v, bool)):
+            raise LimitError(field, "int_type", f"timesteps must be integers, got {v!r}")
+        if not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v):
+            raise LimitError(field, "number_type", f"{field} must be finite numbers, got {v!r}")
+    end = field == "sigmas" and _get(rules, "sigmas_end", False)
+    steps = len(values) - 1 if end else len(values)
+    low, high = _get(limits, "min_steps", 1), _get(limits, "max_steps")
+    if not low <= steps <= high:
+        extra = " plus the last step's end" if end else ""
+        raise LimitError(
+            field,
+            "out_of_range",
+            f"{field} must hold one value per step{extra}, {low} to {high} steps for {model}; got {len(values)} "
+            "values",
+        )
+    if any(a <= b for a, b in itertools.pairwise(values)):
+        raise LimitError(field, "not_decreasing", f"{field} must decrease strictly, from noise to the image")
+    # Decreasing: the first value is the largest, the last the smallest.
+    if field == "sigmas":
+        top = _get(rules, "max_sigma")
+        last_start = values[-2] if end else values[-1]  # the smallest sigma a step starts from
+        if values[-1] < 0 or last_start <= 0 or (top is not None and values[0] > top):
+            span = f"(0, {top}]" if top is not None else "above 0"
+            ends = ", the last step's end 0 or more" if end else ""
+            raise LimitError(
+                field,
+                "out_of_range",
+                f"sigmas must be {span}{ends}; got {values[0]} to {values[-1]}",
+            )
+    else:
+        top = _get(rules, "max_timestep")
+        if values[-1] < 0 or values[0] > top:
+            raise LimitError(
+                field, "out_of_range", f"timesteps must be in [0, {top}]; got {values[0]} to {values[-1]}"
+            )
+    given = request.get("num_inference_steps")
+    if given is not None and given != steps:
+        raise LimitError(
+            "num_inference_steps",
+            "conflict",
+            f"num_inference_steps ({given}) differs from the {steps} steps of {field}; leave it out",
+        )
+    return steps

@@ -152,6 +152,17 @@ class StrengthLimits(_Frozen):
     rule: Literal["int", "float"] | None = None
 
 
+class CustomScheduleLimits(_Frozen):
+    """The custom schedules a scheduler takes, diffusers' `sigmas` / `timesteps`, and their rules
+    (meshserve/limits.py, `custom_schedule_steps`)."""
+
+    sigmas: bool = False
+    timesteps: bool = False
+    sigmas_end: bool = False  # sigmas include the last step's end (Euler: N + 1 values for N steps)
+    max_sigma: float | None = None  # flow matching: 1
+    max_timestep: int = 999
+
+
 class CacheMethodLimits(_Frozen):
     """A step cache method a model has (models/engine/step_cache.py): the threshold a request leaving it out
     runs with."""
@@ -239,6 +250,9 @@ class ModelLimits(_Frozen):
     micro_conditioning: bool = False
     # A first-last-frame video model (Wan 2.1 FLF2V): it takes, and needs, `last_image` besides `image`.
     last_image: bool = False
+    # diffusers' custom sigmas / timesteps, by scheduler name ("default": the model's own scheduler, when a
+    # request names none); a scheduler left out takes neither (422 not_supported).
+    custom_schedules: dict[str, CustomScheduleLimits] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -301,6 +315,9 @@ class JobParams(_Frozen):
     height: int
     num_frames: int | None = None
     num_inference_steps: int
+    # diffusers' custom schedule (None: the scheduler's own of num_inference_steps steps, which they set).
+    sigmas: tuple[float, ...] | None = None
+    timesteps: tuple[int, ...] | None = None
     guidance_scale: float
     true_cfg_scale: float | None = None  # the model's true-CFG scale (None: the model has none)
     guidance_rescale: float | None = None  # SDXL's CFG rescale (None: the model has none)

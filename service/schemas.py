@@ -33,6 +33,8 @@ from meshserve.service.webhooks.spec import WebhookRequest
 MAX_SEED = 2**32 - 1
 # SDXL's micro-conditioning sizes and crop corners (pixels); the UNet embeds them as numbers, any value runs.
 MAX_CONDITIONING_PIXELS = 16384
+# The longest custom schedule a request may send (a model's max_steps, plus Euler's end sigma, bounds it below).
+MAX_SCHEDULE_VALUES = 1001
 # Lists of two (a strict model takes no JSON array as a tuple); the job holds them as tuples.
 _Size = Annotated[
     list[Annotated[int, Field(ge=1, le=MAX_CONDITIONING_PIXELS)]], Field(min_length=2, max_length=2)
@@ -238,6 +240,22 @@ class GenerateRequest(_TextRequest):
         description="Video models only: the frame rate of the MP4/WebP written (default: the model's, 16 for Wan).",
     )
     num_inference_steps: int | None = Field(None, gt=0)
+    sigmas: list[float] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SCHEDULE_VALUES,
+        description="diffusers' custom sigmas (SDXL with euler or euler_karras: one per step plus the last step's "
+        "end, e.g. [14.6, 6.0, 1.1, 0.0] for 3 steps; Flux: one per step in (0, 1], shifted for the size as its "
+        "own). Strictly decreasing; they set the step count (num_inference_steps, when given too, must equal it). "
+        "The schedulers that take them are the keys of the model's `limits.custom_schedules`; others answer 422.",
+    )
+    timesteps: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SCHEDULE_VALUES,
+        description="diffusers' custom timesteps (SDXL with euler or dpmpp_2m): one per step, strictly decreasing, "
+        "in [0, limits.custom_schedules[scheduler].max_timestep]; they set the step count. Not with sigmas.",
+    )
     guidance_scale: float | None = Field(None, ge=0, le=100)
     true_cfg_scale: float | None = Field(
         None,

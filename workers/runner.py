@@ -375,6 +375,8 @@ class PipelineRunner(Runner):
         rows = {name: values + values[:1] * pad for name, values in rows.items()}
         # The per-batch arguments are the ones the pipeline names (size, steps, scheduler, frames...).
         settings = {name: first[name] for name in self.pipe.batch_fields if first.get(name) is not None}
+        # A custom schedule (diffusers' sigmas / timesteps) is the batch's too: it is in the batch key.
+        settings |= {name: first[name] for name in self.pipe.schedule_fields if first.get(name) is not None}
         try:
             out = self.pipe(
                 rows.pop("prompt"),

@@ -13,6 +13,8 @@ What the serving side reads (workers/runner.py relies on nothing else):
     text_fields                      per-prompt integers __call__ takes for the text encoders (SDXL: clip_skip)
     image_fields                     image arguments besides image= and mask_image= (Wan FLF2V: last_image)
     pair_fields                      per-row pairs __call__ takes for the denoiser (SDXL: the micro-conditioning)
+    schedule_fields                  diffusers' custom schedules __call__ takes (SDXL: timesteps, sigmas; Flux:
+                                     sigmas); limits["custom_schedules"] says which schedulers take each
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
     compiled_batch_size(rows, data)  images pad to powers of two (few programs); video compiles exact sizes
@@ -93,7 +95,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshserve.limits import IMAGE_FORMATS, LimitError, check_request
+from meshserve.limits import (
+    DEFAULT_SCHEDULER,
+    IMAGE_FORMATS,
+    LimitError,
+    check_request,
+    custom_schedule_steps,
+)
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.block_stack import stack_blocks
 from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
@@ -222,6 +230,10 @@ class DiffusionPipeline:
     # The family's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2 (SDXL's
     # OpenCLIP-G, Flux's T5), each defaulting to the first encoder's text. `tokenize` then gets `texts_2`.
     second_prompt: bool = False
+    # diffusers' custom schedules the family's pipeline takes as call arguments (SDXL: timesteps and sigmas;
+    # Flux: sigmas), each with the schedulers that take it (limits["custom_schedules"]); they give the step
+    # count. Host arrays padded as any schedule: no program is compiled for them.
+    schedule_fields: tuple[str, ...] = ()
     # Per-prompt integers the family's text encoding reads (SDXL: diffusers' clip_skip): `tokenize` gets each as
     # a keyword argument, one value per text (None for the negatives' and where a prompt gave none), and returns
     # it as a token array, so it is a traced input and part of the prompt cache's keys.
@@ -472,6 +484,21 @@ class DiffusionPipeline:
         """A task's strength when a call gives none (diffusers' pipeline default); None: takes no strength."""
         return None
 
+    def custom_schedule_limits(self, schedulers) -> dict:
+        """limits["custom_schedules"]: {scheduler name, DEFAULT_SCHEDULER for the folder's own: the rules of
+        the custom schedules it takes of the family's `schedule_fields`} (meshserve/limits.py)."""
+        out = {}
+        for name in (None, *schedulers):
+            try:
+                rules = dict(self.scheduler(name).custom_schedules())
+            except PipelineError:  # a folder scheduler the engine lacks: requests must name one
+                continue
+            for field in ("sigmas", "timesteps"):
+                rules[field] = bool(rules.get(field)) and field in self.schedule_fields
+            if rules["sigmas"] or rules["timesteps"]:
+                out[name or DEFAULT_SCHEDULER] = rules
+        return out
+
     def cache_limits(self) -> dict | None:
         """limits["cache"]: {method: {"default_threshold"}}, or None for a model without a step cache."""
         if not self.cache_methods:
@@ -572,6 +599,10 @@ class DiffusionPipeline:
         key = tuple(
             request[name] if request.get(name) is not None else _batch_default(name, d, limits)
             for name in self.batch_fields
+        )
+        # A custom schedule is the batch's: only jobs with the same one share a call.
+        key += tuple(
+            (name, tuple(request[name])) for name in self.schedule_fields if request.get(name) is not None
         )
         if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
             try:
@@ -730,7 +761,7 @@ class DiffusionPipeline:
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
         name is an UnsupportedArgument."""
         own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
-        own |= set(self.image_fields)
+        own |= set(self.image_fields) | set(self.schedule_fields)
         own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
@@ -745,6 +776,7 @@ class DiffusionPipeline:
         text_options = {name: options.pop(name, None) for name in self.text_fields}
         pairs = {name: options.pop(name, None) for name in self.pair_fields}
         images = {name: options.pop(name, None) for name in self.image_fields}
+        custom = {name: options.pop(name) for name in self.schedule_fields if options.get(name) is not None}
         given = {
             "height": height,
             "width": width,
@@ -763,6 +795,16 @@ class DiffusionPipeline:
             raise PipelineError(f"strength applies to image-to-image and inpaint, not to {task}")
         strength = self.default_strength(task) if strength is None else strength
         try:
+            if custom:  # the schedule's length is the step count
+                settings["num_inference_steps"] = custom_schedule_steps(
+                    limits,
+                    {
+                        **custom,
+                        "scheduler": settings["scheduler"],
+                        "num_inference_steps": num_inference_steps,
+                    },
+                    model=self.model_id or self.family,
+                )
             check_request(
                 limits,
                 {**settings, "n": num_images_per_prompt, "task": task, "strength": strength},
@@ -802,7 +844,9 @@ class DiffusionPipeline:
             pairs = {k: per_row_pairs(v, len(prompts), n, k) for k, v in pairs.items()}
             rows |= self.pair_rows(pairs, settings, task, rows)
         shape = self.noise_shape(settings)
-        sched, schedule, steps = self.schedule(settings["scheduler"], settings["num_inference_steps"], shape)
+        sched, schedule, steps = self.schedule(
+            settings["scheduler"], settings["num_inference_steps"], shape, **custom
+        )
         start, full_strength, pixels = 0, False, None
         if image is not None:
             if strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
@@ -1074,10 +1118,13 @@ class DiffusionPipeline:
         """Keyword arguments of `scheduler.schedule` for this request (Flux: the shift for its size)."""
         return {}
 
-    def schedule(self, name: str | None, steps: int, shape: tuple[int, ...] | None = None):
+    def schedule(self, name: str | None, steps: int, shape: tuple[int, ...] | None = None, **custom):
         """(scheduler, padded schedule on the pool's devices, the steps it really runs), cached per
-        (name, steps, options): a request computes nothing on the host for its schedule."""
+        (name, steps, options): a request computes nothing on the host for its schedule. `custom`: a call's
+        own sigmas or timesteps (checked against limits["custom_schedules"]), made for it alone."""
         options = self.schedule_options(self.scheduler(name), shape)
+        if custom:
+            return self._make_schedule(name, int(steps), tuple({**options, **custom}.items()))
         return self._schedules(name, int(steps), tuple(sorted(options.items())))
 
     def _make_schedule(self, name, steps, options):

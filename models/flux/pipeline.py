@@ -85,6 +85,7 @@ class FluxPipeline(DiffusionPipeline):
     cfg_field = "true_cfg_scale"
     cfg_needs_negative = True
     second_prompt = True  # prompt_2 / negative_prompt_2: T5's texts (CLIP's pooled vector reads `prompt`)
+    schedule_fields = ("sigmas",)  # FluxPipeline's custom sigmas (shifted for the size, as its own)
     # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
     # values, not yet measured on trained weights (docs/step-cache.md).
     step_cache_methods = {"first_block": 0.08, "teacache": 0.1}
@@ -188,6 +189,7 @@ class FluxPipeline(DiffusionPipeline):
         limits["strength"] = self.strength_limits()
         limits["loras"] = self.lora.limits
         limits["cache"] = self.cache_limits()
+        limits["custom_schedules"] = self.custom_schedule_limits(limits["schedulers"])
         return limits
 
     # ----------------------------------------------------------------------------------------------

@@ -170,6 +170,21 @@ class NoiseScheduler:
                 f"num_inference_steps must be in [1, {self.num_train_timesteps}], got {num_inference_steps}"
             )
 
+    def custom_schedules(self) -> dict:
+        """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`), as a
+        model's limits["custom_schedules"] publish it (meshserve/limits.py, `custom_schedule_steps`): {} for
+        none, as diffusers' DDIM, Euler ancestral and UniPC."""
+        return {}
+
+    def custom_rules(self, *, sigmas: bool, timesteps: bool, sigmas_end: bool, max_sigma=None) -> dict:
+        return {
+            "sigmas": sigmas,
+            "timesteps": timesteps,
+            "sigmas_end": sigmas_end,
+            "max_sigma": max_sigma,
+            "max_timestep": self.num_train_timesteps - 1,
+        }
+
     def init_noise_sigma(self, schedule) -> Any:
         """The scale of the initial latents: `sample = latents * init_noise_sigma(schedule)`."""
         return schedule.init_noise_sigma

@@ -84,11 +84,24 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     # ---------------------------------------------------------------------------------------------
     # Host: the schedule
 
-    def schedule(self, num_inference_steps: int) -> SigmaSchedule:
+    def custom_schedules(self) -> dict:
+        # diffusers takes custom timesteps (not sigmas), but not with respaced sigmas or lu lambdas.
+        respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
+        return self.custom_rules(
+            sigmas=False, timesteps=not (respaced or self.use_lu_lambdas), sigmas_end=False
+        )
+
+    def schedule(self, num_inference_steps: int, *, timesteps=None) -> SigmaSchedule:
         """Note: "trailing" with lambda_min_clipped can give fewer than num_inference_steps steps, as in
-        diffusers; the pipeline loops over schedule.timesteps.shape[0]."""
+        diffusers; the pipeline loops over schedule.timesteps.shape[0]. `timesteps`: diffusers' custom ones
+        (N integers) in place of the spaced ones."""
         n = int(num_inference_steps)
         self.check_steps(n)
+        if timesteps is not None:
+            if not self.custom_schedules()["timesteps"]:
+                raise ValueError("custom timesteps are not supported with respaced sigmas or lu lambdas")
+            if len(timesteps) != n:
+                raise ValueError(f"{n} steps take {n} timesteps, got {len(timesteps)}")
         train_sigmas = training_sigmas(self)
         log_sigmas = np.log(train_sigmas)
         # lambda_min_clipped drops the noisiest training timesteps (cosine schedules' lambda blows up there).
@@ -98,7 +111,9 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         last_timestep = self.num_train_timesteps - int(clipped_idx)
 
         # n + 1 points with the last dropped, so the final step does not start at t = 0.
-        if self.timestep_spacing == "linspace":
+        if timesteps is not None:
+            timesteps = np.asarray(timesteps).astype(np.int64)
+        elif self.timestep_spacing == "linspace":
             timesteps = np.linspace(0, last_timestep - 1, n + 1).round()[::-1][:-1].astype(np.int64)
         elif self.timestep_spacing == "leading":
             step_ratio = last_timestep // (n + 1)

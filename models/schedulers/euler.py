@@ -85,14 +85,34 @@ class EulerDiscreteScheduler(NoiseScheduler):
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
             )
 
-    def schedule(self, num_inference_steps: int) -> SigmaSchedule:
+    def custom_schedules(self) -> dict:
+        # diffusers refuses custom timesteps where the sigmas are respaced or the timesteps come from them.
+        respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
+        edm = self.timestep_type == "continuous" and self.prediction_type == "v_prediction"
+        return self.custom_rules(sigmas=True, timesteps=not (respaced or edm), sigmas_end=True)
+
+    def schedule(self, num_inference_steps: int, *, sigmas=None, timesteps=None) -> SigmaSchedule:
+        """The schedule of N steps; or diffusers' custom one: `sigmas` (N + 1, the last step's end included;
+        timesteps by interpolation in log sigma) or `timesteps` (N, in place of the spaced ones)."""
         n = int(num_inference_steps)
         self.check_steps(n)
         train_sigmas = training_sigmas(self)
         log_sigmas = np.log(train_sigmas)
-        timesteps = spaced_timesteps(
-            self.timestep_spacing, self.num_train_timesteps, n, self.steps_offset, round_linspace=False
-        )
+        if sigmas is not None:
+            sigmas = f32(sigmas)
+            if len(sigmas) != n + 1:
+                raise ValueError(f"{n} steps take {n + 1} sigmas, got {len(sigmas)}")
+            return self._timed(f32(sigma_to_t(sigmas[:-1], log_sigmas)), sigmas)
+        if timesteps is not None:
+            if not self.custom_schedules()["timesteps"]:
+                raise ValueError("custom timesteps are not supported with respaced sigmas or EDM timesteps")
+            timesteps = f32(timesteps)
+            if len(timesteps) != n:
+                raise ValueError(f"{n} steps take {n} timesteps, got {len(timesteps)}")
+        else:
+            timesteps = spaced_timesteps(
+                self.timestep_spacing, self.num_train_timesteps, n, self.steps_offset, round_linspace=False
+            )
         if self.interpolation_type == "linear":
             sigmas = np.interp(timesteps, np.arange(len(train_sigmas)), train_sigmas)
         else:  # diffusers' log_linear yields n + 1 sigmas (then n + 2 with the final one); kept as is.
@@ -112,7 +132,9 @@ class EulerDiscreteScheduler(NoiseScheduler):
             timesteps = sigma_to_t(sigmas, log_sigmas)
 
         sigma_last = train_sigmas[0] if self.final_sigmas_type == "sigma_min" else 0.0
-        sigmas = f32(np.concatenate([sigmas, [sigma_last]]))
+        return self._timed(f32(timesteps), f32(np.concatenate([sigmas, [sigma_last]])))
+
+    def _timed(self, timesteps: np.ndarray, sigmas: np.ndarray) -> SigmaSchedule:
         if self.timestep_type == "continuous" and self.prediction_type == "v_prediction":
             timesteps = 0.25 * np.log(sigmas[:-1])
         return SigmaSchedule(

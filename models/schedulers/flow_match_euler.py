@@ -80,8 +80,12 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
             return math.exp(mu) / (math.exp(mu) + (1 / t - 1))
         return mu / (mu + (1 / t - 1))
 
+    def custom_schedules(self) -> dict:
+        # diffusers' set_timesteps takes timesteps too, but no flow pipeline passes them.
+        return self.custom_rules(sigmas=True, timesteps=False, sigmas_end=False, max_sigma=1.0)
+
     def schedule(
-        self, num_inference_steps: int, mu: float | None = None, *, pipeline_sigmas: bool = True
+        self, num_inference_steps: int, mu: float | None = None, *, pipeline_sigmas: bool = True, sigmas=None
     ) -> SigmaSchedule:
         """The schedule of N steps: timesteps [N] = sigmas * 1000, sigmas [N + 1] ending in 0.
 
@@ -89,12 +93,17 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
         pipeline_sigmas: True: the sigmas diffusers' Flux pipeline passes, linspace(1, 1/N, N), then shifted;
             False: the scheduler's own, linspace over its (shifted) training sigma range, then shifted again, as
             diffusers does for pipelines that pass none (SD3, or a config with `use_flow_sigmas`).
+        sigmas: the caller's own N sigmas in place of either (diffusers' `sigmas` argument), shifted as they are.
         """
         n = int(num_inference_steps)
         self.check_steps(n)
         if self.use_dynamic_shifting and mu is None:
             raise ValueError("mu must be given when use_dynamic_shifting is set (flux_mu of the image size)")
-        if pipeline_sigmas:
+        if sigmas is not None:
+            sigmas = f32(sigmas)
+            if len(sigmas) != n:
+                raise ValueError(f"{n} steps take {n} sigmas, got {len(sigmas)}")
+        elif pipeline_sigmas:
             # The pipeline's float64 linspace, cast to float32 by set_timesteps; the shift below then runs in
             # float32 (numpy keeps float32 arrays float32 against Python floats), as in diffusers.
             sigmas = f32(np.linspace(1.0, 1 / n, n))

@@ -20,7 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from meshserve.limits import LimitError, check_request
+from meshserve.limits import LimitError, check_request, custom_schedule_steps
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.contract import (
@@ -105,7 +105,7 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
     """The first info, with `limits.buckets` the sizes every one of `infos` serves (None only when all serve any
     size) and the default size moved to the first common bucket when the first pool's default is not one; for a
     video model the same for its frame counts (`limits.frames.served`, `limits.frames.default`), and the request
-    fields every pool takes (adapters, prompt_2, clip_skip, micro-conditioning)."""
+    fields every pool takes (adapters, prompt_2, clip_skip, micro-conditioning, custom schedules)."""
     first = infos[0]
     if len(infos) == 1:
         return first
@@ -144,6 +144,12 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
             # never reaches a pool that drops it.
             "last_image": all(info.limits.last_image for info in infos),
             "max_clip_skip": None if None in skips else min(skips),
+            # A scheduler's custom schedules where every pool takes them by the same rules.
+            "custom_schedules": {
+                name: rules
+                for name, rules in limits.custom_schedules.items()
+                if all(info.limits.custom_schedules.get(name) == rules for info in infos)
+            },
         }
     )
     served = [info.limits.frames.served for info in infos if info.limits.frames is not None]
@@ -227,6 +233,13 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
     }
     try:  # the one limits check the pools and the pipelines run too (meshserve/limits.py)
         check_request(lim, request, model=info.id)
+        custom = {"sigmas": req.sigmas, "timesteps": req.timesteps, "scheduler": req.scheduler}
+        steps = (
+            custom_schedule_steps(
+                lim, {**custom, "num_inference_steps": req.num_inference_steps}, model=info.id
+            )
+            or steps
+        )
     except LimitError as e:
         raise FieldError(e.field, e.rule, str(e)) from None
     # A model takes a true-CFG scale only when its published defaults have one (Flux); any other refuses it.
@@ -290,6 +303,8 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         height=height,
         num_frames=frames,
         num_inference_steps=steps,
+        sigmas=req.sigmas,
+        timesteps=req.timesteps,
         guidance_scale=req.guidance_scale if req.guidance_scale is not None else d.guidance_scale,
         true_cfg_scale=true_cfg,
         guidance_rescale=rescale,

@@ -284,6 +284,23 @@ def test_bf16_runs_close_to_fp32_diffusers(tiny_flux_dev_path, dev_reference):
     assert np.isfinite(got).all() and err < 0.1
 
 
+def test_custom_sigmas_match_diffusers(dev, dev_reference):
+    """FluxPipeline's `sigmas`: shifted for the image size like its own linspace, the step count theirs."""
+    latents = packed_latents(1, seed=5)
+    sigmas = [1.0, 0.7, 0.45, 0.1]
+    expected = run_reference(dev_reference, PROMPTS[:1], latents, guidance_scale=3.5, sigmas=sigmas)
+    got = run_ours(
+        dev, PROMPTS[:1], latents=latents, guidance_scale=3.5, sigmas=sigmas, num_inference_steps=None
+    )
+    assert max_abs(got, expected) <= 1e-3
+    default = run_ours(dev, PROMPTS[:1], latents=latents, guidance_scale=3.5, num_inference_steps=4)
+    assert max_abs(default, expected) > 1e-2  # the caller's sigmas were used
+    with pytest.raises(PipelineError, match="sigmas must be"):
+        run_ours(dev, PROMPTS[:1], sigmas=[1.5, 0.5], num_inference_steps=None)
+    with pytest.raises(PipelineError, match="unsupported argument 'timesteps'"):
+        run_ours(dev, PROMPTS[:1], timesteps=[900, 500], num_inference_steps=None)
+
+
 def test_prompt_seed_guidance_true_cfg_and_steps_never_recompile(dev):
     kw = dict(height=H, width=W, max_sequence_length=TEXT, output_type="np")
     dev(

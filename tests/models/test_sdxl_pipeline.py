@@ -225,6 +225,48 @@ def test_micro_conditioning_matches_diffusers_per_row(ours, reference):
             ours("a cat", original_size=bad, **kw)
 
 
+@pytest.mark.parametrize(
+    "scheduler,custom",
+    [
+        ("euler", {"sigmas": [14.6, 6.0, 1.1, 0.0]}),
+        ("euler", {"timesteps": [999, 640, 120]}),
+        ("dpmpp_2m", {"timesteps": [960, 500, 250]}),
+    ],
+)
+def test_custom_sigmas_and_timesteps_match_diffusers(ours, reference, scheduler, custom):
+    """diffusers' `sigmas` / `timesteps` call arguments: the schedule and the step count are the caller's,
+    and no program is compiled for them (a 3-step default call compiled the same program first)."""
+    import torch
+
+    latents = _latents(4, rows=2)
+    _diffusers_scheduler(reference, scheduler)
+    kw = dict(height=H, width=W, guidance_scale=5.0, output_type="np")
+    expected = reference(["a red car", "a cat"], latents=torch.from_numpy(latents), **custom, **kw).images
+    ours(["a red car", "a cat"], latents=latents, scheduler=scheduler, num_inference_steps=3, **kw)
+    before = ours.compilations
+    out = ours(["a red car", "a cat"], latents=latents, scheduler=scheduler, **custom, **kw)
+    assert float(np.abs(out.images - expected).max()) <= 1e-3
+    assert ours.compilations == before and not out.compiled
+    default = ours(["a red car", "a cat"], latents=latents, scheduler=scheduler, num_inference_steps=3, **kw)
+    assert float(np.abs(default.images - expected).max()) > 1e-2  # the custom schedule was used
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(scheduler="ddim", sigmas=[3.0, 1.0, 0.0]), "takes no custom sigmas with scheduler 'ddim'"),
+        (dict(scheduler="dpmpp_2m", sigmas=[3.0, 1.0, 0.0]), "takes no custom sigmas"),
+        (dict(scheduler="euler_karras", timesteps=[900, 10]), "takes no custom timesteps"),
+        (dict(sigmas=[3.0, 1.0, 0.0], timesteps=[900, 10]), "only one of sigmas or timesteps"),
+        (dict(sigmas=[3.0, 1.0, 0.0], num_inference_steps=3), r"num_inference_steps \(3\) differs"),
+        (dict(timesteps=[10, 900]), "must decrease strictly"),
+    ],
+)
+def test_bad_custom_schedules_are_clear(ours, kw, match):
+    with pytest.raises(PipelineError, match=match):
+        ours("cat", height=H, width=W, output_type="np", **kw)
+
+
 def test_bf16_runs_close_to_fp32(tiny_sdxl_path, ours, record_property):
     latents = np.random.default_rng(2).standard_normal((1, 4, H // 2, W // 2)).astype(np.float32)
     bf16 = load_pipeline(tiny_sdxl_path, dtype="bfloat16")

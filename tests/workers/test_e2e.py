@@ -61,6 +61,11 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         "crops_coords_top_left": (16, 8),
                     }
                 ),
+                # diffusers' custom sigmas: 3 steps and the last one's end (a batch of its own: the
+                # schedule is the batch's).
+                params("a purple square", model="tiny-sdxl", steps=3, seed=4, size=d.width).model_copy(
+                    update={"sigmas": (14.6, 4.0, 0.9, 0.0)}
+                ),
             ]
             assert d.guidance_rescale == 0.0
             ids = await submit_many(store, jobs)
@@ -89,6 +94,8 @@ def test_pipeline_pool_serves_the_embedded_model_and_matches_a_direct_call():
                         num_images_per_prompt=1,
                         output_type="uint8",
                     )
+                    if p.sigmas is not None:
+                        call = partial(call, sigmas=list(p.sigmas))
                     names = ("prompt_2", "negative_prompt_2", "clip_skip", *MICRO_CONDITIONING)
                     texts = {name: getattr(p, name) for name in names}
                     ref = (await asyncio.to_thread(call, **{k: [v] for k, v in texts.items()})).images[0]

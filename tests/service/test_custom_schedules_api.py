@@ -1,0 +1,106 @@
+"""diffusers' custom `sigmas` / `timesteps` over HTTP (ASGI, real Redis): taken where the model's
+`limits.custom_schedules` lists the job's scheduler for them, the step count theirs, carried in the job to the
+worker; refused with a 422 naming the field and the rule otherwise (meshserve/limits.py has the rules, checked
+in full in tests/models/test_custom_schedules.py), and nothing queued."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshserve.service.api.catalog import common_sizes
+from meshserve.service.contract import CustomScheduleLimits
+from tests.service.conftest import TOY, FakeWorker, api_client
+
+pytestmark = pytest.mark.anyio
+
+EULER = CustomScheduleLimits(sigmas=True, timesteps=True, sigmas_end=True)
+TOY_CUSTOM = TOY.model_copy(
+    update={
+        "id": "toy-custom",
+        "limits": TOY.limits.model_copy(
+            update={"custom_schedules": {"default": EULER, "euler": EULER}, "max_steps": 8}
+        ),
+    }
+)
+
+
+@pytest.fixture
+async def served(make_settings):
+    async with api_client(make_settings()) as (client, store):
+        await FakeWorker(store, name="mixed", models=(TOY_CUSTOM, TOY)).register()
+        yield client, store
+
+
+async def test_taken_and_carried_to_the_worker_with_their_step_count(served):
+    client, store = served
+    card = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}["toy-custom"]
+    assert card["limits"]["custom_schedules"]["euler"]["sigmas_end"] is True
+    sigmas = await client.post(
+        "/v1/generate", json={"model": "toy-custom", "prompt": "a", "sigmas": [14.6, 3, 0.5, 0]}
+    )
+    timesteps = await client.post(
+        "/v1/generate",
+        json={"model": "toy-custom", "prompt": "a", "scheduler": "euler", "timesteps": [999, 500]},
+    )
+    assert sigmas.status_code == timesteps.status_code == 202, (sigmas.text, timesteps.text)
+    assert sigmas.json()["params"]["num_inference_steps"] == 3  # 4 sigmas: 3 steps and the last one's end
+    assert timesteps.json()["params"]["num_inference_steps"] == 2
+    claimed = {d.job.id: d.job.params for d in await store.claim(["toy-custom"], "w", 10, 100)}
+    assert claimed[sigmas.json()["id"]].sigmas == (14.6, 3.0, 0.5, 0.0)
+    assert claimed[timesteps.json()["id"]].timesteps == (999, 500)
+    assert claimed[sigmas.json()["id"]].timesteps is None
+
+
+@pytest.mark.parametrize(
+    "body,field,code",
+    [
+        ({"model": "toy", "sigmas": [3.0, 1.0, 0.0]}, "sigmas", "not_supported"),
+        ({"scheduler": "ddim", "sigmas": [3.0, 1.0, 0.0]}, "sigmas", "not_supported"),
+        ({"sigmas": [3.0, 1.0, 0.0], "timesteps": [900, 10]}, "timesteps", "conflict"),
+        ({"sigmas": [3.0, 1.0, 0.0], "num_inference_steps": 4}, "num_inference_steps", "conflict"),
+        ({"sigmas": [1.0, 3.0, 0.0]}, "sigmas", "not_decreasing"),
+        ({"sigmas": [3.0, 0.0, -1.0]}, "sigmas", "out_of_range"),
+        ({"sigmas": [float(10 - i) for i in range(10)]}, "sigmas", "out_of_range"),  # 9 steps > max_steps 8
+        ({"timesteps": [1000, 10]}, "timesteps", "out_of_range"),
+        ({"timesteps": [900.5, 10]}, "timesteps.0", "int_type"),
+        ({"timesteps": []}, "timesteps", "too_short"),
+        ({"sigmas": "3, 1, 0"}, "sigmas", "list_type"),
+        ({"sigmas": [3.0] * 1002}, "sigmas", "too_long"),
+    ],
+)
+async def test_refused_with_the_field_and_the_rule(served, body, field, code):
+    client, store = served
+    r = await client.post("/v1/generate", json={"model": "toy-custom", "prompt": "a", **body})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, code), err
+    for model in ("toy", "toy-custom"):
+        assert await store.redis.exists(store.stream_key(model, "normal")) == 0
+
+
+async def test_non_finite_sigmas_are_refused(served):
+    client, _ = served
+    r = await client.post(
+        "/v1/generate",
+        content='{"model": "toy-custom", "prompt": "a", "sigmas": [NaN, 0]}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["field"].startswith("sigmas")
+
+
+def test_pools_of_one_model_publish_the_schedules_they_share():
+    other = TOY_CUSTOM.model_copy(
+        update={
+            "limits": TOY_CUSTOM.limits.model_copy(
+                update={
+                    "custom_schedules": {
+                        "default": EULER,
+                        "euler": EULER.model_copy(update={"timesteps": False}),
+                    }
+                }
+            )
+        }
+    )
+    assert common_sizes([TOY_CUSTOM, other]).limits.custom_schedules == {"default": EULER}
+    assert common_sizes([TOY_CUSTOM, TOY]).limits.custom_schedules == {}
