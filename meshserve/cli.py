@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -93,6 +94,16 @@ def _generate(args: argparse.Namespace) -> int:
             if "clip_skip" not in pipe.text_fields:
                 raise UsageError(f"--clip-skip: the {pipe.family} model takes none; leave it out")
             settings["clip_skip"] = args.clip_skip
+        for flag, name in (("--sigmas", "sigmas"), ("--timesteps", "timesteps")):
+            if getattr(args, name) is not None:
+                if name not in pipe.schedule_fields:
+                    raise UsageError(f"{flag}: the {pipe.family} model takes no custom {name}; leave it out")
+                settings[name] = getattr(args, name)
+        if "image" in images and getattr(pipe, "first_last", False) and "last_image" not in images:
+            raise UsageError(
+                f"--last-image: {pipe.model_id or pipe.family} is a first-last-frame model; it needs the video's "
+                "last frame (--image is the first)"
+            )
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -247,6 +258,20 @@ def _train_embedded(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _numbers(kind: type) -> Callable[[str], list]:
+    """An argparse type: comma-separated numbers of `kind`."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(part) for part in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {kind.__name__}s, got {text!r}"
+            ) from None
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,6 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="SDXL: diffusers' guidance_rescale, 0 (off) to 1 (acts with --guidance-scale > 1)",
     )
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--sigmas",
+        type=_numbers(float),
+        default=None,
+        metavar="S0,S1,...",
+        help="diffusers' custom sigmas, strictly decreasing (SDXL euler: one per step and the last step's end, "
+        "e.g. 14.6,6,1.1,0; Flux: one per step in (0, 1]); they set the steps",
+    )
+    gen.add_argument(
+        "--timesteps",
+        type=_numbers(int),
+        default=None,
+        metavar="T0,T1,...",
+        help="diffusers' custom timesteps (SDXL euler, dpmpp_2m), strictly decreasing; they set the steps",
+    )
     gen.add_argument(
         "--scheduler",
         default=None,

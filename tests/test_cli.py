@@ -110,6 +110,12 @@ def _unsupported(tmp_path):
             "--prompt-2: the wan model has one text encoder",
         ),
         (lambda p: ["--clip-skip", "99"], "clip_skip must be an integer between 0 and"),
+        (lambda p: ["--sigmas", "1,3,0"], "sigmas must decrease strictly"),
+        (lambda p: ["--timesteps", "900,x"], "expected comma-separated ints, got '900,x'"),
+        (
+            lambda p: ["--model", "tiny-wan", "-o", str(p / "o.mp4"), "--sigmas", "1,0.5"],
+            "--sigmas: the wan model takes no custom sigmas",
+        ),
         # A format the model's outputs cannot be written in is refused before generating anything.
         (lambda p: ["-o", str(p / "o.mp4")], "output_format 'mp4' is not one of ['png', 'jpeg', 'webp']"),
         (lambda p: ["--model", "tiny-wan"], "output_format 'png' is not one of ['mp4', 'webp'] for tiny-wan"),
@@ -138,6 +144,7 @@ class _RecordingPipe:
         self.video, self.calls = video, []
         self.model_id, self.family, self.row_fields = "fake", "wan" if video else "sdxl", ("guidance_scale",)
         self.second_prompt, self.text_fields = not video, () if video else ("clip_skip",)
+        self.schedule_fields = () if video else ("timesteps", "sigmas")
         self.defaults = {"width": 32, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8}
         self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
         self.limits["cache"] = {"teacache": {"default_threshold": 0.2}}
@@ -211,10 +218,29 @@ def test_generate_passes_the_second_texts_and_clip_skip(tmp_path, monkeypatch):
         "blur",
         "--clip-skip",
         "1",
+        "--sigmas",
+        "14.6,6,1.1,0",
     ]
     assert cli.main([*args, "-o", str(tmp_path / "o.png")]) == 0
     (call,) = pipe.calls
     assert (call["prompt_2"], call["negative_prompt_2"], call["clip_skip"]) == ("oil", "blur", 1)
+    assert call["sigmas"] == [14.6, 6.0, 1.1, 0.0] and "timesteps" not in call
+    assert (
+        cli.main(["generate", "--prompt", "a", "--timesteps", "999,500", "-o", str(tmp_path / "t.png")]) == 0
+    )
+    assert pipe.calls[-1]["timesteps"] == [999, 500]
+
+
+def test_a_first_last_frame_model_without_last_image_is_told_the_flag(tmp_path, monkeypatch, capsys):
+    from meshserve import cli
+
+    pipe = _RecordingPipe(video=True)
+    pipe.first_last = True
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    image = _file(tmp_path, "first.png", image=Image.new("RGB", (8, 8)))
+    args = ["generate", "--prompt", "a", "--image", image, "-o", str(tmp_path / "o.mp4")]
+    assert cli.main(args) == 2 and not pipe.calls
+    assert "--last-image: fake is a first-last-frame model" in capsys.readouterr().err
 
 
 def _file(tmp_path, name, data=None, image=None):
