@@ -8,13 +8,17 @@ the tests' own Redis for the scenarios that kill and restart it. One launcher fo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,12 +32,20 @@ def free_port() -> int:
 
 
 def start_redis_server(
-    port: int, folder: str | Path, *, persistent: bool = False, timeout_s: float = 10.0
+    port: int,
+    folder: str | Path,
+    *,
+    persistent: bool = False,
+    timeout_s: float = 10.0,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen:
     """redis-server on 127.0.0.1:`port` with its files in `folder`, returned once it answers PING.
 
     persistent: an append-only file with fsync on every write, so every acknowledged write survives a SIGKILL
-    and a restart on the same port and folder replays it. Otherwise nothing is written to disk."""
+    and a restart on the same port and folder replays it. Otherwise nothing is written to disk.
+    die_with_parent: the server gets SIGTERM when the calling thread ends, a SIGKILL of this process included
+    (Linux), so a killed `meshserve serve` leaves no redis-server behind. Only for a caller whose thread
+    outlives the server (a `with` block: `local_redis`)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError(
@@ -42,7 +54,8 @@ def start_redis_server(
         )
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", ""]
     args += ["--appendonly", "yes", "--appendfsync", "always"] if persistent else ["--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    preexec = _die_with_parent() if die_with_parent else None
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=preexec)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
@@ -58,6 +71,22 @@ def start_redis_server(
             stop_redis_server(proc)
             raise RuntimeError(f"redis-server did not answer on port {port} within {timeout_s} s")
         time.sleep(0.05)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux for SIGTERM when the parent thread ends (prctl PR_SET_PDEATHSIG); None on other
+    systems. libc is looked up before the fork: the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: nothing would signal us
+            os._exit(1)
+
+    return preexec
 
 
 def stop_redis_server(proc: subprocess.Popen) -> None:
@@ -76,7 +105,7 @@ def local_redis(timeout_s: float = 10.0) -> Iterator[str]:
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="meshserve-redis-")
     try:
-        proc = start_redis_server(port, workdir, timeout_s=timeout_s)
+        proc = start_redis_server(port, workdir, timeout_s=timeout_s, die_with_parent=True)
         try:
             log.info("started a local redis-server on 127.0.0.1:%d (pid %d)", port, proc.pid)
             yield f"redis://127.0.0.1:{port}/0"
