@@ -94,7 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
             if "clip_skip" not in pipe.text_fields:
                 raise UsageError(f"--clip-skip: the {pipe.family} model takes none; leave it out")
             settings["clip_skip"] = args.clip_skip
-        for flag, name in (("--sigmas", "sigmas"), ("--timesteps", "timesteps")):
+        for flag, name in (("--sigmas", "sigmas"), ("--timesteps", "timesteps"), ("--eta", "eta")):
             if getattr(args, name) is not None:
                 if name not in pipe.schedule_fields:
                     raise UsageError(f"{flag}: the {pipe.family} model takes no custom {name}; leave it out")
@@ -327,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S0,S1,...",
         help="diffusers' custom sigmas, strictly decreasing (SDXL euler: one per step and the last step's end, "
         "e.g. 14.6,6,1.1,0; Flux: one per step in (0, 1]); they set the steps",
+    )
+    gen.add_argument(
+        "--eta",
+        type=float,
+        default=None,
+        help="SDXL with --scheduler ddim: diffusers' eta, the noise each step adds (0: deterministic, 1: DDPM-like)",
     )
     gen.add_argument(
         "--timesteps",

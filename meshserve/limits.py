@@ -193,6 +193,10 @@ def _check_size(limits, request: Mapping, model: str, names: Mapping[str, str]) 
 
 # limits["custom_schedules"]' key for the model's own scheduler (a request that names none).
 DEFAULT_SCHEDULER = "default"
+# The smallest sigma a step may start from: Euler divides by it, and below float32's normal range (1.2e-38)
+# XLA:CPU flushes it to 0 (a NaN image, where torch still computes one: an audit, 2026-11-29). diffusers'
+# own sigma-to-timestep clamps at this value.
+MIN_STEP_SIGMA = 1e-10
 
 
 def custom_schedule_steps(limits, request: Mapping, *, model: str = "the model") -> int | None:
@@ -203,16 +207,28 @@ def custom_schedule_steps(limits, request: Mapping, *, model: str = "the model")
     0 or more; flow matching: N, a 0 appended); "max_sigma": the largest sigma (flow matching: 1) or None;
     "max_timestep": the largest timestep}. Values run strictly downwards (from noise to the image); a sigma a
     step starts from is above 0 (Euler divides by it). `request`: sigmas, timesteps, scheduler and, when the
-    caller gave one, num_inference_steps, which must then equal the schedule's steps."""
+    caller gave one, num_inference_steps, which must then equal the schedule's steps. Also checks the request's
+    `eta`, diffusers' DDIM noise weight in [0, 1]: a scheduler whose rules have "eta" takes it; any takes 0
+    (diffusers' default, which changes nothing)."""
+    scheduler = request.get("scheduler")
+    rules = _get(_get(limits, "custom_schedules", {}), scheduler or DEFAULT_SCHEDULER)
+    named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
+    eta = request.get("eta")
+    if eta is not None:
+        if not isinstance(eta, Real) or isinstance(eta, bool) or not math.isfinite(eta):
+            raise LimitError("eta", "number_type", f"eta must be a number, got {eta!r}")
+        if not 0 <= eta <= 1:
+            raise LimitError("eta", "out_of_range", f"eta must be in [0, 1], got {eta}")
+        if eta != 0 and (rules is None or not _get(rules, "eta", False)):
+            raise LimitError(
+                "eta", "not_supported", f"{model} takes no eta with {named} (DDIM's noise weight)"
+            )
     sigmas, timesteps = request.get("sigmas"), request.get("timesteps")
     if sigmas is None and timesteps is None:
         return None
     if sigmas is not None and timesteps is not None:
         raise LimitError("timesteps", "conflict", "only one of sigmas or timesteps can be given")
     field, values = ("sigmas", sigmas) if sigmas is not None else ("timesteps", timesteps)
-    scheduler = request.get("scheduler")
-    rules = _get(_get(limits, "custom_schedules", {}), scheduler or DEFAULT_SCHEDULER)
-    named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
     if rules is None or not _get(rules, field, False):
         raise LimitError(field, "not_supported", f"{model} takes no custom {field} with {named}")
     values = list(values)
@@ -238,8 +254,8 @@ def custom_schedule_steps(limits, request: Mapping, *, model: str = "the model")
     if field == "sigmas":
         top = _get(rules, "max_sigma")
         last_start = values[-2] if end else values[-1]  # the smallest sigma a step starts from
-        if values[-1] < 0 or last_start <= 0 or (top is not None and values[0] > top):
-            span = f"(0, {top}]" if top is not None else "above 0"
+        if values[-1] < 0 or last_start < MIN_STEP_SIGMA or (top is not None and values[0] > top):
+            span = f"[{MIN_STEP_SIGMA:g}, {top}]" if top is not None else f"at least {MIN_STEP_SIGMA:g}"
             ends = ", the last step's end 0 or more" if end else ""
             raise LimitError(
                 field,

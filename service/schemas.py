@@ -249,11 +249,20 @@ class GenerateRequest(_TextRequest):
         "own). Strictly decreasing; they set the step count (num_inference_steps, when given too, must equal it). "
         "The schedulers that take them are the keys of the model's `limits.custom_schedules`; others answer 422.",
     )
+    eta: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="diffusers' eta (SDXL with the ddim scheduler): the weight of the fresh noise each step adds "
+        "(0, the default, is deterministic DDIM; 1 is DDPM-like), drawn from the job's seed. The schedulers that "
+        "take it have `eta: true` in the model's `limits.custom_schedules`; any other answers 422 unless it is 0.",
+    )
     timesteps: list[int] | None = Field(
         None,
         min_length=1,
         max_length=MAX_SCHEDULE_VALUES,
-        description="diffusers' custom timesteps (SDXL with euler or dpmpp_2m): one per step, strictly decreasing, "
+        description="diffusers' custom timesteps (SDXL with euler, dpmpp_2m or dpmpp_2m_sde): one per step, strictly decreasing, "
         "in [0, limits.custom_schedules[scheduler].max_timestep]; they set the step count. Not with sigmas.",
     )
     guidance_scale: float | None = Field(None, ge=0, le=100)

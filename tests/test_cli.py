@@ -144,7 +144,7 @@ class _RecordingPipe:
         self.video, self.calls = video, []
         self.model_id, self.family, self.row_fields = "fake", "wan" if video else "sdxl", ("guidance_scale",)
         self.second_prompt, self.text_fields = not video, () if video else ("clip_skip",)
-        self.schedule_fields = () if video else ("timesteps", "sigmas")
+        self.schedule_fields = () if video else ("timesteps", "sigmas", "eta")
         self.defaults = {"width": 32, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8}
         self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
         self.limits["cache"] = {"teacache": {"default_threshold": 0.2}}
@@ -229,6 +229,8 @@ def test_generate_passes_the_second_texts_and_clip_skip(tmp_path, monkeypatch):
         cli.main(["generate", "--prompt", "a", "--timesteps", "999,500", "-o", str(tmp_path / "t.png")]) == 0
     )
     assert pipe.calls[-1]["timesteps"] == [999, 500]
+    assert cli.main(["generate", "--prompt", "a", "--eta", "0.3", "-o", str(tmp_path / "e.png")]) == 0
+    assert pipe.calls[-1]["eta"] == 0.3
 
 
 def test_a_first_last_frame_model_without_last_image_is_told_the_flag(tmp_path, monkeypatch, capsys):

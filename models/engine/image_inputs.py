@@ -50,12 +50,15 @@ def start_step(steps: int, strength: float, rule: str) -> int:
     return int(max(steps - min(steps * strength, steps), 0))
 
 
-def check_strength(strength, steps: int, rule: str, length: int | None = None) -> int:
+def check_strength(
+    strength, steps: int, rule: str, length: int | None = None, steps_from: str = "num_inference_steps"
+) -> int:
     """PipelineError unless strength is a number in (0, 1] that leaves at least one step; the start step.
 
     The start comes from the requested `steps`, as diffusers' get_timesteps computes it, and indexes the
     schedule as made: `length` steps, fewer than requested where DPM-Solver's lambda_min_clipped drops some (10
-    trailing steps of squaredcos_cap_v2 at lambda_min_clipped -1 are 8: strength 0.5 starts at 5 and runs 3)."""
+    trailing steps of squaredcos_cap_v2 at lambda_min_clipped -1 are 8: strength 0.5 starts at 5 and runs 3).
+    `steps_from`: the argument that set the steps, named in the error (a custom schedule's sigmas/timesteps)."""
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
         raise PipelineError(f"strength must be a number in (0, 1], got {strength!r}")
     if not 0.0 < strength <= 1.0:
@@ -64,7 +67,7 @@ def check_strength(strength, steps: int, rule: str, length: int | None = None) -
     length = steps if length is None else length
     if start >= length:
         raise PipelineError(
-            f"strength {strength} of {steps} steps runs no step; raise strength or num_inference_steps "
+            f"strength {strength} of {steps} steps runs no step; raise strength or the steps of {steps_from} "
             f"(at least {1 / steps:.3g} for {steps} steps)"
             + (f" (the scheduler makes {length} of the {steps} steps)" if length < steps else "")
         )

@@ -13,8 +13,9 @@ What the serving side reads (workers/runner.py relies on nothing else):
     text_fields                      per-prompt integers __call__ takes for the text encoders (SDXL: clip_skip)
     image_fields                     image arguments besides image= and mask_image= (Wan FLF2V: last_image)
     pair_fields                      per-row pairs __call__ takes for the denoiser (SDXL: the micro-conditioning)
-    schedule_fields                  diffusers' custom schedules __call__ takes (SDXL: timesteps, sigmas; Flux:
-                                     sigmas); limits["custom_schedules"] says which schedulers take each
+    schedule_fields                  diffusers' custom schedules and scheduler arguments __call__ takes (SDXL:
+                                     timesteps, sigmas, DDIM's eta; Flux: sigmas); limits["custom_schedules"]
+                                     says which schedulers take each
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
     compiled_batch_size(rows, data)  images pad to powers of two (few programs); video compiles exact sizes
@@ -232,7 +233,8 @@ class DiffusionPipeline:
     second_prompt: bool = False
     # diffusers' custom schedules the family's pipeline takes as call arguments (SDXL: timesteps and sigmas;
     # Flux: sigmas), each with the schedulers that take it (limits["custom_schedules"]); they give the step
-    # count. Host arrays padded as any schedule: no program is compiled for them.
+    # count. Host arrays padded as any schedule: no program is compiled for them. Also a scheduler's traced
+    # step argument, DDIM's eta (SDXL), carried in the schedule the same way.
     schedule_fields: tuple[str, ...] = ()
     # Per-prompt integers the family's text encoding reads (SDXL: diffusers' clip_skip): `tokenize` gets each as
     # a keyword argument, one value per text (None for the negatives' and where a prompt gave none), and returns
@@ -493,9 +495,10 @@ class DiffusionPipeline:
                 rules = dict(self.scheduler(name).custom_schedules())
             except PipelineError:  # a folder scheduler the engine lacks: requests must name one
                 continue
-            for field in ("sigmas", "timesteps"):
+            fields = ("sigmas", "timesteps", "eta")
+            for field in fields:
                 rules[field] = bool(rules.get(field)) and field in self.schedule_fields
-            if rules["sigmas"] or rules["timesteps"]:
+            if any(rules[field] for field in fields):
                 out[name or DEFAULT_SCHEDULER] = rules
         return out
 
@@ -600,10 +603,13 @@ class DiffusionPipeline:
             request[name] if request.get(name) is not None else _batch_default(name, d, limits)
             for name in self.batch_fields
         )
-        # A custom schedule is the batch's: only jobs with the same one share a call.
-        key += tuple(
-            (name, tuple(request[name])) for name in self.schedule_fields if request.get(name) is not None
-        )
+        # A custom schedule (and eta) is the batch's: only jobs with the same one share a call.
+        for name in self.schedule_fields:
+            value = request.get(name)
+            if name == "eta" and value == 0:  # diffusers' default: the same as none
+                continue
+            if value is not None:
+                key += ((name, tuple(value) if isinstance(value, Sequence) else value),)
         if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
             try:
                 cache = parse_cache(request["cache"], self.cache_methods)
@@ -795,16 +801,21 @@ class DiffusionPipeline:
             raise PipelineError(f"strength applies to image-to-image and inpaint, not to {task}")
         strength = self.default_strength(task) if strength is None else strength
         try:
-            if custom:  # the schedule's length is the step count
-                settings["num_inference_steps"] = custom_schedule_steps(
-                    limits,
-                    {
-                        **custom,
-                        "scheduler": settings["scheduler"],
-                        "num_inference_steps": num_inference_steps,
-                    },
-                    model=self.model_id or self.family,
+            if custom:  # a custom schedule's length is the step count
+                settings["num_inference_steps"] = (
+                    custom_schedule_steps(
+                        limits,
+                        {
+                            **custom,
+                            "scheduler": settings["scheduler"],
+                            "num_inference_steps": num_inference_steps,
+                        },
+                        model=self.model_id or self.family,
+                    )
+                    or settings["num_inference_steps"]
                 )
+                if custom.get("eta") == 0:  # diffusers' default, taken by any scheduler: the same as none
+                    del custom["eta"]
             check_request(
                 limits,
                 {**settings, "n": num_images_per_prompt, "task": task, "strength": strength},
@@ -851,7 +862,13 @@ class DiffusionPipeline:
         if image is not None:
             if strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
                 start = check_strength(
-                    strength, settings["num_inference_steps"], self.strength_rule, length=steps
+                    strength,
+                    settings["num_inference_steps"],
+                    self.strength_rule,
+                    length=steps,
+                    steps_from=next(
+                        (k for k in ("sigmas", "timesteps") if k in custom), "num_inference_steps"
+                    ),
                 )
                 full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
                 check_scheduler(sched)
@@ -1121,7 +1138,7 @@ class DiffusionPipeline:
     def schedule(self, name: str | None, steps: int, shape: tuple[int, ...] | None = None, **custom):
         """(scheduler, padded schedule on the pool's devices, the steps it really runs), cached per
         (name, steps, options): a request computes nothing on the host for its schedule. `custom`: a call's
-        own sigmas or timesteps (checked against limits["custom_schedules"]), made for it alone."""
+        own sigmas, timesteps or eta (checked against limits["custom_schedules"]), made for it alone."""
         options = self.schedule_options(self.scheduler(name), shape)
         if custom:
             return self._make_schedule(name, int(steps), tuple({**options, **custom}.items()))

@@ -171,9 +171,9 @@ class NoiseScheduler:
             )
 
     def custom_schedules(self) -> dict:
-        """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`), as a
-        model's limits["custom_schedules"] publish it (meshserve/limits.py, `custom_schedule_steps`): {} for
-        none, as diffusers' DDIM, Euler ancestral and UniPC."""
+        """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`) and of
+        its step's `eta` (DDIM), as a model's limits["custom_schedules"] publish it (meshserve/limits.py,
+        `custom_schedule_steps`): {} for none, as diffusers' Euler ancestral and UniPC."""
         return {}
 
     def custom_rules(self, *, sigmas: bool, timesteps: bool, sigmas_end: bool, max_sigma=None) -> dict:
@@ -183,6 +183,7 @@ class NoiseScheduler:
             "sigmas_end": sigmas_end,
             "max_sigma": max_sigma,
             "max_timestep": self.num_train_timesteps - 1,
+            "eta": False,
         }
 
     def init_noise_sigma(self, schedule) -> Any:

@@ -29,12 +29,15 @@ class DDIMSchedule:
     """timesteps: [N] float32 (integers, as float for a uniform UNet input);
     alpha_prod_t, alpha_prod_t_prev: [N] float32 alpha_bar at step i's timestep and at the one it steps to;
     init_noise_sigma: [] float32 (1: DDIM's latents are unit Gaussian);
+    eta: [] float32, the weight of the fresh noise (diffusers' `eta` call argument): traced, so a request's
+        own eta compiles nothing;
     steps: None, or [] int32 when the arrays are padded past the schedule's end (`pad_schedule`)."""
 
     timesteps: object
     alpha_prod_t: object
     alpha_prod_t_prev: object
     init_noise_sigma: object
+    eta: object
     steps: object = None
 
     @property
@@ -45,7 +48,8 @@ class DDIMSchedule:
 @dataclass(frozen=True)
 class DDIMScheduler(NoiseScheduler):
     """Settings: diffusers' DDIMScheduler config (defaults equal: note clip_sample=True and "leading" spacing),
-    plus eta, the runtime noise weight diffusers takes as a step argument (its pipelines' default 0)."""
+    plus eta, the noise weight diffusers takes as a step argument (its pipelines' default 0): this field is the
+    default of the schedule's traced `eta`, which a call may set (`schedule(n, eta=)`)."""
 
     timestep_spacing: str = "leading"
     clip_sample: bool = True
@@ -61,13 +65,20 @@ class DDIMScheduler(NoiseScheduler):
         if self.eta < 0:
             raise ValueError(f"DDIM eta must be >= 0, got {self.eta}")
 
-    @property
-    def stochastic(self) -> bool:
-        return self.eta > 0
+    # Every step draws its noise: eta is traced, and at eta = 0 the noise is weighted by an exact 0 (the same
+    # sample as no draw; one normal draw per latent is small beside a UNet step).
+    stochastic = True
 
-    def schedule(self, num_inference_steps: int) -> DDIMSchedule:
+    def custom_schedules(self) -> dict:
+        return {**self.custom_rules(sigmas=False, timesteps=False, sigmas_end=False), "eta": True}
+
+    def schedule(self, num_inference_steps: int, *, eta: float | None = None) -> DDIMSchedule:
+        """The schedule of N steps; `eta`: diffusers' call argument (None: this scheduler's `eta`)."""
         n = int(num_inference_steps)
         self.check_steps(n)
+        eta = self.eta if eta is None else float(eta)
+        if not eta >= 0:
+            raise ValueError(f"DDIM eta must be >= 0, got {eta}")
         alphas_cumprod = self.alphas_cumprod()
         # The alpha_bar "before" the first training step: 1 (a clean sample) or, for SD 1.x-style configs,
         # alpha_bar[0].
@@ -85,11 +96,12 @@ class DDIMScheduler(NoiseScheduler):
             alpha_prod_t=f32(alphas_cumprod[timesteps]),
             alpha_prod_t_prev=f32(alpha_prod_t_prev),
             init_noise_sigma=f32(1.0),
+            eta=f32(eta),
         )
 
     def step(self, schedule: DDIMSchedule, state, model_output, sample, i, key=None, *, noise=None):
-        """One DDIM step; returns (prev_sample in sample's dtype, state). With eta > 0 the added noise is
-        `noise` when given, else jax.random.normal(key, sample.shape)."""
+        """One DDIM step; returns (prev_sample in sample's dtype, state). The added noise (weighted by the
+        schedule's eta) is `noise` when given, else jax.random.normal(key, sample.shape)."""
         alpha_prod_t = at(schedule.alpha_prod_t, i)
         alpha_prod_t_prev = at(schedule.alpha_prod_t_prev, i)
         beta_prod_t = 1 - alpha_prod_t
@@ -112,13 +124,12 @@ class DDIMScheduler(NoiseScheduler):
         elif self.clip_sample:
             pred_original = jnp.clip(pred_original, -self.clip_sample_range, self.clip_sample_range)
 
-        # sigma_t of the DDIM paper (eq. 16) times eta; zero work when eta == 0 (a Python constant).
+        # sigma_t of the DDIM paper (eq. 16) times eta.
         variance = ((1 - alpha_prod_t_prev) / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
-        std_dev_t = self.eta * variance**0.5
+        std_dev_t = schedule.eta * variance**0.5
         # Exactly 0 at eta = 1 with a zero-terminal-SNR schedule: rounding decides its sign (a NaN sample in
         # diffusers at some step counts, in ours at others), hence the clamp.
         pred_sample_direction = jnp.maximum(1 - alpha_prod_t_prev - std_dev_t**2, 0.0) ** 0.5 * pred_epsilon
         prev_sample = alpha_prod_t_prev**0.5 * pred_original + pred_sample_direction
-        if self.eta > 0:
-            prev_sample = prev_sample + std_dev_t * step_noise(key, noise, x)
+        prev_sample = prev_sample + std_dev_t * step_noise(key, noise, x)
         return prev_sample.astype(sample.dtype), state

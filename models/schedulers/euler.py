@@ -25,6 +25,10 @@ from meshserve.models.schedulers.common import (
     spaced_timesteps,
 )
 
+# The largest custom sigma: far above any trained schedule's (SDXL 14.6; zero terminal SNR's cap about 4096;
+# EDM's 80), far below where sigma^2 + 1 overflows float32 (1.8e19: a NaN image, in diffusers too).
+MAX_CUSTOM_SIGMA = 1e4
+
 
 def capped_alphas_cumprod(scheduler: NoiseScheduler) -> np.ndarray:
     """[num_train_timesteps] float32 alpha_bar of the sigma-parameterised schedulers."""
@@ -89,7 +93,9 @@ class EulerDiscreteScheduler(NoiseScheduler):
         # diffusers refuses custom timesteps where the sigmas are respaced or the timesteps come from them.
         respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         edm = self.timestep_type == "continuous" and self.prediction_type == "v_prediction"
-        return self.custom_rules(sigmas=True, timesteps=not (respaced or edm), sigmas_end=True)
+        return self.custom_rules(
+            sigmas=True, timesteps=not (respaced or edm), sigmas_end=True, max_sigma=MAX_CUSTOM_SIGMA
+        )
 
     def schedule(self, num_inference_steps: int, *, sigmas=None, timesteps=None) -> SigmaSchedule:
         """The schedule of N steps; or diffusers' custom one: `sigmas` (N + 1, the last step's end included;

@@ -61,8 +61,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     # diffusers' clip_skip: the prompt's states from hidden_states[-(clip_skip + 2)] of both encoders (the
     # negatives' stay at [-2], as in diffusers), per prompt, a traced layer index (any value, one program).
     text_fields = ("clip_skip",)
-    # StableDiffusionXLPipeline's custom schedules (Euler takes both, DPM-Solver timesteps).
-    schedule_fields = ("timesteps", "sigmas")
+    # StableDiffusionXLPipeline's custom schedules (Euler takes both, DPM-Solver timesteps) and DDIM's eta.
+    schedule_fields = ("timesteps", "sigmas", "eta")
     # diffusers' micro-conditioning (SDXL paper, section 2.2), per row: the UNet's time ids (original size, crop
     # top-left, target size) for the prompt and for the negative prompt (pair_rows: diffusers' defaults).
     pair_fields = (

@@ -233,7 +233,12 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
     }
     try:  # the one limits check the pools and the pipelines run too (meshserve/limits.py)
         check_request(lim, request, model=info.id)
-        custom = {"sigmas": req.sigmas, "timesteps": req.timesteps, "scheduler": req.scheduler}
+        custom = {
+            "sigmas": req.sigmas,
+            "timesteps": req.timesteps,
+            "eta": req.eta,
+            "scheduler": req.scheduler,
+        }
         steps = (
             custom_schedule_steps(
                 lim, {**custom, "num_inference_steps": req.num_inference_steps}, model=info.id
@@ -305,6 +310,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         num_inference_steps=steps,
         sigmas=req.sigmas,
         timesteps=req.timesteps,
+        eta=req.eta or None,  # 0 is diffusers' default: the same job as none
         guidance_scale=req.guidance_scale if req.guidance_scale is not None else d.guidance_scale,
         true_cfg_scale=true_cfg,
         guidance_rescale=rescale,
@@ -399,19 +405,24 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
         )
     if lim.strength.rule == "int" and int(steps * strength) < 1:
         # SDXL's rule (diffusers' get_timesteps) runs int(steps * strength) steps: none is not a generation. With
-        # the task's default strength it is the step count the client chose that is too small.
+        # the task's default strength it is the step count the client chose that is too small: in
+        # num_inference_steps, or in a custom schedule's values.
+        source = next(
+            (f for f in ("sigmas", "timesteps") if getattr(req, f) is not None), "num_inference_steps"
+        )
+        more = "num_inference_steps" if source == "num_inference_steps" else f"steps (values of {source})"
         if req.strength is None:
             raise FieldError(
-                "num_inference_steps",
+                source,
                 "no_steps",
                 f"{task}'s default strength {strength:g} of {steps} steps runs no step on {info.id}: at least "
-                f"{math.ceil(1 / strength)} num_inference_steps (or a larger strength)",
+                f"{math.ceil(1 / strength)} {more} (or a larger strength)",
             )
         raise FieldError(
             "strength",
             "no_steps",
-            f"strength {strength} of {steps} steps runs no step on {info.id}: "
-            f"at least {1 / steps:.3g} (or more num_inference_steps)",
+            f"strength {strength} of {steps} steps runs no step on {info.id}: at least {1 / steps:.3g} (or more "
+            f"{more})",
         )
     return strength
 

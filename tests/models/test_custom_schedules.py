@@ -6,6 +6,8 @@ run.
 
 from __future__ import annotations
 
+import inspect
+
 import diffusers
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,7 @@ def test_custom_schedule_and_loop_match_diffusers(sdxl_config, case):  # noqa: F
     name, changes, kind, values = case
     ours, ref = build(sdxl_config, name, changes)
     assert ours.custom_schedules()[kind]
+    assert ours.custom_schedules()["max_sigma"] == (1e4 if "euler" in name else None)
     steps = len(values) - 1 if kind == "sigmas" else len(values)
     schedule = ours.schedule(steps, **{kind: values})
     ref.set_timesteps(**{kind: values})
@@ -104,12 +107,35 @@ def test_refused_where_diffusers_refuses(sdxl_config, case):  # noqa: F811
 @pytest.mark.parametrize("name", ["euler_ancestral", "ddim"])
 def test_schedulers_diffusers_gives_no_custom_schedule_publish_none(sdxl_config, name):  # noqa: F811
     ours, _ = build(sdxl_config, name)
-    assert ours.custom_schedules() == {}
-    ref = getattr(diffusers, CLASS[name])
-    import inspect
-
-    params = inspect.signature(ref.set_timesteps).parameters
+    taken = ours.custom_schedules()
+    assert not taken.get("sigmas") and not taken.get("timesteps")
+    assert bool(taken.get("eta")) == (name == "ddim")  # DDIM's step takes diffusers' eta
+    params = inspect.signature(getattr(diffusers, CLASS[name]).set_timesteps).parameters
     assert "sigmas" not in params and "timesteps" not in params
+
+
+def test_ddim_eta_of_a_call_matches_diffusers_step_argument(sdxl_config):  # noqa: F811
+    """diffusers' `eta` call argument reaches DDIM's step; ours carries it in the schedule (traced): a loop with
+    eta 0.6 from a scheduler made without it equals diffusers' loop stepping with eta=0.6 (same noises), and
+    eta 0 equals the deterministic loop."""
+    ours, ref = build(sdxl_config, "ddim", dict(clip_sample=False))
+    assert ours.custom_schedules()["eta"] and not ours.custom_schedules()["sigmas"]
+    steps = 5
+    latents = np.random.default_rng(5).standard_normal(SHAPE).astype(np.float32)
+    noises = np.stack([n.numpy() for n in torch_noises(5, steps)])
+    for eta in (0.0, 0.6):
+        ref.set_timesteps(steps)
+        gen = torch.Generator().manual_seed(5)
+        sample = torch.from_numpy(latents)
+        for t in ref.timesteps:
+            x_in = ref.scale_model_input(sample, t)
+            sample = ref.step(
+                fake_model(x_in, t.float(), torch), t, sample, eta=eta, generator=gen
+            ).prev_sample
+        got = run_loop(ours, ours.schedule(steps, eta=eta), jnp.asarray(latents), jnp.asarray(noises))
+        assert rel_err(got, sample.numpy()) <= TOL, eta
+    with pytest.raises(ValueError, match="eta must be >= 0"):
+        ours.schedule(steps, eta=-0.1)
 
 
 @pytest.mark.parametrize("mu", [None, 0.8])
@@ -131,15 +157,33 @@ def test_flow_sigmas_match_diffusers_flux(mu):
         "sigmas_end": False,
         "max_sigma": 1.0,
         "max_timestep": 0,
+        "eta": False,
     }
 
 
 # -------------------------------------------------------------------------------------------------
 # The rules (meshserve/limits.py): what the API answers 422 to and a pipeline call raises for
 
-EULER = {"sigmas": True, "timesteps": True, "sigmas_end": True, "max_sigma": None, "max_timestep": 999}
+EULER = {"sigmas": True, "timesteps": True, "sigmas_end": True, "max_sigma": 1e4, "max_timestep": 999}
 FLOW = {"sigmas": True, "timesteps": False, "sigmas_end": False, "max_sigma": 1.0, "max_timestep": 999}
 LIMITS = {"min_steps": 1, "max_steps": 8, "custom_schedules": {"default": EULER, "ddim": {}, "flow": FLOW}}
+
+
+def test_eta_rules():
+    ddim = {**FLOW, "sigmas": False, "eta": True}
+    limits = {**LIMITS, "custom_schedules": {**LIMITS["custom_schedules"], "ddim": ddim}}
+    assert custom_schedule_steps(limits, {"eta": 0.5, "scheduler": "ddim"}) is None
+    assert custom_schedule_steps(limits, {"eta": 0}) is None  # diffusers' default: any scheduler
+    for request, rule in (
+        ({"eta": 0.5}, "not_supported"),
+        ({"eta": 1.5, "scheduler": "ddim"}, "out_of_range"),
+        ({"eta": -0.5, "scheduler": "ddim"}, "out_of_range"),
+        ({"eta": float("nan"), "scheduler": "ddim"}, "number_type"),
+        ({"eta": True, "scheduler": "ddim"}, "number_type"),
+    ):
+        with pytest.raises(LimitError) as e:
+            custom_schedule_steps(limits, request)
+        assert (e.value.field, e.value.rule) == ("eta", rule), request
 
 
 def test_steps_of_a_custom_schedule():
@@ -162,6 +206,10 @@ def test_steps_of_a_custom_schedule():
         ({"sigmas": [3.0, 5.0, 0.0]}, "sigmas", "not_decreasing"),
         ({"timesteps": [500, 500]}, "timesteps", "not_decreasing"),
         ({"sigmas": [3.0, 0.0, -1.0]}, "sigmas", "out_of_range"),
+        # float32 trouble: sigma^2 overflows (NaN in diffusers too), a subnormal start flushes to 0 (NaN).
+        ({"sigmas": [1e30, 0.0]}, "sigmas", "out_of_range"),
+        ({"sigmas": [14.6, 1e-40, 0.0]}, "sigmas", "out_of_range"),
+        ({"sigmas": [0.5, 1e-12], "scheduler": "flow"}, "sigmas", "out_of_range"),
         ({"sigmas": [3.0, 0.0, 0.0]}, "sigmas", "not_decreasing"),
         ({"sigmas": [1.2, 0.5], "scheduler": "flow"}, "sigmas", "out_of_range"),
         ({"sigmas": [0.5, 0.0], "scheduler": "flow"}, "sigmas", "out_of_range"),  # a step from sigma 0

@@ -251,9 +251,33 @@ def test_custom_sigmas_and_timesteps_match_diffusers(ours, reference, scheduler,
     assert float(np.abs(default.images - expected).max()) > 1e-2  # the custom schedule was used
 
 
+def test_ddim_eta_is_traced_seeded_per_row_and_zero_is_deterministic_ddim(ours, reference):
+    """diffusers' eta (DDIM): 0 is the deterministic loop (equal to diffusers'); another value adds noise drawn
+    from each row's seed (diffusers draws it from torch's generator: not comparable bit for bit; the step
+    itself is, in tests/models/test_custom_schedules.py) and compiles nothing."""
+    import torch
+
+    latents = _latents(6, rows=2)
+    kw = dict(height=H, width=W, guidance_scale=5.0, output_type="np", num_inference_steps=3)
+    _diffusers_scheduler(reference, "ddim")
+    expected = reference(["a red car", "a cat"], latents=torch.from_numpy(latents), eta=0.0, **kw).images
+    zero = ours(["a red car", "a cat"], latents=latents, scheduler="ddim", eta=0.0, **kw)
+    assert float(np.abs(zero.images - expected).max()) <= 1e-3
+    plain = ours(["a red car", "a cat"], seed=[1, 2], scheduler="ddim", **kw)
+    ours(["a cat"], seed=[2], scheduler="ddim", **kw)
+    before = ours.compilations
+    noisy = ours(["a red car", "a cat"], seed=[1, 2], scheduler="ddim", eta=0.8, **kw)
+    again = ours(["a cat"], seed=[2], scheduler="ddim", eta=0.8, **kw)  # row 2 alone: the same picture
+    assert ours.compilations == before
+    assert float(np.abs(again.images[0] - noisy.images[1]).max()) <= 1e-5
+    assert float(np.abs(noisy.images - plain.images).max()) > 1e-2  # eta acted
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [
+        (dict(scheduler="euler", eta=0.5), "takes no eta with scheduler 'euler'"),
+        (dict(scheduler="ddim", eta=2.0), r"eta must be in \[0, 1\]"),
         (dict(scheduler="ddim", sigmas=[3.0, 1.0, 0.0]), "takes no custom sigmas with scheduler 'ddim'"),
         (dict(scheduler="dpmpp_2m", sigmas=[3.0, 1.0, 0.0]), "takes no custom sigmas"),
         (dict(scheduler="euler_karras", timesteps=[900, 10]), "takes no custom timesteps"),

@@ -5,20 +5,30 @@ in full in tests/models/test_custom_schedules.py), and nothing queued."""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import pytest
+from PIL import Image
 
 from meshserve.service.api.catalog import common_sizes
-from meshserve.service.contract import CustomScheduleLimits
+from meshserve.service.contract import CustomScheduleLimits, StrengthLimits
 from tests.service.conftest import TOY, FakeWorker, api_client
 
 pytestmark = pytest.mark.anyio
 
 EULER = CustomScheduleLimits(sigmas=True, timesteps=True, sigmas_end=True)
+DDIM = CustomScheduleLimits(eta=True)
 TOY_CUSTOM = TOY.model_copy(
     update={
         "id": "toy-custom",
         "limits": TOY.limits.model_copy(
-            update={"custom_schedules": {"default": EULER, "euler": EULER}, "max_steps": 8}
+            update={
+                "custom_schedules": {"default": EULER, "euler": EULER, "ddim": DDIM},
+                "max_steps": 8,
+                "tasks": ["text-to-image", "image-to-image"],
+                "strength": StrengthLimits(defaults={"image-to-image": 0.3}, rule="int"),
+            }
         ),
     }
 )
@@ -51,6 +61,16 @@ async def test_taken_and_carried_to_the_worker_with_their_step_count(served):
     assert claimed[sigmas.json()["id"]].timesteps is None
 
 
+async def test_eta_taken_by_ddim_and_zero_by_any(served):
+    client, store = served
+    body = {"model": "toy-custom", "prompt": "a"}
+    ddim = await client.post("/v1/generate", json={**body, "scheduler": "ddim", "eta": 0.5})
+    zero = await client.post("/v1/generate", json={**body, "scheduler": "euler", "eta": 0})
+    assert ddim.status_code == zero.status_code == 202, (ddim.text, zero.text)
+    claimed = {d.job.id: d.job.params for d in await store.claim(["toy-custom"], "w", 10, 100)}
+    assert claimed[ddim.json()["id"]].eta == 0.5 and claimed[zero.json()["id"]].eta is None
+
+
 @pytest.mark.parametrize(
     "body,field,code",
     [
@@ -66,6 +86,9 @@ async def test_taken_and_carried_to_the_worker_with_their_step_count(served):
         ({"timesteps": []}, "timesteps", "too_short"),
         ({"sigmas": "3, 1, 0"}, "sigmas", "list_type"),
         ({"sigmas": [3.0] * 1002}, "sigmas", "too_long"),
+        ({"eta": 0.5}, "eta", "not_supported"),  # the model's own scheduler (euler) takes none
+        ({"scheduler": "ddim", "eta": 1.5}, "eta", "less_than_equal"),
+        ({"scheduler": "ddim", "eta": "0.5"}, "eta", "float_type"),
     ],
 )
 async def test_refused_with_the_field_and_the_rule(served, body, field, code):
@@ -76,6 +99,30 @@ async def test_refused_with_the_field_and_the_rule(served, body, field, code):
     assert (err["field"], err["code"]) == (field, code), err
     for model in ("toy", "toy-custom"):
         assert await store.redis.exists(store.stream_key(model, "normal")) == 0
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"sigmas": [14.6, 3.0, 0.0]}, "sigmas"),  # the default strength 0.3 of 2 steps runs none
+        ({"timesteps": [900, 500]}, "timesteps"),
+        ({"sigmas": [14.6, 3.0, 0.0], "strength": 0.4}, "strength"),
+    ],
+)
+async def test_an_image_task_with_too_few_custom_steps_names_what_set_them(served, body, field):
+    client, _ = served
+    image = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    r = await client.post("/v1/generate", json={"model": "toy-custom", "prompt": "a", "image": image, **body})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["field"], err["code"]) == (field, "no_steps"), err
+    assert "num_inference_steps" not in err["message"], err
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(buffer, "PNG")
+    return buffer.getvalue()
 
 
 async def test_non_finite_sigmas_are_refused(served):
