@@ -36,7 +36,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.checkpoints.loading import CheckpointError
 from meshserve.models.components.autoencoder_kl import SHARDING_RULES as VAE_RULES
 from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
@@ -119,8 +119,6 @@ class FluxPipeline(DiffusionPipeline):
             attention=plain,
         )
         self.transformer_config, self.vae_config = transformer.config, vae.config
-        # Whether the VAE config states its sample size (the dataclass fills in diffusers' 32 otherwise).
-        self._vae_sample_size = read_json(folder / "vae" / "config.json").get("sample_size")
         if self.transformer_config.in_channels != 4 * self.vae_config.latent_channels:
             raise CheckpointError(
                 f"{folder}: transformer in_channels {self.transformer_config.in_channels} is not 4 x the "
@@ -151,13 +149,9 @@ class FluxPipeline(DiffusionPipeline):
 
     @property
     def defaults(self) -> dict:
-        size = self._vae_sample_size
-        if size is None:  # diffusers' default_sample_size (128 latents) x the VAE factor: 1024 for FLUX.1
-            height = width = 128 * self.vae_scale_factor
-        elif isinstance(size, int | float):
-            height = width = int(size)
-        else:
-            height, width = (int(s) for s in size)
+        # diffusers' FluxPipeline: default_sample_size (128 latents) x the VAE factor, whatever the VAE config
+        # says (1024 for FLUX.1); a folder made to be served smaller says so in its meshserve.json.
+        height = width = 128 * self.vae_scale_factor
         dev = self.guidance_embeds
         return {
             "width": width,

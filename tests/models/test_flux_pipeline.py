@@ -339,8 +339,9 @@ def test_warm_up_compiles_both_true_cfg_programs(dev):
 def test_defaults_limits_and_batch_key(dev, tiny_flux_schnell_path, tmp_path):
     assert isinstance(dev, FluxPipeline) and dev.family == "flux"  # load_pipeline found the family
     assert dev.defaults == {
-        "width": 64,  # the tiny VAE's sample_size
-        "height": 64,
+        # diffusers' FluxPipeline: 128 latents x the VAE factor (2), not the tiny VAE's sample_size (64).
+        "width": 256,
+        "height": 256,
         "num_inference_steps": 28,
         "guidance_scale": 3.5,
         "true_cfg_scale": 1.0,
@@ -352,16 +353,14 @@ def test_defaults_limits_and_batch_key(dev, tiny_flux_schnell_path, tmp_path):
     assert dev.batch_key(request)[-1] == 512
     assert dev.batch_key({**request, "max_sequence_length": 128}) != dev.batch_key(request)
 
-    # Schnell-type, and a VAE config without sample_size: diffusers' default 128 latents x the VAE factor.
+    # Schnell-type, with a meshserve.json naming the size it is served at (the embedded tiny-flux's way).
     folder = tmp_path / "schnell"
     shutil.copytree(tiny_flux_schnell_path, folder)
-    vae_config = json.loads((folder / "vae" / "config.json").read_text())
-    del vae_config["sample_size"]
-    (folder / "vae" / "config.json").write_text(json.dumps(vae_config))
+    (folder / "meshserve.json").write_text(json.dumps({"defaults": {"width": 64, "height": 48}}))
     schnell = FluxPipeline(folder)
     assert schnell.defaults == {
-        "width": 256,
-        "height": 256,
+        "width": 64,
+        "height": 48,
         "num_inference_steps": 4,
         "guidance_scale": 0.0,
         "true_cfg_scale": 1.0,
@@ -394,7 +393,7 @@ def test_embedded_tiny_flux_loads_and_equals_diffusers():
     assert random_flux_path() == path  # built once, then reused
     ours = FluxPipeline(path)
     assert ours.guidance_embeds == TRANSFORMER["guidance_embeds"]
-    assert (ours.defaults["width"], ours.defaults["height"]) == (64, 64)
+    assert (ours.defaults["width"], ours.defaults["height"]) == (256, 256)  # diffusers': 128 x the factor 2
     reference = _reference(path)
     latents = packed_latents(1, seed=5)
     expected = run_reference(reference, ["a cat"], latents, guidance_scale=3.5)

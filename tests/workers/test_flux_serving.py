@@ -87,8 +87,8 @@ def test_flux_cards_dev_and_schnell(tiny_flux_dev_path, tiny_flux_schnell_path):
         info = runner.info()
         assert info.family == "flux"
         assert info.defaults.model_dump() == {
-            "width": 64,
-            "height": 64,
+            "width": 256,  # diffusers: 128 latents x the VAE factor 2
+            "height": 256,
             "num_inference_steps": steps,
             "guidance_scale": guidance,
             "true_cfg_scale": 1.0,
@@ -114,6 +114,8 @@ def test_flux_pool_over_http_true_cfg_and_sdxl_refusal():
                     "max_batch": 2,
                     "batch_wait_ms": 300,
                     "warm_up_batch_sizes": [1, 2],
+                    # Its size (diffusers' Flux default would be 128 latents x 2 = 256): the card's default too.
+                    "buckets": [[64, 64]],
                 },
                 {"name": "sdxl", "devices": "1", "models": ["tiny-sdxl"], "max_batch": 1, "batch_wait_ms": 0},
             ],

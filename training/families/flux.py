@@ -74,7 +74,10 @@ TEXT_ENCODER = dict(
 # shift follows the image's token count (64 here: exp(mu) = 1.60).
 T5, SCHEDULER = random_tiny.T5, random_tiny.SCHEDULER
 MAX_SEQUENCE_LENGTH = 16
-SERVING_DEFAULTS = dict(num_inference_steps=20, max_sequence_length=MAX_SEQUENCE_LENGTH)
+# The size it was trained at (diffusers' Flux default, 128 latents x the VAE factor, would be 512).
+SERVING_DEFAULTS = dict(
+    num_inference_steps=20, max_sequence_length=MAX_SEQUENCE_LENGTH, width=IMAGE_SIZE, height=IMAGE_SIZE
+)
 TOKENS = (IMAGE_SIZE // 4 // 2) ** 2  # packed latent tokens of a 64x64 picture
 
 
