@@ -17,8 +17,9 @@ strength}}: a model with an image-to-image or inpaint task). Fields absent from 
 checked. The rules, as the API's 422 `code`: int_type, number_type, not_multiple, out_of_range,
 size_not_supported, frames_not_supported, not_supported.
 
-`custom_schedule_steps` checks a custom schedule (diffusers' `sigmas` / `timesteps` call arguments) against
-limits["custom_schedules"] and gives its step count; its own rules: conflict, not_decreasing.
+`check_scheduler_arguments` checks a custom schedule (diffusers' `sigmas` / `timesteps` call arguments) and
+DDIM's `eta` against limits["scheduler_arguments"] and gives the schedule's step count; its own rules: conflict,
+not_decreasing.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def _check_size(limits, request: Mapping, model: str, names: Mapping[str, str]) 
             )
 
 
-# limits["custom_schedules"]' key for the model's own scheduler (a request that names none).
+# limits["scheduler_arguments"]' key for the model's own scheduler (a request that names none).
 DEFAULT_SCHEDULER = "default"
 # The smallest sigma a step may start from: Euler divides by it, and below float32's normal range (1.2e-38)
 # XLA:CPU flushes it to 0 (a NaN image, where torch still computes one: an audit, 2026-11-29). diffusers'
@@ -199,19 +200,19 @@ DEFAULT_SCHEDULER = "default"
 MIN_STEP_SIGMA = 1e-10
 
 
-def custom_schedule_steps(limits, request: Mapping, *, model: str = "the model") -> int | None:
+def check_scheduler_arguments(limits, request: Mapping, *, model: str = "the model") -> int | None:
     """The steps of the request's custom schedule, diffusers' `sigmas` or `timesteps` (None: it has none), after
-    checking it against limits["custom_schedules"][scheduler] (absent: the model takes none), as diffusers'
+    checking it against limits["scheduler_arguments"][scheduler] (absent: the model takes none), as diffusers'
     `retrieve_timesteps` and `set_timesteps` take them: {"sigmas", "timesteps": whether the scheduler takes
     each; "sigmas_end": whether sigmas include the last step's end (Euler: N + 1 values for N steps, the last
     0 or more; flow matching: N, a 0 appended); "max_sigma": the largest sigma (flow matching: 1) or None;
     "max_timestep": the largest timestep}. Values run strictly downwards (from noise to the image); a sigma a
-    step starts from is above 0 (Euler divides by it). `request`: sigmas, timesteps, scheduler and, when the
+    step starts from is at least MIN_STEP_SIGMA (Euler divides by it). `request`: sigmas, timesteps, scheduler and, when the
     caller gave one, num_inference_steps, which must then equal the schedule's steps. Also checks the request's
     `eta`, diffusers' DDIM noise weight in [0, 1]: a scheduler whose rules have "eta" takes it; any takes 0
     (diffusers' default, which changes nothing)."""
     scheduler = request.get("scheduler")
-    rules = _get(_get(limits, "custom_schedules", {}), scheduler or DEFAULT_SCHEDULER)
+    rules = _get(_get(limits, "scheduler_arguments", {}), scheduler or DEFAULT_SCHEDULER)
     named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
     eta = request.get("eta")
     if eta is not None:

@@ -152,9 +152,9 @@ class StrengthLimits(_Frozen):
     rule: Literal["int", "float"] | None = None
 
 
-class CustomScheduleLimits(_Frozen):
-    """The custom schedules a scheduler takes, diffusers' `sigmas` / `timesteps`, and their rules
-    (meshserve/limits.py, `custom_schedule_steps`)."""
+class SchedulerArguments(_Frozen):
+    """The scheduler arguments of diffusers' pipelines a scheduler takes: the custom schedules `sigmas` /
+    `timesteps` with their rules, and DDIM's `eta` (meshserve/limits.py, `check_scheduler_arguments`)."""
 
     sigmas: bool = False
     timesteps: bool = False
@@ -251,9 +251,9 @@ class ModelLimits(_Frozen):
     micro_conditioning: bool = False
     # A first-last-frame video model (Wan 2.1 FLF2V): it takes, and needs, `last_image` besides `image`.
     last_image: bool = False
-    # diffusers' custom sigmas / timesteps, by scheduler name ("default": the model's own scheduler, when a
-    # request names none); a scheduler left out takes neither (422 not_supported).
-    custom_schedules: dict[str, CustomScheduleLimits] = Field(default_factory=dict)
+    # diffusers' custom sigmas / timesteps and DDIM's eta, by scheduler name ("default": the model's own
+    # scheduler, when a request names none); a scheduler left out takes none of them (422 not_supported).
+    scheduler_arguments: dict[str, SchedulerArguments] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,7 @@ What the serving side reads (workers/runner.py relies on nothing else):
     image_fields                     image arguments besides image= and mask_image= (Wan FLF2V: last_image)
     pair_fields                      per-row pairs __call__ takes for the denoiser (SDXL: the micro-conditioning)
     schedule_fields                  diffusers' custom schedules and scheduler arguments __call__ takes (SDXL:
-                                     timesteps, sigmas, DDIM's eta; Flux: sigmas); limits["custom_schedules"]
+                                     timesteps, sigmas, DDIM's eta; Flux: sigmas); limits["scheduler_arguments"]
                                      says which schedulers take each
     batch_fields                     the per-batch keyword arguments (size, steps, scheduler; frames, text length)
     batch_key(request) -> tuple      what must match for two jobs to share a batch (request: a plain mapping)
@@ -101,7 +101,7 @@ from meshserve.limits import (
     IMAGE_FORMATS,
     LimitError,
     check_request,
-    custom_schedule_steps,
+    check_scheduler_arguments,
 )
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.block_stack import stack_blocks
@@ -232,7 +232,7 @@ class DiffusionPipeline:
     # OpenCLIP-G, Flux's T5), each defaulting to the first encoder's text. `tokenize` then gets `texts_2`.
     second_prompt: bool = False
     # diffusers' custom schedules the family's pipeline takes as call arguments (SDXL: timesteps and sigmas;
-    # Flux: sigmas), each with the schedulers that take it (limits["custom_schedules"]); they give the step
+    # Flux: sigmas), each with the schedulers that take it (limits["scheduler_arguments"]); they give the step
     # count. Host arrays padded as any schedule: no program is compiled for them. Also a scheduler's traced
     # step argument, DDIM's eta (SDXL), carried in the schedule the same way.
     schedule_fields: tuple[str, ...] = ()
@@ -486,13 +486,13 @@ class DiffusionPipeline:
         """A task's strength when a call gives none (diffusers' pipeline default); None: takes no strength."""
         return None
 
-    def custom_schedule_limits(self, schedulers) -> dict:
-        """limits["custom_schedules"]: {scheduler name, DEFAULT_SCHEDULER for the folder's own: the rules of
+    def scheduler_argument_limits(self, schedulers) -> dict:
+        """limits["scheduler_arguments"]: {scheduler name, DEFAULT_SCHEDULER for the folder's own: the rules of
         the custom schedules it takes of the family's `schedule_fields`} (meshserve/limits.py)."""
         out = {}
         for name in (None, *schedulers):
             try:
-                rules = dict(self.scheduler(name).custom_schedules())
+                rules = dict(self.scheduler(name).scheduler_arguments())
             except PipelineError:  # a folder scheduler the engine lacks: requests must name one
                 continue
             fields = ("sigmas", "timesteps", "eta")
@@ -803,7 +803,7 @@ class DiffusionPipeline:
         try:
             if custom:  # a custom schedule's length is the step count
                 settings["num_inference_steps"] = (
-                    custom_schedule_steps(
+                    check_scheduler_arguments(
                         limits,
                         {
                             **custom,
@@ -1138,7 +1138,7 @@ class DiffusionPipeline:
     def schedule(self, name: str | None, steps: int, shape: tuple[int, ...] | None = None, **custom):
         """(scheduler, padded schedule on the pool's devices, the steps it really runs), cached per
         (name, steps, options): a request computes nothing on the host for its schedule. `custom`: a call's
-        own sigmas, timesteps or eta (checked against limits["custom_schedules"]), made for it alone."""
+        own sigmas, timesteps or eta (checked against limits["scheduler_arguments"]), made for it alone."""
         options = self.schedule_options(self.scheduler(name), shape)
         if custom:
             return self._make_schedule(name, int(steps), tuple({**options, **custom}.items()))

@@ -183,7 +183,7 @@ class FluxPipeline(DiffusionPipeline):
         limits["strength"] = self.strength_limits()
         limits["loras"] = self.lora.limits
         limits["cache"] = self.cache_limits()
-        limits["custom_schedules"] = self.custom_schedule_limits(limits["schedulers"])
+        limits["scheduler_arguments"] = self.scheduler_argument_limits(limits["schedulers"])
         return limits
 
     # ----------------------------------------------------------------------------------------------

@@ -170,10 +170,10 @@ class NoiseScheduler:
                 f"num_inference_steps must be in [1, {self.num_train_timesteps}], got {num_inference_steps}"
             )
 
-    def custom_schedules(self) -> dict:
+    def scheduler_arguments(self) -> dict:
         """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`) and of
-        its step's `eta` (DDIM), as a model's limits["custom_schedules"] publish it (meshserve/limits.py,
-        `custom_schedule_steps`): {} for none, as diffusers' Euler ancestral and UniPC."""
+        its step's `eta` (DDIM), as a model's limits["scheduler_arguments"] publish it (meshserve/limits.py,
+        `check_scheduler_arguments`): {} for none, as diffusers' Euler ancestral and UniPC."""
         return {}
 
     def custom_rules(self, *, sigmas: bool, timesteps: bool, sigmas_end: bool, max_sigma=None) -> dict:

@@ -69,7 +69,7 @@ class DDIMScheduler(NoiseScheduler):
     # sample as no draw; one normal draw per latent is small beside a UNet step).
     stochastic = True
 
-    def custom_schedules(self) -> dict:
+    def scheduler_arguments(self) -> dict:
         return {**self.custom_rules(sigmas=False, timesteps=False, sigmas_end=False), "eta": True}
 
     def schedule(self, num_inference_steps: int, *, eta: float | None = None) -> DDIMSchedule:

@@ -84,7 +84,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     # ---------------------------------------------------------------------------------------------
     # Host: the schedule
 
-    def custom_schedules(self) -> dict:
+    def scheduler_arguments(self) -> dict:
         # diffusers takes custom timesteps (not sigmas), but not with respaced sigmas or lu lambdas.
         respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         return self.custom_rules(
@@ -98,7 +98,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         n = int(num_inference_steps)
         self.check_steps(n)
         if timesteps is not None:
-            if not self.custom_schedules()["timesteps"]:
+            if not self.scheduler_arguments()["timesteps"]:
                 raise ValueError("custom timesteps are not supported with respaced sigmas or lu lambdas")
             if len(timesteps) != n:
                 raise ValueError(f"{n} steps take {n} timesteps, got {len(timesteps)}")

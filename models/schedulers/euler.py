@@ -89,7 +89,7 @@ class EulerDiscreteScheduler(NoiseScheduler):
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
             )
 
-    def custom_schedules(self) -> dict:
+    def scheduler_arguments(self) -> dict:
         # diffusers refuses custom timesteps where the sigmas are respaced or the timesteps come from them.
         respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         edm = self.timestep_type == "continuous" and self.prediction_type == "v_prediction"
@@ -110,7 +110,7 @@ class EulerDiscreteScheduler(NoiseScheduler):
                 raise ValueError(f"{n} steps take {n + 1} sigmas, got {len(sigmas)}")
             return self._timed(f32(sigma_to_t(sigmas[:-1], log_sigmas)), sigmas)
         if timesteps is not None:
-            if not self.custom_schedules()["timesteps"]:
+            if not self.scheduler_arguments()["timesteps"]:
                 raise ValueError("custom timesteps are not supported with respaced sigmas or EDM timesteps")
             timesteps = f32(timesteps)
             if len(timesteps) != n:

@@ -80,7 +80,7 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
             return math.exp(mu) / (math.exp(mu) + (1 / t - 1))
         return mu / (mu + (1 / t - 1))
 
-    def custom_schedules(self) -> dict:
+    def scheduler_arguments(self) -> dict:
         # diffusers' set_timesteps takes timesteps too, but no flow pipeline passes them.
         return self.custom_rules(sigmas=True, timesteps=False, sigmas_end=False, max_sigma=1.0)
 

@@ -221,7 +221,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             "cache": self.cache_limits(),
             "max_clip_skip": self.max_clip_skip,
             "micro_conditioning": True,
-            "custom_schedules": self.custom_schedule_limits(limits["schedulers"]),
+            "scheduler_arguments": self.scheduler_argument_limits(limits["schedulers"]),
         }
 
     # ----------------------------------------------------------------------------------------------

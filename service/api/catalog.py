@@ -20,7 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from meshserve.limits import LimitError, check_request, custom_schedule_steps
+from meshserve.limits import LimitError, check_request, check_scheduler_arguments
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.contract import (
@@ -145,10 +145,10 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
             "last_image": all(info.limits.last_image for info in infos),
             "max_clip_skip": None if None in skips else min(skips),
             # A scheduler's custom schedules where every pool takes them by the same rules.
-            "custom_schedules": {
+            "scheduler_arguments": {
                 name: rules
-                for name, rules in limits.custom_schedules.items()
-                if all(info.limits.custom_schedules.get(name) == rules for info in infos)
+                for name, rules in limits.scheduler_arguments.items()
+                if all(info.limits.scheduler_arguments.get(name) == rules for info in infos)
             },
         }
     )
@@ -240,7 +240,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             "scheduler": req.scheduler,
         }
         steps = (
-            custom_schedule_steps(
+            check_scheduler_arguments(
                 lim, {**custom, "num_inference_steps": req.num_inference_steps}, model=info.id
             )
             or steps

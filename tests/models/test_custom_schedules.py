@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshserve.limits import LimitError, custom_schedule_steps
+from meshserve.limits import LimitError, check_scheduler_arguments
 from meshserve.models.schedulers import make_scheduler
 from tests.models.test_flow_match_euler import FLUX_DEV
 from tests.models.test_schedulers import (
@@ -62,8 +62,8 @@ CASES = [
 def test_custom_schedule_and_loop_match_diffusers(sdxl_config, case):  # noqa: F811
     name, changes, kind, values = case
     ours, ref = build(sdxl_config, name, changes)
-    assert ours.custom_schedules()[kind]
-    assert ours.custom_schedules()["max_sigma"] == (1e4 if "euler" in name else None)
+    assert ours.scheduler_arguments()[kind]
+    assert ours.scheduler_arguments()["max_sigma"] == (1e4 if "euler" in name else None)
     steps = len(values) - 1 if kind == "sigmas" else len(values)
     schedule = ours.schedule(steps, **{kind: values})
     ref.set_timesteps(**{kind: values})
@@ -97,7 +97,7 @@ REFUSED = [
 def test_refused_where_diffusers_refuses(sdxl_config, case):  # noqa: F811
     name, changes, kind = case
     ours, ref = build(sdxl_config, name, changes)
-    assert not ours.custom_schedules()[kind]
+    assert not ours.scheduler_arguments()[kind]
     with pytest.raises(ValueError):
         ref.set_timesteps(**{kind: TIMESTEPS})
     with pytest.raises(ValueError, match="not supported"):
@@ -107,7 +107,7 @@ def test_refused_where_diffusers_refuses(sdxl_config, case):  # noqa: F811
 @pytest.mark.parametrize("name", ["euler_ancestral", "ddim"])
 def test_schedulers_diffusers_gives_no_custom_schedule_publish_none(sdxl_config, name):  # noqa: F811
     ours, _ = build(sdxl_config, name)
-    taken = ours.custom_schedules()
+    taken = ours.scheduler_arguments()
     assert not taken.get("sigmas") and not taken.get("timesteps")
     assert bool(taken.get("eta")) == (name == "ddim")  # DDIM's step takes diffusers' eta
     params = inspect.signature(getattr(diffusers, CLASS[name]).set_timesteps).parameters
@@ -119,7 +119,7 @@ def test_ddim_eta_of_a_call_matches_diffusers_step_argument(sdxl_config):  # noq
     eta 0.6 from a scheduler made without it equals diffusers' loop stepping with eta=0.6 (same noises), and
     eta 0 equals the deterministic loop."""
     ours, ref = build(sdxl_config, "ddim", dict(clip_sample=False))
-    assert ours.custom_schedules()["eta"] and not ours.custom_schedules()["sigmas"]
+    assert ours.scheduler_arguments()["eta"] and not ours.scheduler_arguments()["sigmas"]
     steps = 5
     latents = np.random.default_rng(5).standard_normal(SHAPE).astype(np.float32)
     noises = np.stack([n.numpy() for n in torch_noises(5, steps)])
@@ -151,7 +151,7 @@ def test_flow_sigmas_match_diffusers_flux(mu):
     np.testing.assert_allclose(schedule.timesteps, ref.timesteps.numpy(), rtol=2e-7, atol=0)
     # Not the default schedule of 5 steps: the sigmas were used.
     assert not np.allclose(schedule.sigmas, ours.schedule(5, mu=mu).sigmas)
-    assert ours.custom_schedules() | {"max_timestep": 0} == {
+    assert ours.scheduler_arguments() | {"max_timestep": 0} == {
         "sigmas": True,
         "timesteps": False,
         "sigmas_end": False,
@@ -166,14 +166,14 @@ def test_flow_sigmas_match_diffusers_flux(mu):
 
 EULER = {"sigmas": True, "timesteps": True, "sigmas_end": True, "max_sigma": 1e4, "max_timestep": 999}
 FLOW = {"sigmas": True, "timesteps": False, "sigmas_end": False, "max_sigma": 1.0, "max_timestep": 999}
-LIMITS = {"min_steps": 1, "max_steps": 8, "custom_schedules": {"default": EULER, "ddim": {}, "flow": FLOW}}
+LIMITS = {"min_steps": 1, "max_steps": 8, "scheduler_arguments": {"default": EULER, "ddim": {}, "flow": FLOW}}
 
 
 def test_eta_rules():
     ddim = {**FLOW, "sigmas": False, "eta": True}
-    limits = {**LIMITS, "custom_schedules": {**LIMITS["custom_schedules"], "ddim": ddim}}
-    assert custom_schedule_steps(limits, {"eta": 0.5, "scheduler": "ddim"}) is None
-    assert custom_schedule_steps(limits, {"eta": 0}) is None  # diffusers' default: any scheduler
+    limits = {**LIMITS, "scheduler_arguments": {**LIMITS["scheduler_arguments"], "ddim": ddim}}
+    assert check_scheduler_arguments(limits, {"eta": 0.5, "scheduler": "ddim"}) is None
+    assert check_scheduler_arguments(limits, {"eta": 0}) is None  # diffusers' default: any scheduler
     for request, rule in (
         ({"eta": 0.5}, "not_supported"),
         ({"eta": 1.5, "scheduler": "ddim"}, "out_of_range"),
@@ -182,15 +182,15 @@ def test_eta_rules():
         ({"eta": True, "scheduler": "ddim"}, "number_type"),
     ):
         with pytest.raises(LimitError) as e:
-            custom_schedule_steps(limits, request)
+            check_scheduler_arguments(limits, request)
         assert (e.value.field, e.value.rule) == ("eta", rule), request
 
 
 def test_steps_of_a_custom_schedule():
-    assert custom_schedule_steps(LIMITS, {}) is None
-    assert custom_schedule_steps(LIMITS, {"sigmas": SIGMAS}) == 5  # the last step's end included
-    assert custom_schedule_steps(LIMITS, {"timesteps": TIMESTEPS, "num_inference_steps": 5}) == 5
-    assert custom_schedule_steps(LIMITS, {"sigmas": [1.0, 0.5, 0.2], "scheduler": "flow"}) == 3
+    assert check_scheduler_arguments(LIMITS, {}) is None
+    assert check_scheduler_arguments(LIMITS, {"sigmas": SIGMAS}) == 5  # the last step's end included
+    assert check_scheduler_arguments(LIMITS, {"timesteps": TIMESTEPS, "num_inference_steps": 5}) == 5
+    assert check_scheduler_arguments(LIMITS, {"sigmas": [1.0, 0.5, 0.2], "scheduler": "flow"}) == 3
 
 
 @pytest.mark.parametrize(
@@ -222,5 +222,5 @@ def test_steps_of_a_custom_schedule():
 )
 def test_custom_schedule_rules(request_, field, rule):
     with pytest.raises(LimitError) as e:
-        custom_schedule_steps(LIMITS, request_, model="m")
+        check_scheduler_arguments(LIMITS, request_, model="m")
     assert (e.value.field, e.value.rule) == (field, rule), str(e.value)

@@ -254,7 +254,7 @@ def test_custom_sigmas_and_timesteps_match_diffusers(ours, reference, scheduler,
 def test_ddim_eta_is_traced_seeded_per_row_and_zero_is_deterministic_ddim(ours, reference):
     """diffusers' eta (DDIM): 0 is the deterministic loop (equal to diffusers'); another value adds noise drawn
     from each row's seed (diffusers draws it from torch's generator: not comparable bit for bit; the step
-    itself is, in tests/models/test_custom_schedules.py) and compiles nothing."""
+    itself is, in tests/models/test_scheduler_arguments.py) and compiles nothing."""
     import torch
 
     latents = _latents(6, rows=2)
@@ -286,7 +286,7 @@ def test_ddim_eta_is_traced_seeded_per_row_and_zero_is_deterministic_ddim(ours, 
         (dict(timesteps=[10, 900]), "must decrease strictly"),
     ],
 )
-def test_bad_custom_schedules_are_clear(ours, kw, match):
+def test_bad_scheduler_arguments_are_clear(ours, kw, match):
     with pytest.raises(PipelineError, match=match):
         ours("cat", height=H, width=W, output_type="np", **kw)
 

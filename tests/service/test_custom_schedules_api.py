@@ -1,7 +1,7 @@
 """diffusers' custom `sigmas` / `timesteps` over HTTP (ASGI, real Redis): taken where the model's
-`limits.custom_schedules` lists the job's scheduler for them, the step count theirs, carried in the job to the
+`limits.scheduler_arguments` lists the job's scheduler for them, the step count theirs, carried in the job to the
 worker; refused with a 422 naming the field and the rule otherwise (meshserve/limits.py has the rules, checked
-in full in tests/models/test_custom_schedules.py), and nothing queued."""
+in full in tests/models/test_scheduler_arguments.py), and nothing queued."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import pytest
 from PIL import Image
 
 from meshserve.service.api.catalog import common_sizes
-from meshserve.service.contract import CustomScheduleLimits, StrengthLimits
+from meshserve.service.contract import SchedulerArguments, StrengthLimits
 from tests.service.conftest import TOY, FakeWorker, api_client
 
 pytestmark = pytest.mark.anyio
 
-EULER = CustomScheduleLimits(sigmas=True, timesteps=True, sigmas_end=True)
-DDIM = CustomScheduleLimits(eta=True)
+EULER = SchedulerArguments(sigmas=True, timesteps=True, sigmas_end=True)
+DDIM = SchedulerArguments(eta=True)
 TOY_CUSTOM = TOY.model_copy(
     update={
         "id": "toy-custom",
         "limits": TOY.limits.model_copy(
             update={
-                "custom_schedules": {"default": EULER, "euler": EULER, "ddim": DDIM},
+                "scheduler_arguments": {"default": EULER, "euler": EULER, "ddim": DDIM},
                 "max_steps": 8,
                 "tasks": ["text-to-image", "image-to-image"],
                 "strength": StrengthLimits(defaults={"image-to-image": 0.3}, rule="int"),
@@ -44,7 +44,7 @@ async def served(make_settings):
 async def test_taken_and_carried_to_the_worker_with_their_step_count(served):
     client, store = served
     card = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}["toy-custom"]
-    assert card["limits"]["custom_schedules"]["euler"]["sigmas_end"] is True
+    assert card["limits"]["scheduler_arguments"]["euler"]["sigmas_end"] is True
     sigmas = await client.post(
         "/v1/generate", json={"model": "toy-custom", "prompt": "a", "sigmas": [14.6, 3, 0.5, 0]}
     )
@@ -141,7 +141,7 @@ def test_pools_of_one_model_publish_the_schedules_they_share():
         update={
             "limits": TOY_CUSTOM.limits.model_copy(
                 update={
-                    "custom_schedules": {
+                    "scheduler_arguments": {
                         "default": EULER,
                         "euler": EULER.model_copy(update={"timesteps": False}),
                     }
@@ -149,5 +149,5 @@ def test_pools_of_one_model_publish_the_schedules_they_share():
             )
         }
     )
-    assert common_sizes([TOY_CUSTOM, other]).limits.custom_schedules == {"default": EULER}
-    assert common_sizes([TOY_CUSTOM, TOY]).limits.custom_schedules == {}
+    assert common_sizes([TOY_CUSTOM, other]).limits.scheduler_arguments == {"default": EULER}
+    assert common_sizes([TOY_CUSTOM, TOY]).limits.scheduler_arguments == {}
