@@ -207,10 +207,10 @@ def check_scheduler_arguments(limits, request: Mapping, *, model: str = "the mod
     each; "sigmas_end": whether sigmas include the last step's end (Euler: N + 1 values for N steps, the last
     0 or more; flow matching: N, a 0 appended); "max_sigma": the largest sigma (flow matching: 1) or None;
     "max_timestep": the largest timestep}. Values run strictly downwards (from noise to the image); a sigma a
-    step starts from is at least MIN_STEP_SIGMA (Euler divides by it). `request`: sigmas, timesteps, scheduler and, when the
-    caller gave one, num_inference_steps, which must then equal the schedule's steps. Also checks the request's
-    `eta`, diffusers' DDIM noise weight in [0, 1]: a scheduler whose rules have "eta" takes it; any takes 0
-    (diffusers' default, which changes nothing)."""
+    step starts from is at least MIN_STEP_SIGMA (Euler divides by it). `request`: sigmas, timesteps, scheduler
+    and, when the caller gave one, num_inference_steps, which must then equal the schedule's steps. Also checks
+    the request's `eta`, diffusers' DDIM noise weight in [0, 1]: a scheduler whose rules have "eta" takes it;
+    any takes 0 (diffusers' default, which changes nothing)."""
     scheduler = request.get("scheduler")
     rules = _get(_get(limits, "scheduler_arguments", {}), scheduler or DEFAULT_SCHEDULER)
     named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"

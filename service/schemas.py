@@ -247,7 +247,8 @@ class GenerateRequest(_TextRequest):
         description="diffusers' custom sigmas (SDXL with euler or euler_karras: one per step plus the last step's "
         "end, e.g. [14.6, 6.0, 1.1, 0.0] for 3 steps; Flux: one per step in (0, 1], shifted for the size as its "
         "own). Strictly decreasing; they set the step count (num_inference_steps, when given too, must equal it). "
-        "The schedulers that take them are the keys of the model's `limits.scheduler_arguments`; others answer 422.",
+        "The schedulers that take them have `sigmas: true` in the model's `limits.scheduler_arguments`; others "
+        "answer 422.",
     )
     eta: float | None = Field(
         None,
@@ -256,14 +257,16 @@ class GenerateRequest(_TextRequest):
         allow_inf_nan=False,
         description="diffusers' eta (SDXL with the ddim scheduler): the weight of the fresh noise each step adds "
         "(0, the default, is deterministic DDIM; 1 is DDPM-like), drawn from the job's seed. The schedulers that "
-        "take it have `eta: true` in the model's `limits.scheduler_arguments`; any other answers 422 unless it is 0.",
+        "take it have `eta: true` in the model's `limits.scheduler_arguments`; any other answers 422 unless it is "
+        "0.",
     )
     timesteps: list[int] | None = Field(
         None,
         min_length=1,
         max_length=MAX_SCHEDULE_VALUES,
-        description="diffusers' custom timesteps (SDXL with euler, dpmpp_2m or dpmpp_2m_sde): one per step, strictly decreasing, "
-        "in [0, limits.scheduler_arguments[scheduler].max_timestep]; they set the step count. Not with sigmas.",
+        description="diffusers' custom timesteps (SDXL with euler, dpmpp_2m or dpmpp_2m_sde): one per step, "
+        "strictly decreasing, in [0, limits.scheduler_arguments[scheduler].max_timestep]; they set the step count. "
+        "Not with sigmas.",
     )
     guidance_scale: float | None = Field(None, ge=0, le=100)
     true_cfg_scale: float | None = Field(
