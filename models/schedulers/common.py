@@ -176,7 +176,7 @@ class NoiseScheduler:
         `check_scheduler_arguments`): {} for none, as diffusers' Euler ancestral and UniPC."""
         return {}
 
-    def custom_rules(self, *, sigmas: bool, timesteps: bool, sigmas_end: bool, max_sigma=None) -> dict:
+    def argument_rules(self, *, sigmas: bool, timesteps: bool, sigmas_end: bool, max_sigma=None) -> dict:
         return {
             "sigmas": sigmas,
             "timesteps": timesteps,

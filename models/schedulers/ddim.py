@@ -70,7 +70,7 @@ class DDIMScheduler(NoiseScheduler):
     stochastic = True
 
     def scheduler_arguments(self) -> dict:
-        return {**self.custom_rules(sigmas=False, timesteps=False, sigmas_end=False), "eta": True}
+        return {**self.argument_rules(sigmas=False, timesteps=False, sigmas_end=False), "eta": True}
 
     def schedule(self, num_inference_steps: int, *, eta: float | None = None) -> DDIMSchedule:
         """The schedule of N steps; `eta`: diffusers' call argument (None: this scheduler's `eta`)."""

@@ -87,7 +87,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     def scheduler_arguments(self) -> dict:
         # diffusers takes custom timesteps (not sigmas), but not with respaced sigmas or lu lambdas.
         respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
-        return self.custom_rules(
+        return self.argument_rules(
             sigmas=False, timesteps=not (respaced or self.use_lu_lambdas), sigmas_end=False
         )
 

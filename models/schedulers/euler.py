@@ -93,7 +93,7 @@ class EulerDiscreteScheduler(NoiseScheduler):
         # diffusers refuses custom timesteps where the sigmas are respaced or the timesteps come from them.
         respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         edm = self.timestep_type == "continuous" and self.prediction_type == "v_prediction"
-        return self.custom_rules(
+        return self.argument_rules(
             sigmas=True, timesteps=not (respaced or edm), sigmas_end=True, max_sigma=MAX_CUSTOM_SIGMA
         )
 

@@ -82,7 +82,7 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
 
     def scheduler_arguments(self) -> dict:
         # diffusers' set_timesteps takes timesteps too, but no flow pipeline passes them.
-        return self.custom_rules(sigmas=True, timesteps=False, sigmas_end=False, max_sigma=1.0)
+        return self.argument_rules(sigmas=True, timesteps=False, sigmas_end=False, max_sigma=1.0)
 
     def schedule(
         self, num_inference_steps: int, mu: float | None = None, *, pipeline_sigmas: bool = True, sigmas=None
