@@ -108,6 +108,19 @@ def as_image_list(images, name: str) -> list:
     return [images]
 
 
+def image_size(images, name: str, multiple: int) -> tuple[int, int]:
+    """(height, width) of a call's first image, each rounded down to `multiple`: the size diffusers'
+    VaeImageProcessor gives an image when the call names none (SDXL img2img takes no height or width)."""
+    first = as_image_list(images, name)[0]
+    if _is_pil(first):
+        width, height = first.size
+    elif isinstance(first, np.ndarray) and first.ndim == 3:
+        height, width = first.shape[:2]
+    else:
+        raise PipelineError(f"{name} must be a PIL image or a numpy array [H, W, 3]")
+    return height - height % multiple, width - width % multiple
+
+
 def image_rows(
     images, prompts: int, n: int, name: str, preprocess: Callable, height: int, width: int
 ) -> np.ndarray:

@@ -105,7 +105,12 @@ from meshserve.limits import (
 )
 from meshserve.models.checkpoints.loading import CheckpointError, read_json
 from meshserve.models.components.block_stack import stack_blocks
-from meshserve.models.components.image_processor import image_rows, preprocess_image, preprocess_mask
+from meshserve.models.components.image_processor import (
+    image_rows,
+    image_size,
+    preprocess_image,
+    preprocess_mask,
+)
 from meshserve.models.components.layers import place_small_maps
 from meshserve.models.components.quantize import activation_mode, load_quantized, quantized_rules
 from meshserve.models.components.quantize import check_mode as check_quantize
@@ -231,6 +236,9 @@ class DiffusionPipeline:
     # The family's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2 (SDXL's
     # OpenCLIP-G, Flux's T5), each defaulting to the first encoder's text. `tokenize` then gets `texts_2`.
     second_prompt: bool = False
+    # Tasks whose diffusers pipeline takes the image's own size when a call names none (SDXL's img2img has no
+    # height/width arguments); the others default to the model's size, as text-to-image.
+    image_sized_tasks: tuple[str, ...] = ()
     # diffusers' custom schedules the family's pipeline takes as call arguments (SDXL: timesteps and sigmas;
     # Flux: sigmas), each with the schedulers that take it (limits["scheduler_arguments"]); they give the step
     # count. Host arrays padded as any schedule: no program is compiled for them. Also a scheduler's traced
@@ -797,6 +805,8 @@ class DiffusionPipeline:
             for name in self.batch_fields
         }
         task = self.task_of(image, mask_image)
+        if task in self.image_sized_tasks and height is None and width is None:
+            settings["height"], settings["width"] = image_size(image, "image", limits["size_multiple"])
         if strength is not None and self.default_strength(task) is None:
             raise PipelineError(f"strength applies to image-to-image and inpaint, not to {task}")
         strength = self.default_strength(task) if strength is None else strength

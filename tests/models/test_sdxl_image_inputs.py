@@ -123,6 +123,32 @@ def test_img2img_matches_diffusers_and_never_recompiles(ours, base_reference, sa
     assert not np.allclose(other.images, got.images)
 
 
+def test_img2img_without_a_size_takes_the_images_own_as_diffusers(ours, base_reference, same_noise):
+    """StableDiffusionXLImg2ImgPipeline has no height/width: the output is the (first) image's size, rounded
+    down to the VAE factor; ours does the same when a call names no size, rounded down to the model's size
+    multiple (8 = SDXL's VAE factor; the tiny VAE's factor is 2, so a size of 8s is compared). Inpaint keeps the
+    model's default size, as diffusers' inpaint pipeline."""
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+    from PIL import Image
+
+    from meshserve.models.components.image_processor import image_size
+
+    ref = StableDiffusionXLImg2ImgPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    photo = Image.fromarray((_images(2, 72, 40)[0] * 255).astype(np.uint8))  # 40 wide, 72 high
+    noise = np.random.default_rng(3).standard_normal((1, 4, 36, 20)).astype(np.float32)
+    same_noise["noise"] = noise
+    kw = dict(num_inference_steps=STEPS, guidance_scale=5.0, strength=0.7, output_type="np")
+    expected = ref(PROMPTS[:1], image=photo, **kw).images
+    got = ours(PROMPTS[:1], image=photo, latents=noise, **kw).images
+    assert got.shape == (1, 72, 40, 3)
+    _check(got, expected, "img2img at the image's size")
+    assert image_size([photo.resize((45, 75))], "image", 8) == (72, 40)  # rounded down, the first image's
+    d = ours.defaults
+    masked = ours(PROMPTS[:1], image=photo, mask_image=Image.new("L", (40, 72), 255), **kw).images
+    assert masked.shape == (1, d["height"], d["width"], 3) != got.shape
+
+
 def test_img2img_micro_conditioning_matches_diffusers(ours, base_reference, same_noise):
     """The img2img pipeline's micro-conditioning rule differs from text-to-image's: each negative size defaults
     to the prompt's (so one acts alone) and the negative takes the prompt's crop (a negative crop is ignored)."""
