@@ -34,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from meshserve.limits import LimitError, check_request
+    from meshserve.limits import LimitError, check_request, check_scheduler_arguments
     from meshserve.models import PipelineError, load_pipeline
     from meshserve.models.engine.compile_cache import enable_compilation_cache
     from meshserve.workers.encoding import can_encode, encode_output  # numpy, PIL, PyAV: no JAX, no Redis
@@ -58,6 +58,16 @@ def _generate(args: argparse.Namespace) -> int:
             check_request(pipe.limits, video_args, model=pipe.model_id)
         except LimitError as e:
             raise UsageError(str(e)) from None
+        schedule_args = {"sigmas": args.sigmas, "timesteps": args.timesteps, "eta": args.eta}
+        try:
+            custom_steps = check_scheduler_arguments(
+                pipe.limits,
+                {**schedule_args, "scheduler": args.scheduler, "num_inference_steps": args.steps},
+                model=pipe.model_id,
+            )
+        except LimitError as e:
+            flag = "--steps" if e.field == "num_inference_steps" else f"--{e.field}"
+            raise UsageError(f"{flag}: {e}") from None
         if cache:
             from meshserve.models.engine.step_cache import parse_cache
 
@@ -69,7 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
                 raise UsageError(f"--cache {args.cache!r}: {e}") from None
         if not can_encode(fmt):
             raise UsageError(f"-o/--output {out.name}: this install cannot write {fmt} (pip install av)")
-        bar = tqdm(total=args.steps or pipe.defaults["num_inference_steps"], desc="denoise", unit="step")
+        steps = custom_steps or args.steps or pipe.defaults["num_inference_steps"]
+        bar = tqdm(total=steps, desc="denoise", unit="step")
 
         def on_step(step: int, total: int) -> None:
             bar.total = total
@@ -94,11 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
             if "clip_skip" not in pipe.text_fields:
                 raise UsageError(f"--clip-skip: the {pipe.family} model takes none; leave it out")
             settings["clip_skip"] = args.clip_skip
-        for flag, name in (("--sigmas", "sigmas"), ("--timesteps", "timesteps"), ("--eta", "eta")):
-            if getattr(args, name) is not None:
-                if name not in pipe.schedule_fields:
-                    raise UsageError(f"{flag}: the {pipe.family} model takes no custom {name}; leave it out")
-                settings[name] = getattr(args, name)
+        settings |= {name: value for name, value in schedule_args.items() if value is not None}  # checked above
         if "image" in images and getattr(pipe, "first_last", False) and "last_image" not in images:
             raise UsageError(
                 f"--last-image: {pipe.model_id or pipe.family} is a first-last-frame model; it needs the video's "

@@ -135,6 +135,15 @@ def check_request(
         integer("max_sequence_length", 1, length)
 
 
+def min_strength(steps: int) -> float:
+    """The smallest strength, at 3 significant digits rounded up, whose int(steps * strength) runs a step
+    (SDXL's rule, diffusers' get_timesteps): 0.334 for 3 steps, where 1/3 printed as 0.333 would run none."""
+    exact = 1 / steps
+    scale = 10 ** (2 - math.floor(math.log10(exact)))
+    value = math.ceil(exact * scale - 1e-9) / scale
+    return value if int(steps * value) >= 1 else math.ceil(exact * scale) / scale
+
+
 def _check_task(limits, request: Mapping, model: str) -> None:
     """`task` among the model's tasks; `strength` a number in (min, max] for a task that takes one."""
     task = request.get("task")
@@ -255,20 +264,21 @@ def check_scheduler_arguments(limits, request: Mapping, *, model: str = "the mod
     if field == "sigmas":
         top = _get(rules, "max_sigma")
         last_start = values[-2] if end else values[-1]  # the smallest sigma a step starts from
-        if values[-1] < 0 or last_start < MIN_STEP_SIGMA or (top is not None and values[0] > top):
+        bad = (
+            values[-1] if values[-1] < 0
+            else last_start if last_start < MIN_STEP_SIGMA
+            else values[0] if top is not None and values[0] > top
+            else None
+        )  # fmt: skip
+        if bad is not None:
             span = f"[{MIN_STEP_SIGMA:g}, {top}]" if top is not None else f"at least {MIN_STEP_SIGMA:g}"
-            ends = ", the last step's end 0 or more" if end else ""
-            raise LimitError(
-                field,
-                "out_of_range",
-                f"sigmas must be {span}{ends}; got {values[0]} to {values[-1]}",
-            )
+            ends = " (the last step's end: 0 or more)" if end else ""
+            raise LimitError(field, "out_of_range", f"sigmas must be {span}{ends}; got {bad}")
     else:
         top = _get(rules, "max_timestep")
         if values[-1] < 0 or values[0] > top:
-            raise LimitError(
-                field, "out_of_range", f"timesteps must be in [0, {top}]; got {values[0]} to {values[-1]}"
-            )
+            bad = values[-1] if values[-1] < 0 else values[0]
+            raise LimitError(field, "out_of_range", f"timesteps must be in [0, {top}]; got {bad}")
     given = request.get("num_inference_steps")
     if given is not None and given != steps:
         raise LimitError(

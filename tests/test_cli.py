@@ -111,11 +111,12 @@ def _unsupported(tmp_path):
             "--prompt-2: the wan model has one text encoder",
         ),
         (lambda p: ["--clip-skip", "99"], "clip_skip must be an integer between 0 and"),
-        (lambda p: ["--sigmas", "1,3,0"], "sigmas must decrease strictly"),
+        (lambda p: ["--sigmas", "1,3,0"], "--sigmas: sigmas must decrease strictly"),
+        (lambda p: ["--scheduler", "euler", "--eta", "0.5"], "--eta: tiny-sdxl takes no eta with scheduler"),
         (lambda p: ["--timesteps", "900,x"], "expected comma-separated ints, got '900,x'"),
         (
             lambda p: ["--model", "tiny-wan", "-o", str(p / "o.mp4"), "--sigmas", "1,0.5"],
-            "--sigmas: the wan model takes no custom sigmas",
+            "--sigmas: tiny-wan takes no custom sigmas",
         ),
         # A format the model's outputs cannot be written in is refused before generating anything.
         (lambda p: ["-o", str(p / "o.mp4")], "output_format 'mp4' is not one of ['png', 'jpeg', 'webp']"),
@@ -133,7 +134,7 @@ def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
     r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *args)
     assert r.returncode == 2
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
-    if args[0] in ("--cache", "--scheduler"):  # told before the progress bar (it came on the bar's line)
+    if args[0] in ("--cache", "--scheduler", "--sigmas"):  # told before the progress bar (on the bar's line)
         assert "denoise" not in r.stderr, r.stderr
 
 
@@ -149,6 +150,9 @@ class _RecordingPipe:
         self.defaults = {"width": 32, "height": 16, "num_inference_steps": 2, "guidance_scale": 5.0, "fps": 8}
         self.limits = {"min_size": 8, "max_size": 64, "max_steps": 10, "max_n": 2}
         self.limits["cache"] = {"teacache": {"default_threshold": 0.2}}
+        if not video:  # what the fake takes with its default scheduler: custom schedules and eta
+            euler = {"sigmas": True, "timesteps": True, "sigmas_end": True, "max_sigma": 1e4, "eta": True}
+            self.limits["scheduler_arguments"] = {"default": {**euler, "max_timestep": 999}}
         if video:
             self.limits["frames"] = {"min_frames": 1, "max_frames": 9, "default": 5}
 

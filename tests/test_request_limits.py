@@ -3,7 +3,14 @@ pipeline's limits mapping and on the service's ModelLimits alike."""
 
 import pytest
 
-from meshserve.limits import IMAGE_FORMATS, VIDEO_FORMATS, LimitError, check_request, output_formats
+from meshserve.limits import (
+    IMAGE_FORMATS,
+    VIDEO_FORMATS,
+    LimitError,
+    check_request,
+    min_strength,
+    output_formats,
+)
 from meshserve.service.contract import FrameLimits, ModelLimits
 
 IMAGE = {
@@ -83,3 +90,13 @@ def test_buckets_are_the_only_sizes_and_name_the_field_at_fault():
     assert refused(limits, {"width": 128, "height": 128})[:2] == ("width", "size_not_supported")
     field, rule, message = refused(limits, {"width": 64, "height": 64})
     assert (field, rule) == ("height", "size_not_supported") and "served sizes: 64x48, 96x64" in message
+
+
+@pytest.mark.parametrize(
+    "steps,expected", [(1, 1.0), (3, 0.334), (4, 0.25), (9, 0.112), (10, 0.1), (11, 0.0910), (1000, 0.001)]
+)
+def test_min_strength_is_a_strength_that_runs_a_step(steps, expected):
+    """The bound the no_steps errors quote: at 3 digits, rounded up (0.333 of 3 steps runs none)."""
+    assert min_strength(steps) == pytest.approx(expected)
+    assert int(steps * min_strength(steps)) >= 1
+    assert int(steps * float(f"{min_strength(steps):g}")) >= 1  # as printed

@@ -101,15 +101,13 @@ def stop_redis_server(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def local_redis(timeout_s: float = 10.0) -> Iterator[str]:
-    """A throwaway redis-server (no persistence, loopback only) for the life of the block; yields its URL."""
+    """A throwaway redis-server (no persistence, loopback only) for the life of the block; yields its URL. It
+    writes no file, so its directory is the system's temporary one: nothing is left behind when this process
+    is killed (a folder of its own was, an audit 2026-11-29)."""
     port = free_port()
-    workdir = tempfile.mkdtemp(prefix="meshserve-redis-")
+    proc = start_redis_server(port, tempfile.gettempdir(), timeout_s=timeout_s, die_with_parent=True)
     try:
-        proc = start_redis_server(port, workdir, timeout_s=timeout_s, die_with_parent=True)
-        try:
-            log.info("started a local redis-server on 127.0.0.1:%d (pid %d)", port, proc.pid)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            stop_redis_server(proc)
+        log.info("started a local redis-server on 127.0.0.1:%d (pid %d)", port, proc.pid)
+        yield f"redis://127.0.0.1:{port}/0"
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        stop_redis_server(proc)

@@ -25,6 +25,7 @@ import math
 
 import jax.numpy as jnp
 
+from meshserve.limits import min_strength
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.schedulers import (
     DDIMScheduler,
@@ -68,7 +69,7 @@ def check_strength(
     if start >= length:
         raise PipelineError(
             f"strength {strength} of {steps} steps runs no step; raise strength or the steps of {steps_from} "
-            f"(at least {1 / steps:.3g} for {steps} steps)"
+            f"(at least {min_strength(steps):g} for {steps} steps)"
             + (f" (the scheduler makes {length} of the {steps} steps)" if length < steps else "")
         )
     return start

@@ -20,7 +20,13 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from meshserve.limits import LimitError, check_request, check_scheduler_arguments
+from meshserve.limits import (
+    DEFAULT_SCHEDULER,
+    LimitError,
+    check_request,
+    check_scheduler_arguments,
+    min_strength,
+)
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
 from meshserve.service.contract import (
@@ -410,19 +416,25 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
         source = next(
             (f for f in ("sigmas", "timesteps") if getattr(req, f) is not None), "num_inference_steps"
         )
-        more = "num_inference_steps" if source == "num_inference_steps" else f"steps (values of {source})"
         if req.strength is None:
+            need = math.ceil(1 / strength)
+            if source == "num_inference_steps":
+                what = f"{need} num_inference_steps"
+            else:  # Euler's sigmas hold the last step's end too
+                rules = lim.scheduler_arguments.get(req.scheduler or DEFAULT_SCHEDULER)
+                values = need + 1 if source == "sigmas" and rules is not None and rules.sigmas_end else need
+                what = f"{need} steps ({values} {source})"
             raise FieldError(
                 source,
                 "no_steps",
                 f"{task}'s default strength {strength:g} of {steps} steps runs no step on {info.id}: at least "
-                f"{math.ceil(1 / strength)} {more} (or a larger strength)",
+                f"{what} (or a larger strength)",
             )
         raise FieldError(
             "strength",
             "no_steps",
-            f"strength {strength} of {steps} steps runs no step on {info.id}: at least {1 / steps:.3g} (or more "
-            f"{more})",
+            f"strength {strength} of {steps} steps runs no step on {info.id}: at least {min_strength(steps):g} "
+            f"(or more steps)",
         )
     return strength
 

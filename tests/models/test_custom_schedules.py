@@ -224,3 +224,14 @@ def test_custom_schedule_rules(request_, field, rule):
     with pytest.raises(LimitError) as e:
         check_scheduler_arguments(LIMITS, request_, model="m")
     assert (e.value.field, e.value.rule) == (field, rule), str(e.value)
+
+
+def test_an_out_of_range_error_quotes_the_value_at_fault():
+    for request, bad in (
+        ({"sigmas": [14.6, 9.9e-11, 0.0]}, "9.9e-11"),
+        ({"sigmas": [2e4, 1.0, 0.0]}, "20000.0"),
+        ({"sigmas": [3.0, 1.0, -0.5]}, "-0.5"),
+        ({"timesteps": [1200, 5]}, "1200"),
+    ):
+        with pytest.raises(LimitError, match=f"got {bad}$"):
+            check_scheduler_arguments(LIMITS, request)

@@ -117,6 +117,8 @@ async def test_an_image_task_with_too_few_custom_steps_names_what_set_them(serve
     err = r.json()["error"]
     assert (err["field"], err["code"]) == (field, "no_steps"), err
     assert "num_inference_steps" not in err["message"], err
+    if field == "sigmas":  # 4 Euler steps are 5 sigmas (the last step's end)
+        assert "at least 4 steps (5 sigmas)" in err["message"], err
 
 
 def _png() -> bytes:

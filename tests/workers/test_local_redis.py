@@ -8,7 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +37,7 @@ def answers(port: int) -> bool:
 
 
 def test_a_killed_holder_leaves_no_redis_server():
+    folders = set(Path(tempfile.gettempdir()).glob("meshserve-redis-*"))
     proc = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
@@ -45,6 +48,7 @@ def test_a_killed_holder_leaves_no_redis_server():
         while answers(port) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not answers(port), f"redis-server on {port} outlived its killed parent"
+        assert set(Path(tempfile.gettempdir()).glob("meshserve-redis-*")) == folders  # nor a folder
     finally:
         proc.kill()
         proc.wait(10)
