@@ -105,7 +105,8 @@ def _generate(args: argparse.Namespace) -> int:
             if "clip_skip" not in pipe.text_fields:
                 raise UsageError(f"--clip-skip: the {pipe.family} model takes none; leave it out")
             settings["clip_skip"] = args.clip_skip
-        settings |= {name: value for name, value in schedule_args.items() if value is not None}  # checked above
+        # The scheduler arguments, checked above.
+        settings |= {name: value for name, value in schedule_args.items() if value is not None}
         if "image" in images and getattr(pipe, "first_last", False) and "last_image" not in images:
             raise UsageError(
                 f"--last-image: {pipe.model_id or pipe.family} is a first-last-frame model; it needs the video's "
