@@ -347,12 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_numbers(int),
         default=None,
         metavar="T0,T1,...",
-        help="diffusers' custom timesteps (SDXL euler, dpmpp_2m), strictly decreasing; they set the steps",
+        help="diffusers' custom timesteps (SDXL euler, dpmpp_2m, lcm), strictly decreasing; they set the steps",
     )
     gen.add_argument(
         "--scheduler",
         default=None,
-        help="euler | euler_ancestral | ddim | dpmpp_2m | dpmpp_2m_sde, or euler / dpmpp_2m / dpmpp_2m_sde + _karras",
+        help="euler | euler_ancestral | ddim | dpmpp_2m | dpmpp_2m_sde | lcm, or euler / dpmpp_2m / dpmpp_2m_sde "
+        "+ _karras",
     )
     gen.add_argument("-n", type=int, default=1, help="images (or videos) for the prompt")
     gen.add_argument("--frames", type=int, default=None, help="video models: frames per video")

@@ -17,9 +17,9 @@ strength}}: a model with an image-to-image or inpaint task). Fields absent from 
 checked. The rules, as the API's 422 `code`: int_type, number_type, not_multiple, out_of_range,
 size_not_supported, frames_not_supported, not_supported.
 
-`check_scheduler_arguments` checks a custom schedule (diffusers' `sigmas` / `timesteps` call arguments) and
-DDIM's `eta` against limits["scheduler_arguments"] and gives the schedule's step count; its own rules: conflict,
-not_decreasing.
+`check_scheduler_arguments` checks a custom schedule (diffusers' `sigmas` / `timesteps` call arguments),
+DDIM's `eta` and a scheduler's own step cap against limits["scheduler_arguments"] and gives the schedule's step
+count; its own rules: conflict, not_decreasing.
 """
 
 from __future__ import annotations
@@ -209,7 +209,9 @@ DEFAULT_SCHEDULER = "default"
 MIN_STEP_SIGMA = 1e-10
 
 
-def check_scheduler_arguments(limits, request: Mapping, *, model: str = "the model") -> int | None:
+def check_scheduler_arguments(
+    limits, request: Mapping, *, model: str = "the model", default_steps: int | None = None
+) -> int | None:
     """The steps of the request's custom schedule, diffusers' `sigmas` or `timesteps` (None: it has none), after
     checking it against limits["scheduler_arguments"][scheduler] (absent: the model takes none), as diffusers'
     `retrieve_timesteps` and `set_timesteps` take them: {"sigmas", "timesteps": whether the scheduler takes
@@ -219,7 +221,9 @@ def check_scheduler_arguments(limits, request: Mapping, *, model: str = "the mod
     step starts from is at least MIN_STEP_SIGMA (Euler divides by it). `request`: sigmas, timesteps, scheduler
     and, when the caller gave one, num_inference_steps, which must then equal the schedule's steps. Also checks
     the request's `eta`, diffusers' DDIM noise weight in [0, 1]: a scheduler whose rules have "eta" takes it;
-    any takes 0 (diffusers' default, which changes nothing)."""
+    any takes 0 (diffusers' default, which changes nothing). And, without a custom schedule, the step count (the
+    request's num_inference_steps, else `default_steps`) against the scheduler's own "max_steps" (LCM's
+    schedule is a subset of its distillation's 50 steps; diffusers' set_timesteps raises past them)."""
     scheduler = request.get("scheduler")
     rules = _get(_get(limits, "scheduler_arguments", {}), scheduler or DEFAULT_SCHEDULER)
     named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
@@ -235,6 +239,15 @@ def check_scheduler_arguments(limits, request: Mapping, *, model: str = "the mod
             )
     sigmas, timesteps = request.get("sigmas"), request.get("timesteps")
     if sigmas is None and timesteps is None:
+        steps = request.get("num_inference_steps")
+        steps = default_steps if steps is None else steps
+        cap = None if rules is None else _get(rules, "max_steps")
+        if cap is not None and isinstance(steps, Integral) and steps > cap:
+            raise LimitError(
+                "num_inference_steps",
+                "out_of_range",
+                f"num_inference_steps must be at most {cap} with {named} of {model}, got {steps}",
+            )
         return None
     if sigmas is not None and timesteps is not None:
         raise LimitError("timesteps", "conflict", "only one of sigmas or timesteps can be given")

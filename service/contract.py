@@ -154,7 +154,8 @@ class StrengthLimits(_Frozen):
 
 class SchedulerArguments(_Frozen):
     """The scheduler arguments of diffusers' pipelines a scheduler takes: the custom schedules `sigmas` /
-    `timesteps` with their rules, and DDIM's `eta` (meshserve/limits.py, `check_scheduler_arguments`)."""
+    `timesteps` with their rules, DDIM's `eta`, and the step count it caps below the model's
+    (meshserve/limits.py, `check_scheduler_arguments`)."""
 
     sigmas: bool = False
     timesteps: bool = False
@@ -162,6 +163,7 @@ class SchedulerArguments(_Frozen):
     max_sigma: float | None = None  # flow matching: 1
     max_timestep: int = 999
     eta: bool = False  # takes diffusers' eta (DDIM's noise weight)
+    max_steps: int | None = None  # the most num_inference_steps it makes (LCM: its original_inference_steps)
 
 
 class CacheMethodLimits(_Frozen):

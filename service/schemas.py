@@ -239,7 +239,13 @@ class GenerateRequest(_TextRequest):
         le=120,
         description="Video models only: the frame rate of the MP4/WebP written (default: the model's, 16 for Wan).",
     )
-    num_inference_steps: int | None = Field(None, gt=0)
+    num_inference_steps: int | None = Field(
+        None,
+        gt=0,
+        description="Denoising steps (the model's default when left out), within the model's limits.min_steps and "
+        "max_steps, and at most limits.scheduler_arguments[scheduler].max_steps where the scheduler caps them "
+        "(lcm: its original_inference_steps).",
+    )
     sigmas: list[float] | None = Field(
         None,
         min_length=1,
@@ -264,7 +270,7 @@ class GenerateRequest(_TextRequest):
         None,
         min_length=1,
         max_length=MAX_SCHEDULE_VALUES,
-        description="diffusers' custom timesteps (SDXL with euler, dpmpp_2m or dpmpp_2m_sde): one per step, "
+        description="diffusers' custom timesteps (SDXL with euler, dpmpp_2m, dpmpp_2m_sde or lcm): one per step, "
         "strictly decreasing, in [0, limits.scheduler_arguments[scheduler].max_timestep]; they set the step count. "
         "Not with sigmas.",
     )

@@ -33,6 +33,7 @@ from meshserve.models.schedulers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    LCMScheduler,
 )
 from meshserve.models.schedulers.common import at
 
@@ -88,7 +89,7 @@ def noise_to(scheduler, schedule, x, noise, index):
         sigma = at(schedule.sigmas, index)
         alpha_t = 1.0 / (sigma**2 + 1.0) ** 0.5
         return alpha_t * x + (sigma * alpha_t) * noise
-    if isinstance(scheduler, DDIMScheduler):
+    if isinstance(scheduler, DDIMScheduler | LCMScheduler):  # DDPM's add_noise, by alpha_bar
         alpha_prod = at(schedule.alpha_prod_t, index)
         return alpha_prod**0.5 * x + (1.0 - alpha_prod) ** 0.5 * noise
     raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")
@@ -102,6 +103,7 @@ def check_scheduler(scheduler) -> None:
         EulerAncestralDiscreteScheduler,
         DPMSolverMultistepScheduler,
         DDIMScheduler,
+        LCMScheduler,
     )
     if not isinstance(scheduler, supported):
         raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")

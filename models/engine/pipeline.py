@@ -45,7 +45,8 @@ What a family declares (class attributes) and implements (its stages); everythin
 
     denoiser_name                    the module the denoise program takes ("unet", "transformer")
     cfg_field, cfg_needs_negative    the row field that scales CFG, and whether a row needs a negative prompt
-                                     for it (Flux's true CFG); a row runs CFG when that scale is > 1
+                                     for it (Flux's true CFG); a row runs CFG when that scale is > 1 (and
+                                     `guided_by_cfg`: an LCM UNet takes its guidance as an input instead)
     rescale_field                    a row field that rescales the CFG combine (SDXL's guidance_rescale), or None
     latents_axes, latents_layout     the loop's latents -> diffusers' layout (`latents=`, output "latent")
     load(folder) -> modules          read the weights (`load_module`), by name: text encoders, denoiser, "vae"
@@ -490,6 +491,12 @@ class DiffusionPipeline:
         """The inputs this model takes (module docstring); a family with image inputs adds its tasks."""
         return (self.task,)
 
+    @property
+    def guided_by_cfg(self) -> bool:
+        """Whether rows with a CFG scale > 1 run classifier-free guidance; False where the denoiser takes the
+        scale as an input instead (an LCM-distilled SDXL UNet), as diffusers' pipelines then run no CFG."""
+        return True
+
     def default_strength(self, task: str) -> float | None:
         """A task's strength when a call gives none (diffusers' pipeline default); None: takes no strength."""
         return None
@@ -506,7 +513,7 @@ class DiffusionPipeline:
             fields = ("sigmas", "timesteps", "eta")
             for field in fields:
                 rules[field] = bool(rules.get(field)) and field in self.schedule_fields
-            if any(rules[field] for field in fields):
+            if any(rules[field] for field in fields) or rules.get("max_steps") is not None:
                 out[name or DEFAULT_SCHEDULER] = rules
         return out
 
@@ -692,7 +699,11 @@ class DiffusionPipeline:
                 for task in tasks:
                     inputs = self._warm_up_task_inputs(task, width, height)
                     calls = itertools.product(
-                        batch_sizes, (False, True), adapter_calls, cache_calls, schedulers
+                        batch_sizes,
+                        (False, True) if self.guided_by_cfg else (False,),
+                        adapter_calls,
+                        cache_calls,
+                        schedulers,
                     )
                     for b, cfg, adapters, cached, scheduler in calls:
                         self(
@@ -811,21 +822,22 @@ class DiffusionPipeline:
             raise PipelineError(f"strength applies to image-to-image and inpaint, not to {task}")
         strength = self.default_strength(task) if strength is None else strength
         try:
-            if custom:  # a custom schedule's length is the step count
-                settings["num_inference_steps"] = (
-                    check_scheduler_arguments(
-                        limits,
-                        {
-                            **custom,
-                            "scheduler": settings["scheduler"],
-                            "num_inference_steps": num_inference_steps,
-                        },
-                        model=self.model_id or self.family,
-                    )
-                    or settings["num_inference_steps"]
+            # A custom schedule's length is the step count; without one, the scheduler's own cap applies.
+            settings["num_inference_steps"] = (
+                check_scheduler_arguments(
+                    limits,
+                    {
+                        **custom,
+                        "scheduler": settings["scheduler"],
+                        "num_inference_steps": num_inference_steps,
+                    },
+                    model=self.model_id or self.family,
+                    default_steps=settings["num_inference_steps"],
                 )
-                if custom.get("eta") == 0:  # diffusers' default, taken by any scheduler: the same as none
-                    del custom["eta"]
+                or settings["num_inference_steps"]
+            )
+            if custom.get("eta") == 0:  # diffusers' default, taken by any scheduler: the same as none
+                del custom["eta"]
             check_request(
                 limits,
                 {**settings, "n": num_images_per_prompt, "task": task, "strength": strength},
@@ -855,7 +867,7 @@ class DiffusionPipeline:
         scopes = per_prompt(prompt_cache_scope, len(prompts), "prompt_cache_scope")
         # Per row: CFG runs when its scale is > 1 (and, for true CFG, it has a negative prompt). Whether any row
         # runs it is static (it doubles the denoiser's batch); the others select their positive prediction.
-        cfg_rows = np.asarray(rows[self.cfg_field]) > 1.0
+        cfg_rows = (np.asarray(rows[self.cfg_field]) > 1.0) & self.guided_by_cfg
         if self.cfg_needs_negative:
             cfg_rows &= np.repeat([neg is not None for neg in negatives], n)
         do_cfg = bool(cfg_rows.any())

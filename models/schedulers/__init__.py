@@ -28,6 +28,7 @@ from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
+from meshserve.models.schedulers.lcm import LCMSchedule, LCMScheduler
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
 _OTHER_SIGMAS_OFF = {"use_exponential_sigmas": False, "use_beta_sigmas": False}
@@ -59,6 +60,8 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
             **_DPM_SIGMAS_OFF,
         },
     ),
+    # LCM-distilled UNets' and LCM-LoRA's sampler (diffusers' LCMScheduler.from_config(the model's config)).
+    "lcm": (LCMScheduler, {}),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
     # Wan 2.1's scheduler; only its flow-matching form is implemented, so the name implies it.
     "unipc": (UniPCMultistepScheduler, {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
@@ -77,6 +80,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         DPMSolverMultistepScheduler,
         FlowMatchEulerDiscreteScheduler,
         UniPCMultistepScheduler,
+        LCMScheduler,
     )
 }
 
@@ -111,11 +115,13 @@ __all__ = [
     "NoiseScheduler",
     "SigmaSchedule",
     "DDIMSchedule",
+    "LCMSchedule",
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
     "DPMSolverMultistepScheduler",
     "FlowMatchEulerDiscreteScheduler",
     "UniPCMultistepScheduler",
+    "LCMScheduler",
     "flux_mu",
 ]

@@ -172,7 +172,8 @@ class NoiseScheduler:
 
     def scheduler_arguments(self) -> dict:
         """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`) and of
-        its step's `eta` (DDIM), as a model's limits["scheduler_arguments"] publish it (meshserve/limits.py,
+        its step's `eta` (DDIM), and the most steps it makes when fewer than the model's (LCM: `max_steps`), as
+        a model's limits["scheduler_arguments"] publish it (meshserve/limits.py,
         `check_scheduler_arguments`): {} for none, as diffusers' Euler ancestral and UniPC."""
         return {}
 
@@ -184,6 +185,7 @@ class NoiseScheduler:
             "max_sigma": max_sigma,
             "max_timestep": self.num_train_timesteps - 1,
             "eta": False,
+            "max_steps": None,
         }
 
     def init_noise_sigma(self, schedule) -> Any:

@@ -38,6 +38,7 @@ from meshserve.models.components.autoencoder_kl import load_autoencoder_kl
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_RULES
 from meshserve.models.components.clip import load_clip_text_model
 from meshserve.models.components.clip_tokenizer import load_clip_tokenizer, tokenize
+from meshserve.models.components.layers import guidance_scale_embedding
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.denoise_loop import interleave
 from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
@@ -323,11 +324,25 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
             time_ids = interleave(rows["negative_time_ids"], time_ids)
         time_ids = time_ids.astype(self.dtype)
 
+        # An LCM-distilled UNet takes each row's guidance as an embedding of w = guidance_scale - 1 (diffusers'
+        # timestep_cond); such a UNet never runs CFG (`guided_by_cfg`).
+        cond_dim = self.unet_config.time_cond_proj_dim
+        timestep_cond = None
+        if cond_dim is not None:
+            timestep_cond = guidance_scale_embedding(rows["guidance_scale"] - 1.0, cond_dim).astype(
+                self.dtype
+            )
+
         def model(x, t):
             unet, x = self.merged_per_step(state, x)
-            return unet(x, jnp.broadcast_to(t, (x.shape[0],)), embeds, text_embeds=pooled, time_ids=time_ids)
+            t = jnp.broadcast_to(t, (x.shape[0],))
+            return unet(x, t, embeds, text_embeds=pooled, time_ids=time_ids, timestep_cond=timestep_cond)
 
         return model
+
+    @property
+    def guided_by_cfg(self) -> bool:
+        return self.unet_config.time_cond_proj_dim is None
 
     def decode(self, vae_state, latents, *, shape):
         vae = self.merged("vae", vae_state)

@@ -57,7 +57,6 @@ _UNSUPPORTED = {
     "class_embeddings_concat": False,
     "encoder_hid_dim": None,
     "encoder_hid_dim_type": None,
-    "time_cond_proj_dim": None,
     "dual_cross_attention": False,
     "attention_type": "default",
     "cross_attention_norm": None,
@@ -124,6 +123,8 @@ class UNet2DConditionConfig:
     projection_class_embeddings_input_dim: int | None = None
     time_embedding_dim: int | None = None
     time_embedding_act_fn: str | None = None
+    # LCM-distilled UNets: the guidance scale enters as an embedding of this width (`timestep_cond`), not CFG.
+    time_cond_proj_dim: int | None = None
     timestep_post_act: str | None = None
     conv_in_kernel: int = 3
     conv_out_kernel: int = 3
@@ -525,7 +526,13 @@ class UNet2DConditionModel(nnx.Module):
         self.conv_in = conv2d(cfg.in_channels, channels[0], k, padding=(k - 1) // 2, dtype=dtype, rngs=rngs)
         temb = cfg.time_embedding_dim or channels[0] * 4
         self.time_embedding = TimestepEmbedding(
-            channels[0], temb, act_fn=cfg.act_fn, post_act_fn=cfg.timestep_post_act, dtype=dtype, rngs=rngs
+            channels[0],
+            temb,
+            act_fn=cfg.act_fn,
+            post_act_fn=cfg.timestep_post_act,
+            cond_proj_dim=cfg.time_cond_proj_dim,
+            dtype=dtype,
+            rngs=rngs,
         )
         # Optional submodules are assigned once (module or None): flax 0.12 fixes an attribute's kind then.
         self.add_embedding = (
@@ -587,8 +594,9 @@ class UNet2DConditionModel(nnx.Module):
         k = cfg.conv_out_kernel
         self.conv_out = conv2d(channels[0], cfg.out_channels, k, padding=(k - 1) // 2, dtype=dtype, rngs=rngs)
 
-    def _embed_time(self, timestep, batch: int, text_embeds, time_ids):
-        """The embedding every resnet receives: time (+ SDXL's text_time micro-conditioning). -> [B, T]."""
+    def _embed_time(self, timestep, batch: int, text_embeds, time_ids, timestep_cond=None):
+        """The embedding every resnet receives: time (with an LCM UNet's guidance embedding, `timestep_cond`
+        [B, time_cond_proj_dim]) + SDXL's text_time micro-conditioning. -> [B, T]."""
         cfg = self.config
 
         def sinusoids(t, dim: int):  # [N] -> [N, dim] float32
@@ -597,7 +605,7 @@ class UNet2DConditionModel(nnx.Module):
             )
 
         t = jnp.broadcast_to(jnp.asarray(timestep, jnp.float32).reshape(-1), (batch,))
-        emb = self.time_embedding(sinusoids(t, cfg.block_out_channels[0]).astype(self.dtype))
+        emb = self.time_embedding(sinusoids(t, cfg.block_out_channels[0]).astype(self.dtype), timestep_cond)
         if self.add_embedding is not None:
             if text_embeds is None or time_ids is None:
                 raise ValueError("this UNet (addition_embed_type='text_time') needs text_embeds and time_ids")
@@ -608,11 +616,14 @@ class UNet2DConditionModel(nnx.Module):
             emb = get_activation(cfg.time_embedding_act_fn)(emb)
         return emb
 
-    def __call__(self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None):
+    def __call__(
+        self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None
+    ):
         """sample [B, H, W, C], timestep [B] or scalar, encoder_hidden_states [B, S, D], text_embeds [B, P],
-        time_ids [B, 6] -> [B, H, W, out_channels] in the dtype of `sample` (fp32 latents stay fp32)."""
+        time_ids [B, 6], timestep_cond [B, time_cond_proj_dim] (an LCM UNet's guidance embedding) ->
+        [B, H, W, out_channels] in the dtype of `sample` (fp32 latents stay fp32)."""
         batch, height, width = sample.shape[:3]
-        emb = self._embed_time(timestep, batch, text_embeds, time_ids)
+        emb = self._embed_time(timestep, batch, text_embeds, time_ids, timestep_cond)
         context = encoder_hidden_states.astype(self.dtype)
         x = sample.astype(self.dtype)
         if self.config.center_input_sample:

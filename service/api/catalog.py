@@ -247,7 +247,10 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         }
         steps = (
             check_scheduler_arguments(
-                lim, {**custom, "num_inference_steps": req.num_inference_steps}, model=info.id
+                lim,
+                {**custom, "num_inference_steps": req.num_inference_steps},
+                model=info.id,
+                default_steps=steps,
             )
             or steps
         )

@@ -158,6 +158,7 @@ def test_flow_sigmas_match_diffusers_flux(mu):
         "max_sigma": 1.0,
         "max_timestep": 0,
         "eta": False,
+        "max_steps": None,
     }
 
 
@@ -184,6 +185,21 @@ def test_eta_rules():
         with pytest.raises(LimitError) as e:
             check_scheduler_arguments(limits, request)
         assert (e.value.field, e.value.rule) == ("eta", rule), request
+
+
+def test_a_scheduler_step_cap():
+    """LCM's schedule holds at most its distillation's steps: the request's num_inference_steps, else the
+    model's default, past the cap is out of range; a custom schedule is not capped (diffusers warns only)."""
+    lcm = {**EULER, "sigmas": False, "max_steps": 4}
+    limits = {**LIMITS, "scheduler_arguments": {**LIMITS["scheduler_arguments"], "lcm": lcm}}
+    assert check_scheduler_arguments(limits, {"scheduler": "lcm", "num_inference_steps": 4}) is None
+    assert check_scheduler_arguments(limits, {"scheduler": "lcm"}, default_steps=4) is None
+    assert check_scheduler_arguments(limits, {"scheduler": "lcm", "timesteps": TIMESTEPS}) == 5
+    assert check_scheduler_arguments(limits, {"num_inference_steps": 8}) is None  # no cap: the model's
+    for request, default in (({"num_inference_steps": 5}, None), ({}, 30), ({"num_inference_steps": 5}, 2)):
+        with pytest.raises(LimitError, match="at most 4 with scheduler 'lcm'") as e:
+            check_scheduler_arguments(limits, {"scheduler": "lcm", **request}, default_steps=default)
+        assert (e.value.field, e.value.rule) == ("num_inference_steps", "out_of_range")
 
 
 def test_steps_of_a_custom_schedule():

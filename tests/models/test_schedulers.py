@@ -36,6 +36,7 @@ CLASS = {
     "euler_karras": "EulerDiscreteScheduler",
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
+    "lcm": "LCMScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
@@ -116,6 +117,13 @@ CASES = [
     ("euler_karras", dict(use_beta_sigmas=True), {}),
     ("dpmpp_2m_karras", dict(use_lu_lambdas=True), {}),
     ("dpmpp_2m_sde_karras", dict(use_exponential_sigmas=True), {}),
+    # LCM reads the SDXL folder's config as diffusers' LCMScheduler.from_config does (LCM-LoRA's recipe).
+    ("lcm", {}, {}),
+    ("lcm", dict(prediction_type="v_prediction", rescale_betas_zero_snr=True), {}),
+    ("lcm", dict(original_inference_steps=40, timestep_scaling=5.0), {}),
+    ("lcm", dict(prediction_type="sample", clip_sample=True, clip_sample_range=0.5), {}),
+    ("lcm", dict(thresholding=True, prediction_type="sample", sample_max_value=1.2), {}),
+    ("lcm", dict(set_alpha_to_one=False, beta_schedule="linear", beta_start=0.0001, beta_end=0.02), {}),
 ]
 
 
@@ -272,6 +280,11 @@ def ref_loop(ref, steps: int, latents: np.ndarray, step_kwargs: dict) -> np.ndar
     """diffusers' loop as StableDiffusionXLPipeline runs it (begin index 0: with repeated timesteps, e.g.
     clipped Karras ones, looking the first one up would start at index 1)."""
     ref.set_timesteps(steps)
+    return ref_loop_from(ref, latents, step_kwargs)
+
+
+def ref_loop_from(ref, latents: np.ndarray, step_kwargs: dict) -> np.ndarray:
+    """diffusers' loop over the timesteps `ref` was set to."""
     if hasattr(ref, "set_begin_index"):
         ref.set_begin_index(0)
     sample = torch.from_numpy(latents) * ref.init_noise_sigma
@@ -349,7 +362,7 @@ def test_jitted_step_compiles_once(sdxl_config, name):
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras")],
+    [c for c in CASES if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "lcm")],
     ids=case_id,
 )
 def test_key_draws_standard_normal_noise(sdxl_config, case):
@@ -365,6 +378,36 @@ def test_key_draws_standard_normal_noise(sdxl_config, case):
     assert np.max(np.abs(by_key - other_key)) > 1e-3
     with pytest.raises(ValueError, match="key"):
         ours.step(schedule, state, sample, sample, 1)
+
+
+@pytest.mark.parametrize("steps", [1, 4, 7, 50])
+def test_lcm_custom_timesteps_and_step_limit(sdxl_config, steps):
+    """LCM's schedule is a subset of its distillation's 50 timesteps: at most 50 steps (diffusers raises
+    past them, as ours does); custom timesteps (any strictly decreasing training timesteps) run as
+    diffusers' set_timesteps(timesteps=) runs them, the last step returning the estimate itself."""
+    ours, ref = build(sdxl_config, ("lcm", {}, {}))
+    ref.set_timesteps(steps)
+    custom = [int(t) for t in ref.timesteps]
+    if steps > 1:
+        custom[1] -= 3  # off the distillation's grid: diffusers warns and runs it
+    for timesteps in (None, custom):
+        schedule = ours.schedule(steps, timesteps=timesteps)
+        ref = build(sdxl_config, ("lcm", {}, {}))[1]
+        if timesteps is None:
+            ref.set_timesteps(steps)
+        else:
+            ref.set_timesteps(timesteps=timesteps)
+        np.testing.assert_array_equal(schedule.timesteps, ref.timesteps.numpy().astype(np.float32))
+        latents = np.random.default_rng(steps).standard_normal(SHAPE).astype(np.float32)
+        noises = np.stack([n.numpy() for n in torch_noises(steps, steps)])
+        expected = ref_loop_from(ref, latents, {"generator": torch.Generator().manual_seed(steps)})
+        got = run_loop(ours, schedule, jnp.asarray(latents), jnp.asarray(noises))
+        assert rel_err(got, expected) <= TOL
+    assert ours.scheduler_arguments()["max_steps"] == 50 and ours.scheduler_arguments()["timesteps"]
+    with pytest.raises(ValueError, match="at most original_inference_steps = 50"):
+        ours.schedule(51)
+    with pytest.raises(ValueError, match="descending"):
+        ours.schedule(2, timesteps=[499, 999])
 
 
 def test_make_scheduler_names_and_errors(sdxl_config):

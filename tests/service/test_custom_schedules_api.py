@@ -19,12 +19,14 @@ pytestmark = pytest.mark.anyio
 
 EULER = SchedulerArguments(sigmas=True, timesteps=True, sigmas_end=True)
 DDIM = SchedulerArguments(eta=True)
+LCM = SchedulerArguments(timesteps=True, max_steps=3)  # a cap under the model's (LCM's original steps)
 TOY_CUSTOM = TOY.model_copy(
     update={
         "id": "toy-custom",
         "limits": TOY.limits.model_copy(
             update={
-                "scheduler_arguments": {"default": EULER, "euler": EULER, "ddim": DDIM},
+                "scheduler_arguments": {"default": EULER, "euler": EULER, "ddim": DDIM, "lcm": LCM},
+                "schedulers": ["euler", "ddim", "lcm"],
                 "max_steps": 8,
                 "tasks": ["text-to-image", "image-to-image"],
                 "strength": StrengthLimits(defaults={"image-to-image": 0.3}, rule="int"),
@@ -71,6 +73,17 @@ async def test_eta_taken_by_ddim_and_zero_by_any(served):
     assert claimed[ddim.json()["id"]].eta == 0.5 and claimed[zero.json()["id"]].eta is None
 
 
+async def test_a_scheduler_step_cap_takes_steps_up_to_it_and_custom_timesteps(served):
+    client, _ = served
+    body = {"model": "toy-custom", "prompt": "a", "scheduler": "lcm"}
+    capped = await client.post("/v1/generate", json={**body, "num_inference_steps": 3})
+    custom = await client.post("/v1/generate", json={**body, "timesteps": [999, 759, 499, 259]})
+    assert capped.status_code == custom.status_code == 202, (capped.text, custom.text)
+    assert custom.json()["params"]["num_inference_steps"] == 4  # the cap is on spaced schedules only
+    card = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}["toy-custom"]
+    assert card["limits"]["scheduler_arguments"]["lcm"]["max_steps"] == 3
+
+
 @pytest.mark.parametrize(
     "body,field,code",
     [
@@ -89,6 +102,9 @@ async def test_eta_taken_by_ddim_and_zero_by_any(served):
         ({"eta": 0.5}, "eta", "not_supported"),  # the model's own scheduler (euler) takes none
         ({"scheduler": "ddim", "eta": 1.5}, "eta", "less_than_equal"),
         ({"scheduler": "ddim", "eta": "0.5"}, "eta", "float_type"),
+        # The scheduler's own cap: asked for, or the model's default steps (4) beyond it.
+        ({"scheduler": "lcm", "num_inference_steps": 5}, "num_inference_steps", "out_of_range"),
+        ({"scheduler": "lcm"}, "num_inference_steps", "out_of_range"),
     ],
 )
 async def test_refused_with_the_field_and_the_rule(served, body, field, code):
