@@ -19,7 +19,8 @@ VAE decode does not depend on the adapters); the figure is the pipeline's own de
 ready) divided by the steps. Medians over `--rounds` (min-max). The first call of every mode compiles and is not
 timed; the script asserts that no timed call compiled. `--targets` (a regex over diffusers' module names, the
 pools' `lora_targets`) defaults to the attention projections, what diffusers' SDXL DreamBooth LoRA script
-adapts; "" adapts every Linear of the denoiser (a longer compile).
+adapts; "" adapts every Linear of the denoiser (a longer compile). `--convs` adds the UNet's 2-D convolutions
+to the pools' tables (`lora_convs`: LoCon files, LCM-LoRA), so the LoRA program carries their adapters too.
 
 Prints the date, the machine (CPU model, cores), the load average before and after, the compile seconds of each
 mode's first call (the LoRA program's compile) and a Markdown table.
@@ -46,6 +47,7 @@ import numpy as np  # noqa: E402
 from meshserve.models import load_pipeline  # noqa: E402
 
 ATTENTION = r"attn[12]\.(to_[qkv]|to_out\.0)$"
+CONVS = r"(resnets\.\d+\.(conv1|conv2|conv_shortcut)|(down|up)samplers\.0\.conv)$"
 PROMPT = "a red circle on a blue background"
 
 
@@ -67,11 +69,15 @@ def write_adapter(path: Path, shapes: dict, rank: int, seed: int) -> Path:
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, s in shapes.items():
-        tensors[f"unet.{name}.lora_A.weight"] = rng.standard_normal((rank, s["in"])).astype(
+        kernel = tuple(s.get("kernel", ()))  # a conv's: down [r, in, kh, kw], up [out, r, 1, 1]
+        fan_in = s["in"] * int(np.prod(kernel))
+        tensors[f"unet.{name}.lora_A.weight"] = rng.standard_normal((rank, s["in"], *kernel)).astype(
             np.float32
-        ) / np.sqrt(s["in"])
+        ) / np.sqrt(fan_in)
         tensors[f"unet.{name}.lora_B.weight"] = (
-            rng.standard_normal((s["out"], rank)).astype(np.float32) * 0.5 / np.sqrt(rank)
+            rng.standard_normal((s["out"], rank, *(1,) * len(kernel))).astype(np.float32)
+            * 0.5
+            / np.sqrt(rank)
         )
     save_file(tensors, str(path))
     return path
@@ -101,14 +107,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--targets", default=ATTENTION)
+    parser.add_argument("--convs", action="store_true", help="the UNet's convolutions in the tables too")
     args = parser.parse_args()
     targets = args.targets or None
+    if args.convs and targets is not None:
+        targets = f"(?:{targets})|{CONVS}"
     load_before = os.getloadavg()[0]
 
     plain = load_pipeline(args.model, dtype="float32")
     pools = {
         rank: load_pipeline(
-            args.model, dtype="float32", max_loras=4, max_lora_rank=rank, lora_targets=targets
+            args.model,
+            dtype="float32",
+            max_loras=4,
+            max_lora_rank=rank,
+            lora_targets=targets,
+            lora_convs=args.convs,
         )
         for rank in (16, 64)
     }
@@ -166,7 +180,8 @@ def main() -> None:
     layers = len(pools[16].lora._layers()[0])
     print(
         f"{args.model}, {args.size}x{args.size}, {args.steps} steps, CFG, fp32, {args.rounds} rounds; "
-        f"LoRA tables: {layers} layers (targets {targets or 'every Linear'}), max_loras 4"
+        f"LoRA tables: {layers} layers (targets {targets or 'every Linear'}"
+        f"{', convs too' if args.convs else ''}), max_loras 4"
     )
     # A pipeline's first call compiles its text encoder's program too (a hit in JAX's persistent cache after the
     # first pipeline); the batch of 4 compiles its own text and LoRA programs.

@@ -186,10 +186,13 @@ class PoolConfig(_Strict):
     # adapters per request, the largest rank, the table's MiB on the devices (its slots: adapters resident at
     # once, least recently used evicted and loaded again when a request names it), and a regex narrowing the
     # adapted layers (each adds work to the LoRA program). None: the library's defaults (4, 64, 512, all).
+    # lora_convs: the UNet's convolutions join the table (LoCon files and LCM-LoRA adapt them); off by default,
+    # as each adds a per-row conv at the table's rank to every step of the LoRA program (docs/lora.md).
     max_loras: int | None = Field(None, ge=1)
     max_lora_rank: int | None = Field(None, ge=1)
     lora_budget_mb: float | None = Field(None, gt=0)
     lora_targets: str | None = None
+    lora_convs: bool | None = None
 
     @field_validator("lora_targets")
     @classmethod
@@ -207,7 +210,7 @@ class PoolConfig(_Strict):
 
     def lora_options(self) -> dict[str, Any]:
         """The LoRA table's load_pipeline arguments this pool sets."""
-        names = ("max_loras", "max_lora_rank", "lora_budget_mb", "lora_targets")
+        names = ("max_loras", "max_lora_rank", "lora_budget_mb", "lora_targets", "lora_convs")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @field_validator("devices")

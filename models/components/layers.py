@@ -21,7 +21,7 @@ from jax import lax
 
 from meshserve.models.components.quantize import ACTIVATIONS, TRANSPOSED, quantized_matmul
 from meshserve.models.cpu.conv_by_taps import conv_by_taps, prefers_taps
-from meshserve.models.lora.apply import adapted
+from meshserve.models.lora.apply import adapted, adapted_conv
 from meshserve.models.parallel.small_maps import replicate_small_map
 
 # --------------------------------------------------------------------------------------------------
@@ -123,7 +123,10 @@ class Conv(nnx.Conv):
 
     def __call__(self, inputs):
         inputs = replicate_small_map(inputs, self.spatial_mesh)
-        return replicate_small_map(self._conv(inputs), self.spatial_mesh)
+        y = self._conv(inputs)
+        if y.ndim == 4:  # a 2-D conv: LoCon adapters (models/lora/apply.py) when the pool's table holds it
+            y = adapted_conv(self, inputs, y)
+        return replicate_small_map(y, self.spatial_mesh)
 
     def _conv(self, inputs):
         kernel = self.kernel[...]
@@ -143,6 +146,32 @@ class Conv(nnx.Conv):
             y = conv_by_taps(inputs, kernel, padding)
             return y + bias if bias is not None else y
         return super().__call__(inputs)
+
+    def patches(self, inputs, kh: int, kw: int):
+        """2-D `inputs` [B, H, W, in] -> [B, H', W', kh kw in]: at every output position of this layer (its
+        strides, padding and dilation), the kh x kw window's inputs in the kernel's HWI order, so that a
+        matmul with a kernel flattened to [kh kw in, out] is the conv (a LoCon adapter's A:
+        models/lora/apply.py). Strided slices of the padded input."""
+        strides, dilation = _spatial(self.strides, 2), _spatial(self.kernel_dilation, 2)
+        size = inputs.shape[1:3]
+        pads = _pairs(self.padding, 2) or lax.padtype_to_pads(
+            size, [(k - 1) * d + 1 for k, d in zip((kh, kw), dilation, strict=True)], strides, self.padding
+        )
+        x = jnp.pad(inputs, ((0, 0), *pads, (0, 0)))
+        out = [
+            (n + lo + hi - (k - 1) * d - 1) // s + 1
+            for n, (lo, hi), k, d, s in zip(size, pads, (kh, kw), dilation, strides, strict=True)
+        ]
+        taps = [
+            x[
+                :,
+                i * dilation[0] : i * dilation[0] + (out[0] - 1) * strides[0] + 1 : strides[0],
+                j * dilation[1] : j * dilation[1] + (out[1] - 1) * strides[1] + 1 : strides[1],
+            ]
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        return jnp.concatenate(taps, axis=-1)
 
 
 def place_small_maps(module: nnx.Module, mesh) -> None:

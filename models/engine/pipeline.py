@@ -300,6 +300,7 @@ class DiffusionPipeline:
         max_lora_rank: int = 64,
         lora_budget_mb: float = 512.0,
         lora_targets: str | None = None,
+        lora_convs: bool = False,
         quantize: str | None = None,
         fp8_activations: bool | None = None,
         scan_blocks: bool = True,
@@ -327,6 +328,7 @@ class DiffusionPipeline:
             max_rank=max_lora_rank,
             budget_mb=lora_budget_mb,
             targets=lora_targets,
+            convs=lora_convs,
         )
         self.step_reporter = StepReporter()
         # The VAE's dtype when the pool sets one (float32 | bfloat16), else the family's default (vae_dtype_for).

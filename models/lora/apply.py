@@ -42,24 +42,40 @@ class _Active:
         self.names: dict[int, tuple[object, str]] = {}
         self.stacks: dict[int, tuple[object, str]] = {}  # id(BlockStack) -> (it, its name): bind
 
-    def delta(self, name: str, x, out_shape):
+    def row_factors(self, name: str, batch: int):
+        """Each model row's adapters of layer `name`, concatenated along the rank with the scales folded into
+        B: (A [b, in, K r], B [b, K r, out]) for a model batch of `batch` rows."""
         a, b = self.tables[name]  # [N, in, r], [N, r, *out]
         rows, k = self.index.shape
         index, scale = self.index, self.scale
-        if x.shape[0] == 2 * rows:  # CFG: the interleaved model batch, each row's pair shares its adapters
+        if batch == 2 * rows:  # CFG: the interleaved model batch, each row's pair shares its adapters
             index, scale = jnp.repeat(index, 2, axis=0), jnp.repeat(scale, 2, axis=0)
-        elif x.shape[0] != rows:
-            raise ValueError(
-                f"LoRA on {name}: input batch {x.shape[0]} is neither {rows} rows nor 2 x {rows}"
-            )
-        batch, n_in, rank = x.shape[0], a.shape[1], a.shape[2]
+        elif batch != rows:
+            raise ValueError(f"LoRA on {name}: input batch {batch} is neither {rows} rows nor 2 x {rows}")
+        n_in, rank = a.shape[1], a.shape[2]
         a_rows = jnp.take(a, index, axis=0)  # [b, K, in, r]
         a_rows = a_rows.transpose(0, 2, 1, 3).reshape(batch, n_in, k * rank)
         b_rows = jnp.take(b, index, axis=0).reshape(batch, k, rank, -1)
         b_rows = (b_rows * scale[:, :, None, None].astype(b_rows.dtype)).reshape(batch, k * rank, -1)
-        h = jnp.einsum("bsi,bir->bsr", x.reshape(batch, -1, n_in), a_rows.astype(x.dtype))
+        return a_rows, b_rows
+
+    def delta(self, name: str, x, out_shape):
+        batch = x.shape[0]
+        a_rows, b_rows = self.row_factors(name, batch)
+        h = jnp.einsum("bsi,bir->bsr", x.reshape(batch, -1, a_rows.shape[1]), a_rows.astype(x.dtype))
         d = jnp.einsum("bsr,bro->bso", h, b_rows.astype(x.dtype))
         return d.reshape(*x.shape[:-1], *out_shape)
+
+    def conv_delta(self, name: str, x, conv):
+        """A conv's adapters (LoCon: A a kh x kw conv to K r channels at the layer's strides, padding and
+        dilation; B a 1x1 conv) as the Linear delta of the input's kh x kw patches (the table holds A as
+        [N, kh kw in, r], the patches' order). x [B, H, W, in] -> [B, H', W', out].
+
+        Patches, not a per-row conv: vmapped over the rows, a conv becomes one grouped conv, which XLA's SPMD
+        partitioner computed wrong on the 8-device mesh (cfg 2 x context 2 x tensor 2, the tiny SDXL: 0.65
+        max abs pixel against one device); the patches are slices, partitioned exactly."""
+        kh, kw = conv.kernel.shape[:2]
+        return self.delta(name, conv.patches(x, kh, kw), (conv.kernel.shape[3],))
 
 
 @contextlib.contextmanager
@@ -158,6 +174,18 @@ def layer_adapters(block, tables):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def adapted_conv(conv, x, y):
+    """A 2-D conv's output y [B, H', W', out] with its adapters added (y unchanged when none is active for it);
+    x [B, H, W, in] its input."""
+    active = _ACTIVE.get()
+    if active is None:
+        return y
+    entry = active.names.get(id(conv))
+    if entry is None or entry[0] is not conv:
+        return y
+    return y + active.conv_delta(entry[1], x, conv).astype(y.dtype)
 
 
 def adapted(layer, x, y):

@@ -280,12 +280,16 @@ def read_adapter(
     targets: dict,
     text_encoders: tuple[str, ...] = (),
     unet_layout: dict | None = None,
+    refused: dict[str, str] | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """source -> {module: (A [in, r], B [r, out] x alpha/r)} for the modules in `targets` ({module: {"in",
     "out"}}: the model's LoRA-able layers, diffusers' names; a text encoder's prefixed "text_encoder.").
     `text_encoders`: the components whose keys are read (others refused). `unet_layout`: a UNet's block layout
     (models/lora/sgm_names.sgm_to_diffusers's arguments), with which SGM-named kohya keys are renamed first.
-    AdapterFormatError naming the first bad key."""
+    `refused`: {module: why} for layers of the model the pool does not adapt (its convs without lora_convs).
+    AdapterFormatError naming the first bad key. A conv's factors (targets with "kernel" (kh, kw)) come back
+    as A [kh kw in, r] (the kernel's HWI order) and B [r, out]."""
+    refused = refused or {}
     tensors, metadata = read_source(source)
     if not tensors:
         raise AdapterFormatError(f"{source}: the file holds no tensors")
@@ -303,7 +307,8 @@ def read_adapter(
                 f"supported: {key!r} (this model adapts {list(text_encoders) or 'no text encoder'})"
             )
     kohya = any(k.startswith(("lora_unet_", *_KOHYA_TEXT)) for k in tensors)
-    modules = _pairs_kohya(tensors, family, targets) if kohya else _pairs_diffusers(tensors)
+    known = {**targets, **{name: {} for name in refused}}
+    modules = _pairs_kohya(tensors, family, known) if kohya else _pairs_diffusers(tensors)
     alphas = _metadata_alphas(metadata)
     factors = {}
     for name, parts in list(modules.items()):
@@ -312,24 +317,25 @@ def read_adapter(
             alias = f"{component}.text_model.{name[len(component) + 1 :]}"
             if alias in targets and alias not in modules:
                 name = alias
+        if name in refused:
+            raise AdapterFormatError(f"LoRA module {name!r} {refused[name]}")
         if name not in targets:
             raise AdapterFormatError(f"LoRA module {name!r} is no adaptable layer of this {family} model")
         if "down" not in parts or "up" not in parts:
             raise AdapterFormatError(
                 f"LoRA module {name!r} lacks its {'up' if 'down' in parts else 'down'} weight"
             )
-        down, up = parts["down"], parts["up"]
-        if down.ndim != 2 or up.ndim != 2:
-            raise AdapterFormatError(
-                f"LoRA module {name!r}: weights of shape {down.shape} / {up.shape} (conv LoRA is not supported)"
-            )
-        rank, want = down.shape[0], targets[name]
+        down, up, want = parts["down"], parts["up"], targets[name]
+        down, up = _as_layer_factors(name, down, up, want.get("kernel"))
+        rank = down.shape[0]
         if rank < 1:
             raise AdapterFormatError(f"LoRA module {name!r}: rank 0 (down {down.shape} / up {up.shape})")
-        if down.shape != (rank, want["in"]) or up.shape != (want["out"], rank):
+        kh, kw = want.get("kernel") or (1, 1)
+        if down.shape != (rank, want["in"] * kh * kw) or up.shape != (want["out"], rank):
+            kernel = f" ({kh}x{kw} kernel)" if want.get("kernel") else ""
             raise AdapterFormatError(
-                f"LoRA module {name!r}: down {down.shape} / up {up.shape} do not fit the layer's "
-                f"{want['in']} inputs and {want['out']} outputs at rank {rank}"
+                f"LoRA module {name!r}: down {parts['down'].shape} / up {parts['up'].shape} do not fit the "
+                f"layer's {want['in']} inputs and {want['out']} outputs{kernel} at rank {rank}"
             )
         alpha = parts.get("alpha")
         if alpha is not None:
@@ -342,6 +348,32 @@ def read_adapter(
             scaling = alphas(name, rank)
         factors[name] = (np.ascontiguousarray(down.T), np.ascontiguousarray(up.T) * np.float32(scaling))
     return factors
+
+
+def _as_layer_factors(name: str, down: np.ndarray, up: np.ndarray, kernel):
+    """A module's down / up weights as 2-D [r, in'] / [out, r], in' = in for a Linear and kh kw in (the kernel's
+    HWI order, our conv kernels' HWIO layout) for a conv (`kernel` (kh, kw)): a conv's down is a torch conv
+    weight [r, in, kh, kw] and its up a 1x1 conv [out, r, 1, 1] (PEFT's and kohya's LoCon); a 1x1 conv's
+    factors may be 2-D, and a Linear's 4-D with 1x1 kernels (kohya writes either), as diffusers reads them."""
+    if kernel is None or tuple(kernel) == (1, 1):
+        ok = down.ndim in (2, 4) and up.ndim in (2, 4)
+        ok = ok and (down.ndim == 2 or down.shape[2:] == (1, 1)) and (up.ndim == 2 or up.shape[2:] == (1, 1))
+        if not ok:
+            raise AdapterFormatError(
+                f"LoRA module {name!r}: weights of shape {down.shape} / {up.shape} for a layer with 1x1 inputs"
+            )
+        return down.reshape(down.shape[:2]), up.reshape(up.shape[:2])
+    if down.ndim != 4 or up.ndim not in (2, 4) or (up.ndim == 4 and up.shape[2:] != (1, 1)):
+        raise AdapterFormatError(
+            f"LoRA module {name!r}: weights of shape {down.shape} / {up.shape}; a {kernel[0]}x{kernel[1]} conv "
+            "takes a down conv [r, in, kh, kw] and an up 1x1 conv [out, r, 1, 1]"
+        )
+    if down.shape[2:] != tuple(kernel):
+        raise AdapterFormatError(
+            f"LoRA module {name!r}: down kernel {down.shape[2:]} for a {kernel[0]}x{kernel[1]} conv"
+        )
+    rank = down.shape[0]
+    return down.transpose(0, 2, 3, 1).reshape(rank, -1), up.reshape(up.shape[:2])
 
 
 def _metadata_alphas(metadata: dict):

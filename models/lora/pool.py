@@ -65,13 +65,34 @@ class Target:
     owner: str = ""  # the module whose rules apply: a text encoder's name ("": the denoiser)
 
 
-def adaptable_layers(module) -> tuple[dict[str, list[Target]], dict[str, dict]]:
+def conv_layers(module) -> dict[str, dict]:
+    """{module: {"in", "out", "kernel": (kh, kw)}} for every 2-D convolution of the denoiser (LoCon targets)."""
+    from meshserve.models.components.block_stack import named_nodes
+    from meshserve.models.components.layers import Conv
+
+    convs = {}
+    for name, node, stacked in named_nodes(module):
+        if isinstance(node, Conv) and len(node.kernel.shape) == 4 and not stacked:
+            kh, kw, n_in, n_out = node.kernel.shape
+            convs[name] = {"in": n_in, "out": n_out, "kernel": (kh, kw)}
+    return convs
+
+
+def adaptable_layers(module, convs: bool = False) -> tuple[dict[str, list[Target]], dict[str, dict]]:
     """(diffusers' module name -> the table targets it writes, {module: {"in", "out"}} as a LoRA file sees
-    it) for every Linear, GEGLU projection and two-input Linear of the denoiser."""
+    it) for every Linear, GEGLU projection and two-input Linear of the denoiser, and with `convs` its 2-D
+    convolutions (LoCon: A a kh x kw conv to r channels, held as [kh kw in, r]; B a 1x1 conv [r, out]; their
+    shapes add "kernel" (kh, kw))."""
     from meshserve.models.components.block_stack import named_nodes
     from meshserve.models.components.layers import Linear
 
     writes, shapes = {}, {}
+    if convs:
+        for name, shape in conv_layers(module).items():
+            kh, kw = shape["kernel"]
+            kernel = (kh, kw, shape["in"], shape["out"])
+            writes[name] = [Target(name, kh * kw * shape["in"], (shape["out"],), name + ".weight", kernel)]
+            shapes[name] = shape
     for name, node, stacked in named_nodes(module):  # a BlockStack's blocks one by one, by their own names
         per_block = slice(1 if stacked else 0, None)  # a stacked parameter's leading axis is the blocks'
         if isinstance(node, Linear):
@@ -109,6 +130,7 @@ class AdapterPool:
         scale_min: float = -4.0,
         scale_max: float = 4.0,
         targets: str | None = None,
+        convs: bool = False,
     ):
         if max_per_request < 1 or max_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be at least 1")
@@ -119,6 +141,9 @@ class AdapterPool:
         # A regex over diffusers' module names: the layers the table holds (None: every adaptable layer). Each
         # layer in the table adds its gather and matmuls to the LoRA program, used or not (docs/lora.md).
         self.targets = re.compile(targets) if targets else None
+        # The denoiser's 2-D convolutions in the table too (LoCon files, LCM-LoRA): each adds a per-row conv at
+        # the table's rank to every step of the LoRA program, so only when the pool asks (docs/lora.md).
+        self.convs = bool(convs)
         self._tables = None  # made on the first load: {target: (A, B)}, text-encoder targets included
         self._slot_text = None  # [N] bool: the slot's adapter has text-encoder factors
         self._slots: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
@@ -145,7 +170,14 @@ class AdapterPool:
 
             name = self.pipe.denoiser_name
             module = nnx.merge(self.pipe._graphs[name], self.pipe._states[name])
-            writes, shapes = adaptable_layers(module)
+            writes, shapes = adaptable_layers(module, convs=self.convs)
+            # Convs out of the table: a file adapting one is told why it is refused.
+            self._refused = {
+                name: "is a convolution: this pool's LoRA table holds convolutions only with lora_convs "
+                "(LoCon files, LCM-LoRA)"
+                for name in conv_layers(module)
+                if not self.convs
+            }
             for encoder in self.pipe.lora_text_encoders:  # "text_encoder.<module>", as diffusers' keys
                 module = nnx.merge(self.pipe._graphs[encoder], self.pipe._states[encoder])
                 enc_writes, enc_shapes = adaptable_layers(module)
@@ -182,6 +214,10 @@ class AdapterPool:
         tensor_only = dataclasses.replace(placement, shard_over=())
         spec = tuple(tensor_only.param_spec(rules, target.spec_key, target.kernel_shape))
         spec = spec + (None,) * (len(target.kernel_shape) - len(spec))
+        if len(target.kernel_shape) == 4:  # a conv (HWIO): A's [kh kw in] axis whole, B's out as the kernel's
+            return NamedSharding(placement.mesh, P(None, None, None)), NamedSharding(
+                placement.mesh, P(None, None, spec[3])
+            )
         a = NamedSharding(placement.mesh, P(None, spec[0], None))
         b = NamedSharding(placement.mesh, P(None, None, *spec[1:]))
         return a, b
@@ -235,6 +271,7 @@ class AdapterPool:
             targets=shapes,
             text_encoders=self.pipe.lora_text_encoders,
             unet_layout=layout,
+            refused=self._refused,
         )
         rank = max(a.shape[1] for a, _ in factors.values())
         if rank > self.max_rank:

@@ -43,3 +43,33 @@ def test_subpixel_upsample_keeps_an_explicit_output_size():
     plain = Upsample2D(4, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 5, 5, 4)).astype(np.float32))
     np.testing.assert_array_equal(ours(x, output_size=(9, 9)), plain(x, output_size=(9, 9)))
+
+
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation",
+    [
+        (3, 1, 1, 1),
+        (3, 2, 1, 1),
+        (1, 1, 0, 1),
+        (3, 1, "SAME", 1),
+        (3, 2, "VALID", 1),
+        (3, 1, 2, 2),
+        (2, 2, 0, 1),
+    ],
+)
+def test_conv_patches_times_the_flattened_kernel_is_the_conv(kernel, stride, padding, dilation):
+    """Conv.patches (LoCon's A, models/lora/apply.py): the kh x kw windows in the kernel's HWI order, so a matmul
+    with the kernel flattened to [kh kw in, out] equals the layer's own conv, for its strides, padding and
+    dilation."""
+    from meshserve.models.components.layers import Conv
+
+    pad = ((padding, padding),) * 2 if isinstance(padding, int) else padding
+    conv = Conv(
+        3, 5, (kernel, kernel), strides=stride, padding=pad, kernel_dilation=dilation, rngs=nnx.Rngs(0)
+    )
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 9, 7, 3)), jnp.float32)
+    expected = conv(x) - conv.bias[...]
+    patches = conv.patches(x, kernel, kernel)
+    got = patches @ conv.kernel[...].reshape(-1, 5)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -40,12 +40,16 @@ def reference(tiny_sdxl_path):
 
 @pytest.fixture
 def step_noise(monkeypatch):
-    """diffusers' LCM step draws, step after step, the noise our loop draws from SEEDS' step keys; returns
-    the list of steps it drew at."""
+    return patch_lcm_noise(monkeypatch)
+
+
+def patch_lcm_noise(monkeypatch, seeds=tuple(SEEDS)):
+    """diffusers' LCM step draws, step after step, the noise our loop draws from `seeds`' step keys; returns
+    (the steps it drew at, [the first step the call runs]: set it for an img2img call)."""
     import torch
     from diffusers.schedulers import scheduling_lcm
 
-    keys, drawn = row_keys(key_data(SEEDS)), []
+    keys, drawn = row_keys(key_data(list(seeds))), []
 
     def randn(shape, **kw):
         # Our loop's latents are [B, h, w, C]; diffusers' [B, C, h, w]. Step i's noise: the i-th draw of a

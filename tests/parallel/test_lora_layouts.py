@@ -28,14 +28,15 @@ def max_abs(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
-def _pipes(path, targets, prefix, tmp_path, **mesh_kw):
+def _pipes(path, targets, prefix, tmp_path, lora_convs=False, **mesh_kw):
     """(one device, the mesh), both with adapters a (rank 4) and b (rank 8) from the same files: PEFT keys as
     diffusers' save_lora_weights writes them, `prefix` for the denoiser's modules, a text encoder's own
     ("text_encoder.", "text_encoder_2.") for its modules when `targets` reaches them."""
     from safetensors.numpy import save_file
 
-    single = load_pipeline(path, lora_targets=targets, **LORA)
-    sharded = load_pipeline(path, mesh=MESH, devices=list(range(8)), lora_targets=targets, **LORA, **mesh_kw)
+    lora = dict(LORA, lora_targets=targets, lora_convs=lora_convs)
+    single = load_pipeline(path, **lora)
+    sharded = load_pipeline(path, mesh=MESH, devices=list(range(8)), **lora, **mesh_kw)
     shapes = single.lora._layers()[1]
     for name, rank, seed in (("a", 4, 1), ("b", 8, 2)):
         tensors = {}
@@ -98,6 +99,34 @@ def test_sdxl_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, record_p
     print(f"SDXL LoRA cfg2 x context2 x tensor2: max abs pixel error {err:.2e}")
     assert err <= 1e-4, f"max abs pixel error {err:.2e}"
     assert expected.std() > 1e-3
+
+
+def test_sdxl_conv_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, record_property):
+    """LoCon on the mesh: the resnets' 3x3 and 1x1 convs, the stride-2 downsampler and the upsampler, from
+    spatial maps that context splits; the conv factors are whole on every device (no tensor axis in the conv
+    rules)."""
+    convs = r"(resnets\.\d+\.(conv1|conv2|conv_shortcut)|(down|up)samplers\.0\.conv)$"
+    single, sharded = _pipes(tiny_sdxl_path, convs, "unet", tmp_path, lora_convs=True)
+    tables = sharded.lora.tables()
+    assert "down_blocks.0.downsamplers.0.conv" in tables and "up_blocks.0.upsamplers.0.conv" in tables
+    assert all(_shard_shapes(a) == {a.shape} and _shard_shapes(b) == {b.shape} for a, b in tables.values())
+    latents = np.random.default_rng(1).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(
+        height=H,
+        width=W,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        negative_prompt="blurry",
+        latents=latents,
+        output_type="np",
+    )
+    expected = single(PROMPTS, loras=ROWS, **kw).images
+    got = sharded(PROMPTS, loras=ROWS, **kw).images
+    err = max_abs(got, expected)
+    record_property("sdxl_conv_lora_max_abs_err", err)
+    print(f"SDXL conv LoRA cfg2 x context2 x tensor2: max abs pixel error {err:.2e}")
+    assert err <= 1e-4, f"max abs pixel error {err:.2e}"
+    assert max_abs(expected, single(PROMPTS, **kw).images) > 2e-2  # the conv adapters act
 
 
 # --------------------------------------------------------------------------------------------------
