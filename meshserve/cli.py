@@ -42,7 +42,13 @@ def _generate(args: argparse.Namespace) -> int:
     enable_compilation_cache()
 
     try:
-        pipe = load_pipeline(args.model, dtype=args.dtype, variant=args.variant)
+        # A file with conv factors (LoCon, LCM-LoRA) needs the convs in the adapter table: one run, so no reason
+        # to keep them out when a local file has them (a pool does, for the LoRA program's cost: docs/lora.md);
+        # a Hub id's file is not fetched to look: --lora-convs.
+        from meshserve.models.lora.formats import has_conv_factors
+
+        convs = args.lora_convs or any(has_conv_factors(source) for _, source, _ in loras)
+        pipe = load_pipeline(args.model, dtype=args.dtype, variant=args.variant, lora_convs=convs)
         for name, source, _ in loras:  # a file that does not fit the model: one line naming its first bad key
             pipe.load_lora(name, source)
         # Before generating anything: a format the model's outputs cannot be written in (an image model to
@@ -387,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH[:SCALE]",
         help="apply a LoRA adapter (a .safetensors file or folder, or a Hub id owner/name[/file.safetensors]) at "
         "SCALE (default 1); repeatable (docs/lora.md)",
+    )
+    gen.add_argument(
+        "--lora-convs",
+        action="store_true",
+        help="adapt the UNet's convolutions too (LoCon, LCM-LoRA); automatic for a local file that has them",
     )
     gen.add_argument(
         "--cache",

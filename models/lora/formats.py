@@ -99,6 +99,18 @@ def read_source(source) -> tuple[dict[str, np.ndarray], dict]:
     return {k: np.asarray(v, np.float32) for k, v in tensors.items()}, metadata
 
 
+def has_conv_factors(path) -> bool:
+    """Whether a local LoRA file or folder holds 4-D (conv) factors, which a pool loads only with lora_convs;
+    False for anything unreadable (loading it then says why) or not on this machine (a Hub id: not fetched)."""
+    if not Path(str(path)).expanduser().exists():
+        return False
+    try:
+        tensors, _ = read_source(path)
+    except AdapterFormatError:
+        return False
+    return any(v.ndim == 4 for v in tensors.values())
+
+
 def _metadata(path: Path) -> dict:
     import struct
 

@@ -27,8 +27,8 @@ class _RecordingPipe:
 
 
 def test_generate_loads_and_applies_each_lora(tmp_path, monkeypatch):
-    pipe = _RecordingPipe()
-    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    pipe, options = _RecordingPipe(), []
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: options.append(kw) or pipe)
     out = tmp_path / "o.png"
     args = ["generate", "--prompt", "a cat", "--seed", "1", "-o", str(out)]
     args += [
@@ -50,6 +50,34 @@ def test_generate_loads_and_applies_each_lora(tmp_path, monkeypatch):
     pipe.calls.clear()
     assert cli.main(["generate", "--prompt", "a cat", "--seed", "1", "-o", str(out)]) == 0
     assert "loras" not in pipe.calls[0]  # none given: the program without adapters
+    assert [o["lora_convs"] for o in options] == [False, False]  # none of the adapters is a local conv file
+
+
+def test_a_local_file_with_conv_factors_brings_the_convs_into_the_table(tmp_path, monkeypatch):
+    """LoCon / LCM-LoRA: a local file with 4-D factors loads the pipeline with lora_convs (or --lora-convs)."""
+    from safetensors.numpy import save_file
+
+    convs, linear = tmp_path / "convs.safetensors", tmp_path / "linear.safetensors"
+    name = "unet.down_blocks.0.resnets.0.conv1"
+    save_file(
+        {
+            f"{name}.lora_A.weight": np.zeros((2, 4, 3, 3), np.float32),
+            f"{name}.lora_B.weight": np.zeros((4, 2, 1, 1), np.float32),
+        },
+        str(convs),
+    )
+    save_file({"unet.x.lora_A.weight": np.zeros((2, 4), np.float32)}, str(linear))
+    pipe, options = _RecordingPipe(), []
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: options.append(kw) or pipe)
+    out = str(tmp_path / "o.png")
+    base = ["generate", "--prompt", "a cat", "--seed", "1", "-o", out]
+    for extra in (
+        ["--lora", f"l={linear}"],
+        ["--lora", f"l={linear}", "--lora", f"c={convs}:0.5"],
+        ["--lora", "h=owner/name", "--lora-convs"],
+    ):
+        assert cli.main(base + extra) == 0
+    assert [o["lora_convs"] for o in options] == [False, True, True]
 
 
 @pytest.mark.parametrize(
