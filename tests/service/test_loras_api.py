@@ -77,6 +77,7 @@ def test_pools_yaml_loras(tmp_path):
         "max_loras": 2,
         "lora_targets": "attn",
     }
+    assert PoolConfig(name="p", models=["m"], lora_convs=True).lora_options() == {"lora_convs": True}
     root = lora_root(tmp_path)
     pool = PoolConfig(name="p", models=["fake"], devices="0")
     fake = {"runner": "fake", "options": {"lora_slots": 2}}
