@@ -187,7 +187,8 @@ class PoolConfig(_Strict):
     # once, least recently used evicted and loaded again when a request names it), and a regex narrowing the
     # adapted layers (each adds work to the LoRA program). None: the library's defaults (4, 64, 512, all).
     # lora_convs: the UNet's convolutions join the table (LoCon files and LCM-LoRA adapt them); off by default,
-    # as each adds a per-row conv at the table's rank to every step of the LoRA program (docs/lora.md).
+    # as each adds a matmul of its input's patches at the table's rank to every step of the LoRA program
+    # (docs/lora.md).
     max_loras: int | None = Field(None, ge=1)
     max_lora_rank: int | None = Field(None, ge=1)
     lora_budget_mb: float | None = Field(None, gt=0)

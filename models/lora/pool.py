@@ -141,8 +141,9 @@ class AdapterPool:
         # A regex over diffusers' module names: the layers the table holds (None: every adaptable layer). Each
         # layer in the table adds its gather and matmuls to the LoRA program, used or not (docs/lora.md).
         self.targets = re.compile(targets) if targets else None
-        # The denoiser's 2-D convolutions in the table too (LoCon files, LCM-LoRA): each adds a per-row conv at
-        # the table's rank to every step of the LoRA program, so only when the pool asks (docs/lora.md).
+        # The denoiser's 2-D convolutions in the table too (LoCon files, LCM-LoRA): each adds a matmul of its
+        # input's kh x kw patches at the table's rank to every step of the LoRA program (the tiny SDXL's 23 convs
+        # took a rank-16 pool's step from ~1.1x to 1.86x the plain program: bench/README.md), so only when asked.
         self.convs = bool(convs)
         self._tables = None  # made on the first load: {target: (A, B)}, text-encoder targets included
         self._slot_text = None  # [N] bool: the slot's adapter has text-encoder factors
