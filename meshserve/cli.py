@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--eta",
         type=float,
         default=None,
-        help="SDXL with --scheduler ddim: diffusers' eta, the noise each step adds (0: deterministic, 1: DDPM-like)",
+        help="SDXL with --scheduler ddim or tcd: diffusers' eta, the noise each step adds (0: deterministic; "
+        "ddim 1: DDPM-like; tcd: its gamma, 0.3 in TCD's recipe)",
     )
     gen.add_argument(
         "--timesteps",

@@ -235,7 +235,9 @@ def check_scheduler_arguments(
             raise LimitError("eta", "out_of_range", f"eta must be in [0, 1], got {eta}")
         if eta != 0 and (rules is None or not _get(rules, "eta", False)):
             raise LimitError(
-                "eta", "not_supported", f"{model} takes no eta with {named} (DDIM's noise weight)"
+                "eta",
+                "not_supported",
+                f"{model} takes no eta with {named} (DDIM's noise weight, TCD's gamma)",
             )
     sigmas, timesteps = request.get("sigmas"), request.get("timesteps")
     if sigmas is None and timesteps is None:

@@ -162,7 +162,7 @@ class SchedulerArguments(_Frozen):
     sigmas_end: bool = False  # sigmas include the last step's end (Euler: N + 1 values for N steps)
     max_sigma: float | None = None  # flow matching: 1
     max_timestep: int = 999
-    eta: bool = False  # takes diffusers' eta (DDIM's noise weight)
+    eta: bool = False  # takes diffusers' eta (DDIM's noise weight, TCD's gamma)
     max_steps: int | None = None  # the most num_inference_steps it makes (LCM: its original_inference_steps)
 
 
@@ -321,7 +321,7 @@ class JobParams(_Frozen):
     # diffusers' custom schedule (None: the scheduler's own of num_inference_steps steps, which they set).
     sigmas: tuple[float, ...] | None = None
     timesteps: tuple[int, ...] | None = None
-    eta: float | None = None  # DDIM's noise weight (None: 0, diffusers' default)
+    eta: float | None = None  # DDIM's noise weight, TCD's gamma (None: 0, diffusers' default)
     guidance_scale: float
     true_cfg_scale: float | None = None  # the model's true-CFG scale (None: the model has none)
     guidance_rescale: float | None = None  # SDXL's CFG rescale (None: the model has none)

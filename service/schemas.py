@@ -261,8 +261,9 @@ class GenerateRequest(_TextRequest):
         ge=0,
         le=1,
         allow_inf_nan=False,
-        description="diffusers' eta (SDXL with the ddim scheduler): the weight of the fresh noise each step adds "
-        "(0, the default, is deterministic DDIM; 1 is DDPM-like), drawn from the job's seed. The schedulers that "
+        description="diffusers' eta (SDXL with the ddim or tcd scheduler): the weight of the fresh noise each step "
+        "adds (0, the default, is deterministic; DDIM at 1 is DDPM-like; TCD's gamma, 0.3 in its recipe), drawn "
+        "from the job's seed. The schedulers that "
         "take it have `eta: true` in the model's `limits.scheduler_arguments`; any other answers 422 unless it is "
         "0.",
     )

@@ -29,6 +29,7 @@ from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
 from meshserve.models.schedulers.lcm import LCMSchedule, LCMScheduler
+from meshserve.models.schedulers.tcd import TCDSchedule, TCDScheduler
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
 _OTHER_SIGMAS_OFF = {"use_exponential_sigmas": False, "use_beta_sigmas": False}
@@ -62,6 +63,8 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     ),
     # LCM-distilled UNets' and LCM-LoRA's sampler (diffusers' LCMScheduler.from_config(the model's config)).
     "lcm": (LCMScheduler, {}),
+    # TCD-distilled adapters' sampler (TCD-SDXL-LoRA, Hyper-SD); its gamma is the request's eta.
+    "tcd": (TCDScheduler, {}),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
     # Wan 2.1's scheduler; only its flow-matching form is implemented, so the name implies it.
     "unipc": (UniPCMultistepScheduler, {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
@@ -81,6 +84,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         FlowMatchEulerDiscreteScheduler,
         UniPCMultistepScheduler,
         LCMScheduler,
+        TCDScheduler,
     )
 }
 
@@ -116,6 +120,7 @@ __all__ = [
     "SigmaSchedule",
     "DDIMSchedule",
     "LCMSchedule",
+    "TCDSchedule",
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
@@ -123,5 +128,6 @@ __all__ = [
     "FlowMatchEulerDiscreteScheduler",
     "UniPCMultistepScheduler",
     "LCMScheduler",
+    "TCDScheduler",
     "flux_mu",
 ]

@@ -98,10 +98,9 @@ class LCMScheduler(NoiseScheduler):
         k = self.num_train_timesteps // self.original_inference_steps
         return np.arange(1, self.original_inference_steps + 1, dtype=np.int64) * k - 1
 
-    def schedule(self, num_inference_steps: int, *, timesteps=None) -> LCMSchedule:
-        """The schedule of N steps: N of the distillation's timesteps, evenly spaced by index from the noisiest
-        (diffusers' set_timesteps at strength 1; a strength is applied by the caller, as diffusers' img2img
-        pipelines do), or the caller's own strictly decreasing `timesteps` (N of them)."""
+    def distilled_timesteps(self, num_inference_steps: int, timesteps=None) -> np.ndarray:
+        """[N] int64: N of the distillation's timesteps evenly spaced by index from the noisiest, or the
+        caller's own (checked: N of them, strictly decreasing, training timesteps)."""
         n = int(num_inference_steps)
         self.check_steps(n)
         if timesteps is not None:
@@ -112,13 +111,19 @@ class LCMScheduler(NoiseScheduler):
                 raise ValueError("custom timesteps must be in descending order")
             if timesteps[0] >= self.num_train_timesteps or timesteps[-1] < 0:
                 raise ValueError(f"timesteps must be in [0, {self.num_train_timesteps - 1}]")
-        else:
-            if n > self.max_steps():
-                raise ValueError(
-                    f"LCMScheduler makes at most original_inference_steps = {self.max_steps()} steps, got {n}"
-                )
-            origin = self.origin_timesteps()[::-1]
-            timesteps = origin[np.floor(np.linspace(0, len(origin), num=n, endpoint=False)).astype(np.int64)]
+            return timesteps
+        if n > self.max_steps():
+            raise ValueError(
+                f"{type(self).__name__} makes at most original_inference_steps = {self.max_steps()} steps, got {n}"
+            )
+        origin = self.origin_timesteps()[::-1]
+        return origin[np.floor(np.linspace(0, len(origin), num=n, endpoint=False)).astype(np.int64)]
+
+    def schedule(self, num_inference_steps: int, *, timesteps=None) -> LCMSchedule:
+        """The schedule of N steps: N of the distillation's timesteps, evenly spaced by index from the noisiest
+        (diffusers' set_timesteps at strength 1; a strength is applied by the caller, as diffusers' img2img
+        pipelines do), or the caller's own strictly decreasing `timesteps` (N of them)."""
+        timesteps = self.distilled_timesteps(num_inference_steps, timesteps)
         alphas_cumprod = self.alphas_cumprod()
         final_alpha_cumprod = np.float32(1.0) if self.set_alpha_to_one else alphas_cumprod[0]
         # The timestep step i re-noises to: the next one (the last step re-noises nowhere; diffusers reads its

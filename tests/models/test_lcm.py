@@ -43,11 +43,14 @@ def step_noise(monkeypatch):
     return patch_lcm_noise(monkeypatch)
 
 
-def patch_lcm_noise(monkeypatch, seeds=tuple(SEEDS)):
-    """diffusers' LCM step draws, step after step, the noise our loop draws from `seeds`' step keys; returns
-    (the steps it drew at, [the first step the call runs]: set it for an img2img call)."""
+def patch_lcm_noise(monkeypatch, seeds=tuple(SEEDS), scheduler="lcm"):
+    """diffusers' LCM (or TCD) step draws, step after step, the noise our loop draws from `seeds`' step keys;
+    returns (the steps it drew at, [the first step the call runs]: set it for an img2img call)."""
+    import importlib
+
     import torch
-    from diffusers.schedulers import scheduling_lcm
+
+    module = importlib.import_module(f"diffusers.schedulers.scheduling_{scheduler}")
 
     keys, drawn = row_keys(key_data(list(seeds))), []
 
@@ -61,7 +64,7 @@ def patch_lcm_noise(monkeypatch, seeds=tuple(SEEDS)):
         return torch.from_numpy(np.asarray(rows).transpose(0, 3, 1, 2).copy())
 
     drawn_from = [0]  # the first step a call runs (img2img starts later)
-    monkeypatch.setattr(scheduling_lcm, "randn_tensor", randn)
+    monkeypatch.setattr(module, "randn_tensor", randn)
     return drawn, drawn_from
 
 
@@ -114,6 +117,30 @@ def test_lcm_img2img_matches_diffusers_and_compiles_nothing_new(ours, reference,
     out = ours(PROMPTS, image=images, height=H, width=W, latents=noise, seed=SEEDS, scheduler="lcm", **other)
     assert ours.compilations == before and not out.compiled
     assert np.abs(out.images - got.images).max() > 1e-2
+
+
+@pytest.mark.parametrize("eta", [0.3, 0.0])
+def test_tcd_with_its_gamma_matches_diffusers(ours, reference, monkeypatch, eta):
+    """TCD (TCD-SDXL-LoRA's recipe: TCDScheduler, 4 steps, eta 0.3): gamma is the call's eta, traced in the
+    schedule (a new eta compiles nothing); eta 0 (diffusers' pipelines' default) draws no noise."""
+    import torch
+    from diffusers import TCDScheduler
+
+    drawn, _ = patch_lcm_noise(monkeypatch, scheduler="tcd")
+    original = reference.scheduler
+    reference.scheduler = TCDScheduler.from_config(original.config)
+    try:
+        latents = _latents(4)
+        kw = dict(num_inference_steps=4, guidance_scale=1.5, height=H, width=W, output_type="np")
+        expected = reference(PROMPTS, latents=torch.from_numpy(latents), eta=eta, **kw).images
+    finally:
+        reference.scheduler = original
+    before = ours.compilations
+    got = ours(PROMPTS, latents=latents, seed=SEEDS, scheduler="tcd", eta=eta, **kw)
+    assert drawn == ([0, 1, 2] if eta else [])
+    _check(got.images, expected, f"tcd, eta {eta}")
+    if eta == 0.0:  # the second run: the program of the first serves it
+        assert ours.compilations == before and not got.compiled
 
 
 def test_lcm_step_cap_is_published_and_enforced(ours):

@@ -37,6 +37,7 @@ CLASS = {
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
     "lcm": "LCMScheduler",
+    "tcd": "TCDScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
@@ -124,6 +125,11 @@ CASES = [
     ("lcm", dict(prediction_type="sample", clip_sample=True, clip_sample_range=0.5), {}),
     ("lcm", dict(thresholding=True, prediction_type="sample", sample_max_value=1.2), {}),
     ("lcm", dict(set_alpha_to_one=False, beta_schedule="linear", beta_start=0.0001, beta_end=0.02), {}),
+    # TCD: gamma is diffusers' step argument eta (0: its pipelines' default, deterministic).
+    ("tcd", {}, {}),
+    ("tcd", {}, dict(eta=0.3)),
+    ("tcd", dict(prediction_type="v_prediction", rescale_betas_zero_snr=True), dict(eta=0.5)),
+    ("tcd", dict(prediction_type="sample", original_inference_steps=40, clip_sample=True), dict(eta=1.0)),
 ]
 
 
@@ -169,7 +175,7 @@ def torch_noises(seed: int, n: int) -> list[torch.Tensor]:
 
 def ref_step_kwargs(ours, seed: int) -> dict:
     kwargs = {"generator": torch.Generator().manual_seed(seed)} if ours.stochastic else {}
-    if "DDIM" in type(ours).__name__:
+    if hasattr(ours, "eta"):  # DDIM's and TCD's step argument
         kwargs["eta"] = ours.eta
     return kwargs
 
@@ -362,7 +368,11 @@ def test_jitted_step_compiles_once(sdxl_config, name):
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "lcm")],
+    [
+        c
+        for c in CASES
+        if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "lcm") or c[2].get("eta")
+    ],
     ids=case_id,
 )
 def test_key_draws_standard_normal_noise(sdxl_config, case):
