@@ -179,22 +179,29 @@ def layer_adapters(block, tables):
 def adapted_conv(conv, x, y):
     """A 2-D conv's output y [B, H', W', out] with its adapters added (y unchanged when none is active for it);
     x [B, H, W, in] its input."""
-    active = _ACTIVE.get()
-    if active is None:
+    bound = _bound(conv)
+    if bound is None:
         return y
-    entry = active.names.get(id(conv))
-    if entry is None or entry[0] is not conv:
-        return y
-    return y + active.conv_delta(entry[1], x, conv).astype(y.dtype)
+    active, name = bound
+    return y + active.conv_delta(name, x, conv).astype(y.dtype)
 
 
 def adapted(layer, x, y):
     """A layer's output y with its adapters added (y unchanged when none is active for it). x [B, ..., in],
     y [B, ..., *out]."""
+    bound = _bound(layer)
+    if bound is None:
+        return y
+    active, name = bound
+    return y + active.delta(name, x, y.shape[x.ndim - 1 :]).astype(y.dtype)
+
+
+def _bound(layer):
+    """(the active adapters, the layer's name) when this trace's adapters cover the layer, else None."""
     active = _ACTIVE.get()
     if active is None:
-        return y
+        return None
     entry = active.names.get(id(layer))
     if entry is None or entry[0] is not layer:
-        return y
-    return y + active.delta(entry[1], x, y.shape[x.ndim - 1 :]).astype(y.dtype)
+        return None
+    return active, entry[1]
