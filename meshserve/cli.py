@@ -50,7 +50,11 @@ def _generate(args: argparse.Namespace) -> int:
         convs = args.lora_convs or any(has_conv_factors(source) for _, source, _ in loras)
         pipe = load_pipeline(args.model, dtype=args.dtype, variant=args.variant, lora_convs=convs)
         for name, source, _ in loras:  # a file that does not fit the model: one line naming its first bad key
-            pipe.load_lora(name, source)
+            try:
+                pipe.load_lora(name, source)
+            except PipelineError as e:
+                hint = " (--lora-convs)" if "only with lora_convs" in str(e) else ""
+                raise UsageError(f"--lora {name}: {e}{hint}") from None
         # Before generating anything: a format the model's outputs cannot be written in (an image model to
         # .mp4, a video model to .png), frames or a frame rate for images.
         # The scheduler and the step cache too, so that a typo is told before the progress bar starts.

@@ -338,10 +338,12 @@ def read_adapter(
                 f"LoRA module {name!r} lacks its {'up' if 'down' in parts else 'down'} weight"
             )
         down, up, want = parts["down"], parts["up"], targets[name]
+        if down.ndim >= 1 and down.shape[0] < 1:
+            raise AdapterFormatError(f"LoRA module {name!r}: rank 0 (down {down.shape} / up {up.shape})")
+        if not (np.isfinite(down).all() and np.isfinite(up).all()):
+            raise AdapterFormatError(f"LoRA module {name!r}: its factors hold NaN or infinite values")
         down, up = _as_layer_factors(name, down, up, want.get("kernel"))
         rank = down.shape[0]
-        if rank < 1:
-            raise AdapterFormatError(f"LoRA module {name!r}: rank 0 (down {down.shape} / up {up.shape})")
         kh, kw = want.get("kernel") or (1, 1)
         if down.shape != (rank, want["in"] * kh * kw) or up.shape != (want["out"], rank):
             kernel = f" ({kh}x{kw} kernel)" if want.get("kernel") else ""
@@ -366,7 +368,8 @@ def _as_layer_factors(name: str, down: np.ndarray, up: np.ndarray, kernel):
     """A module's down / up weights as 2-D [r, in'] / [out, r], in' = in for a Linear and kh kw in (the kernel's
     HWI order, our conv kernels' HWIO layout) for a conv (`kernel` (kh, kw)): a conv's down is a torch conv
     weight [r, in, kh, kw] and its up a 1x1 conv [out, r, 1, 1] (PEFT's and kohya's LoCon); a 1x1 conv's
-    factors may be 2-D, and a Linear's 4-D with 1x1 kernels (kohya writes either), as diffusers reads them."""
+    factors may be 2-D, and a Linear's 4-D with 1x1 kernels (kohya writes either; diffusers 0.42.1 refuses such
+    a PEFT-keyed file with a size mismatch, where these mean the same product)."""
     if kernel is None or tuple(kernel) == (1, 1):
         ok = down.ndim in (2, 4) and up.ndim in (2, 4)
         ok = ok and (down.ndim == 2 or down.shape[2:] == (1, 1)) and (up.ndim == 2 or up.shape[2:] == (1, 1))

@@ -116,6 +116,9 @@ def test_conv_factors_of_the_wrong_shape_name_the_layer(convs, tmp_path):
         "1x1 down on a 3x3 conv": (np.zeros((2, 32, 1, 1), np.float32), good[1]),
         "2-D factors on a 3x3 conv": (np.zeros((2, 32), np.float32), np.zeros((32, 2), np.float32)),
         "a 3x3 up": (good[0], np.zeros((32, 2, 3, 3), np.float32)),
+        "rank 0": (np.zeros((0, 32, 3, 3), np.float32), np.zeros((32, 0, 1, 1), np.float32)),
+        "1-D factors": (np.zeros((2,), np.float32), np.zeros((32,), np.float32)),
+        "a NaN": (np.full((2, 32, 3, 3), np.nan, np.float32), good[1]),
     }
     for why, (down, up) in bad.items():
         path = tmp_path / "bad.safetensors"

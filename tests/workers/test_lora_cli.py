@@ -80,6 +80,27 @@ def test_a_local_file_with_conv_factors_brings_the_convs_into_the_table(tmp_path
     assert [o["lora_convs"] for o in options] == [False, True, True]
 
 
+def test_a_conv_file_the_detection_missed_is_told_the_flag(tmp_path, monkeypatch, capsys):
+    """A file the auto-detection cannot see into (a Hub id, or 2-D factors on 1x1 convs): the refusal names
+    the adapter and --lora-convs."""
+    from meshserve.models.lora.formats import AdapterFormatError
+
+    pipe = _RecordingPipe()
+
+    def refuse(name, source):
+        raise AdapterFormatError(
+            "LoRA module 'down_blocks.0.resnets.0.conv_shortcut' is a convolution: this pool's LoRA table holds "
+            "convolutions only with lora_convs (LoCon files, LCM-LoRA)"
+        )
+
+    pipe.load_lora = refuse
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    args = ["generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), "--lora", "h=owner/name"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--lora h: LoRA module" in err and "(--lora-convs)" in err
+
+
 @pytest.mark.parametrize(
     "spec,match",
     [
