@@ -220,10 +220,11 @@ def check_scheduler_arguments(
     "max_timestep": the largest timestep}. Values run strictly downwards (from noise to the image); a sigma a
     step starts from is at least MIN_STEP_SIGMA (Euler divides by it). `request`: sigmas, timesteps, scheduler
     and, when the caller gave one, num_inference_steps, which must then equal the schedule's steps. Also checks
-    the request's `eta`, diffusers' DDIM noise weight in [0, 1]: a scheduler whose rules have "eta" takes it;
-    any takes 0 (diffusers' default, which changes nothing). And, without a custom schedule, the step count (the
-    request's num_inference_steps, else `default_steps`) against the scheduler's own "max_steps" (LCM's
-    schedule is a subset of its distillation's 50 steps; diffusers' set_timesteps raises past them)."""
+    the request's `eta`, diffusers' DDIM noise weight (TCD's gamma) in [0, 1]: a scheduler whose rules have
+    "eta" takes it; any takes 0 (diffusers' default, which changes nothing). And, without a custom schedule, the
+    step count (the request's num_inference_steps, else `default_steps`) against the scheduler's own
+    "max_steps" (LCM's schedule is a subset of its distillation's 50 steps; diffusers' set_timesteps raises
+    past them)."""
     scheduler = request.get("scheduler")
     rules = _get(_get(limits, "scheduler_arguments", {}), scheduler or DEFAULT_SCHEDULER)
     named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
@@ -248,7 +249,7 @@ def check_scheduler_arguments(
             raise LimitError(
                 "num_inference_steps",
                 "out_of_range",
-                f"num_inference_steps must be at most {cap} with {named} of {model}, got {steps}",
+                f"num_inference_steps must be at most {cap} with {named} for {model}, got {steps}",
             )
         return None
     if sigmas is not None and timesteps is not None:

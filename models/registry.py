@@ -119,8 +119,8 @@ def load_pipeline(
     `vae_dtype` ("float32" | "bfloat16"; None: the family's default, docs/outputs.md) is the VAE's dtype.
     `max_loras` (adapters per row), `max_lora_rank` and `lora_budget_mb` (the adapter table's bytes on the
     devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
-    it holds, `lora_convs` adds the denoiser's 2-D convolutions to them (LoCon files, LCM-LoRA; docs/lora.md). `quantize`: "int8" or "fp8" stores the denoiser's Linear kernels as int8 or e4m3
-    with per-channel scales (models/components/quantize.py), "none" or None keeps them in `dtype`; fp8
+    it holds, `lora_convs` adds the denoiser's 2-D convolutions to them (LoCon files, LCM-LoRA; docs/lora.md).
+    `quantize`: "int8" or "fp8" stores the denoiser's Linear kernels as int8 or e4m3 with per-channel scales (models/components/quantize.py), "none" or None keeps them in `dtype`; fp8
     quantizes the activations too where the devices have fp8 dots (GPUs of compute capability 8.9+) and is
     weight-only elsewhere; `fp8_activations` True quantizes them on any backend (the dot then runs upcast
     where there are no fp8 dots), False never.
