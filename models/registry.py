@@ -120,10 +120,11 @@ def load_pipeline(
     `max_loras` (adapters per row), `max_lora_rank` and `lora_budget_mb` (the adapter table's bytes on the
     devices) size the pool's LoRA table, `lora_targets` (a regex over diffusers' module names) narrows the layers
     it holds, `lora_convs` adds the denoiser's 2-D convolutions to them (LoCon files, LCM-LoRA; docs/lora.md).
-    `quantize`: "int8" or "fp8" stores the denoiser's Linear kernels as int8 or e4m3 with per-channel scales (models/components/quantize.py), "none" or None keeps them in `dtype`; fp8
-    quantizes the activations too where the devices have fp8 dots (GPUs of compute capability 8.9+) and is
-    weight-only elsewhere; `fp8_activations` True quantizes them on any backend (the dot then runs upcast
-    where there are no fp8 dots), False never.
+    `quantize`: "int8" or "fp8" stores the denoiser's Linear kernels as int8 or e4m3 with per-channel scales
+    (models/components/quantize.py), "none" or None keeps them in `dtype`; fp8 quantizes the activations too
+    where the devices have fp8 dots (GPUs of compute capability 8.9+) and is weight-only elsewhere;
+    `fp8_activations` True quantizes them on any backend (the dot then runs upcast where there are no fp8
+    dots), False never.
     `scan_blocks`: the DiTs' and T5's repeated blocks run under one lax.scan (compiled once; False: unrolled,
     models/components/block_stack.py).
     `xla_options` (XLA's option names and values, e.g. {"xla_gpu_enable_latency_hiding_scheduler": True}) go to
