@@ -62,6 +62,21 @@ SDXL_TARGETS = rf"(attn[12]\.(to_[qkv]|to_out\.0)|ff\.net\.0\.proj)$|{CLIP_TARGE
 H, W = 32, 48  # 8 x 12 = 96 tokens at the tiny UNet's attention level: context 2 splits them evenly
 
 
+def _sdxl_call(seed: int) -> dict:
+    """The SDXL call both layouts run: 3 rows with ROWS' adapters, CFG with a negative prompt, 2 steps."""
+    latents = np.random.default_rng(seed).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
+    return dict(
+        height=H,
+        width=W,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        negative_prompt="blurry",
+        latents=latents,
+        output_type="np",
+        loras=ROWS,
+    )
+
+
 def test_sdxl_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, record_property):
     single, sharded = _pipes(tiny_sdxl_path, SDXL_TARGETS, "unet", tmp_path)
 
@@ -81,17 +96,7 @@ def test_sdxl_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, record_p
     assert {name.split(".", 1)[0] for name in text} == {"text_encoder", "text_encoder_2"}
     assert all(_shard_shapes(a) == {a.shape} and _shard_shapes(b) == {b.shape} for a, b in text.values())
 
-    latents = np.random.default_rng(0).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
-    kw = dict(
-        height=H,
-        width=W,
-        num_inference_steps=2,
-        guidance_scale=5.0,
-        negative_prompt="blurry",
-        latents=latents,
-        output_type="np",
-        loras=ROWS,
-    )
+    kw = _sdxl_call(seed=0)
     expected = single(PROMPTS, **kw).images
     got = sharded(PROMPTS, **kw).images
     err = max_abs(got, expected)
@@ -113,18 +118,9 @@ def test_sdxl_conv_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, rec
     tables = sharded.lora.tables()
     assert "down_blocks.0.downsamplers.0.conv" in tables and "up_blocks.0.upsamplers.0.conv" in tables
     assert all(_shard_shapes(a) == {a.shape} and _shard_shapes(b) == {b.shape} for a, b in tables.values())
-    latents = np.random.default_rng(1).standard_normal((3, 4, H // 2, W // 2)).astype(np.float32)
-    kw = dict(
-        height=H,
-        width=W,
-        num_inference_steps=2,
-        guidance_scale=5.0,
-        negative_prompt="blurry",
-        latents=latents,
-        output_type="np",
-    )
-    expected = single(PROMPTS, loras=ROWS, **kw).images
-    got = sharded(PROMPTS, loras=ROWS, **kw).images
+    kw = _sdxl_call(seed=1)
+    expected = single(PROMPTS, **kw).images
+    got = sharded(PROMPTS, **kw).images
     err = max_abs(got, expected)
     record_property("sdxl_conv_lora_max_abs_err", err)
     print(f"SDXL conv LoRA cfg2 x context2 x tensor2: max abs pixel error {err:.2e}")
@@ -132,7 +128,7 @@ def test_sdxl_conv_lora_mesh_matches_single_device(tiny_sdxl_path, tmp_path, rec
     # The conv adapters act: the same program with every scale 0 (the plain model's output) is far off.
     from meshserve.models.lora.pool import ZERO_SCALES
 
-    assert max_abs(expected, single(PROMPTS, loras=ZERO_SCALES, **kw).images) > 2e-2
+    assert max_abs(expected, single(PROMPTS, **{**kw, "loras": ZERO_SCALES}).images) > 2e-2
 
 
 # --------------------------------------------------------------------------------------------------
