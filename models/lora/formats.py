@@ -79,6 +79,18 @@ def read_source(source) -> tuple[dict[str, np.ndarray], dict]:
     path = Path(str(source)).expanduser()
     if not path.exists():
         path = download_from_hub(str(source))
+    path = _weights_file(path)
+    try:
+        tensors = read_safetensors(path)
+        metadata = _metadata(path)
+    except Exception as e:  # a truncated or foreign file
+        raise AdapterFormatError(f"{path}: not a readable safetensors file ({e})") from e
+    return {k: np.asarray(v, np.float32) for k, v in tensors.items()}, metadata
+
+
+def _weights_file(path: Path) -> Path:
+    """A LoRA folder's one .safetensors file (diffusers' `pytorch_lora_weights.safetensors` preferred), or the
+    file itself."""
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         preferred = [f for f in files if f.name == "pytorch_lora_weights.safetensors"]
@@ -91,32 +103,41 @@ def read_source(source) -> tuple[dict[str, np.ndarray], dict]:
         path = (preferred or files)[0]
     if path.suffix != ".safetensors":
         raise AdapterFormatError(f"{path}: LoRA weights must be a .safetensors file")
-    try:
-        tensors = read_safetensors(path)
-        metadata = _metadata(path)
-    except Exception as e:  # a truncated or foreign file
-        raise AdapterFormatError(f"{path}: not a readable safetensors file ({e})") from e
-    return {k: np.asarray(v, np.float32) for k, v in tensors.items()}, metadata
+    return path
 
 
 def has_conv_factors(path) -> bool:
-    """Whether a local LoRA file or folder holds 4-D (conv) factors, which a pool loads only with lora_convs;
-    False for anything unreadable (loading it then says why) or not on this machine (a Hub id: not fetched)."""
-    if not Path(str(path)).expanduser().exists():
+    """Whether a local LoRA file or folder holds 4-D (conv) factors, which a pool loads only with lora_convs,
+    read from the file's header alone (loading reads the tensors once, after); False for anything unreadable
+    (loading it then says why) or not on this machine (a Hub id: not fetched)."""
+    path = Path(str(path)).expanduser()
+    if not path.exists():
         return False
     try:
-        tensors, _ = read_source(path)
-    except AdapterFormatError:
+        header = _header(_weights_file(path))
+    except (AdapterFormatError, OSError, ValueError):
         return False
-    return any(v.ndim == 4 for v in tensors.values())
+    return any(
+        isinstance(entry, dict) and len(entry.get("shape", ())) == 4
+        for key, entry in header.items()
+        if key != "__metadata__"
+    )
 
 
-def _metadata(path: Path) -> dict:
+def _header(path: Path) -> dict:
+    """A safetensors file's JSON header: {tensor: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}."""
     import struct
 
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)).get("__metadata__", {}) or {}
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        return json.loads(f.read(n))
+
+
+def _metadata(path: Path) -> dict:
+    return _header(path).get("__metadata__", {}) or {}
 
 
 def download_from_hub(spec: str) -> Path:
