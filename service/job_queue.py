@@ -40,6 +40,10 @@ from meshserve.service.store_base import job_from_hash, pairs, valid_job_id
 from meshserve.service.webhooks.spec import WebhookSpec
 
 GROUP = "pools"
+# How long a tenant's job index (`GET /v1/jobs`) outlives its last submit beyond `job_ttl_s`: the index must list
+# a job as long as the job exists, and a job may stay queued or running past its tenant's last submit (a week covers
+# any queue and deadline this service is meant for; a job older than that is still read by its id).
+JOB_INDEX_GRACE_S = 7 * 24 * 3600
 # A claim reads a stream again while what it read were entries of jobs that had ended (canceled or expired while
 # queued), at most this many times: past a flood of canceled entries in a few claims, without one claim taking long.
 _MAX_READS_PER_STREAM = 16
@@ -129,8 +133,10 @@ class JobQueue(JobReads):
         args += [repr(now), tenant, max_active, s.job_ttl_s, secrets.token_urlsafe(16)]
         args += [repr(deadline_at) if deadline_at is not None else ""]
         args += [webhook.model_dump_json(), webhook.fires_on()] if webhook is not None else ["", ""]
+        args += [s.job_ttl_s + JOB_INDEX_GRACE_S]
+        keys = [self.job_key(job_id), idem_key, *streams, active_key, self.tenant_jobs_key(tenant)]
         try:
-            res = await self._run("SUBMIT", [self.job_key(job_id), idem_key, *streams, active_key], args)
+            res = await self._run("SUBMIT", keys, args)
         except RedisTimeoutError as e:
             # The deadline passed with the script possibly sent: Redis may run it when it resumes (refused
             # connections are ConnectionErrors, raised as they are: nothing was sent).

@@ -1,16 +1,42 @@
-"""The API's reads: a job (tenant-checked), its queue position, its events (SSE, `Prefer: wait`), and the queue
-depths and cluster-wide counters the metrics export. Nothing here changes a job."""
+"""The API's reads: a job (tenant-checked), a tenant's jobs (`GET /v1/jobs`), a job's queue position, its events
+(SSE, `Prefer: wait`), and the queue depths and cluster-wide counters the metrics export. Nothing here changes a
+job."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from meshserve.service.contract import PRIORITY_ORDER, Event, EventType, Job, JobStatus, Priority
 from meshserve.service.job_outputs import JobOutputs
 from meshserve.service.pool_registry import PoolRegistry
 from meshserve.service.redis_client import MAX_BLOCK_MS
 from meshserve.service.store_base import job_from_hash, valid_job_id
+
+# Index entries one listing reads at most: a filter that matches few jobs ends a page early (with a cursor) rather
+# than reading a tenant's whole index in one request.
+LIST_SCAN_MAX = 1000
+_LIST_BATCH = 100
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """One page of a tenant's jobs, newest first; `next_cursor` continues after it (None: nothing older)."""
+
+    jobs: list[Job]
+    next_cursor: str | None
+
+
+def parse_cursor(cursor: str) -> tuple[float, str]:
+    """A listing's cursor -> (created_at, job id) of the last job it covered; ValueError when malformed."""
+    created, sep, job_id = cursor.partition("_")
+    when = float(created) if sep and len(created) <= 32 else math.nan
+    if not math.isfinite(when) or not valid_job_id(job_id):
+        raise ValueError("not a cursor this API gave")
+    return when, job_id
 
 
 class JobReads(JobOutputs, PoolRegistry):
@@ -29,6 +55,77 @@ class JobReads(JobOutputs, PoolRegistry):
         if job.outputs and h.get("out_key") and self.outputs is not None and self.outputs.signed_url_ttl_s:
             await self._resign(job, h["out_key"])
         return job
+
+    async def list_jobs(
+        self,
+        tenant: str,
+        *,
+        limit: int,
+        cursor: str | None = None,
+        statuses: Collection[JobStatus] = (),
+        model: str | None = None,
+    ) -> JobPage:
+        """The tenant's jobs that still exist, newest first, `limit` at most, after `cursor` (a page's
+        `next_cursor`), only those in `statuses` (any when empty) and of `model` (any when None). At most
+        LIST_SCAN_MAX index entries are read: a page of a narrow filter can hold fewer than `limit` jobs and still
+        have a `next_cursor`. Ids of jobs that expired are dropped from the index as they are met."""
+        key = self.tenant_jobs_key(tenant)
+        top, after = (math.inf, None) if cursor is None else parse_cursor(cursor)
+        wanted = {s.value for s in statuses}
+        found: list[tuple[float, str, dict[str, str]]] = []  # (index score, id, hash), one more than a page
+        scanned, at_end = 0, False
+        while len(found) <= limit and scanned < LIST_SCAN_MAX and not at_end:
+            # Entries of one created_at sort by id (descending here): those up to the cursor's were listed.
+            ties = 0 if after is None else await self.redis.zcount(key, top, top)
+            num = min(_LIST_BATCH, LIST_SCAN_MAX - scanned) + ties
+            high = "+inf" if top == math.inf else repr(top)
+            rows = await self.redis.zrevrangebyscore(key, high, "-inf", start=0, num=num, withscores=True)
+            fresh = [(m, sc) for m, sc in rows if after is None or sc < top or m < after]
+            at_end = len(rows) < num  # (until an entry below is left unread)
+            # Which exist and match: three fields each, then the whole hash of the matches only.
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id, _ in fresh:
+                pipe.hmget(self.job_key(job_id), "status", "model", "tenant")
+            gone, matched = [], []
+            for i, ((job_id, score), (status, job_model, owner)) in enumerate(
+                zip(fresh, await pipe.execute() if fresh else [], strict=True)
+            ):
+                scanned += 1
+                top, after = score, job_id
+                if not status or (owner or self.settings.default_owner) != tenant:
+                    gone.append(job_id)
+                elif (not wanted or status in wanted) and (model is None or job_model == model):
+                    matched.append((score, job_id))
+                    if len(found) + len(matched) > limit:
+                        at_end = at_end and i == len(fresh) - 1
+                        break
+            if gone:
+                await self.redis.zrem(key, *gone)
+            pipe = self.redis.pipeline(transaction=False)
+            for _, job_id in matched:
+                pipe.hgetall(self.job_key(job_id))
+            for (score, job_id), h in zip(matched, await pipe.execute() if matched else [], strict=True):
+                if h.get("status"):  # (unless it expired between the two reads)
+                    found.append((score, job_id, h))
+        page = found[:limit]
+        if len(found) > limit:
+            next_cursor = f"{page[-1][0]!r}_{page[-1][1]}"
+        elif not at_end:  # the scan's bound, not the index's end
+            next_cursor = f"{top!r}_{after}"
+        else:
+            next_cursor = None
+        jobs = []
+        for _, _, h in page:
+            job = job_from_hash(h)
+            if (
+                job.outputs
+                and h.get("out_key")
+                and self.outputs is not None
+                and self.outputs.signed_url_ttl_s
+            ):
+                await self._resign(job, h["out_key"])
+            jobs.append(job)
+        return JobPage(jobs, next_cursor)
 
     async def queue_position(self, job: Job) -> int | None:
         """Jobs ahead of a queued job (0: it is next); None when it is not queued."""

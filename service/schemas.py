@@ -486,6 +486,15 @@ class JobResponse(BaseModel):
         )
 
 
+class JobList(BaseModel):
+    """A page of the caller's jobs, newest first (`GET /v1/jobs`)."""
+
+    object: Literal["list"] = "list"
+    data: list[JobResponse]
+    has_more: bool = Field(description="Older jobs may follow: ask again with `cursor` = `next_cursor`.")
+    next_cursor: str | None = Field(None, description="Where the next page starts; null on the last page.")
+
+
 class PoolSummary(BaseModel):
     name: str
     ready: bool

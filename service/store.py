@@ -11,6 +11,7 @@ Key layout (`P` is `Settings.key_prefix`, "ms" by default):
 | `P:staged:{id}:{attempt}:{i}` | string | output bytes written by one attempt, renamed to `P:out:{id}:{i}` by its fenced commit (else they expire) |
 | `P:idem:{tenant}:{key}`      | string | `<job id> <request hash>`, TTL (idempotency keys are per tenant) |
 | `P:active:{tenant}`          | set    | the tenant's queued/running job ids while its key has an active-job limit; pruned on submit |
+| `P:jobs_of:{tenant}`         | sorted set | the tenant's job ids by created_at (`GET /v1/jobs`); ids of expired jobs pruned on submit and on listing |
 | `P:lease:{id}`               | string | the attempt holding the job, expires unless renewed (`heartbeat`) |
 | `P:dlq:{model}`              | stream | dead-lettered jobs with the reason |
 | `P:pools`                    | hash   | pool name -> `PoolInfo` JSON |

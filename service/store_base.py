@@ -151,6 +151,9 @@ class StoreBase:
     def staged_output_key(self, job_id: str, attempt: int, index: int) -> str:
         return f"{self.prefix}:staged:{job_id}:{attempt}:{index}"
 
+    def tenant_jobs_key(self, tenant: str) -> str:
+        return f"{self.prefix}:jobs_of:{tenant}"
+
     def dlq_key(self, model: str) -> str:
         return f"{self.prefix}:dlq:{model}"
 

@@ -172,11 +172,15 @@ local function owned(jk, attempt)
 end
 """
 
-# KEYS: job, idem (or ''), stream high, normal, low, the tenant's active set (or ''). ARGV: P, job id, target
-# priority index (1-3), queue limit, idem value, idem ttl, events maxlen, model, priority, params JSON, created_at,
-# tenant, the tenant's active-job limit (0: none), the active set's ttl, the output token, the deadline (unix
-# seconds, '' for none), the webhook (JSON, '' for none) and the statuses it fires on (' succeeded failed '). (Few
-# arguments: redis-py packs each one in Python, a measurable share of a submit.)
+# KEYS: job, idem (or ''), stream high, normal, low, the tenant's active set (or ''), the tenant's job index. ARGV:
+# P, job id, target priority index (1-3), queue limit, idem value, idem ttl, events maxlen, model, priority, params
+# JSON, created_at, tenant, the tenant's active-job limit (0: none), the active set's ttl, the output token, the
+# deadline (unix seconds, '' for none), the webhook (JSON, '' for none) and the statuses it fires on (' succeeded
+# failed '), the job index's ttl. (Few arguments: redis-py packs each one in Python, a measurable share of a submit.)
+#
+# The tenant's job index (KEYS[7], `GET /v1/jobs`): job id by created_at. Ids of jobs that expired are dropped by the
+# listing that meets them, and here from the index's oldest end (two per submit, so the index of a tenant that keeps
+# submitting holds little more than its jobs that still exist).
 #
 # Active jobs: the set holds the ids of the tenant's jobs submitted while it had a limit; members that are no
 # longer queued or running (succeeded, failed, canceled, dead-lettered, expired) are pruned here, when the set is
@@ -221,6 +225,11 @@ if KEYS[6] ~= '' and max_active > 0 then
   redis.call('SADD', KEYS[6], ARGV[2])
   redis.call('EXPIRE', KEYS[6], ARGV[14])
 end
+for _, id in ipairs(redis.call('ZRANGE', KEYS[7], 0, 1)) do
+  if redis.call('EXISTS', P .. ':job:' .. id) == 0 then redis.call('ZREM', KEYS[7], id) end
+end
+redis.call('ZADD', KEYS[7], ARGV[11], ARGV[2])
+redis.call('EXPIRE', KEYS[7], ARGV[19])
 event(ARGV[2], 'queued', '{"status":"queued"}', ARGV[7])
 if KEYS[2] ~= '' then redis.call('SET', KEYS[2], ARGV[5], 'EX', ARGV[6]) end
 redis.call('SADD', P .. ':models', ARGV[8])

@@ -1,4 +1,4 @@
-"""`/v1/jobs/{job_id}`: read, cancel, follow (SSE) and download."""
+"""`/v1/jobs`: list a tenant's jobs; `/v1/jobs/{job_id}`: read, cancel, follow (SSE) and download."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
@@ -17,7 +18,7 @@ from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
 from meshserve.service.api.routes.generate import job_reply
 from meshserve.service.contract import CONTENT_TYPES, JobStatus
-from meshserve.service.schemas import ErrorResponse, JobResponse
+from meshserve.service.schemas import MAX_MODEL_ID_CHARS, ErrorResponse, JobList, JobResponse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
 NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job (or it expired)."}}
@@ -27,6 +28,57 @@ KEY_RECHECK_S = 30.0
 # Far above any job's outputs (n <= a model's max_n): a bound so that a huge index is a 422, not a parse of
 # thousands of digits.
 MAX_OUTPUT_INDEX = 65535
+
+
+@router.get(
+    "",
+    response_model=JobList,
+    responses={
+        403: {"model": ErrorResponse, "description": "`tenant` names another tenant: admin keys only."}
+    },
+    summary="List your jobs",
+)
+async def list_jobs(
+    store: StoreDep,
+    tenant: TenantDep,
+    limit: Annotated[int, Query(ge=1, le=100, description="Jobs per page.")] = 20,
+    cursor: Annotated[
+        str | None, Query(max_length=100, description="A previous page's `next_cursor`: the jobs after it.")
+    ] = None,
+    status: Annotated[
+        list[JobStatus] | None,
+        Query(description="Only jobs in these statuses (repeat the parameter for more)."),
+    ] = None,
+    model: Annotated[
+        str | None, Query(max_length=MAX_MODEL_ID_CHARS, description="Only this model's jobs.")
+    ] = None,
+    owner: Annotated[
+        str | None,
+        Query(
+            alias="tenant",
+            max_length=200,
+            description="Another tenant's jobs (an admin key's; default: yours).",
+        ),
+    ] = None,
+) -> Response:
+    """The jobs you submitted that still exist (a job lives `job_ttl_s` after it ends), newest first. A page
+    reads at most 1,000 of your jobs: with a narrow filter it can hold fewer than `limit` and still have
+    `has_more`; follow `next_cursor` until it is null. Jobs are listed without `queue_position` (read a job for
+    it)."""
+    if owner is not None and owner != tenant.name and not tenant.admin:
+        raise ApiError(403, "admin_required", "listing another tenant's jobs needs an admin key", "tenant")
+    try:
+        page = await store.list_jobs(
+            owner or tenant.name, limit=limit, cursor=cursor, statuses=status or (), model=model
+        )
+    except ValueError as e:
+        raise ApiError(422, "invalid_cursor", f"cursor: {e}", "cursor") from None
+    listed = JobList(
+        data=[JobResponse.from_job(job) for job in page.jobs],
+        has_more=page.next_cursor is not None,
+        next_cursor=page.next_cursor,
+    )
+    return Response(listed.model_dump_json(), 200, media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobResponse, responses=NOT_FOUND, summary="Read a job")
