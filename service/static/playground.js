@@ -213,6 +213,7 @@ async function generate(event) {
     showError(String(e));
   } finally {
     button.disabled = false;
+    loadRecent().catch(() => {});
   }
 }
 
@@ -340,6 +341,41 @@ async function showJob(job) {
   $("details").hidden = false;
 }
 
+// The caller's last jobs (GET /v1/jobs), newest first: one that ended opens again on a click.
+async function loadRecent() {
+  if (!$("key-box").hidden && !sessionStorage.getItem(KEY_STORE)) return; // keys on, none given yet
+  const r = await fetch("/v1/jobs?limit=10", { headers: apiHeaders() });
+  if (!r.ok) return; // a key refused (the key box says so), or a server without the listing
+  const items = (await r.json()).data.map((job) => {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "recent-job";
+    button.dataset.job = job.id;
+    button.textContent = `${job.status} · ${job.model} · ${job.params.prompt}`;
+    button.title = job.params.prompt;
+    button.addEventListener("click", () => openJob(job.id));
+    const item = document.createElement("li");
+    item.append(button);
+    return item;
+  });
+  $("recent").replaceChildren(...items);
+  $("history").hidden = items.length === 0;
+}
+
+async function openJob(jobId) {
+  resetOutput();
+  $("job-id").textContent = jobId;
+  try {
+    const r = await fetch(`/v1/jobs/${jobId}`, { headers: apiHeaders() });
+    if (!r.ok) { showError(await errorOf(r)); return; }
+    const job = await r.json();
+    if (TERMINAL.has(job.status)) await showJob(job);
+    else setStatus(job.status);
+  } catch (e) {
+    showError(String(e));
+  }
+}
+
 // -- wiring ------------------------------------------------------------------------------------------------
 
 function useKey() {
@@ -347,6 +383,7 @@ function useKey() {
   if (key) sessionStorage.setItem(KEY_STORE, key);
   else sessionStorage.removeItem(KEY_STORE);
   loadModels();
+  loadRecent().catch(() => {});
 }
 
 document.addEventListener("DOMContentLoaded", async () => {
@@ -358,4 +395,5 @@ document.addEventListener("DOMContentLoaded", async () => {
   if (sessionStorage.getItem(KEY_STORE)) { $("key-box").hidden = false; $("api-key").value = sessionStorage.getItem(KEY_STORE); }
   await loadSchema();
   await loadModels();
+  await loadRecent().catch(() => {});
 });

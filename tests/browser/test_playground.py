@@ -253,6 +253,30 @@ def test_generate_the_readme_prompt(page, servers):
         Image.open(shot).convert("RGB").quantize(64).save(shot, optimize=True)
 
 
+def test_recent_jobs_are_listed_and_open_again(page, servers):
+    """The page lists the caller's last jobs (GET /v1/jobs), newest first, after each generation and when it
+    opens; a click on one shows its picture again, the same bytes."""
+    _ready(page, servers["open"])
+    page.fill("#prompt", README_PROMPT)
+    page.fill("#seed", str(README_SEED))
+    _generate(page)
+    data, _ = _shown_image(page)
+    job_id = page.inner_text("#job-id")
+    page.wait_for_selector(f"#recent .recent-job[data-job='{job_id}']")
+    listed = [j["id"] for j in httpx.get(f"{servers['open']}/v1/jobs?limit=10").json()["data"]]
+    shown = page.eval_on_selector_all("#recent .recent-job", "bs => bs.map(b => b.dataset.job)")
+    assert shown == listed and listed[0] == job_id
+    assert page.inner_text(f"#recent .recent-job[data-job='{job_id}']").endswith(README_PROMPT)
+
+    page.reload()
+    page.wait_for_selector(f"#recent .recent-job[data-job='{job_id}']")
+    assert page.locator("#result img.output").count() == 0
+    page.click(f"#recent .recent-job[data-job='{job_id}']")
+    page.wait_for_selector("#result img.output")
+    again, _ = _shown_image(page)
+    assert again == data and page.inner_text("#job-id") == job_id
+
+
 def test_progress_and_previews_arrive_over_sse(page, servers):
     """A longer run (100 steps, about 1.5 s here when the machine is quiet), so that the worker's progress
     rounds (every 0.25 s) fall inside it: the bar moved with `progress` events, and once the server has live
