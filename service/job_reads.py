@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -30,13 +31,16 @@ class JobPage:
     next_cursor: str | None
 
 
+_CURSOR = re.compile(r"^([0-9]{1,16}(?:\.[0-9]{1,20})?)_([0-9a-f]{32})$")
+
+
 def parse_cursor(cursor: str) -> tuple[float, str]:
-    """A listing's cursor -> (created_at, job id) of the last job it covered; ValueError when malformed."""
-    created, sep, job_id = cursor.partition("_")
-    when = float(created) if sep and len(created) <= 32 else math.nan
-    if not math.isfinite(when) or not valid_job_id(job_id):
+    """A listing's cursor, "<created_at>_<job id>" as `list_jobs` writes it -> (created_at, job id) of the last
+    job it covered; ValueError for anything else."""
+    match = _CURSOR.match(cursor)
+    if match is None:
         raise ValueError("not a cursor this API gave")
-    return when, job_id
+    return float(match[1]), match[2]
 
 
 class JobReads(JobOutputs, PoolRegistry):
@@ -79,9 +83,11 @@ class JobReads(JobOutputs, PoolRegistry):
             ties = 0 if after is None else await self.redis.zcount(key, top, top)
             num = min(_LIST_BATCH, LIST_SCAN_MAX - scanned) + ties
             high = "+inf" if top == math.inf else repr(top)
-            rows = await self.redis.zrevrangebyscore(key, high, "-inf", start=0, num=num, withscores=True)
+            # One row more than read: whether the index goes on past them (a page that ends on the scan's bound
+            # exactly at the index's end says so, rather than sending the client to an empty page).
+            rows = await self.redis.zrevrangebyscore(key, high, "-inf", start=0, num=num + 1, withscores=True)
+            at_end, rows = len(rows) <= num, rows[:num]  # (at_end: until an entry below is left unread)
             fresh = [(m, sc) for m, sc in rows if after is None or sc < top or m < after]
-            at_end = len(rows) < num  # (until an entry below is left unread)
             # Which exist and match: three fields each, then the whole hash of the matches only.
             pipe = self.redis.pipeline(transaction=False)
             for job_id, _ in fresh:

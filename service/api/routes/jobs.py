@@ -56,6 +56,7 @@ async def list_jobs(
         str | None,
         Query(
             alias="tenant",
+            min_length=1,
             max_length=200,
             description="Another tenant's jobs (an admin key's; default: yours).",
         ),
