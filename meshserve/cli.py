@@ -60,6 +60,7 @@ def _generate(args: argparse.Namespace) -> int:
         # The scheduler and the step cache too, so that a typo is told before the progress bar starts.
         video_args = {
             "output_format": fmt,
+            "output_compression": args.compression,
             "fps": args.fps,
             "num_frames": args.frames,
             "scheduler": args.scheduler,
@@ -150,7 +151,9 @@ def _generate(args: argparse.Namespace) -> int:
         else [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(len(outputs))]
     )
     for output, path in zip(outputs, paths, strict=True):
-        data, _ = encode_output(output, fmt, fps=args.fps or pipe.defaults.get("fps", 16))
+        data, _ = encode_output(
+            output, fmt, fps=args.fps or pipe.defaults.get("fps", 16), quality=args.compression
+        )
         path.write_bytes(data)
     stages = ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in result.timings.items())
     skipped = f"; cached steps {', '.join(map(str, result.cached_steps))}" if cache else ""
@@ -373,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="video models: frame rate of the .mp4/.webp (default: the model's)",
+    )
+    gen.add_argument(
+        "--compression",
+        type=int,
+        default=None,
+        metavar="0-100",
+        help="quality of a .jpg/.webp output (the API's output_compression; default: 90)",
     )
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument(

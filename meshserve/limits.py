@@ -37,6 +37,8 @@ STRENGTH_TASKS: tuple[str, ...] = ("image-to-image", "inpaint")
 # Output formats: an image model's, its default first, and a video model's (an animated WebP is either).
 IMAGE_FORMATS: tuple[str, ...] = ("png", "jpeg", "webp")
 VIDEO_FORMATS: tuple[str, ...] = ("mp4", "webp")
+# The formats `output_compression` (their encoder's quality) applies to.
+LOSSY_FORMATS: tuple[str, ...] = ("jpeg", "webp")
 
 
 class LimitError(ValueError):
@@ -108,6 +110,12 @@ def check_request(
             "output_format",
             "not_supported",
             f"output_format {fmt!r} is not one of {output_formats(limits)} for {model}",
+        )
+    if integer("output_compression", 0, 100) is not None and fmt not in LOSSY_FORMATS:
+        raise LimitError(
+            "output_compression",
+            "not_supported",
+            f"output_compression applies to {' and '.join(LOSSY_FORMATS)} outputs; this job writes {fmt}",
         )
     frames = _get(limits, "frames")
     if frames is None:

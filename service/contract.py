@@ -332,6 +332,7 @@ class JobParams(_Frozen):
     seed: int
     n: int = 1
     output_format: str = "png"
+    output_compression: int | None = None  # lossy formats' quality, 0-100 (None: the encoder's default, 90)
     metadata: dict[str, Any] = Field(default_factory=dict)
     preview_every: int = 0  # live previews every this many steps (0: none; docs/previews.md)
     # Image inputs: references to the stored, re-encoded input (`redis:<token>` / `store:<token>`,

@@ -49,6 +49,10 @@ _MICRO = (
 # A model id (a pools.yaml key or a Hub id, owner/name: 96 + 1 + 96 at most on the Hub). Unbounded, a 900 KB id
 # came back whole in its 404 (an audit, 2026-11-28).
 MAX_MODEL_ID_CHARS = 200
+OUTPUT_COMPRESSION = (
+    "The quality of lossy outputs, 0-100 (OpenAI's gpt-image-1 name): jpeg and webp images and webp videos only "
+    "(a 422 with png or mp4). Higher keeps more detail in more bytes; null: 90."
+)
 # Every format some model may produce (which ones a model takes is its `limits.output_formats`).
 OutputFormat = Literal[tuple(CONTENT_TYPES)]
 # Metadata is echoed back, stored with the job and bounded like everything a client sends (OWASP API4): flat (no
@@ -316,6 +320,7 @@ class GenerateRequest(_TextRequest):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     n: int = Field(1, ge=1, description="Images (or videos) to generate from the prompt.")
     output_format: OutputFormat | None = None
+    output_compression: int | None = Field(None, ge=0, le=100, description=OUTPUT_COMPRESSION)
     priority: Priority = Field(
         Priority.NORMAL,
         strict=False,  # JSON gives the enum its value, a string
@@ -410,6 +415,7 @@ class ImagesRequest(_TextRequest):
         description="gpt-image-1's: the images' format, one the model lists in `limits.output_formats` (null: "
         "the model's first).",
     )
+    output_compression: int | None = Field(None, ge=0, le=100, description=OUTPUT_COMPRESSION)
     stream: bool | None = Field(
         None,
         description="Streaming partial images is not offered: true is a 422 `not_supported` (a job's previews "

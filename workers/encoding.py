@@ -14,8 +14,9 @@ from PIL import Image
 
 from meshserve.service.contract import CONTENT_TYPES, IMAGE_FORMATS, VIDEO_FORMATS
 
-# Lossy quality: Pillow's defaults are 75 (JPEG) and 80 (WebP); 90 keeps fine detail at ~1.5x the bytes.
-_QUALITY = 90
+# Lossy quality unless a job asks for its own (`output_compression`): Pillow's defaults are 75 (JPEG) and 80
+# (WebP); 90 keeps fine detail at ~1.5x the bytes.
+DEFAULT_QUALITY = 90
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
@@ -25,8 +26,8 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     return (np.clip(np.asarray(image, dtype=np.float32), 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def encode_image(image: np.ndarray, fmt: str) -> tuple[bytes, str]:
-    """image [H, W, 3] -> (bytes, content type)."""
+def encode_image(image: np.ndarray, fmt: str, quality: int | None = None) -> tuple[bytes, str]:
+    """image [H, W, 3] -> (bytes, content type); `quality` 0-100 for JPEG and WebP (None: DEFAULT_QUALITY)."""
     fmt = fmt.lower()
     if fmt not in IMAGE_FORMATS:
         raise ValueError(f"unsupported image format {fmt!r}; use one of {list(IMAGE_FORMATS)}")
@@ -36,9 +37,9 @@ def encode_image(image: np.ndarray, fmt: str) -> tuple[bytes, str]:
         # compress_level 1: ~5x faster than the default 6 for ~10% more bytes; encoding sits on the job's path.
         pil.save(buf, format="PNG", compress_level=1)
     elif fmt == "jpeg":
-        pil.save(buf, format="JPEG", quality=_QUALITY)
+        pil.save(buf, format="JPEG", quality=DEFAULT_QUALITY if quality is None else quality)
     else:
-        pil.save(buf, format="WEBP", quality=_QUALITY)
+        pil.save(buf, format="WEBP", quality=DEFAULT_QUALITY if quality is None else quality)
     return buf.getvalue(), CONTENT_TYPES[fmt]
 
 
@@ -50,9 +51,11 @@ def can_encode(fmt: str) -> bool:
     return fmt in CONTENT_TYPES
 
 
-def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[bytes, str]:
-    """frames [F, H, W, 3] -> (bytes, content type). MP4 is H.264 (yuv420p, so even sizes) through PyAV,
-    imported lazily: image-only workers never load it."""
+def encode_video(
+    frames: np.ndarray, fmt: str = "mp4", fps: int = 16, quality: int | None = None
+) -> tuple[bytes, str]:
+    """frames [F, H, W, 3] -> (bytes, content type); `quality` for an animated WebP, as `encode_image`'s. MP4
+    is H.264 (yuv420p, so even sizes) through PyAV, imported lazily: image-only workers never load it."""
     fmt = fmt.lower()
     frames = to_uint8(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3:
@@ -67,7 +70,7 @@ def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[b
             append_images=pils[1:],
             duration=int(1000 / fps),
             loop=0,
-            quality=_QUALITY,
+            quality=DEFAULT_QUALITY if quality is None else quality,
         )
         return buf.getvalue(), CONTENT_TYPES["webp"]
     if fmt not in VIDEO_FORMATS:
@@ -97,6 +100,10 @@ def encode_video(frames: np.ndarray, fmt: str = "mp4", fps: int = 16) -> tuple[b
     return buf.getvalue(), CONTENT_TYPES["mp4"]
 
 
-def encode_output(array: np.ndarray, fmt: str, fps: int = 16) -> tuple[bytes, str]:
+def encode_output(
+    array: np.ndarray, fmt: str, fps: int = 16, quality: int | None = None
+) -> tuple[bytes, str]:
     """One output: an image [H, W, 3] or a video [F, H, W, 3], by rank."""
-    return encode_video(array, fmt, fps) if array.ndim == 4 else encode_image(array, fmt)
+    if array.ndim == 4:
+        return encode_video(array, fmt, fps, quality)
+    return encode_image(array, fmt, quality)

@@ -590,7 +590,10 @@ def encode_job(req: RunRequest, generated: Generated | RunResult) -> RunResult:
     images, outputs = generated.arrays, []
     for i in range(req.params.n):
         data, content_type = encode_output(
-            images[i], req.params.output_format, fps=req.params.fps or DEFAULT_FPS
+            images[i],
+            req.params.output_format,
+            fps=req.params.fps or DEFAULT_FPS,
+            quality=req.params.output_compression,
         )
         outputs.append(
             OutputBlob(

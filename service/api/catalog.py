@@ -234,6 +234,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         "n": req.n,
         "scheduler": req.scheduler,
         "output_format": fmt,
+        "output_compression": req.output_compression,
         "num_frames": frames,
         "fps": req.fps,
     }
@@ -328,6 +329,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         seed=req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1),
         n=req.n,
         output_format=fmt,
+        output_compression=req.output_compression,
         metadata=req.metadata,
         strength=strength,
         # `previews: true` alone: about ten previews over the run (models/engine/previews.py's default_every).

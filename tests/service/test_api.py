@@ -705,3 +705,28 @@ async def test_outputs_answer_conditional_and_ranged_downloads(api):
         assert r.status_code == 304 and not r.content and r.headers["etag"] == etag, tag
     r = await client.head(url, headers={"Range": "bytes=0-9"})
     assert r.status_code == 206 and r.headers["content-length"] == "10"
+
+
+async def test_output_compression_is_the_lossy_formats_quality(api):
+    """OpenAI's gpt-image-1 `output_compression`: 0-100, for jpeg and webp outputs only (a 422 naming the field
+    with png, the default format), on /v1/generate and /v1/images/generations alike."""
+    client, store, _ = api
+    r = await client.post(
+        "/v1/generate", json={"prompt": "x", "output_format": "jpeg", "output_compression": 40}
+    )
+    assert r.status_code == 202, r.text
+    assert (await store.get(r.json()["id"])).params.output_compression == 40
+    r = await client.post("/v1/generate", json={"prompt": "x"})
+    assert r.json()["params"]["output_compression"] is None
+    for body, rule in (
+        ({"output_compression": 50}, "not_supported"),  # png
+        ({"output_format": "webp", "output_compression": 101}, "less_than_equal"),
+        ({"output_format": "webp", "output_compression": -1}, "greater_than_equal"),
+        ({"output_format": "webp", "output_compression": 5.5}, "int_type"),
+    ):
+        r = await client.post("/v1/generate", json={"prompt": "x", **body})
+        assert r.status_code == 422, (body, r.text)
+        assert (r.json()["error"]["field"], r.json()["error"]["code"]) == ("output_compression", rule), r.text
+    body = {"prompt": "x", "output_format": "png", "output_compression": 10}
+    r = await client.post("/v1/images/generations", json=body)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "output_compression", r.text

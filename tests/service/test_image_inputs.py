@@ -637,6 +637,25 @@ async def test_an_edit_without_a_mask_reads_the_images_transparency_as_one(api_i
     (inpaint,) = [j for j in jobs if j.params.mask is not None]
     mask = Image.open(io.BytesIO(await InputStore.of(store).get(inpaint.params.mask)))
     assert mask.getpixel((15, 5)) == 255 and mask.getpixel((5, 5)) == mask.getpixel((30, 5)) == 0
+    # The same with an Idempotency-Key: the fields hashed for the key were taken for the request's (a 500 until
+    # 2026-11-29).
+    files = {"image": ("in.png", encode(holed, "PNG"), "image/png")}
+    for _ in range(2):
+        r = await client.post(
+            "/v1/images/edits",
+            files=files,
+            data={**data, "model": "toy-img"},
+            headers={"Idempotency-Key": "h"},
+        )
+        assert r.status_code == 200, r.text
+    keyed = [
+        job
+        for job in [
+            await store.get(k.rsplit(":", 1)[1]) async for k in store.redis.scan_iter(f"{store.prefix}:job:*")
+        ]
+        if job.id not in {j.id for j in jobs}
+    ]
+    assert [(j.params.mask is not None, j.params.strength) for j in keyed] == [(True, defaults["inpaint"])]
 
 
 @pytest.mark.parametrize(
@@ -705,6 +724,28 @@ async def test_an_unreadable_multipart_form_is_a_422_that_says_so(api_img):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_form", r.text
     r = await client.post("/v1/images/edits", files={f"f{i}": ("a", b"x") for i in range(1001)})
     assert r.status_code == 422 and "Too many files" in r.json()["error"]["message"]
+
+
+async def test_an_edits_output_compression_is_its_jobs(api_img):
+    client, store, worker = api_img
+    worker.start()
+    files = {"image": ("in.png", PNG, "image/png")}
+    data = {"prompt": "a cat", "model": "toy-img", "size": "64x48", "output_format": "webp"}
+    r = await client.post("/v1/images/edits", files=files, data={**data, "output_compression": "30"})
+    assert r.status_code == 200, r.text
+    (job,) = [
+        await store.get(k.rsplit(":", 1)[1]) async for k in store.redis.scan_iter(f"{store.prefix}:job:*")
+    ]
+    assert (job.params.output_format, job.params.output_compression) == ("webp", 30)
+    for extra, rule in (
+        ({"output_format": "png"}, "not_supported"),
+        ({"output_compression": "101"}, "less_than_equal"),
+    ):
+        r = await client.post(
+            "/v1/images/edits", files=files, data={**data, "output_compression": "30", **extra}
+        )
+        assert r.status_code == 422, r.text
+        assert (r.json()["error"]["field"], r.json()["error"]["code"]) == ("output_compression", rule), r.text
 
 
 async def test_images_edits_take_one_image_and_one_mask(api_img):

@@ -8,7 +8,13 @@ from PIL import Image
 
 from meshserve.service.contract import JobParams
 from meshserve.workers.config import PoolConfig
-from meshserve.workers.encoding import encode_image, encode_output, encode_video, to_uint8
+from meshserve.workers.encoding import (
+    DEFAULT_QUALITY,
+    encode_image,
+    encode_output,
+    encode_video,
+    to_uint8,
+)
 from meshserve.workers.fake_runner import FakeRunner
 from meshserve.workers.runner import Cancelled, InvalidRequest, RunRequest, make_runner
 
@@ -34,6 +40,25 @@ def test_lossy_formats_decode_close(fmt, ctype):
     assert got == ctype
     back = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(int)
     assert np.abs(back - 128).max() <= 3
+
+
+def test_a_jobs_output_compression_is_its_encoders_quality():
+    """`output_compression` is the quality of JPEG, WebP and animated WebP (None: DEFAULT_QUALITY's bytes); the
+    runner passes each job's own."""
+    img = _image(64, 64)
+    for fmt in ("jpeg", "webp"):
+        small, default, high = (encode_image(img, fmt, q)[0] for q in (10, None, 100))
+        assert len(small) < len(default) < len(high), fmt
+        assert default == encode_image(img, fmt, DEFAULT_QUALITY)[0]
+    frames = np.stack([_image(32, 32)] * 3)
+    assert len(encode_video(frames, "webp", 8, quality=10)[0]) < len(encode_video(frames, "webp", 8)[0])
+    runner = FakeRunner("fake")
+    sizes = {}
+    for quality in (5, 95):
+        params = _req("a").params.model_copy(update={"output_format": "jpeg", "output_compression": quality})
+        (result,) = runner.run([RunRequest("a", params)])
+        sizes[quality] = len(result.outputs[0].data)
+    assert sizes[5] < sizes[95], sizes
 
 
 def test_unknown_format_is_refused():

@@ -28,6 +28,7 @@ from meshserve.service.contract import Job, JobParams, JobStatus, Priority
 from meshserve.service.job_queue import SubmitOutcomeUnknown
 from meshserve.service.schemas import (
     MAX_MODEL_ID_CHARS,
+    OUTPUT_COMPRESSION,
     ErrorResponse,
     GenerateRequest,
     ImageData,
@@ -117,6 +118,7 @@ async def create_image(
     key = idempotency_key(request)
     served = await catalog.resolve(body.model)
     fields = {"prompt": body.prompt, "n": body.n or 1, "output_format": body.output_format}
+    fields["output_compression"] = body.output_compression
     params = _params(served, settings, body.size, **fields)
     digest = request_hash({"route": "generations", **body.model_dump(exclude_defaults=True)}) if key else ""
     with _wait_slot(request, tenant.name):
@@ -202,6 +204,7 @@ async def edit_image(
     strength: Annotated[
         float | None, Form(gt=0, le=1, allow_inf_nan=False, description="As /v1/generate's (an extension).")
     ] = None,
+    output_compression: Annotated[int | None, Form(ge=0, le=100, description=OUTPUT_COMPRESSION)] = None,
 ) -> ImagesResponse:
     image = _one_file_each(await request.form())
     key = idempotency_key(request)
@@ -209,18 +212,23 @@ async def edit_image(
     # The task and strength are checked on the fields' presence; the bytes come next.
     marker = "uploaded"
     fields = dict(prompt=prompt, n=n, strength=strength, output_format=output_format, image=marker)
+    fields["output_compression"] = output_compression
     params = _params(served, settings, size, **fields, mask=marker if mask is not None else None)
     with _wait_slot(request, tenant.name):  # before the inputs are stored: a refusal leaves none
         image_bytes = await _upload(image, "image", settings)
         mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
         digest = ""
         if key:  # the request's fields and its files' bytes
-            fields = {"route": "edits", "prompt": prompt, "model": model, "n": n, "size": size}
-            fields["output_format"] = output_format
-            fields |= {"response_format": response_format, "strength": strength}
+            hashed = {"route": "edits", "prompt": prompt, "model": model, "n": n, "size": size}
+            hashed["output_format"] = output_format
+            if (
+                output_compression is not None
+            ):  # (left out otherwise: keys of earlier releases keep their digest)
+                hashed["output_compression"] = output_compression
+            hashed |= {"response_format": response_format, "strength": strength}
             for name, data in (("image", image_bytes), ("mask", mask_bytes)):
-                fields[name] = None if data is None else hashlib.sha256(data).hexdigest()
-            digest = request_hash(fields)
+                hashed[name] = None if data is None else hashlib.sha256(data).hexdigest()
+            digest = request_hash(hashed)
         params = await with_image_inputs(
             store,
             settings,
