@@ -18,6 +18,7 @@ from meshserve.service.api.draining import unless_draining
 from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
 from meshserve.service.api.routes.generate import job_reply
 from meshserve.service.contract import CONTENT_TYPES, JobStatus
+from meshserve.service.job_reads import parse_cursor
 from meshserve.service.schemas import MAX_MODEL_ID_CHARS, ErrorResponse, JobList, JobResponse
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=COMMON_RESPONSES)
@@ -69,11 +70,13 @@ async def list_jobs(
     if owner is not None and owner != tenant.name and not tenant.admin:
         raise ApiError(403, "admin_required", "listing another tenant's jobs needs an admin key", "tenant")
     try:
-        page = await store.list_jobs(
-            owner or tenant.name, limit=limit, cursor=cursor, statuses=status or (), model=model
-        )
+        if cursor is not None:
+            parse_cursor(cursor)
     except ValueError as e:
         raise ApiError(422, "invalid_cursor", f"cursor: {e}", "cursor") from None
+    page = await store.list_jobs(
+        owner or tenant.name, limit=limit, cursor=cursor, statuses=status or (), model=model
+    )
     listed = JobList(
         data=[JobResponse.from_job(job) for job in page.jobs],
         has_more=page.next_cursor is not None,
