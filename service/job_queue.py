@@ -34,6 +34,7 @@ from meshserve.service.contract import (
     QueueFull,
     Timings,
 )
+from meshserve.service.input_store import InputStore, is_reference
 from meshserve.service.job_reads import JobReads
 from meshserve.service.redis_client import MAX_BLOCK_MS
 from meshserve.service.store_base import job_from_hash, pairs, valid_job_id
@@ -47,6 +48,15 @@ JOB_INDEX_GRACE_S = 7 * 24 * 3600
 # A claim reads a stream again while what it read were entries of jobs that had ended (canceled or expired while
 # queued), at most this many times: past a flood of canceled entries in a few claims, without one claim taking long.
 _MAX_READS_PER_STREAM = 16
+
+
+def _input_refs(params_json: str | None) -> list[str]:
+    """The stored image inputs a job's params name (image, mask, last_image)."""
+    try:
+        params = json.loads(params_json or "{}")
+    except ValueError:
+        return []
+    return [params[name] for name in ("image", "mask", "last_image") if is_reference(params.get(name))]
 
 
 def request_hash(body: Any) -> str:
@@ -187,6 +197,25 @@ class JobQueue(JobReads):
         if res[0] == "missing":
             return None
         return await self.get(job_id)
+
+    async def delete_ended(self, job_id: str) -> str:
+        """Delete an ended job: its outputs (Redis or the object store), its stored image inputs, then its record
+        (hash, events, index and webhook entries; store_lua.DELETE_ENDED). Returns "deleted", "missing" (no such
+        job) or "active" (queued or running: nothing deleted). The outputs go first: when the object store
+        refuses (`OutputStoreError`) the job is still there to delete again."""
+        if not valid_job_id(job_id):
+            return "missing"
+        status, params = await self.redis.hmget(self.job_key(job_id), ["status", "params"])
+        if not status:
+            return "missing"
+        if status in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
+            return "active"
+        await self.delete_outputs(job_id)
+        inputs = InputStore.of(self)
+        for ref in _input_refs(params):
+            await inputs.delete(ref)
+        res = await self._run("DELETE_ENDED", [], [job_id, self.settings.default_owner])
+        return res[0]
 
     async def _ensure_groups(self, streams: list[str]) -> None:
         for stream in streams:

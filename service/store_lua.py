@@ -492,6 +492,24 @@ return {'ended', st[1]}
 """
 )
 
+# API delete of an ended job's record (`DELETE /v1/jobs/{id}`; its outputs and inputs are deleted before, by the
+# caller): the hash, its events, its entry in the tenant's index and any webhook or deadline entry. A webhook not
+# yet delivered is dropped with it (the deliverer passes a job without a record). A queued or running job is left
+# alone: its worker still writes to it. ARGV: P, job id, the default tenant. Returns {'deleted'}, {'missing'} or
+# {'active', status}.
+DELETE_ENDED = r"""
+local P = ARGV[1]
+local jk = P .. ':job:' .. ARGV[2]
+local st = redis.call('HMGET', jk, 'status', 'tenant')
+if not st[1] then return {'missing'} end
+if st[1] == 'queued' or st[1] == 'running' then return {'active', st[1]} end
+redis.call('DEL', jk, P .. ':events:' .. ARGV[2])
+redis.call('ZREM', P .. ':jobs_of:' .. (st[2] or ARGV[3]), ARGV[2])
+redis.call('ZREM', P .. ':webhooks:due', ARGV[2])
+redis.call('ZREM', P .. ':deadlines', ARGV[2])
+return {'deleted'}
+"""
+
 # Jobs ahead of one queued job: undelivered entries of higher-priority streams plus those before it in its own.
 # KEYS: stream high, normal, low. ARGV: P, priority index, msg id.
 POSITION = (

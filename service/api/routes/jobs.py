@@ -1,4 +1,4 @@
-"""`/v1/jobs`: list a tenant's jobs; `/v1/jobs/{job_id}`: read, cancel, follow (SSE) and download."""
+"""`/v1/jobs`: list a tenant's jobs; `/v1/jobs/{job_id}`: read, delete, cancel, follow (SSE) and download."""
 
 from __future__ import annotations
 
@@ -89,6 +89,33 @@ async def list_jobs(
 async def read_job(job: JobDep, store: StoreDep) -> Response:
     job.queue_position = await store.queue_position(job)
     return job_reply(JobResponse.from_job(job), 200)
+
+
+@router.delete(
+    "/{job_id}",
+    status_code=204,
+    response_class=Response,
+    responses={
+        204: {"description": "Deleted: the job, its outputs, its image inputs and its events."},
+        **NOT_FOUND,
+        409: {"model": ErrorResponse, "description": "The job is queued or running: cancel it first."},
+        503: {"model": ErrorResponse, "description": "The store (Redis or the output location) refused."},
+    },
+    summary="Delete an ended job",
+)
+async def delete_job(job: JobDep, store: StoreDep) -> Response:
+    """Deletes a job that has ended (succeeded, failed, canceled, expired) before its `job_ttl_s`: its outputs
+    (in Redis or the output location), the image inputs it was given, its events and its record. Afterwards
+    every route answers 404 for it, as for an unknown id; a webhook not yet delivered is not delivered. A queued
+    or running job is a 409: cancel it, then delete it once it ended."""
+    if not job.status.terminal or await store.delete_ended(job.id) == "active":
+        raise ApiError(
+            409,
+            "job_not_ended",
+            f"job {job.id} is {job.status.value}: cancel it, then delete it once it has ended",
+            "job_id",
+        )
+    return Response(status_code=204)
 
 
 @router.post("/{job_id}/cancel", response_model=JobResponse, responses=NOT_FOUND, summary="Cancel a job")
