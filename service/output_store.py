@@ -37,6 +37,7 @@ written once per job, so a thread hop (tens of microseconds) costs nothing that 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +46,8 @@ import obstore
 from obstore.store import LocalStore, MemoryStore, from_url
 
 from meshserve.service.contract import CONTENT_TYPES
+
+log = logging.getLogger(__name__)
 
 # Path segments: a job id as the store validates them, a caller's key, a format name as the extension.
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
@@ -142,20 +145,28 @@ class OutputStore:
             raise OutputStoreError(f"cannot read output {path} from {self.location}: {e}") from e
 
     async def delete(self, job_id: str) -> int:
-        """Delete every object of the job (whatever its key); returns how many there were."""
+        """Delete every object of the job (whatever its key); returns how many were deleted here. An object gone
+        meanwhile (another delete of the same job: an audit's two concurrent `DELETE /v1/jobs/{id}` answered 503
+        on the local backend's NotFound) counts as deleted. The error names no object path: paths hold the
+        job's secret segment (`<token>-<attempt>`), and the API passes the message on; the cause is logged."""
         self.path(job_id, 0, "x")  # validates the job id before it names a prefix
+
+        def delete_all() -> int:
+            paths = [meta["path"] for batch in obstore.list(self._store, job_id) for meta in batch]
+            deleted = 0
+            for path in paths:
+                try:
+                    obstore.delete(self._store, path)
+                    deleted += 1
+                except FileNotFoundError:  # obstore's NotFoundError is one
+                    pass
+            return deleted
+
         try:
-
-            def delete_all() -> list[str]:
-                paths = [meta["path"] for batch in obstore.list(self._store, job_id) for meta in batch]
-                if paths:
-                    obstore.delete(self._store, paths)
-                return paths
-
-            paths = await asyncio.to_thread(delete_all)
+            return await asyncio.to_thread(delete_all)
         except Exception as e:
-            raise OutputStoreError(f"cannot delete the outputs of {job_id} in {self.location}: {e}") from e
-        return len(paths)
+            log.warning("cannot delete the outputs of %s in %s: %s", job_id, self.location, e)
+            raise OutputStoreError(f"cannot delete the outputs of {job_id} in {self.location}") from e
 
     async def url(self, job_id: str, index: int, ext: str, *, key: str | None = None) -> str | None:
         """The URL a client fetches the output from: `url_base/<path>`, a signed URL, or None (the API serves

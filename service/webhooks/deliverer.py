@@ -164,8 +164,11 @@ class Deliverer:
     async def _attempt(self, claim: Claim) -> None:
         s = self.settings
         spec = WebhookSpec.model_validate_json(claim.spec)
-        body = claim.body or await self._body(claim.job_id)
-        if body is None:  # the job expired meanwhile: nothing left to describe
+        if claim.body and not await self.store.redis.exists(self.store.job_key(claim.job_id)):
+            body = None  # a retry of a job deleted since (DELETE /v1/jobs/{id}): an audit's was sent after it
+        else:
+            body = claim.body or await self._body(claim.job_id)
+        if body is None:  # the job expired or was deleted meanwhile: nothing left to describe
             await self.queue.settle(claim, "failed", "the job no longer exists")
             return
         secrets_ = await webhook_secrets(self.store.redis, self.store.prefix, spec.key, s)

@@ -55,6 +55,27 @@ async def test_an_ended_job_goes_with_its_outputs_inputs_and_events(make_setting
             await worker.stop()
 
 
+async def test_two_deletes_at_once_both_succeed(make_settings, tmp_path):
+    """Found by an audit: with outputs in a local output_dir, two concurrent deletes of one job answered 503
+    (one deleted the files the other had listed), sometimes both, leaving the job without its outputs."""
+    async with api_client(make_settings(output_dir=str(tmp_path / "outputs"))) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        worker.start()
+        try:
+            for _ in range(5):
+                job_id = (await client.post("/v1/generate", json={"prompt": "p", "n": 3})).json()["id"]
+                await wait_succeeded(client, job_id)
+                answers = await asyncio.gather(*(client.delete(f"/v1/jobs/{job_id}") for _ in range(2)))
+                assert sorted(r.status_code for r in answers) in ([204, 204], [204, 404]), [
+                    r.text for r in answers
+                ]
+                assert await keys_of(store, job_id) == []
+            assert not [p for p in (tmp_path / "outputs").rglob("*") if p.is_file()]
+        finally:
+            await worker.stop()
+
+
 async def test_a_queued_job_is_a_409_until_it_ended(api):
     client, store, _ = api  # the worker is not started: the job stays queued
     job_id = (await client.post("/v1/generate", json={"prompt": "p"})).json()["id"]

@@ -629,3 +629,36 @@ async def test_one_tenants_deliveries_cannot_take_every_slot(make_settings):
         assert [c.tenant for c in claims] == ["hog"] * 4
         # Without a per-tenant limit what is in flight does not count (open mode: one tenant for every job).
         assert [c.tenant for c in await queue.claim(4, 30.0, 3600.0, in_flight={"hog": 9})] == ["hog"]
+
+
+async def test_a_retry_claimed_before_its_job_was_deleted_is_not_sent(make_settings, receiver_factory):
+    """Found by an audit: a retry (its body kept by the first attempt) claimed before `DELETE /v1/jobs/{id}` was
+    still POSTed after it. A first attempt already checked: its body is built from the job."""
+    rx = receiver_factory([500, 200])
+    settings = make_settings(**FAST).model_copy(update={"webhook_deliver_in_api": False})
+    async with api_client(settings) as (client, store):
+        worker = FakeWorker(store)
+        await worker.register()
+        worker.start()
+        try:
+            job_id = (
+                await client.post("/v1/generate", json={"prompt": "a", "webhook": {"url": rx.url}})
+            ).json()["id"]
+            await _until(lambda: _ended(store, job_id), what="the job's end")
+            deliverer, queue = Deliverer(store, settings), WebhookQueue(store.redis, store.prefix)
+            (first,) = await queue.claim(10, 30, 3600)
+            await deliverer._attempt(first)  # answered 500: a retry is due, its body kept
+            await asyncio.sleep(0.1)
+            (retry,) = await _until(lambda: queue.claim(10, 30, 3600), what="the retry's claim")
+            assert retry.body and len(rx.requests) == 1
+            assert (await client.delete(f"/v1/jobs/{job_id}")).status_code == 204
+            await deliverer._attempt(retry)
+            assert len(rx.requests) == 1
+            assert [k async for k in store.redis.scan_iter(f"{store.prefix}:*{job_id}*")] == []
+        finally:
+            await worker.stop()
+
+
+async def _ended(store, job_id: str) -> bool:
+    job = await store.get(job_id)
+    return job is not None and job.status.terminal

@@ -300,6 +300,8 @@ async def _answer(
                 **NO_RETRY,
             },
         ) from None
+    if waited is None and not request.app.state.draining.is_set():  # deleted by its owner while we waited
+        raise ApiError(404, "job_not_found", f"job {job.id} was deleted while this request waited for it")
     if waited is None:  # the API is stopping (service/api/draining.py)
         raise ApiError(
             503,

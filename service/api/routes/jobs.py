@@ -106,7 +106,8 @@ async def read_job(job: JobDep, store: StoreDep) -> Response:
 async def delete_job(job: JobDep, store: StoreDep) -> Response:
     """Deletes a job that has ended (succeeded, failed, canceled, expired) before its `job_ttl_s`: its outputs
     (in Redis or the output location), the image inputs it was given, its events and its record. Afterwards
-    every route answers 404 for it, as for an unknown id; a webhook not yet delivered is not delivered. A queued
+    every route answers 404 for it, as for an unknown id; a webhook not yet sent is not sent (one already on its
+    way still arrives). A queued
     or running job is a 409: cancel it, then delete it once it ended."""
     if not job.status.terminal or await store.delete_ended(job.id) == "active":
         raise ApiError(
