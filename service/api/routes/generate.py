@@ -194,12 +194,9 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
                 # A stopping API answers at once (service/api/draining.py): the job as it is, with its Location.
                 # A client that leaves gives its slot back at once (service/api/wait_slots.py); its job goes on.
                 waited = await wait_unless_gone(store.wait(job.id, wait_s), request)
-                if (
-                    waited is None and not request.app.state.draining.is_set()
-                ):  # its owner deleted it meanwhile
-                    raise ApiError(
-                        404, "job_not_found", f"job {job.id} was deleted while this request waited"
-                    )
+                if waited is None and not request.app.state.draining.is_set():
+                    # Its owner deleted it meanwhile (DELETE /v1/jobs/{id}).
+                    raise ApiError(404, "job_not_found", f"job {job.id} was deleted during the wait")
                 job = waited or job
                 headers["Preference-Applied"] = f"wait={wait_s}"
                 if job.status == JobStatus.QUEUED:
