@@ -183,6 +183,8 @@ async def test_bad_parameters_are_422s_naming_the_field(toy_and_flux):
         ("cursor=1e5_" + "0" * 32, "cursor"),  # (only the form a listing writes)
         ("cursor=١٢_" + "0" * 32, "cursor"),
         ("tenant=", "tenant"),
+        ("stauts=queued", "stauts"),  # a misspelt filter is not silently dropped
+        ("=true", ""),
         ("cursor=" + "9" * 101, "cursor"),
         ("model=" + "m" * 201, "model"),
     ):

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from meshserve.service.api.byte_ranges import output_response
 from meshserve.service.api.deps import JobDep, LastEventId, SettingsDep, StoreDep, TenantDep
 from meshserve.service.api.draining import unless_draining
-from meshserve.service.api.errors import COMMON_RESPONSES, ApiError
+from meshserve.service.api.errors import COMMON_RESPONSES, ApiError, FieldError
 from meshserve.service.api.routes.generate import job_reply
 from meshserve.service.contract import CONTENT_TYPES, JobStatus
 from meshserve.service.job_reads import parse_cursor
@@ -26,6 +26,8 @@ NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job (or it ex
 _STREAM_ID = r"^\d{1,20}-\d{1,20}$"
 # How often an open stream checks that its key still exists (one EXISTS; no rate-limit token).
 KEY_RECHECK_S = 30.0
+# The query parameters of `GET /v1/jobs` (`list_jobs`'s, by the names clients use).
+LIST_PARAMETERS = frozenset({"limit", "cursor", "status", "model", "tenant"})
 # Far above any job's outputs (n <= a model's max_n): a bound so that a huge index is a 422, not a parse of
 # thousands of digits.
 MAX_OUTPUT_INDEX = 65535
@@ -40,6 +42,7 @@ MAX_OUTPUT_INDEX = 65535
     summary="List your jobs",
 )
 async def list_jobs(
+    request: Request,
     store: StoreDep,
     tenant: TenantDep,
     limit: Annotated[int, Query(ge=1, le=100, description="Jobs per page.")] = 20,
@@ -67,6 +70,14 @@ async def list_jobs(
     reads at most 1,000 of your jobs: with a narrow filter it can hold fewer than `limit` and still have
     `has_more`; follow `next_cursor` until it is null. Jobs are listed without `queue_position` (read a job for
     it)."""
+    # A misspelt filter (`stauts=`) would list every job as if asked for all: an unknown parameter is a 422.
+    unknown = sorted(set(request.query_params) - LIST_PARAMETERS)
+    if unknown:
+        raise FieldError(
+            unknown[0],
+            "extra_forbidden",
+            f"{unknown[0]!r} is not a parameter of this route; it takes {', '.join(sorted(LIST_PARAMETERS))}",
+        )
     if owner is not None and owner != tenant.name and not tenant.admin:
         raise ApiError(403, "admin_required", "listing another tenant's jobs needs an admin key", "tenant")
     try:
