@@ -297,6 +297,10 @@ class PoolInfo(_Frozen):
 # The job.
 
 
+# The JobParams fields that name stored image inputs (service/input_store.py references).
+IMAGE_INPUT_FIELDS = ("image", "mask", "last_image")
+
+
 class JobParams(_Frozen):
     """A request after per-model normalisation: every field has its final value (the seed used, the real size)."""
 

@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from meshserve.service import store_lua
 from meshserve.service.contract import (
+    IMAGE_INPUT_FIELDS,
     PRIORITY_ORDER,
     Delivery,
     IdempotencyConflict,
@@ -48,15 +49,6 @@ JOB_INDEX_GRACE_S = 7 * 24 * 3600
 # A claim reads a stream again while what it read were entries of jobs that had ended (canceled or expired while
 # queued), at most this many times: past a flood of canceled entries in a few claims, without one claim taking long.
 _MAX_READS_PER_STREAM = 16
-
-
-def _input_refs(params_json: str | None) -> list[str]:
-    """The stored image inputs a job's params name (image, mask, last_image)."""
-    try:
-        params = json.loads(params_json or "{}")
-    except ValueError:
-        return []
-    return [params[name] for name in ("image", "mask", "last_image") if is_reference(params.get(name))]
 
 
 def request_hash(body: Any) -> str:
@@ -211,9 +203,10 @@ class JobQueue(JobReads):
         if status in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
             return "active"
         await self.delete_outputs(job_id)
-        inputs = InputStore.of(self)
-        for ref in _input_refs(params):
-            await inputs.delete(ref)
+        inputs, params = InputStore.of(self), JobParams.model_validate_json(params)
+        for ref in (getattr(params, name) for name in IMAGE_INPUT_FIELDS):
+            if is_reference(ref):
+                await inputs.delete(ref)
         res = await self._run("DELETE_ENDED", [], [job_id, self.settings.default_owner])
         return res[0]
 

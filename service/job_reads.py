@@ -55,6 +55,10 @@ class JobReads(JobOutputs, PoolRegistry):
             return None
         if tenant is not None and (h.get("tenant") or self.settings.default_owner) != tenant:
             return None
+        return await self._as_read(h)
+
+    async def _as_read(self, h: dict[str, str]) -> Job:
+        """A job from its hash as clients read it: signed output URLs made afresh (`_resign`)."""
         job = job_from_hash(h)
         if job.outputs and h.get("out_key") and self.outputs is not None and self.outputs.signed_url_ttl_s:
             await self._resign(job, h["out_key"])
@@ -120,18 +124,7 @@ class JobReads(JobOutputs, PoolRegistry):
             next_cursor = f"{top!r}_{after}"
         else:
             next_cursor = None
-        jobs = []
-        for _, _, h in page:
-            job = job_from_hash(h)
-            if (
-                job.outputs
-                and h.get("out_key")
-                and self.outputs is not None
-                and self.outputs.signed_url_ttl_s
-            ):
-                await self._resign(job, h["out_key"])
-            jobs.append(job)
-        return JobPage(jobs, next_cursor)
+        return JobPage([await self._as_read(h) for _, _, h in page], next_cursor)
 
     async def queue_position(self, job: Job) -> int | None:
         """Jobs ahead of a queued job (0: it is next); None when it is not queued."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from meshserve.service import metrics
 from meshserve.service.api.errors import ApiError, FieldError
-from meshserve.service.contract import Job, JobParams
+from meshserve.service.contract import IMAGE_INPUT_FIELDS, Job, JobParams
 from meshserve.service.image_inputs import ImageInputError, decode_image, read_image_field
 from meshserve.service.input_store import InputStore
 from meshserve.service.settings import Settings
@@ -101,7 +101,7 @@ async def drop_unused_inputs(store: Store, params: JobParams, job: Job | None) -
     """Delete the inputs stored for a submit that did not make a job with them (refused: queue full, too many
     active jobs; or an idempotent replay answered with the earlier job)."""
     inputs = InputStore.of(store)
-    for name in ("image", "mask", "last_image"):
+    for name in IMAGE_INPUT_FIELDS:
         ref = getattr(params, name)
         if ref is not None and (job is None or getattr(job.params, name) != ref):
             await inputs.delete(ref)
