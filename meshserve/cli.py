@@ -41,6 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     enable_compilation_cache()
 
+    bar = None
     try:
         # A file with conv factors (LoCon, LCM-LoRA) needs the convs in the adapter table: one run, so no reason
         # to keep them out when a local file has them (a pool does, for the LoRA program's cost: docs/lora.md);
@@ -90,13 +91,6 @@ def _generate(args: argparse.Namespace) -> int:
                 raise UsageError(f"--cache {args.cache!r}: {e}") from None
         if not can_encode(fmt):
             raise UsageError(f"-o/--output {out.name}: this install cannot write {fmt} (pip install av)")
-        steps = custom_steps or args.steps or pipe.defaults["num_inference_steps"]
-        bar = tqdm(total=steps, desc="denoise", unit="step")
-
-        def on_step(step: int, total: int) -> None:
-            bar.total = total
-            bar.update(step - bar.n)
-
         settings = {"num_frames": args.frames} if args.frames is not None else {}
         if args.true_cfg_scale is not None:
             # Only a family with the row field takes it (Flux); elsewhere it would be silently ignored.
@@ -123,6 +117,15 @@ def _generate(args: argparse.Namespace) -> int:
                 f"--last-image: {pipe.model_id or pipe.family} is a first-last-frame model; it needs the video's "
                 "last frame (--image is the first)"
             )
+        # The bar starts once every check of the arguments passed; the pipeline's own (sizes, frames) come
+        # with its call and clear it (below).
+        steps = custom_steps or args.steps or pipe.defaults["num_inference_steps"]
+        bar = tqdm(total=steps, desc="denoise", unit="step")
+
+        def on_step(step: int, total: int) -> None:
+            bar.total = total
+            bar.update(step - bar.n)
+
         result = pipe(
             args.prompt,
             negative_prompt=args.negative_prompt,
@@ -142,6 +145,9 @@ def _generate(args: argparse.Namespace) -> int:
         )
         bar.close()
     except PipelineError as e:
+        if bar is not None:  # a request the pipeline refuses (a size, frames): the error on a line of its own
+            bar.leave = False
+            bar.close()
         raise UsageError(str(e)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     outputs = list(result.images)  # each [H, W, 3] (image) or [F, H, W, 3] (video) in [0, 1]

@@ -1,6 +1,7 @@
 """`meshserve generate`: the main job on a fresh machine, and clear one-line errors (never a traceback)."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -129,13 +130,36 @@ def _unsupported(tmp_path):
         (lambda p: ["--scheduler", "EulerDiscreteScheduler"], "scheduler must be one of ['euler', "),
     ],
 )
-def test_generate_errors_are_one_clear_line(tmp_path, make_args, match):
+def test_generate_errors_are_one_clear_line(tmp_path, make_args, match, capsys, monkeypatch):
+    """In-process (`cli.main`, the console script's function), the models loaded once per test process: a
+    subprocess per case took 3.2-3.7 s, mostly importing JAX (2026-11-29); the process's exit code and stderr
+    are checked once below."""
+    from meshserve import cli
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds meshserve's CPU flags
     args = make_args(tmp_path)
-    r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *args)
-    assert r.returncode == 2
-    assert match in r.stderr and "Traceback" not in r.stderr, r.stderr
+    try:
+        code = cli.main(["generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *args])
+    except SystemExit as e:  # argparse's own refusals (a value of the wrong type)
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and _last_line(err).startswith("meshserve generate: error:"), err
+    assert match in _last_line(err), err
     if args[0] in ("--cache", "--scheduler", "--sigmas"):  # told before the progress bar (on the bar's line)
-        assert "denoise" not in r.stderr, r.stderr
+        assert "denoise" not in err, err
+
+
+def test_a_generate_error_is_exit_code_2_and_one_line_from_the_process(tmp_path):
+    r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), "--height", "60")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    # Refused by the pipeline's call, after the progress bar started: the bar is cleared, the error has its line.
+    assert _last_line(r.stderr) == "meshserve generate: error: height must be a positive multiple of 8, got 60"
+
+
+def _last_line(stderr: str) -> str:
+    """The last line a terminal shows (a progress bar rewrites its line after carriage returns)."""
+    return stderr.rstrip("\n").split("\n")[-1].split("\r")[-1]
 
 
 class _RecordingPipe:
