@@ -154,7 +154,9 @@ def test_a_generate_error_is_exit_code_2_and_one_line_from_the_process(tmp_path)
     r = _run("generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), "--height", "60")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     # Refused by the pipeline's call, after the progress bar started: the bar is cleared, the error has its line.
-    assert _last_line(r.stderr) == "meshserve generate: error: height must be a positive multiple of 8, got 60"
+    assert (
+        _last_line(r.stderr) == "meshserve generate: error: height must be a positive multiple of 8, got 60"
+    )
 
 
 def _last_line(stderr: str) -> str:

@@ -250,7 +250,10 @@ def train(
     update, shift, scale = family.latent_normalisation(latents)
     configs[family.vae.name] |= update
     _log(f"  latent normalisation {update}")
-    shift, scale = jnp.asarray(shift, jnp.float32), jnp.asarray(scale, jnp.float32)
+    # Arguments of the denoiser's step, not constants inside it: each run measures its own statistics, and a
+    # program with them as constants was a new program for every run, compiled again where a trial on another
+    # run's VAE (--vae-from) or a second run of the recipe would take it from the compilation cache.
+    shift, scale = (jax.device_put(np.asarray(x, np.float32), replicated) for x in (shift, scale))
 
     # ---- stage 2: the denoiser and the text encoders
     trainees = {c.name: build(c, recipe.seed + 2 + i) for i, c in enumerate(family.denoiser)}
@@ -273,8 +276,9 @@ def train(
         return jnp.mean((pred.astype(jnp.float32) - target) ** 2)
 
     @jit
-    def denoiser_step(p, ema, opt_state, vae_params, source, inputs, key, step):
-        """`source`: the step's pictures, or their posteriors drawn from the latent pool."""
+    def denoiser_step(p, ema, opt_state, vae_params, source, inputs, key, step, shift, scale):
+        """`source`: the step's pictures, or their posteriors drawn from the latent pool; `shift` and `scale`
+        the VAE's latent normalisation."""
         k_latent, k_loss = jax.random.split(key)
         posterior = source if isinstance(source, DiagonalGaussian) else vae.module(vae_params).encode(source)
         latents = (jax.lax.stop_gradient(posterior.sample(k_latent)) - shift) * scale
@@ -326,6 +330,8 @@ def train(
             inputs,
             jax.random.fold_in(key, 1_000_000 + step),
             step,
+            shift,
+            scale,
         )
         losses.append(loss)
         if step % log_every == 0 or step == recipe.denoiser_steps - 1:
