@@ -1,10 +1,12 @@
 """An output depends only on its own seed: a seed alone gives the same latents as the same seed at any position
-of a batch of 2 and of 4 (the stochastic schedulers draw every step's noise per row).
+of a batch (the stochastic schedulers draw every step's noise per row).
 
 Run for the two stochastic schedulers, whose step noise is what per-row keys are about. A deterministic
 scheduler adds nothing here: a stochastic row equals its seed alone only when its initial noise and the
 denoiser's batch invariance are right as well (and every deterministic scheduler shares those). Each scheduler
-is three more denoise programs (batch 1, 2, 4), 30-50 s of the suite apiece on a 2-core CPU.
+is two more denoise programs (batch 1 and 2). A batch of 4 as well (a third program, 4 more calls; the test
+then took 15-17 s per scheduler in the suite on a Zen 5 VM, 2026-11-29) checked nothing that the seed at both
+ends of a batch of 2 does not: a row's noise comes from its own key, whatever the batch.
 
 Before the per-row keys, the step noise of a batch came from its first seed: the seed at position 1 of a batch
 of 2 differed from the same seed alone by 0.31 (euler_ancestral) and 0.44 (dpmpp_2m_sde) relative, the
@@ -52,7 +54,7 @@ def batch_positions(size: int):
 def test_a_seed_gives_the_same_output_at_any_batch_position(pipe, scheduler, record_property):
     alone = latents(pipe, ["a cat"], [SEED], scheduler)[0]
     worst = 0.0
-    for size in (2, 4):
+    for size in (2,):
         for prompts, seeds, pos in batch_positions(size):
             out = latents(pipe, prompts, seeds, scheduler)
             err = rel(out[pos], alone)
