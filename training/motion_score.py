@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshserve.training.shape_score import MIN_SHAPE_SHARE, nearest_colours, read_picture
+from meshserve.training.shape_score import MIN_SHAPE_SHARE, nearest_colours, read_picture, squared_distance
 from meshserve.training.shapes import PALETTE
 
 # In nearest_colours' order (the palette's).
@@ -41,7 +41,7 @@ class MotionReading:
 
 def _shape_mask(frame: np.ndarray, colour: int, background: int) -> np.ndarray:
     pixels = np.asarray(frame, np.float32)
-    return ((pixels - _RGB[colour]) ** 2).sum(-1) < ((pixels - _RGB[background]) ** 2).sum(-1)
+    return squared_distance(pixels, _RGB[colour]) < squared_distance(pixels, _RGB[background])
 
 
 def read_motion(frames: np.ndarray) -> MotionReading:
