@@ -123,21 +123,23 @@ def test_flux_and_wan_train_in_the_same_loop(tmp_path, family, stats, frames):
     trained = families.family(family) if frames is None else wan_family.Family(frames=frames, **trial)
     # Wan draws its rows from a latent pool (its recipe's way), grouped by scene for a curriculum over the
     # first step; Flux encodes fresh pictures every step. Wan's VAE takes one step, at the full rate (no
-    # warm-up), on 32 x 32 crops of the clips, and the folder's pipeline then decodes whole 64 x 64 clips: at
+    # warm-up), on 16 x 16 crops of the clips, and the folder's pipeline then decodes whole 64 x 64 clips: at
     # the suite's XLA level 0 (conftest) each step of its 3D VAE on two whole clips ran 26 s, after the 14 s
-    # compile (2026-11-25; the recipe's steps of eight 9-frame clips take 2-3 s at the default). Crops of
-    # 32 x 32 are cheap enough at level 0 (below).
+    # compile (2026-11-25; the recipe's steps of eight 9-frame clips take 2-3 s at the default); on 16 x 16
+    # crops 1.7 s (32 x 32: 6 s). The pool holds as many clips as the latent statistics' probe (8), so one
+    # encode program serves both (a pool of 6 compiled a second one).
     pooled = {
-        "latent_pool": 6,
+        "latent_pool": 8,
         "curriculum_steps": 1,
         "curriculum_start": 2,
         "vae_steps": 1,
-        "vae_crop": 32,
+        "vae_crop": 16,
         "warmup_steps": 0,
     }
     recipe = FAMILY_RECIPE.model_copy(update=pooled if frames else {})
     # At the suite's XLA level (conftest): on 32 x 32 crops, Wan's run took 29 s alone on a Zen 5 VM against 43 s
-    # at serving's level, whose VAE step compiled in 21 s against 10 (2026-11-29, cold cache).
+    # at serving's level, whose VAE step compiled in 21 s against 10 (2026-11-29, cold cache); 24.5 s on 16 x 16
+    # crops with the pool of 8.
     options = dict(devices=jax.devices()[:2])
     record = train(tmp_path / family, trained, recipe, log_every=1, **options)
     assert record["family"] == family and set(record["latent_normalisation"]) == stats
