@@ -131,9 +131,8 @@ def _unsupported(tmp_path):
     ],
 )
 def test_generate_errors_are_one_clear_line(tmp_path, make_args, match, capsys, monkeypatch):
-    """In-process (`cli.main`, the console script's function), the models loaded once per test process: a
-    subprocess per case took 3.2-3.7 s, mostly importing JAX (2026-11-29); the process's exit code and stderr
-    are checked once below."""
+    """In the test process (`cli.main`, the console script's function): a subprocess per case took 3.2-3.7 s,
+    mostly importing JAX (2026-11-29); the process's exit code and stderr are checked once, below."""
     from meshserve import cli
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds meshserve's CPU flags
