@@ -18,6 +18,8 @@ denoise program, with classifier-free guidance, per-row step noise and a host ca
   it costs one host round trip per step.
 - `start` (traced, default 0): the first step to run, for a loop that starts mid-schedule from a noised
   image (img2img, inpaint: models/engine/image_inputs.py); steps are then reported as i + 1 - start.
+- `stop` (traced, default: the schedule's end): the step to stop before, for a loop that leaves the last
+  steps to another model (diffusers' `denoising_end`: SDXL's base hands its latents to the refiner).
 - `after_step(latents, i) -> latents` (optional, traced): a per-step hook after the scheduler's step and
   before the callback (4-channel inpainting puts the known region back here).
 - `preview(steps_done, latents) -> bool` (optional, traced): live previews, models/engine/previews.py.
@@ -82,12 +84,13 @@ def denoise_loop(
     constrain: Callable = lambda x: x,
     preview: Callable | None = None,
     start=0,
+    stop=None,
     after_step: Callable | None = None,
     step_cache=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
     [B]; guidance [B]; rescale [B] or None (`guide`). Returns (latents, steps_done): steps_done <
-    schedule.num_steps - start when on_step stopped the loop; with `step_cache`, (latents, steps_done,
+    min(schedule.num_steps, stop) - start when on_step stopped the loop; with `step_cache`, (latents, steps_done,
     steps_skipped)."""
     num_steps = schedule.num_steps
 
@@ -122,7 +125,8 @@ def denoise_loop(
     start = jnp.asarray(start, jnp.int32)
     cache_state = None if step_cache is None else step_cache.init_state(model, *model_input(latents, start))
     carry = (start, jnp.bool_(True), latents, scheduler.init_state(latents), cache_state)
-    i, _, latents, _, cache_state = jax.lax.while_loop(lambda c: (c[0] < num_steps) & c[1], body, carry)
+    end = num_steps if stop is None else jnp.minimum(num_steps, stop)
+    i, _, latents, _, cache_state = jax.lax.while_loop(lambda c: (c[0] < end) & c[1], body, carry)
     if step_cache is None:
         return latents, i - start
     return latents, i - start, skipped_steps(cache_state)

@@ -65,7 +65,8 @@ What a family declares (class attributes) and implements (its stages); everythin
     latents in the loop's layout), latent_mask(mask, shape=) (traced: [B, H, W, 1] -> the loop's layout),
     inpaint_condition (True: a 9-channel UNet takes [mask, masked image latents] as a condition), image_inputs
     (traced, the whole image_encode stage; override it for another kind, e.g. image-to-video's condition),
-    pure_noise_tasks (SDXL: ("inpaint",): strength 1 starts from noise x init sigma, not the noised image).
+    pure_noise_tasks (SDXL: ("inpaint",): strength 1 starts from noise x init sigma, not the noised image),
+    denoising_split (SDXL: diffusers' denoising_end / denoising_start, models/engine/denoising_split.py).
     A family whose denoiser needs the image inputs (image-to-video) gets them as `denoiser(..., image=inputs)`;
     the keyword is passed only when a call has image inputs. image_encode_states (the states image_inputs
     takes: the VAE's, image-to-video adds its image encoder's), preprocess_images may return a pytree of
@@ -127,6 +128,7 @@ from meshserve.models.engine.common import (
     to_pil,
 )
 from meshserve.models.engine.denoise_loop import StepReporter, denoise_loop, interleave
+from meshserve.models.engine.denoising_split import check_order, end_steps, start_step
 from meshserve.models.engine.image_inputs import blend_known, check_scheduler, check_strength, noise_to
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms, compiler_options
@@ -256,6 +258,11 @@ class DiffusionPipeline:
     # Image arguments besides `image` and `mask_image` (Wan first-last-frame-to-video: last_image), one for all,
     # one per prompt or one per row like `image`; handed to `preprocess_images` as keywords (None: not given).
     image_fields: tuple[str, ...] = ()
+    # diffusers' `denoising_end` and `denoising_start` (SDXL; models/engine/denoising_split.py): a call stops
+    # before the schedule's end, leaving the last steps to another model (the refiner), whose image-to-image
+    # call then takes those latents as `image=` and starts where the first stopped, without adding noise. The
+    # start and stop are traced inputs of the loop, so no value compiles; a call's values are its batch's.
+    denoising_split: bool = False
     # Negative rows of a prompt given none are zeros, not the empty text's embedding (SDXL's
     # force_zeros_for_empty_prompt).
     zeros_for_empty_negative: bool = False
@@ -627,6 +634,9 @@ class DiffusionPipeline:
                 continue
             if value is not None:
                 key += ((name, tuple(value) if isinstance(value, Sequence) else value),)
+        for name in ("denoising_end", "denoising_start") if self.denoising_split else ():
+            if request.get(name) is not None:  # where the batch stops, or starts
+                key += ((name, request[name]),)
         if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
             try:
                 cache = parse_cache(request["cache"], self.cache_methods)
@@ -789,6 +799,7 @@ class DiffusionPipeline:
         name is an UnsupportedArgument."""
         own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
         own |= set(self.image_fields) | set(self.schedule_fields)
+        own |= {"denoising_end", "denoising_start"} if self.denoising_split else set()
         own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
@@ -804,6 +815,8 @@ class DiffusionPipeline:
         pairs = {name: options.pop(name, None) for name in self.pair_fields}
         images = {name: options.pop(name, None) for name in self.image_fields}
         custom = {name: options.pop(name) for name in self.schedule_fields if options.get(name) is not None}
+        denoising_end = options.pop("denoising_end", None)
+        denoising_start = options.pop("denoising_start", None)
         given = {
             "height": height,
             "width": width,
@@ -818,7 +831,10 @@ class DiffusionPipeline:
             for name in self.batch_fields
         }
         task = self.task_of(image, mask_image)
-        if task in self.image_sized_tasks and height is None and width is None:
+        latent_image = self._latent_image(image, task)  # the first model's latents, given as image= (refiner)
+        if latent_image is not None and height is None and width is None:
+            settings["height"], settings["width"] = self._latent_size(latent_image.shape[2:])
+        elif task in self.image_sized_tasks and height is None and width is None:
             settings["height"], settings["width"] = image_size(image, "image", limits["size_multiple"])
         if strength is not None and self.default_strength(task) is None:
             raise PipelineError(f"strength applies to image-to-image and inpaint, not to {task}")
@@ -882,9 +898,19 @@ class DiffusionPipeline:
         sched, schedule, steps = self.schedule(
             settings["scheduler"], settings["num_inference_steps"], shape, **custom
         )
-        start, full_strength, pixels = 0, False, None
+        start, full_strength, pixels, mask_pixels = 0, False, None, None
+        check_order(denoising_start, denoising_end)
+        if denoising_start is not None and task != "image-to-image":  # diffusers' inpaint: not checked here
+            raise PipelineError(
+                f"denoising_start applies to image-to-image (an image= to start from), not {task}"
+            )
         if image is not None:
-            if strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
+            if denoising_start is not None:  # diffusers then ignores the strength and adds no noise
+                start = start_step(
+                    denoising_start, np.asarray(schedule.timesteps)[:steps], self.scheduler_config
+                )
+                check_scheduler(sched)
+            elif strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
                 start = check_strength(
                     strength,
                     settings["num_inference_steps"],
@@ -896,10 +922,16 @@ class DiffusionPipeline:
                 )
                 full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
                 check_scheduler(sched)
-            pixels, mask_pixels = self.preprocess_images(
-                image, mask_image, len(prompts), n, settings, **images
+            if latent_image is None:
+                pixels, mask_pixels = self.preprocess_images(
+                    image, mask_image, len(prompts), n, settings, **images
+                )
+        stop = steps  # the schedule's end, or where denoising_end cuts it
+        if denoising_end is not None:
+            stop = start + end_steps(
+                denoising_end, np.asarray(schedule.timesteps)[start:steps], self.scheduler_config
             )
-            steps -= start  # the steps this call runs (and reports)
+        steps = stop - start  # the steps this call runs (and reports)
         seeds = row_seeds(seed, len(prompts), n)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
         lora_rows = self.lora.rows(loras, len(prompts), n)
@@ -944,7 +976,13 @@ class DiffusionPipeline:
 
         # 1b. Images: the image_encode program (VAE encode, mask, condition), once per call.
         image_inputs = None
-        if pixels is not None:
+        if latent_image is not None:  # as diffusers takes them: neither encoded nor scaled
+            rows_of = latent_image.shape[0]
+            if rows_of != len(seeds) and rows_of in (1, len(prompts)):  # one for all, or one per prompt
+                latent_image = np.repeat(latent_image, len(seeds) // rows_of, axis=0)
+            given = self._loop_latents(latent_image, len(seeds), shape).astype(self.latent_dtype)
+            image_inputs = {"image_latents": self.put_batch(given)}
+        elif pixels is not None:
             t0 = time.perf_counter()
             put_mask = None if mask_pixels is None else self.put_batch(mask_pixels)
             image_inputs = self.programs.run(
@@ -958,6 +996,7 @@ class DiffusionPipeline:
             jax.block_until_ready(image_inputs)
             timings["image_encode"] = time.perf_counter() - t0
         init = {"latents": latents, "start": self.put_replicated(np.int32(start))}
+        init["stop"] = self.put_replicated(np.int32(stop))
         if cache is not None:  # the threshold is an input: a new one compiles nothing
             init["cache_threshold"] = self.put_replicated(np.float32(cache.threshold))
         if lora_rows is not None:
@@ -965,6 +1004,7 @@ class DiffusionPipeline:
         if image_inputs is not None:
             init["image"] = image_inputs
             init["full_strength"] = self.put_replicated(np.bool_(full_strength))
+            init["image_as_is"] = self.put_replicated(np.bool_(denoising_start is not None))
 
         # 2. The denoising loop, initial noise included: one program.
         t0 = time.perf_counter()
@@ -1042,6 +1082,26 @@ class DiffusionPipeline:
             )
         return np.ascontiguousarray(np.transpose(latents, np.argsort(axes)))
 
+    def _latent_image(self, image, task: str) -> np.ndarray | None:
+        """`image` as latents (diffusers' rule: an array [B, C, h, w] with the VAE's latent channels), for a
+        family that splits schedules (`denoising_split`: the refiner's input); None for pictures."""
+        if not self.denoising_split or not hasattr(image, "shape") or len(image.shape) != 4:
+            return None
+        latent_channels = self.noise_shape(dict(self.defaults))[-1]
+        if image.shape[1] != latent_channels or image.shape[-1] == 3:
+            return None
+        if task != "image-to-image":
+            raise PipelineError(
+                f"latents given as image= take image-to-image only, not {task} (no mask_image)"
+            )
+        return np.asarray(image, np.float32)
+
+    def _latent_size(self, latent_hw) -> tuple[int, int]:
+        """(height, width) in pixels of latents [h, w] (the VAE's factor, read off the default size)."""
+        d = dict(self.defaults)
+        factor = d["height"] // self.noise_shape(d)[0]
+        return int(latent_hw[0]) * factor, int(latent_hw[1]) * factor
+
     # ---------------------------------------------------------------------------------------------
     # The programs (pure functions of state + traced inputs)
 
@@ -1087,7 +1147,8 @@ class DiffusionPipeline:
         cache: str | None = None,
     ):
         """init: {"latents": given latents in the loop's layout or None (drawn from each row's key), "start":
-        [] int32 first step, with image inputs also "image" (image_inputs.py) and "full_strength" [] bool};
+        [] int32 first step, "stop": [] int32 the step it stops before (denoising_end), with image inputs
+        also "image" (image_inputs.py), "full_strength" and "image_as_is" (denoising_start) [] bool};
         key_data [B, 2]; cond [2B or B, ...]; rows {field: [B] float32}; cfg_rows [B] bool. `cache`: a step
         cache's method, its threshold init["cache_threshold"]. Returns (latents, steps_done), with a cache
         also the steps it skipped."""
@@ -1107,6 +1168,8 @@ class DiffusionPipeline:
                 if "image_latents" in image:
                     noised = noise_to(scheduler, schedule, image["image_latents"], noise, start)
                     noised = jnp.where(init["full_strength"], noise * sigma, noised)
+                    # denoising_start: the image is the first model's latents at the start step, noise and all
+                    noised = jnp.where(init["image_as_is"], image["image_latents"], noised)
                     latents = self.constrain(noised.astype(self.latent_dtype))
                 else:  # the image conditions the model only (image-to-video): the loop starts from noise
                     latents = self.constrain((noise * sigma).astype(self.latent_dtype))
@@ -1132,6 +1195,7 @@ class DiffusionPipeline:
                 on_step=self.step_reporter,
                 constrain=self.constrain,
                 start=start,
+                stop=init["stop"],
                 after_step=after_step,
                 preview=self.previews.in_loop(preview, shape),
                 step_cache=None

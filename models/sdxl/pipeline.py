@@ -64,6 +64,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     text_fields = ("clip_skip",)
     # StableDiffusionXLPipeline's custom schedules (Euler takes both, DPM-Solver timesteps) and DDIM's eta.
     schedule_fields = ("timesteps", "sigmas", "eta")
+    # diffusers' denoising_end / denoising_start: a base + refiner schedule (models/engine/denoising_split.py).
+    denoising_split = True
     # StableDiffusionXLImg2ImgPipeline's output is its image's size (rounded down to 8); inpaint's is 1024.
     image_sized_tasks = ("image-to-image",)
     # diffusers' micro-conditioning (SDXL paper, section 2.2), per row: the UNet's time ids (original size, crop

@@ -123,6 +123,98 @@ def test_img2img_matches_diffusers_and_never_recompiles(ours, base_reference, sa
     assert not np.allclose(other.images, got.images)
 
 
+def test_img2img_denoising_end_cuts_the_strengths_steps_as_diffusers(ours, base_reference, same_noise):
+    """diffusers' img2img applies denoising_end to the steps its strength left: 8 steps at strength 0.75 run
+    the last 6 timesteps; denoising_end 0.5 keeps those >= 500 of them."""
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    ref = StableDiffusionXLImg2ImgPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    images, noise = _images(2), np.random.default_rng(3).standard_normal((2, 4, H // 2, W // 2))
+    same_noise["noise"] = noise = noise.astype(np.float32)
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=8, guidance_scale=5.0, strength=0.75)
+    kw |= dict(denoising_end=0.5, output_type="latent")
+    pixels = [torch.from_numpy(i.transpose(2, 0, 1)) for i in images]
+    expected = ref(PROMPTS, image=pixels, **kw).images.numpy()
+    steps = []
+    got = ours(
+        PROMPTS, image=images, height=H, width=W, latents=noise, callback=lambda s, t: steps.append(t), **kw
+    )
+    assert float(np.abs(got.images - expected).max()) <= 1e-3 * float(np.abs(expected).max())
+    assert steps == [2, 2]  # Euler's 8 timesteps (999, 856.3, 713.6, 570.9, 428.1...) from the 3rd: 2 >= 500
+    whole = ours(PROMPTS, image=images, height=H, width=W, latents=noise, **{**kw, "denoising_end": None})
+    assert float(np.abs(whole.images - got.images).max()) > 0.1  # the cut moved the latents
+
+
+def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, base_reference):
+    """SDXL's ensemble of experts, as diffusers documents it: the base stops at denoising_end and returns
+    latents, which image-to-image takes as `image=` from denoising_start on, adding no noise (the same folder
+    stands in for the refiner: the split is the point). DPM-Solver restarts its multistep history at the
+    split, so the two calls differ from one whole run; they equal diffusers' two calls."""
+    import torch
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionXLImg2ImgPipeline
+
+    base = type(base_reference).from_pipe(base_reference)  # the same modules; a scheduler of its own below
+    base.scheduler = DPMSolverMultistepScheduler.from_config(base_reference.scheduler.config)
+    refiner = StableDiffusionXLImg2ImgPipeline.from_pipe(base)
+    for pipe in (base, refiner):
+        pipe.set_progress_bar_config(disable=True)
+    latents = np.random.default_rng(7).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=8, guidance_scale=5.0)
+    handed = base(
+        PROMPTS,
+        height=H,
+        width=W,
+        latents=torch.from_numpy(latents),
+        denoising_end=0.7,
+        output_type="latent",
+        **kw,
+    )
+    expected = refiner(PROMPTS, image=handed.images, denoising_start=0.7, output_type="np", **kw).images
+
+    kw["scheduler"] = "dpmpp_2m"
+    ours_handed = ours(
+        PROMPTS, height=H, width=W, latents=latents, denoising_end=0.7, output_type="latent", **kw
+    )
+    assert float(np.abs(ours_handed.images - handed.images.numpy()).max()) <= 1e-3  # latents of magnitude ~12
+    steps = []
+    got = ours(
+        PROMPTS,
+        image=ours_handed.images,
+        denoising_start=0.7,
+        callback=lambda s, t: steps.append(t),
+        output_type="np",
+        **kw,
+    )
+    _check(got.images, expected, "base + refiner")
+    assert steps == [2, 2]  # DPM-Solver's 8 timesteps (leading): 2 under the cut-off 300
+    # Other fractions (and the other base's latents) compile nothing: the start and stop are traced.
+    before = ours.compilations
+    again = ours(
+        PROMPTS,
+        image=ours_handed.images[::-1].copy(),
+        denoising_start=0.5,
+        denoising_end=0.9,
+        output_type="np",
+        **kw,
+    )
+    assert ours.compilations == before and not again.compiled
+    # Bad splits are clear.
+    with pytest.raises(PipelineError, match=r"denoising_end \(0.5\) must be above denoising_start \(0.7\)"):
+        ours(PROMPTS, image=ours_handed.images, denoising_start=0.7, denoising_end=0.5, **kw)
+    with pytest.raises(
+        PipelineError, match="denoising_start applies to image-to-image .*, not text-to-image"
+    ):
+        ours(PROMPTS, height=H, width=W, denoising_start=0.7, **kw)
+    with pytest.raises(PipelineError, match="denoising_start applies to image-to-image .*, not inpaint"):
+        ours(PROMPTS, image=_images(0), mask_image=_masks(), height=H, width=W, denoising_start=0.7, **kw)
+    with pytest.raises(PipelineError, match="denoising_start 0.9999 leaves no step"):
+        ours(PROMPTS, image=ours_handed.images, denoising_start=0.9999, **kw)
+    with pytest.raises(PipelineError, match="latents given as image= take image-to-image only"):
+        ours(PROMPTS, image=ours_handed.images, mask_image=_masks(), denoising_start=0.7, **kw)
+
+
 def test_img2img_without_a_size_takes_the_images_own_as_diffusers(ours, base_reference, same_noise):
     """StableDiffusionXLImg2ImgPipeline has no height/width: the output is the (first) image's size, rounded
     down to the VAE factor; ours does the same when a call names no size, rounded down to the model's size

@@ -251,6 +251,58 @@ def test_custom_sigmas_and_timesteps_match_diffusers(ours, reference, scheduler,
     assert float(np.abs(default.images - expected).max()) > 1e-2  # the custom schedule was used
 
 
+@pytest.mark.parametrize("scheduler", ["euler", "dpmpp_2m"])
+def test_denoising_end_matches_diffusers_and_compiles_nothing(ours, reference, scheduler):
+    """diffusers' denoising_end (the base's share of a base + refiner schedule): the latents after the steps
+    whose timesteps are >= round(1000 - 1000 x denoising_end), as diffusers returns them (output "latent"),
+    the steps reported as the ones run; a traced stop, so no value compiles a program."""
+    import torch
+
+    latents = _latents(8, rows=2)
+    _diffusers_scheduler(reference, scheduler)
+    kw = dict(height=H, width=W, num_inference_steps=6, guidance_scale=5.0, output_type="latent")
+    prompts = ["a cat", "a red car"]
+    full = ours(prompts, latents=latents, scheduler=scheduler, **kw).images
+    before = ours.compilations
+    for end in (0.3, 0.8):
+        expected = reference(
+            prompts, latents=torch.from_numpy(latents), denoising_end=end, **kw
+        ).images.numpy()
+        steps = []
+        out = ours(
+            prompts,
+            latents=latents,
+            scheduler=scheduler,
+            denoising_end=end,
+            callback=lambda s, t, steps=steps: steps.append((s, t)),
+            **kw,
+        )
+        # Latents of magnitude ~25 (Euler's sigma-scaled ones): 2.5e-5 to 2.9e-5 apart on 2026-11-29.
+        assert float(np.abs(out.images - expected).max()) <= 1e-3 * float(np.abs(expected).max())
+        # Euler's 6 timesteps keep 1 step at 0.3 and 4 at 0.8; DPM-Solver's (leading spacing) 2 and 5.
+        kept = {"euler": {0.3: 1, 0.8: 4}, "dpmpp_2m": {0.3: 2, 0.8: 5}}[scheduler][end]
+        assert steps == [(i, kept) for i in range(1, kept + 1)]
+        # The stop moved the latents (a test that cannot fail otherwise): the whole schedule's are > 0.5 away.
+        assert float(np.abs(out.images - full).max()) > 0.5
+    assert ours.compilations == before and not out.compiled
+
+
+@pytest.mark.parametrize(
+    "end,match",
+    [
+        (0.0, r"denoising_end must be in \(0, 1\), got 0.0"),
+        (1.0, r"denoising_end must be in \(0, 1\)"),
+        (float("nan"), r"denoising_end must be in \(0, 1\)"),
+        (True, "denoising_end must be a number"),
+        ("0.5", "denoising_end must be a number"),
+        (0.0001, "denoising_end 0.0001 keeps no step: its cut-off timestep 1000"),
+    ],
+)
+def test_bad_denoising_end_is_clear(ours, end, match):
+    with pytest.raises(PipelineError, match=match):
+        ours("cat", height=H, width=W, num_inference_steps=2, denoising_end=end)
+
+
 def test_ddim_eta_is_traced_seeded_per_row_and_zero_is_deterministic_ddim(ours, reference):
     """diffusers' eta (DDIM): 0 is the deterministic loop (equal to diffusers'); another value adds noise drawn
     from each row's seed (diffusers draws it from torch's generator: not comparable bit for bit; the step
