@@ -980,7 +980,7 @@ class DiffusionPipeline:
             rows_of = latent_image.shape[0]
             if rows_of != len(seeds) and rows_of in (1, len(prompts)):  # one for all, or one per prompt
                 latent_image = np.repeat(latent_image, len(seeds) // rows_of, axis=0)
-            given = self._loop_latents(latent_image, len(seeds), shape).astype(self.latent_dtype)
+            given = self._loop_latents(latent_image, len(seeds), shape, "image").astype(self.latent_dtype)
             image_inputs = {"image_latents": self.put_batch(given)}
         elif pixels is not None:
             t0 = time.perf_counter()
@@ -1070,15 +1070,16 @@ class DiffusionPipeline:
         """Traced: the family's decode, then [0, 1] -> uint8 on the device (device_uint8)."""
         return device_uint8(self.decode(vae_state, latents, shape=shape))
 
-    def _loop_latents(self, latents, batch: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Given latents in diffusers' layout -> the loop's layout, checked against the request's shape."""
+    def _loop_latents(self, latents, batch: int, shape: tuple[int, ...], name: str = "latents") -> np.ndarray:
+        """Given latents in diffusers' layout (the argument `name`) -> the loop's layout, checked against the
+        request's shape."""
         latents = np.asarray(latents, np.float32)
         loop = jax.eval_shape(self.pack, jax.ShapeDtypeStruct((batch, *shape), jnp.float32)).shape
         axes = self.latents_axes or tuple(range(len(loop)))
         expected = tuple(loop[a] for a in axes)
         if latents.shape != expected:
             raise PipelineError(
-                f"latents: expected shape {expected} {self.latents_layout}, got {latents.shape}"
+                f"{name}: expected shape {expected} {self.latents_layout}, got {latents.shape}"
             )
         return np.ascontiguousarray(np.transpose(latents, np.argsort(axes)))
 

@@ -211,6 +211,10 @@ def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, ba
         ours(PROMPTS, image=_images(0), mask_image=_masks(), height=H, width=W, denoising_start=0.7, **kw)
     with pytest.raises(PipelineError, match="denoising_start 0.9999 leaves no step"):
         ours(PROMPTS, image=ours_handed.images, denoising_start=0.9999, **kw)
+    with pytest.raises(
+        PipelineError, match=r"image: expected shape \(2, 4, 32, 24\) \[B, C, h, w\], got \(2, 4, 16, 12\)"
+    ):
+        ours(PROMPTS, image=ours_handed.images[:, :, ::2, ::2], height=H, width=W, denoising_start=0.7, **kw)
     with pytest.raises(PipelineError, match="latents given as image= take image-to-image only"):
         ours(PROMPTS, image=ours_handed.images, mask_image=_masks(), denoising_start=0.7, **kw)
 
