@@ -147,7 +147,7 @@ def test_img2img_denoising_end_cuts_the_strengths_steps_as_diffusers(ours, base_
     assert float(np.abs(whole.images - got.images).max()) > 0.1  # the cut moved the latents
 
 
-def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, base_reference):
+def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, base_reference, same_noise):
     """SDXL's ensemble of experts, as diffusers documents it: the base stops at denoising_end and returns
     latents, which image-to-image takes as `image=` from denoising_start on, adding no noise (the same folder
     stands in for the refiner: the split is the point). DPM-Solver restarts its multistep history at the
@@ -172,6 +172,9 @@ def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, ba
         **kw,
     )
     expected = refiner(PROMPTS, image=handed.images, denoising_start=0.7, output_type="np", **kw).images
+    # Latents as image= without denoising_start: noised to the strength's start step (diffusers' add_noise).
+    same_noise["noise"] = noise = np.random.default_rng(8).standard_normal(latents.shape).astype(np.float32)
+    noised = refiner(PROMPTS, image=handed.images, strength=0.5, output_type="np", **kw).images
 
     kw["scheduler"] = "dpmpp_2m"
     ours_handed = ours(
@@ -188,6 +191,8 @@ def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, ba
         **kw,
     )
     _check(got.images, expected, "base + refiner")
+    again = ours(PROMPTS, image=ours_handed.images, strength=0.5, latents=noise, output_type="np", **kw)
+    _check(again.images, noised, "img2img from latents at strength 0.5")
     assert steps == [2, 2]  # DPM-Solver's 8 timesteps (leading): 2 under the cut-off 300
     # Other fractions (and the other base's latents) compile nothing: the start and stop are traced.
     before = ours.compilations
