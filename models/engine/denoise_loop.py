@@ -90,8 +90,8 @@ def denoise_loop(
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
     [B]; guidance [B]; rescale [B] or None (`guide`). Returns (latents, steps_done): steps_done <
-    min(schedule.num_steps, stop) - start when on_step stopped the loop; with `step_cache`, (latents, steps_done,
-    steps_skipped)."""
+    min(schedule.num_steps, stop) - start when on_step stopped the loop; with `step_cache`, (latents,
+    steps_done, steps_skipped)."""
     num_steps = schedule.num_steps
 
     def model_input(latents, i):
