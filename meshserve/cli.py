@@ -28,6 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"-o/--output must end in .png, .jpg, .jpeg, .webp or .mp4, got {out.name}")
 
     fmt = {".jpg": "jpeg"}.get(out.suffix.lower(), out.suffix.lower().lstrip("."))
+    switch = _refiner_switch(args)
     images = _image_inputs(args)  # before loading anything: a bad file is a one-line error at once
     loras = _lora_arguments(args.lora)
     cache = _cache_argument(args.cache)
@@ -56,6 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
             except PipelineError as e:
                 hint = " (--lora-convs)" if "only with lora_convs" in str(e) else ""
                 raise UsageError(f"--lora {name}: {e}{hint}") from None
+        refiner = None if switch is None else _load_refiner(args, pipe, load_pipeline)
         # Before generating anything: a format the model's outputs cannot be written in (an image model to
         # .mp4, a video model to .png), frames or a frame rate for images.
         # The scheduler and the step cache too, so that a typo is told before the progress bar starts.
@@ -136,13 +138,16 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_images_per_prompt=args.n,
             scheduler=args.scheduler,
-            output_type="np",
+            output_type="np" if refiner is None else "latent",  # with a refiner, the base's latents go on
             callback=on_step,
             **images,
             **settings,
             **({"loras": [{"name": n, "scale": scale} for n, _, scale in loras]} if loras else {}),
             **({"cache": cache} if cache else {}),
+            **({"denoising_end": switch} if refiner is not None else {}),
         )
+        if refiner is not None:
+            result = _refine(args, refiner, result, switch, bar, settings)
         bar.close()
     except PipelineError as e:
         if bar is not None:  # a request the pipeline refuses (a size, frames): the error on a line of its own
@@ -165,6 +170,63 @@ def _generate(args: argparse.Namespace) -> int:
     skipped = f"; cached steps {', '.join(map(str, result.cached_steps))}" if cache else ""
     print(f"wrote {', '.join(map(str, paths))} (seed {', '.join(map(str, result.seeds))}; {stages}{skipped})")
     return 0
+
+
+def _refiner_switch(args: argparse.Namespace) -> float | None:
+    """--refiner's switch (diffusers' denoising_end / denoising_start; default 0.8, diffusers' own example), or
+    None without a refiner."""
+    if args.refiner is None:
+        if args.denoising_end is not None:
+            raise UsageError(
+                "--denoising-end: the steps after it are a refiner's; give its folder (--refiner)"
+            )
+        return None
+    switch = 0.8 if args.denoising_end is None else args.denoising_end
+    if not 0.0 < switch < 1.0:
+        raise UsageError(f"--denoising-end must be between 0 and 1 (exclusive), got {switch}")
+    if args.image is not None or args.mask is not None:
+        raise UsageError("--refiner: text-to-image only (leave out --image and --mask)")
+    return switch
+
+
+def _load_refiner(args: argparse.Namespace, pipe, load_pipeline):
+    """The refiner's pipeline: an image-to-image model that takes the base's latents (SDXL's)."""
+    if not getattr(pipe, "denoising_split", False):
+        raise UsageError(f"--refiner: the {pipe.family} model cannot hand its latents on (SDXL can)")
+    refiner = load_pipeline(args.refiner, dtype=args.dtype, variant=args.variant)
+    if not getattr(refiner, "denoising_split", False) or "image-to-image" not in refiner.tasks:
+        raise UsageError(
+            f"--refiner {args.refiner}: a {refiner.family} model; the refiner must be an SDXL one"
+        )
+    return refiner
+
+
+def _refine(args: argparse.Namespace, refiner, base, switch: float, bar, settings: dict):
+    """The refiner's call on the base's latents from the switch on, on the same schedule (its steps and
+    custom sigmas / timesteps), counted on the same progress bar after the base's steps."""
+    done = bar.n
+
+    def on_step(step: int, total: int) -> None:
+        bar.total = done + total
+        bar.update(done + step - bar.n)
+
+    refined = refiner(
+        args.prompt,
+        negative_prompt=args.negative_prompt,
+        image=base.images,
+        denoising_start=switch,
+        num_inference_steps=args.steps,
+        seed=base.seeds[0],
+        num_images_per_prompt=args.n,
+        scheduler=args.scheduler,
+        output_type="np",
+        callback=on_step,
+        **{k: v for k, v in settings.items() if k in ("sigmas", "timesteps", "eta")},
+    )
+    # The base's seeds and step-cache counts (the refiner's rows take the same seeds), both calls' stages.
+    refined.seeds, refined.cached_steps = base.seeds, base.cached_steps
+    refined.timings = {**base.timings, **{f"refiner {k}": v for k, v in refined.timings.items()}}
+    return refined
 
 
 def _lora_arguments(specs: list[str]) -> list[tuple[str, str, float]]:
@@ -347,6 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="SDXL: diffusers' guidance_rescale, 0 (off) to 1 (acts with --guidance-scale > 1)",
     )
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--refiner",
+        default=None,
+        help="SDXL: a refiner folder (or Hub id) that runs the schedule's last steps on the base's latents "
+        "(diffusers' ensemble of experts); --lora and --cache apply to the base",
+    )
+    gen.add_argument(
+        "--denoising-end",
+        type=float,
+        default=None,
+        help="with --refiner: the share of the schedule the base runs (default 0.8)",
+    )
     gen.add_argument(
         "--sigmas",
         type=_numbers(float),

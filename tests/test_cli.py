@@ -128,6 +128,21 @@ def _unsupported(tmp_path):
         (lambda p: ["--cache", "teacache:2"], "cache threshold must be between 0 and 1, got 2.0"),
         (lambda p: ["--cache", "teacache:x"], "--cache 'teacache:x': the threshold must be a number"),
         (lambda p: ["--scheduler", "EulerDiscreteScheduler"], "scheduler must be one of ['euler', "),
+        # A refiner: the switch, the task and both models are checked before anything runs.
+        (lambda p: ["--denoising-end", "0.5"], "--denoising-end: the steps after it are a refiner's"),
+        (
+            lambda p: ["--refiner", "tiny-sdxl", "--denoising-end", "1"],
+            "--denoising-end must be between 0 and 1",
+        ),
+        (lambda p: ["--refiner", "tiny-sdxl", "--image", str(p / "i.png")], "--refiner: text-to-image only"),
+        (
+            lambda p: ["--model", "tiny-wan", "-o", str(p / "o.mp4"), "--refiner", "tiny-sdxl"],
+            "--refiner: the wan model cannot hand its latents on (SDXL can)",
+        ),
+        (
+            lambda p: ["--refiner", "tiny-flux"],
+            "--refiner tiny-flux: a flux model; the refiner must be an SDXL one",
+        ),
     ],
 )
 def test_generate_errors_are_one_clear_line(tmp_path, make_args, match, capsys, monkeypatch):
@@ -168,7 +183,11 @@ class _RecordingPipe:
     path is served end to end in tests/workers/test_image_serving.py)."""
 
     def __init__(self, video: bool):
-        self.video, self.calls = video, []
+        self.video, self.calls, self.outputs = video, [], []
+        self.denoising_split, self.tasks = (
+            not video,
+            ("image-to-image",) if not video else ("image-to-video",),
+        )
         self.model_id, self.family, self.row_fields = "fake", "wan" if video else "sdxl", ("guidance_scale",)
         self.second_prompt, self.text_fields = not video, () if video else ("clip_skip",)
         self.schedule_fields = () if video else ("timesteps", "sigmas", "eta")
@@ -185,8 +204,9 @@ class _RecordingPipe:
         self.calls.append(kwargs)
         shape = (1, 5, 16, 32, 3) if self.video else (1, 16, 32, 3)
         skipped = [1] if "cache" in kwargs else None
+        self.outputs.append(np.full(shape, 0.5))
         return types.SimpleNamespace(
-            images=np.full(shape, 0.5), seeds=[kwargs["seed"]], timings={}, cached_steps=skipped
+            images=self.outputs[-1], seeds=[kwargs["seed"]], timings={"denoise": 0.0}, cached_steps=skipped
         )
 
 
@@ -231,6 +251,28 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
     else:
         assert call["mask_image"].mode == "L" and call["strength"] == 0.6
         assert Image.open(out).size == (32, 16)
+
+
+def test_generate_with_a_refiner_hands_the_base_latents_on(tmp_path, monkeypatch, capsys):
+    """--refiner: the base stops at --denoising-end with its latents (diffusers' denoising_end, output
+    "latent"), the refiner starts there from them (denoising_start) on the same schedule and seeds; the
+    numbers of the split are compared with diffusers in tests/models/test_sdxl_image_inputs.py."""
+    from meshserve import cli
+
+    base, refiner = _RecordingPipe(video=False), _RecordingPipe(video=False)
+    loaded = {"base": base, "refiner": refiner}
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda model, **kw: loaded[model])
+    out = tmp_path / "o.png"
+    args = ["generate", "--model", "base", "--refiner", "refiner", "--prompt", "a cat", "--seed", "4"]
+    assert cli.main([*args, "--steps", "5", "--timesteps", "999,700,500,300,100", "-o", str(out)]) == 0
+    (first,), (second,) = base.calls, refiner.calls
+    assert first["denoising_end"] == 0.8 and first["output_type"] == "latent"
+    assert second["denoising_start"] == 0.8 and second["image"] is base.outputs[0]
+    assert second["timesteps"] == first["timesteps"] == [999, 700, 500, 300, 100] and second["seed"] == 4
+    assert second["output_type"] == "np" and Image.open(out).size == (32, 16)
+    assert "refiner denoise" in capsys.readouterr().out  # both calls' stages
+    assert cli.main([*args, "--denoising-end", "0.6", "-o", str(out)]) == 0
+    assert base.calls[-1]["denoising_end"] == refiner.calls[-1]["denoising_start"] == 0.6
 
 
 def test_generate_passes_the_second_texts_and_clip_skip(tmp_path, monkeypatch):
