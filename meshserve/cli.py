@@ -147,7 +147,9 @@ def _generate(args: argparse.Namespace) -> int:
             **({"denoising_end": switch} if refiner is not None else {}),
         )
         if refiner is not None:
-            result = _refine(args, refiner, result, switch, bar, settings)
+            # The base's step count (a refiner folder's default may be another): the split lines up.
+            steps = None if {"sigmas", "timesteps"} & settings.keys() else steps
+            result = _refine(args, refiner, result, switch, bar, settings, steps)
         bar.close()
     except PipelineError as e:
         if bar is not None:  # a request the pipeline refuses (a size, frames): the error on a line of its own
@@ -201,9 +203,9 @@ def _load_refiner(args: argparse.Namespace, pipe, load_pipeline):
     return refiner
 
 
-def _refine(args: argparse.Namespace, refiner, base, switch: float, bar, settings: dict):
-    """The refiner's call on the base's latents from the switch on, on the same schedule (its steps and
-    custom sigmas / timesteps), counted on the same progress bar after the base's steps."""
+def _refine(args: argparse.Namespace, refiner, base, switch: float, bar, settings: dict, steps: int | None):
+    """The refiner's call on the base's latents from the switch on, on the same schedule (the base's `steps`,
+    or its custom sigmas / timesteps), counted on the same progress bar after the base's steps."""
     done = bar.n
 
     def on_step(step: int, total: int) -> None:
@@ -215,15 +217,15 @@ def _refine(args: argparse.Namespace, refiner, base, switch: float, bar, setting
         negative_prompt=args.negative_prompt,
         image=base.images,
         denoising_start=switch,
-        num_inference_steps=args.steps,
-        seed=base.seeds[0],
+        num_inference_steps=steps,
+        seed=base.seeds[0],  # rows take it, it + 1, ... (a stochastic scheduler's noise)
         num_images_per_prompt=args.n,
         scheduler=args.scheduler,
         output_type="np",
         callback=on_step,
         **{k: v for k, v in settings.items() if k in ("sigmas", "timesteps", "eta")},
     )
-    # The base's seeds and step-cache counts (the refiner's rows take the same seeds), both calls' stages.
+    # The base's seeds and step-cache counts, both calls' stages.
     refined.seeds, refined.cached_steps = base.seeds, base.cached_steps
     refined.timings = {**base.timings, **{f"refiner {k}": v for k, v in refined.timings.items()}}
     return refined

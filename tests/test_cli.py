@@ -271,8 +271,11 @@ def test_generate_with_a_refiner_hands_the_base_latents_on(tmp_path, monkeypatch
     assert second["timesteps"] == first["timesteps"] == [999, 700, 500, 300, 100] and second["seed"] == 4
     assert second["output_type"] == "np" and Image.open(out).size == (32, 16)
     assert "refiner denoise" in capsys.readouterr().out  # both calls' stages
+    # Without --steps the refiner runs the base's default step count (2 here), not its own folder's.
+    refiner.defaults = {**refiner.defaults, "num_inference_steps": 50}
     assert cli.main([*args, "--denoising-end", "0.6", "-o", str(out)]) == 0
     assert base.calls[-1]["denoising_end"] == refiner.calls[-1]["denoising_start"] == 0.6
+    assert base.calls[-1]["num_inference_steps"] is None and refiner.calls[-1]["num_inference_steps"] == 2
 
 
 def test_generate_passes_the_second_texts_and_clip_skip(tmp_path, monkeypatch):
