@@ -21,13 +21,18 @@ import numpy as np
 from meshserve.models.engine.common import PipelineError
 
 
-def _cutoff(name: str, fraction, scheduler_config: Mapping) -> int:
-    """diffusers' discrete_timestep_cutoff; PipelineError unless `fraction` is a number strictly between 0 and
-    1 (diffusers ignores other values silently; a call that asked for a cut is told it made none)."""
+def _check_fraction(name: str, fraction) -> None:
+    """PipelineError unless `fraction` is a number strictly between 0 and 1 (diffusers ignores other values
+    silently; a call that asked for a cut is told it made none)."""
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
         raise PipelineError(f"{name} must be a number in (0, 1), got {fraction!r}")
     if not (math.isfinite(fraction) and 0.0 < fraction < 1.0):
         raise PipelineError(f"{name} must be in (0, 1), got {fraction}")
+
+
+def _cutoff(name: str, fraction, scheduler_config: Mapping) -> int:
+    """diffusers' discrete_timestep_cutoff for a checked fraction."""
+    _check_fraction(name, fraction)
     train_steps = int(scheduler_config.get("num_train_timesteps", 1000))
     return int(round(train_steps - fraction * train_steps))
 
@@ -36,8 +41,8 @@ def check_order(denoising_start, denoising_end) -> None:
     """Both given: each a number in (0, 1), the end above the start (diffusers raises the same)."""
     if denoising_start is None or denoising_end is None:
         return
-    _cutoff("denoising_start", denoising_start, {})
-    _cutoff("denoising_end", denoising_end, {})
+    _check_fraction("denoising_start", denoising_start)
+    _check_fraction("denoising_end", denoising_end)
     if denoising_end <= denoising_start:
         raise PipelineError(
             f"denoising_end ({denoising_end}) must be above denoising_start ({denoising_start})"

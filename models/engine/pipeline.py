@@ -900,15 +900,16 @@ class DiffusionPipeline:
         )
         start, full_strength, pixels, mask_pixels = 0, False, None, None
         check_order(denoising_start, denoising_end)
+        # A split's cut-offs read the schedule's timesteps (one copy to the host, only for such a call).
+        split = denoising_start is not None or denoising_end is not None
+        timesteps = np.asarray(schedule.timesteps)[:steps] if split else None
         if denoising_start is not None and task != "image-to-image":  # diffusers' inpaint: not checked here
             raise PipelineError(
                 f"denoising_start applies to image-to-image (an image= to start from), not {task}"
             )
         if image is not None:
             if denoising_start is not None:  # diffusers then ignores the strength and adds no noise
-                start = start_step(
-                    denoising_start, np.asarray(schedule.timesteps)[:steps], self.scheduler_config
-                )
+                start = start_step(denoising_start, timesteps, self.scheduler_config)
                 check_scheduler(sched)
             elif strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
                 start = check_strength(
@@ -928,9 +929,7 @@ class DiffusionPipeline:
                 )
         stop = steps  # the schedule's end, or where denoising_end cuts it
         if denoising_end is not None:
-            stop = start + end_steps(
-                denoising_end, np.asarray(schedule.timesteps)[start:steps], self.scheduler_config
-            )
+            stop = start + end_steps(denoising_end, timesteps[start:], self.scheduler_config)
         steps = stop - start  # the steps this call runs (and reports)
         seeds = row_seeds(seed, len(prompts), n)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
