@@ -149,7 +149,7 @@ def _generate(args: argparse.Namespace) -> int:
         if refiner is not None:
             # The base's step count (a refiner folder's default may be another): the split lines up.
             steps = None if {"sigmas", "timesteps"} & settings.keys() else steps
-            result = _refine(args, refiner, result, switch, bar, settings, steps)
+            result = _refine(args, refiner, result, switch, bar, settings, steps, images.get("mask_image"))
         bar.close()
     except PipelineError as e:
         if bar is not None:  # a request the pipeline refuses (a size, frames): the error on a line of its own
@@ -186,8 +186,6 @@ def _refiner_switch(args: argparse.Namespace) -> float | None:
     switch = 0.8 if args.denoising_end is None else args.denoising_end
     if not 0.0 < switch < 1.0:
         raise UsageError(f"--denoising-end must be between 0 and 1 (exclusive), got {switch}")
-    if args.image is not None or args.mask is not None:
-        raise UsageError("--refiner: text-to-image only (leave out --image and --mask)")
     return switch
 
 
@@ -203,9 +201,12 @@ def _load_refiner(args: argparse.Namespace, pipe, load_pipeline):
     return refiner
 
 
-def _refine(args: argparse.Namespace, refiner, base, switch: float, bar, settings: dict, steps: int | None):
+def _refine(
+    args: argparse.Namespace, refiner, base, switch: float, bar, settings: dict, steps: int | None, mask=None
+):
     """The refiner's call on the base's latents from the switch on, on the same schedule (the base's `steps`,
-    or its custom sigmas / timesteps), counted on the same progress bar after the base's steps."""
+    or its custom sigmas / timesteps) and, inpainting, the same mask (diffusers' inpaint + refiner: the known
+    region stays the picture's), counted on the same progress bar after the base's steps."""
     done = bar.n
 
     def on_step(step: int, total: int) -> None:
@@ -216,6 +217,7 @@ def _refine(args: argparse.Namespace, refiner, base, switch: float, bar, setting
         args.prompt,
         negative_prompt=args.negative_prompt,
         image=base.images,
+        **({"mask_image": mask} if mask is not None else {}),
         denoising_start=switch,
         num_inference_steps=steps,
         seed=base.seeds[0],  # rows take it, it + 1, ... (a stochastic scheduler's noise)
@@ -415,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--refiner",
         default=None,
         help="SDXL: a refiner folder (or Hub id) that runs the schedule's last steps on the base's latents "
-        "(diffusers' ensemble of experts); --lora and --cache apply to the base",
+        "(diffusers' ensemble of experts; with --image / --mask both run image-to-image / inpaint); --lora and "
+        "--cache apply to the base",
     )
     gen.add_argument(
         "--denoising-end",

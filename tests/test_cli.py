@@ -134,7 +134,6 @@ def _unsupported(tmp_path):
             lambda p: ["--refiner", "tiny-sdxl", "--denoising-end", "1"],
             "--denoising-end must be between 0 and 1",
         ),
-        (lambda p: ["--refiner", "tiny-sdxl", "--image", str(p / "i.png")], "--refiner: text-to-image only"),
         (
             lambda p: ["--model", "tiny-wan", "-o", str(p / "o.mp4"), "--refiner", "tiny-sdxl"],
             "--refiner: the wan model cannot hand its latents on (SDXL can)",
@@ -276,6 +275,23 @@ def test_generate_with_a_refiner_hands_the_base_latents_on(tmp_path, monkeypatch
     assert cli.main([*args, "--denoising-end", "0.6", "-o", str(out)]) == 0
     assert base.calls[-1]["denoising_end"] == refiner.calls[-1]["denoising_start"] == 0.6
     assert base.calls[-1]["num_inference_steps"] is None and refiner.calls[-1]["num_inference_steps"] == 2
+    assert "mask_image" not in refiner.calls[-1]
+    # Inpainting: the base inpaints the picture at its strength, the refiner its latents with the same mask.
+    Image.new("RGB", (32, 16), (200, 20, 20)).save(tmp_path / "in.png")
+    Image.new("L", (32, 16), 255).save(tmp_path / "mask.png")
+    pictures = [
+        "--image",
+        str(tmp_path / "in.png"),
+        "--mask",
+        str(tmp_path / "mask.png"),
+        "--strength",
+        "0.9",
+    ]
+    assert cli.main([*args, *pictures, "-o", str(out)]) == 0
+    first, second = base.calls[-1], refiner.calls[-1]
+    assert first["image"].size == (32, 16) and first["strength"] == 0.9 and first["denoising_end"] == 0.8
+    assert second["image"] is base.outputs[-1] and second["mask_image"] is first["mask_image"]
+    assert "strength" not in second  # denoising_start sets where the refiner starts
 
 
 def test_generate_passes_the_second_texts_and_clip_skip(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
     start = start_step(steps, strength, rule)            # host: the first step a strength runs (get_timesteps)
     x = noise_to(scheduler, schedule, image_latents, noise, index)   # traced: the image noised to step `index`
-    latents = blend_known(scheduler, schedule, latents, inputs, noise, i)   # traced: 4-channel inpainting
+    latents = blend_known(scheduler, schedule, latents, inputs, noise, i, stop)   # traced: 4-channel inpainting
 
 The image's latents come from the family's `encode_image` (the VAE posterior's mode, scaled and shifted as
 the family's VAE wants, in the loop's layout) in the pipeline's `image_encode` program. The denoise program
@@ -109,12 +109,14 @@ def check_scheduler(scheduler) -> None:
         raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")
 
 
-def blend_known(scheduler, schedule, latents, inputs, noise, i):
+def blend_known(scheduler, schedule, latents, inputs, noise, i, stop):
     """diffusers' 4-channel inpainting after step i: the known region (mask 0) is the image noised to the
-    next step's level (the clean image after the last step), the masked region keeps the denoised latents."""
+    next step's level, the clean image after the call's last step (`stop`, traced: the schedule's end, or where
+    denoising_end cuts it, as diffusers' `i < len(timesteps) - 1` over the cut timesteps); the masked region
+    keeps the denoised latents."""
     image = inputs["image_latents"]
     next_i = i + 1
     noised = noise_to(scheduler, schedule, image, noise, jnp.minimum(next_i, schedule.num_steps - 1))
-    known = jnp.where(next_i < schedule.num_steps, noised, image.astype(jnp.float32))
+    known = jnp.where(next_i < stop, noised, image.astype(jnp.float32))
     mask = inputs["mask"].astype(jnp.float32)
     return ((1.0 - mask) * known + mask * latents.astype(jnp.float32)).astype(latents.dtype)

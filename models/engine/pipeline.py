@@ -62,7 +62,8 @@ What a family declares (class attributes) and implements (its stages); everythin
 
     image inputs (optional): tasks, default_strength(task), strength_rule ("int": SDXL, "float": Flux;
     image_inputs.start_step), encode_image(vae_state, pixels, shape=, task=) (traced: [B, H, W, 3] in [-1, 1] ->
-    latents in the loop's layout), latent_mask(mask, shape=) (traced: [B, H, W, 1] -> the loop's layout),
+    latents in the loop's layout), latent_mask(mask, shape=) ([B, H, W, 1] -> the loop's layout; traced, and on
+    the host for latents given as image=, where a denoising_split family's must take numpy too),
     inpaint_condition (True: a 9-channel UNet takes [mask, masked image latents] as a condition), image_inputs
     (traced, the whole image_encode stage; override it for another kind, e.g. image-to-video's condition),
     pure_noise_tasks (SDXL: ("inpaint",): strength 1 starts from noise x init sigma, not the noised image),
@@ -592,10 +593,14 @@ class DiffusionPipeline:
         """Host: the call's images (and masks) -> [B, H, W, 3] (and [B, H, W, 1]) at the call's size."""
         height, width = settings["height"], settings["width"]
         pixels = image_rows(image, prompts, n, "image", preprocess_image, height, width)
-        mask = None
-        if mask_image is not None:
-            mask = image_rows(mask_image, prompts, n, "mask_image", preprocess_mask, height, width)
-        return pixels, mask
+        return pixels, self.preprocess_masks(mask_image, prompts, n, settings)
+
+    def preprocess_masks(self, mask_image, prompts: int, n: int, settings: dict):
+        """Host: the call's masks -> [B, H, W, 1] at the call's size, or None without one."""
+        if mask_image is None:
+            return None
+        height, width = settings["height"], settings["width"]
+        return image_rows(mask_image, prompts, n, "mask_image", preprocess_mask, height, width)
 
     def vae_dtype_for(self, default) -> jnp.dtype:
         """The dtype a family loads its VAE in: the pool's `vae_dtype` when set, else `default` (the family's:
@@ -903,9 +908,9 @@ class DiffusionPipeline:
         # A split's cut-offs read the schedule's timesteps (one copy to the host, only for such a call).
         split = denoising_start is not None or denoising_end is not None
         timesteps = np.asarray(schedule.timesteps)[:steps] if split else None
-        if denoising_start is not None and task != "image-to-image":  # diffusers' inpaint: not checked here
+        if denoising_start is not None and task not in ("image-to-image", "inpaint"):
             raise PipelineError(
-                f"denoising_start applies to image-to-image (an image= to start from), not {task}"
+                f"denoising_start applies to image-to-image and inpaint (an image= to start from), not {task}"
             )
         if image is not None:
             if denoising_start is not None:  # diffusers then ignores the strength and adds no noise
@@ -927,6 +932,8 @@ class DiffusionPipeline:
                 pixels, mask_pixels = self.preprocess_images(
                     image, mask_image, len(prompts), n, settings, **images
                 )
+            else:  # latents (a refiner's inpaint: its mask at their size)
+                mask_pixels = self.preprocess_masks(mask_image, len(prompts), n, settings)
         stop = steps  # the schedule's end, or where denoising_end cuts it
         if denoising_end is not None:
             stop = start + end_steps(denoising_end, timesteps[start:], self.scheduler_config)
@@ -981,6 +988,8 @@ class DiffusionPipeline:
                 latent_image = np.repeat(latent_image, len(seeds) // rows_of, axis=0)
             given = self._loop_latents(latent_image, len(seeds), shape, "image").astype(self.latent_dtype)
             image_inputs = {"image_latents": self.put_batch(given)}
+            if mask_pixels is not None:  # the known region is the given latents' (diffusers' image_latents)
+                image_inputs["mask"] = self.put_batch(np.asarray(self.latent_mask(mask_pixels, shape=shape)))
         elif pixels is not None:
             t0 = time.perf_counter()
             put_mask = None if mask_pixels is None else self.put_batch(mask_pixels)
@@ -1090,9 +1099,11 @@ class DiffusionPipeline:
         latent_channels = self.noise_shape(dict(self.defaults))[-1]
         if image.shape[1] != latent_channels or image.shape[-1] == 3:
             return None
-        if task != "image-to-image":
+        if task == "inpaint" and self.inpaint_condition:
+            # diffusers fails there too: the UNet's masked image latents cannot be made from latents
             raise PipelineError(
-                f"latents given as image= take image-to-image only, not {task} (no mask_image)"
+                "latents given as image= inpaint with a 4-channel UNet only: this 9-channel inpainting UNet "
+                "takes the masked image's latents every step; give it the picture"
             )
         return np.asarray(image, np.float32)
 
@@ -1176,7 +1187,7 @@ class DiffusionPipeline:
                 if "mask" in image:
 
                     def after_step(x, i):
-                        return blend_known(scheduler, schedule, x, image, noise, i)
+                        return blend_known(scheduler, schedule, x, image, noise, i, init["stop"])
 
                 model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg, image=image)
                 if "condition" in image:

@@ -212,16 +212,114 @@ def test_base_then_refiner_by_denoising_end_and_start_matches_diffusers(ours, ba
         PipelineError, match="denoising_start applies to image-to-image .*, not text-to-image"
     ):
         ours(PROMPTS, height=H, width=W, denoising_start=0.7, **kw)
-    with pytest.raises(PipelineError, match="denoising_start applies to image-to-image .*, not inpaint"):
-        ours(PROMPTS, image=_images(0), mask_image=_masks(), height=H, width=W, denoising_start=0.7, **kw)
     with pytest.raises(PipelineError, match="denoising_start 0.9999 leaves no step"):
         ours(PROMPTS, image=ours_handed.images, denoising_start=0.9999, **kw)
     with pytest.raises(
         PipelineError, match=r"image: expected shape \(2, 4, 32, 24\) \[B, C, h, w\], got \(2, 4, 16, 12\)"
     ):
         ours(PROMPTS, image=ours_handed.images[:, :, ::2, ::2], height=H, width=W, denoising_start=0.7, **kw)
-    with pytest.raises(PipelineError, match="latents given as image= take image-to-image only"):
-        ours(PROMPTS, image=ours_handed.images, mask_image=_masks(), denoising_start=0.7, **kw)
+
+
+def test_inpaint_base_then_refiner_matches_diffusers(ours, base_reference, same_noise):
+    """diffusers' inpainting with a refiner: the base inpaints to denoising_end and returns latents whose known
+    region is the clean image's (its blend's `i < len(timesteps) - 1` counts the cut timesteps: the last step
+    puts the image back unnoised); the refiner inpaints from those latents (image=latents, the same masks) from
+    denoising_start on, adding no noise, its known region those latents noised to each next step. A picture
+    with denoising_start starts from its own clean latents, as diffusers does."""
+    import torch
+    from diffusers import StableDiffusionXLInpaintPipeline
+
+    ref = StableDiffusionXLInpaintPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    images, masks = _images(6), _masks()
+    pixels = [torch.from_numpy(i.transpose(2, 0, 1)) for i in images]
+    torch_masks = [torch.from_numpy(m[None]) for m in masks]
+    rng = np.random.default_rng(9)
+    noise, noise_2 = (rng.standard_normal((2, 4, H // 2, W // 2)).astype(np.float32) for _ in range(2))
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=8, guidance_scale=5.0)
+    same_noise["noise"] = noise
+    handed = ref(
+        PROMPTS,
+        image=pixels,
+        mask_image=torch_masks,
+        height=H,
+        width=W,
+        denoising_end=0.6,
+        output_type="latent",
+        **kw,
+    ).images
+    same_noise["noise"] = noise_2
+    expected = ref(
+        PROMPTS,
+        image=handed,
+        mask_image=torch_masks,
+        height=H,
+        width=W,
+        denoising_start=0.6,
+        output_type="np",
+        **kw,
+    ).images
+    from_picture = ref(
+        PROMPTS,
+        image=pixels,
+        mask_image=torch_masks,
+        height=H,
+        width=W,
+        denoising_start=0.6,
+        output_type="np",
+        **kw,
+    ).images
+
+    ours_handed = ours(
+        PROMPTS,
+        image=images,
+        mask_image=masks,
+        height=H,
+        width=W,
+        latents=noise,
+        denoising_end=0.6,
+        output_type="latent",
+        **kw,
+    )
+    handed = handed.numpy()
+    assert float(np.abs(ours_handed.images - handed).max()) <= 1e-3 * float(np.abs(handed).max())
+    steps = []
+    got = ours(  # no size: the latents' own
+        PROMPTS,
+        image=ours_handed.images,
+        mask_image=masks,
+        denoising_start=0.6,
+        latents=noise_2,
+        callback=lambda s, t: steps.append(t),
+        output_type="np",
+        **kw,
+    )
+    _check(got.images, expected, "inpaint base + refiner")
+    assert steps == [4, 4, 4, 4]  # Euler's 8 leading timesteps (876, 751, ..., 126, 1): 4 under 400
+    again = ours(
+        PROMPTS,
+        image=images,
+        mask_image=masks,
+        height=H,
+        width=W,
+        denoising_start=0.6,
+        latents=noise_2,
+        output_type="np",
+        **kw,
+    )
+    _check(again.images, from_picture, "inpaint from a picture at denoising_start")
+    # Another fraction compiles nothing.
+    before = ours.compilations
+    other = ours(
+        PROMPTS,
+        image=ours_handed.images,
+        mask_image=masks[::-1],
+        denoising_start=0.3,
+        latents=noise,
+        output_type="np",
+        **kw,
+    )
+    assert ours.compilations == before and not other.compiled
 
 
 def test_img2img_without_a_size_takes_the_images_own_as_diffusers(ours, base_reference, same_noise):
@@ -386,6 +484,9 @@ def test_inpaint_unet_9_channels_matches_diffusers(inpaint_path, same_noise):
         pipe("a cat", height=H, width=W, num_inference_steps=1)
     with pytest.raises(PipelineError, match="image-to-image"):
         pipe("a cat", image=images[0], height=H, width=W, num_inference_steps=1)
+    latents = np.zeros((2, 4, H // 2, W // 2), np.float32)  # diffusers has no masked image latents for them
+    with pytest.raises(PipelineError, match="latents given as image= inpaint with a 4-channel UNet only"):
+        pipe(PROMPTS, image=latents, mask_image=masks, denoising_start=0.5, num_inference_steps=STEPS)
 
 
 def test_tasks_limits_batch_key_and_bad_inputs(ours):
