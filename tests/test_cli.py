@@ -98,6 +98,9 @@ def _unsupported(tmp_path):
     return str(tmp_path / "y")
 
 
+_LOADED: dict = {}  # test_generate_errors_are_one_clear_line's pipelines, by load arguments
+
+
 @pytest.mark.parametrize(
     "make_args,match",
     [
@@ -150,6 +153,18 @@ def test_generate_errors_are_one_clear_line(tmp_path, make_args, match, capsys, 
     from meshserve import cli
 
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds meshserve's CPU flags
+    # Each model loaded once for all the cases (a refused call leaves its pipeline as it was): loading tiny-sdxl
+    # again took 1.5-2 s of most cases, 33 s of the 24 on a Zen 3 EPYC (2026-11-30).
+    from meshserve import models
+
+    def load_once(model, **options):
+        key = (model, tuple(sorted(options.items())))
+        if key not in _LOADED:
+            _LOADED[key] = load_pipeline(model, **options)
+        return _LOADED[key]
+
+    load_pipeline = models.load_pipeline
+    monkeypatch.setattr(models, "load_pipeline", load_once)
     args = make_args(tmp_path)
     try:
         code = cli.main(["generate", "--prompt", "a cat", "-o", str(tmp_path / "o.png"), *args])
