@@ -237,87 +237,46 @@ def test_inpaint_base_then_refiner_matches_diffusers(ours, base_reference, same_
     rng = np.random.default_rng(9)
     noise, noise_2 = (rng.standard_normal((2, 4, H // 2, W // 2)).astype(np.float32) for _ in range(2))
     kw = dict(negative_prompt=NEGATIVE, num_inference_steps=8, guidance_scale=5.0)
+    theirs = dict(mask_image=torch_masks, height=H, width=W, **kw)
     same_noise["noise"] = noise
-    handed = ref(
-        PROMPTS,
-        image=pixels,
-        mask_image=torch_masks,
-        height=H,
-        width=W,
-        denoising_end=0.6,
-        output_type="latent",
-        **kw,
-    ).images
+    handed = ref(PROMPTS, image=pixels, denoising_end=0.6, output_type="latent", **theirs).images
     same_noise["noise"] = noise_2
-    expected = ref(
-        PROMPTS,
-        image=handed,
-        mask_image=torch_masks,
-        height=H,
-        width=W,
-        denoising_start=0.6,
-        output_type="np",
-        **kw,
-    ).images
-    from_picture = ref(
-        PROMPTS,
-        image=pixels,
-        mask_image=torch_masks,
-        height=H,
-        width=W,
-        denoising_start=0.6,
-        output_type="np",
-        **kw,
-    ).images
+    expected = ref(PROMPTS, image=handed, denoising_start=0.6, output_type="np", **theirs).images
+    from_picture = ref(PROMPTS, image=pixels, denoising_start=0.6, output_type="np", **theirs).images
 
+    kw |= dict(mask_image=masks, output_type="np")
     ours_handed = ours(
         PROMPTS,
         image=images,
-        mask_image=masks,
         height=H,
         width=W,
         latents=noise,
         denoising_end=0.6,
-        output_type="latent",
-        **kw,
+        **{**kw, "output_type": "latent"},
     )
     handed = handed.numpy()
     assert float(np.abs(ours_handed.images - handed).max()) <= 1e-3 * float(np.abs(handed).max())
-    steps = []
-    got = ours(  # no size: the latents' own
+    steps = []  # no size below: the latents' own
+    got = ours(
         PROMPTS,
         image=ours_handed.images,
-        mask_image=masks,
         denoising_start=0.6,
         latents=noise_2,
         callback=lambda s, t: steps.append(t),
-        output_type="np",
         **kw,
     )
     _check(got.images, expected, "inpaint base + refiner")
     assert steps == [4, 4, 4, 4]  # Euler's 8 leading timesteps (876, 751, ..., 126, 1): 4 under 400
-    again = ours(
-        PROMPTS,
-        image=images,
-        mask_image=masks,
-        height=H,
-        width=W,
-        denoising_start=0.6,
-        latents=noise_2,
-        output_type="np",
-        **kw,
-    )
+    again = ours(PROMPTS, image=images, height=H, width=W, denoising_start=0.6, latents=noise_2, **kw)
     _check(again.images, from_picture, "inpaint from a picture at denoising_start")
-    # Another fraction compiles nothing.
+    # Another fraction and other masks compile nothing.
     before = ours.compilations
     other = ours(
         PROMPTS,
         image=ours_handed.images,
-        mask_image=masks[::-1],
         denoising_start=0.3,
         latents=noise,
-        output_type="np",
-        **kw,
+        **{**kw, "mask_image": masks[::-1]},
     )
     assert ours.compilations == before and not other.compiled
 
