@@ -55,6 +55,20 @@ def pytest_configure(config):
     # callback, included) compiled by one test file is read back by the next, and a second run is much faster.
     enable_compilation_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _share_the_cores_with_torch(config)
+
+
+def _share_the_cores_with_torch(config):
+    """torch (the diffusers references) gets the cores divided among the test processes: one intra-op thread
+    each under .ci/run's two workers on two cores. Its OpenMP threads spin at every barrier, so two of them
+    beside a busy core ran the tiny SDXL's 8-step CFG call in 1.81-2.20 s against 0.57-0.70 s on one thread
+    (0.51-0.60 against 0.62-0.65 s on a quiet machine; 2026-11-30, 2-core Zen 4 EPYC). XLA's pool does not
+    spin: the same call of ours ran 0.36-0.39 s either way. Set in each xdist worker before torch is imported
+    (it reads the variable once); one test process keeps torch's default (every core), and an OMP_NUM_THREADS
+    of the user's wins."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_collection_modifyitems(config, items):

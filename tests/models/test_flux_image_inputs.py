@@ -56,7 +56,6 @@ def reference(tiny_flux_dev_path):
     import torch
     from diffusers import FluxPipeline
 
-    torch.set_num_threads(2)
     pipe = FluxPipeline.from_pretrained(str(tiny_flux_dev_path), torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe

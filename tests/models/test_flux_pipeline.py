@@ -46,7 +46,6 @@ def _reference(path, dtype="float32"):
     import torch
     from diffusers import FluxPipeline as TorchFluxPipeline
 
-    torch.set_num_threads(2)
     pipe = TorchFluxPipeline.from_pretrained(str(path), torch_dtype=getattr(torch, dtype))
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -31,7 +31,6 @@ def reference(tiny_sdxl_path):
     import torch
     from diffusers import LCMScheduler, StableDiffusionXLPipeline
 
-    torch.set_num_threads(2)
     pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
     pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)

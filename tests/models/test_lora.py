@@ -55,7 +55,6 @@ def sdxl(tiny_sdxl_path, tmp_path_factory):
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    torch.set_num_threads(2)
     ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     folder = tmp_path_factory.mktemp("sdxl_loras")
@@ -343,7 +342,6 @@ def flux(tiny_flux_dev_path, tmp_path_factory):
     import torch
     from diffusers import FluxPipeline
 
-    torch.set_num_threads(2)
     ref = FluxPipeline.from_pretrained(str(tiny_flux_dev_path), torch_dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     folder = tmp_path_factory.mktemp("flux_loras")
@@ -442,7 +440,6 @@ def test_wan_matches_diffusers(tiny_wan_path, tmp_path):
     import torch
     from diffusers import WanPipeline as TorchWanPipeline
 
-    torch.set_num_threads(2)
     ref = TorchWanPipeline.from_pretrained(str(tiny_wan_path), dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     path = write_diffusers_lora(

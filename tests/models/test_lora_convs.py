@@ -31,7 +31,6 @@ def convs(tiny_sdxl_path, tmp_path_factory):
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    torch.set_num_threads(2)
     ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     folder = tmp_path_factory.mktemp("conv_loras")

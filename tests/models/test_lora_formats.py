@@ -48,7 +48,6 @@ def sdxl_ref(tiny_sdxl_path):
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    torch.set_num_threads(2)
     ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
     targets = torch_targets(
         {"": ref.unet, "text_encoder.": ref.text_encoder, "text_encoder_2.": ref.text_encoder_2}

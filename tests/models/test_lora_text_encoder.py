@@ -64,7 +64,6 @@ def sdxl(tiny_sdxl_path, tmp_path_factory):
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    torch.set_num_threads(2)
     ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     folder = tmp_path_factory.mktemp("sdxl_te_loras")
@@ -295,7 +294,6 @@ def flux(tiny_flux_dev_path, tmp_path_factory):
     import torch
     from diffusers import FluxPipeline
 
-    torch.set_num_threads(2)
     ref = FluxPipeline.from_pretrained(str(tiny_flux_dev_path), torch_dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     folder = tmp_path_factory.mktemp("flux_te_loras")

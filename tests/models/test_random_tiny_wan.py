@@ -54,7 +54,6 @@ def test_diffusers_wan_pipeline_agrees(folder):
     import torch
     from diffusers import WanPipeline as TorchWanPipeline
 
-    torch.set_num_threads(2)
     reference = TorchWanPipeline.from_pretrained(str(folder), dtype=torch.float32)
     reference.set_progress_bar_config(disable=True)
     ours = load_pipeline(folder)

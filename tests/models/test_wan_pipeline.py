@@ -50,7 +50,6 @@ def reference(tiny_wan_path):
     import torch
     from diffusers import WanPipeline as TorchWanPipeline
 
-    torch.set_num_threads(2)
     pipe = TorchWanPipeline.from_pretrained(str(tiny_wan_path), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
