@@ -34,8 +34,9 @@ from meshserve.models.schedulers import (
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     LCMScheduler,
+    UniPCMultistepScheduler,
 )
-from meshserve.models.schedulers.common import at
+from meshserve.models.schedulers.common import at, vp_alpha_sigma
 
 TASKS = ("text-to-image", "image-to-image", "inpaint", "text-to-video", "image-to-video")
 
@@ -80,15 +81,15 @@ def noise_to(scheduler, schedule, x, noise, index):
     """x noised to the level of step `index` (traced), as the scheduler's diffusers `add_noise` /
     `scale_noise` does at `timesteps[index]`; float32."""
     x, noise = x.astype(jnp.float32), noise.astype(jnp.float32)
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+    flow = getattr(scheduler, "use_flow_sigmas", False)  # UniPC's flow form
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or flow:
         sigma = at(schedule.sigmas, index)
         return sigma * noise + (1.0 - sigma) * x
     if isinstance(scheduler, EulerDiscreteScheduler | EulerAncestralDiscreteScheduler):
         return x + noise * at(schedule.sigmas, index)
-    if isinstance(scheduler, DPMSolverMultistepScheduler):
-        sigma = at(schedule.sigmas, index)
-        alpha_t = 1.0 / (sigma**2 + 1.0) ** 0.5
-        return alpha_t * x + (sigma * alpha_t) * noise
+    if isinstance(scheduler, DPMSolverMultistepScheduler | UniPCMultistepScheduler):
+        alpha_t, sigma_t = vp_alpha_sigma(at(schedule.sigmas, index))
+        return alpha_t * x + sigma_t * noise
     if isinstance(scheduler, DDIMScheduler | LCMScheduler):  # DDPM's add_noise, by alpha_bar
         alpha_prod = at(schedule.alpha_prod_t, index)
         return alpha_prod**0.5 * x + (1.0 - alpha_prod) ** 0.5 * noise
@@ -102,6 +103,7 @@ def check_scheduler(scheduler) -> None:
         EulerDiscreteScheduler,
         EulerAncestralDiscreteScheduler,
         DPMSolverMultistepScheduler,
+        UniPCMultistepScheduler,
         DDIMScheduler,
         LCMScheduler,
     )

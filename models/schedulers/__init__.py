@@ -32,6 +32,7 @@ from meshserve.models.schedulers.lcm import LCMSchedule, LCMScheduler
 from meshserve.models.schedulers.tcd import TCDSchedule, TCDScheduler
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
+_FLOW_UNIPC = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
 _OTHER_SIGMAS_OFF = {"use_exponential_sigmas": False, "use_beta_sigmas": False}
 _DPM_SIGMAS_OFF = {**_OTHER_SIGMAS_OFF, "use_lu_lambdas": False}
 
@@ -66,13 +67,15 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     # TCD-distilled adapters' sampler (TCD-SDXL-LoRA, Hyper-SD); its gamma is the request's eta.
     "tcd": (TCDScheduler, {}),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
-    # Wan 2.1's scheduler; only its flow-matching form is implemented, so the name implies it.
-    "unipc": (UniPCMultistepScheduler, {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
+    # Wan 2.1's scheduler, in its flow-matching form; on a beta-schedule model's config (SDXL), its VP form
+    # (make_scheduler drops these settings there).
+    "unipc": (UniPCMultistepScheduler, _FLOW_UNIPC),
 }
 # Flow-matching models (Flux, Wan) predict a velocity, the others noise: the two are never interchangeable, so
-# SCHEDULER_NAMES (what SDXL-type families offer) leaves the flow schedulers out; flow families offer these.
+# SCHEDULER_NAMES (what SDXL-type families offer) leaves flow-matching Euler out; flow families offer these.
+# UniPC has both forms, so both lists have it.
 FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler", "unipc")
-SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n in _BY_NAME if n not in FLOW_SCHEDULER_NAMES)
+SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n in _BY_NAME if n != "flow_match_euler")
 # diffusers class names are accepted too; they take every setting from the config.
 _BY_CLASS: dict[str, type[NoiseScheduler]] = {
     cls.__name__: cls
@@ -89,6 +92,16 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
 }
 
 
+def is_flow_config(config: Mapping[str, Any]) -> bool:
+    """Whether a folder's scheduler config is a flow-matching model's (Flux's flow-matching Euler, Wan's
+    flow UniPC) rather than a beta-schedule one (SDXL's)."""
+    return (
+        config.get("_class_name") == "FlowMatchEulerDiscreteScheduler"
+        or bool(config.get("use_flow_sigmas"))
+        or config.get("prediction_type") == "flow_prediction"
+    )
+
+
 def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> NoiseScheduler:
     """The scheduler `name` (one of SCHEDULER_NAMES or a diffusers class name; None: the config's own
     `_class_name`) built from a diffusers scheduler config, as diffusers' `Class.from_config(config)` would.
@@ -99,6 +112,8 @@ def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> 
     key = config.get("_class_name") if name is None else name
     if key in _BY_NAME:
         cls, implied = _BY_NAME[key]
+        if implied is _FLOW_UNIPC and not is_flow_config(config):
+            implied = {}
     elif key in _BY_CLASS:
         cls, implied = _BY_CLASS[key], {}
     else:

@@ -261,6 +261,27 @@ def spaced_timesteps(
     return trailing_timesteps(num_train, num_train, n)
 
 
+def vp_alpha_sigma(sigma):
+    """The variance-preserving pair of a VE sigma: alpha_t = 1 / sqrt(sigma^2 + 1), sigma_t = sigma * alpha_t
+    (diffusers' _sigma_to_alpha_sigma_t of the multistep solvers); x_t = alpha_t * x0 + sigma_t * noise."""
+    alpha_t = 1 / ((sigma**2 + 1) ** 0.5)
+    return alpha_t, sigma * alpha_t
+
+
+def multistep_timesteps(
+    spacing: str, last_timestep: int, num_train: int, n: int, steps_offset: int
+) -> np.ndarray:
+    """[n] int64 descending timesteps of the multistep solvers (diffusers' DPM-Solver and UniPC set_timesteps):
+    n + 1 points with the last dropped, so the final step does not start at t = 0. `last_timestep`: the
+    number of training timesteps in use (DPM-Solver's lambda_min_clipped drops the noisiest)."""
+    if spacing == "linspace":
+        return np.linspace(0, last_timestep - 1, n + 1).round()[::-1][:-1].astype(np.int64)
+    if spacing == "leading":
+        step_ratio = last_timestep // (n + 1)
+        return (np.arange(0, n + 1) * step_ratio).round()[::-1][:-1].astype(np.int64) + steps_offset
+    return trailing_timesteps(last_timestep, num_train, n).astype(np.int64)
+
+
 def trailing_timesteps(start: int, num_train: int, n: int) -> np.ndarray:
     """diffusers' "trailing" spacing: arange(start, 0, -num_train / n).round() - 1.
 
@@ -293,6 +314,24 @@ def beta_sigmas(
     sigma_min, sigma_max = float(sigma_min), float(sigma_max)
     ppf = scipy.stats.beta.ppf(1 - np.linspace(0, 1, n), alpha, beta)
     return sigma_min + ppf * (sigma_max - sigma_min)
+
+
+def respaced_sigmas(scheduler, train_sigmas: np.ndarray, n: int, *, round_karras: bool):
+    """(sigmas [n], fractional timesteps [n]) of the multistep solvers' Karras / exponential / beta sigmas:
+    respaced between the ends of the *training* sigmas (Euler uses the inference ones), or the config's
+    sigma_min / sigma_max where it has them; Karras timesteps rounded when `round_karras`."""
+    sigma_min = scheduler.sigma_min if scheduler.sigma_min is not None else train_sigmas[0]
+    sigma_max = scheduler.sigma_max if scheduler.sigma_max is not None else train_sigmas[-1]
+    convert = (
+        karras_sigmas if scheduler.use_karras_sigmas
+        else exponential_sigmas if scheduler.use_exponential_sigmas
+        else beta_sigmas
+    )  # fmt: skip
+    sigmas = convert(sigma_min, sigma_max, n)
+    timesteps = sigma_to_t(sigmas, np.log(train_sigmas))
+    if scheduler.use_karras_sigmas and round_karras:
+        timesteps = timesteps.round()
+    return sigmas, timesteps
 
 
 def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:

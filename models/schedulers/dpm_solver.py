@@ -20,16 +20,15 @@ import numpy as np
 from meshserve.models.schedulers.common import (
     NoiseScheduler,
     SigmaSchedule,
-    beta_sigmas,
     check_choice,
-    exponential_sigmas,
     f32,
-    karras_sigmas,
+    multistep_timesteps,
+    respaced_sigmas,
     schedule_length,
     sigma_to_t,
     step_noise,
     threshold_sample,
-    trailing_timesteps,
+    vp_alpha_sigma,
 )
 from meshserve.models.schedulers.euler import capped_alphas_cumprod, training_sigmas
 
@@ -110,31 +109,16 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         clipped_idx = np.searchsorted(lambdas[::-1], self.lambda_min_clipped)
         last_timestep = self.num_train_timesteps - int(clipped_idx)
 
-        # n + 1 points with the last dropped, so the final step does not start at t = 0.
         if timesteps is not None:
             timesteps = np.asarray(timesteps).astype(np.int64)
-        elif self.timestep_spacing == "linspace":
-            timesteps = np.linspace(0, last_timestep - 1, n + 1).round()[::-1][:-1].astype(np.int64)
-        elif self.timestep_spacing == "leading":
-            step_ratio = last_timestep // (n + 1)
-            timesteps = (np.arange(0, n + 1) * step_ratio).round()[::-1][:-1].astype(np.int64)
-            timesteps += self.steps_offset
         else:
-            timesteps = trailing_timesteps(last_timestep, self.num_train_timesteps, n).astype(np.int64)
+            timesteps = multistep_timesteps(
+                self.timestep_spacing, last_timestep, self.num_train_timesteps, n, self.steps_offset
+            )
 
         if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
-            # Respaced between the ends of the *training* sigmas (Euler uses the inference ones).
-            sigma_min = self.sigma_min if self.sigma_min is not None else train_sigmas[0]
-            sigma_max = self.sigma_max if self.sigma_max is not None else train_sigmas[-1]
-            convert = (
-                karras_sigmas if self.use_karras_sigmas
-                else exponential_sigmas if self.use_exponential_sigmas
-                else beta_sigmas
-            )  # fmt: skip
-            sigmas = convert(sigma_min, sigma_max, n)
-            timesteps = sigma_to_t(sigmas, log_sigmas)
-            if self.use_karras_sigmas and self.beta_schedule != "squaredcos_cap_v2":
-                timesteps = timesteps.round()
+            round_karras = self.beta_schedule != "squaredcos_cap_v2"
+            sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=round_karras)
         elif self.use_lu_lambdas:
             # Uniform in log sigma between its training ends (diffusers' _convert_to_lu with rho = 1).
             sigmas = np.exp(np.linspace(float(log_sigmas[-1]), float(log_sigmas[0]), n))
@@ -199,7 +183,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
 
     def _data_prediction(self, sigma, model_output, sample):
         """diffusers' convert_model_output for dpmsolver++: x0 from the model output at noise level sigma."""
-        alpha_t, sigma_t = _alpha_sigma(sigma)
+        alpha_t, sigma_t = vp_alpha_sigma(sigma)
         if self.prediction_type == "epsilon":
             x0 = (sample - sigma_t * model_output) / alpha_t
         elif self.prediction_type == "v_prediction":
@@ -215,7 +199,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         (s0, s1, ..., k of them). Indices below 0 are clamped: such branches are never taken there."""
         out = []
         for idx in [i + 1] + [jnp.maximum(i - j, 0) for j in range(k)]:
-            alpha, sigma = _alpha_sigma(sigmas[idx])
+            alpha, sigma = vp_alpha_sigma(sigmas[idx])
             out.append((alpha, sigma, jnp.log(alpha) - jnp.log(sigma)))
         return out
 
@@ -287,9 +271,3 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
             + (alpha_t * ((1.0 - jnp.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2 - 0.5)) * d2
             + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
         )
-
-
-def _alpha_sigma(sigma):
-    """The VP pair of a VE sigma: alpha_t = 1 / sqrt(sigma^2 + 1), sigma_t = sigma * alpha_t."""
-    alpha_t = 1 / ((sigma**2 + 1) ** 0.5)
-    return alpha_t, sigma * alpha_t

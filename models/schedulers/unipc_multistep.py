@@ -1,15 +1,21 @@
-"""UniPC multistep (Zhao et al. 2023, https://huggingface.co/papers/2302.04867) for flow matching = diffusers'
-UniPCMultistepScheduler as Wan 2.1 runs it: `use_flow_sigmas=True`, `prediction_type="flow_prediction"`,
-`flow_shift` 3.0 (480p) / 5.0 (720p), solver_order 2, `solver_type="bh2"`, `lower_order_final`, predict_x0.
+"""UniPC multistep (Zhao et al. 2023, https://huggingface.co/papers/2302.04867) = diffusers'
+UniPCMultistepScheduler in its two forms:
 
-    sched = make_scheduler("unipc", scheduler_config, flow_shift=3.0)
+- flow matching, as Wan 2.1 runs it: `use_flow_sigmas=True`, `prediction_type="flow_prediction"`, `flow_shift`
+  3.0 (480p) / 5.0 (720p), solver_order 2, `solver_type="bh2"`, `lower_order_final`, predict_x0;
+- the beta-schedule (variance-preserving) form SD-type UNets sample with (SDXL folders, A1111's "UniPC"):
+  sigmas of the training schedule at multistep timesteps (as DPM-Solver's), epsilon / v / sample predictions.
+
+    sched = make_scheduler("unipc", wan_scheduler_config, flow_shift=3.0)
     schedule = sched.schedule(50)            # timesteps 999, 993, ... (int64 in diffusers; exact in float32)
+    sched = make_scheduler("unipc", sdxl_scheduler_config)   # a beta-schedule config: the VP form
 
-Each step converts the velocity to a data prediction x0 = x - sigma * v, then
+Each step converts the model output to a data prediction (flow: x0 = x - sigma * v; VP: diffusers'
+convert_model_output with alpha_t = 1 / sqrt(sigma^2 + 1), sigma_t = sigma * alpha_t), then
 - corrects the sample it was handed (UniC): the previous step's predictor is re-run with this step's x0 as one
   more point, unless this is the loop's first step or the previous step index is in `disable_corrector`;
 - predicts the next sample (UniP) from the last `solver_order` x0 predictions in lambda = log(alpha / sigma),
-  alpha = 1 - sigma, sigma (the flow path).
+  on the flow path alpha = 1 - sigma, sigma; on the VP path alpha_t, sigma_t above.
 The order rises 1, 2, ... as predictions accumulate, and with lower_order_final the last steps use
 min(solver_order, steps left). The state carried through the loop holds the x0 history, the corrected sample
 of the previous step and the order it used, so the step index and the step count may be traced (a padded
@@ -43,15 +49,20 @@ from meshserve.models.schedulers.common import (
     SigmaSchedule,
     check_choice,
     f32,
+    multistep_timesteps,
+    respaced_sigmas,
     schedule_length,
+    vp_alpha_sigma,
 )
+from meshserve.models.schedulers.euler import training_sigmas
 
 
 @dataclass(frozen=True)
 class UniPCMultistepScheduler(NoiseScheduler):
-    """Settings: diffusers' UniPCMultistepScheduler config (defaults equal, except that only the flow-matching
-    form is implemented: the "unipc" name implies use_flow_sigmas and flow_prediction). The beta fields
-    inherited from NoiseScheduler are unused with flow sigmas (diffusers ignores them there too)."""
+    """Settings: diffusers' UniPCMultistepScheduler config (defaults equal). The "unipc" name implies the flow
+    form (use_flow_sigmas, flow_prediction) on a flow-matching model's config and the VP form on a
+    beta-schedule one (make_scheduler). The beta fields inherited from NoiseScheduler are unused with flow
+    sigmas (diffusers ignores them there too)."""
 
     solver_order: int = 2
     predict_x0: bool = True
@@ -65,25 +76,43 @@ class UniPCMultistepScheduler(NoiseScheduler):
     time_shift_type: str = "exponential"
     shift_terminal: float | None = None
 
-    # The noise-prediction forms (beta-schedule sigmas, epsilon / v / sample predictions, predict_x0 false)
-    # belong to SD-type UNets, which have DPM-Solver here; no Wan checkpoint sets the rest.
+    # The VP form's respaced sigmas (a folder's Euler or DPM-Solver config may set them: UniPC from_config
+    # keeps them); sigma_min / sigma_max are read when that config has them, as for DPM-Solver.
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+
+    # predict_x0 false (the noise-prediction form) is not implemented, nor thresholding, a solver_p, or
+    # respaced flow sigmas: no Wan or SDXL folder seen sets them.
     UNSUPPORTED: ClassVar[Mapping[str, Any]] = {
         "predict_x0": True,
         "thresholding": False,
         "solver_p": None,
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
     }
 
     def __post_init__(self):
-        # Not NoiseScheduler's checks: "flow_prediction" is no prediction type of the beta-schedule family.
-        check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
-        if not self.use_flow_sigmas or self.prediction_type != "flow_prediction":
+        if self.use_flow_sigmas != (self.prediction_type == "flow_prediction"):
             raise ValueError(
-                "UniPCMultistepScheduler: only the flow-matching form is implemented (use_flow_sigmas=True, "
-                f"prediction_type='flow_prediction'); got use_flow_sigmas={self.use_flow_sigmas!r}, "
-                f"prediction_type={self.prediction_type!r}"
+                "UniPCMultistepScheduler: flow sigmas go with prediction_type 'flow_prediction' and the "
+                "beta-schedule sigmas with 'epsilon', 'v_prediction' or 'sample'; got use_flow_sigmas="
+                f"{self.use_flow_sigmas!r}, prediction_type={self.prediction_type!r}"
+            )
+        if self.use_flow_sigmas:
+            # Not NoiseScheduler's checks: "flow_prediction" is no prediction type of the beta-schedule family.
+            check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+        else:
+            super().__post_init__()
+        respaced = self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas
+        if respaced > 1:
+            raise ValueError(
+                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
+            )
+        if respaced and self.use_flow_sigmas:
+            raise ValueError(
+                "UniPCMultistepScheduler: use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas with "
+                "flow sigmas is not implemented"
             )
         check_choice("solver_order", self.solver_order, (1, 2, 3))
         if not self.lower_order_final and self.solver_order > 1 and self.final_sigmas_type == "zero":
@@ -112,6 +141,8 @@ class UniPCMultistepScheduler(NoiseScheduler):
         """
         n = int(num_inference_steps)
         self.check_steps(n)
+        if not self.use_flow_sigmas:
+            return self._beta_schedule(n)
         if self.use_dynamic_shifting and mu is None:
             raise ValueError("mu must be given when use_dynamic_shifting is set")
         num_train = self.num_train_timesteps
@@ -138,6 +169,27 @@ class UniPCMultistepScheduler(NoiseScheduler):
             init_noise_sigma=f32(1.0),
         )
 
+    def _beta_schedule(self, n: int) -> SigmaSchedule:
+        """The VP form's: the training sigmas at multistep timesteps (diffusers: the whole training range,
+        no lambda_min_clipped), or respaced ones (DPM-Solver's, but Karras timesteps always rounded), then 0
+        or the smallest sigma (respaced: the last one, as diffusers)."""
+        train_sigmas = training_sigmas(self)
+        num_train = self.num_train_timesteps
+        if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
+            sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=True)
+            smallest = sigmas[-1]
+        else:
+            timesteps = multistep_timesteps(self.timestep_spacing, num_train, num_train, n, self.steps_offset)
+            sigmas = np.interp(timesteps, np.arange(len(train_sigmas)), train_sigmas)
+            smallest = train_sigmas[0]
+        sigma_last = smallest if self.final_sigmas_type == "sigma_min" else 0.0
+        return SigmaSchedule(
+            # int64 in diffusers: fractional (exponential / beta) timesteps truncated.
+            timesteps=f32(np.asarray(timesteps).astype(np.int64)),
+            sigmas=f32(np.concatenate([sigmas, [sigma_last]])),
+            init_noise_sigma=f32(1.0),
+        )
+
     # ---------------------------------------------------------------------------------------------
     # Traced: the step
 
@@ -160,9 +212,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
         sigmas = jnp.asarray(schedule.sigmas)
         i = jnp.asarray(i, jnp.int32)
         x = sample.astype(jnp.float32)
-        # convert_model_output, flow_prediction: x0 = x - sigma * v (see the module docstring for bf16).
-        v = model_output
-        x0 = x - (sigmas[i].astype(v.dtype) * v).astype(jnp.float32)
+        x0 = self._data_prediction(sigmas[i], model_output, x)
 
         history = state["model_outputs"]
         lower_order_nums = state["lower_order_nums"]
@@ -196,11 +246,24 @@ class UniPCMultistepScheduler(NoiseScheduler):
         }
         return prev_sample.astype(sample.dtype), state
 
+    def _data_prediction(self, sigma, model_output, x):
+        """diffusers' convert_model_output (predict_x0): x0 from the model output at sigma, float32."""
+        if self.use_flow_sigmas:
+            # x0 = x - sigma * v (see the module docstring for bf16).
+            return x - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
+        alpha_t, sigma_t = vp_alpha_sigma(sigma)
+        model_output = model_output.astype(jnp.float32)
+        if self.prediction_type == "epsilon":
+            return (x - sigma_t * model_output) / alpha_t
+        if self.prediction_type == "v_prediction":
+            return alpha_t * x - sigma_t * model_output
+        return model_output
+
     def _lambda(self, sigmas, idx):
-        """(alpha, sigma, lambda) at sigmas[idx] on the flow path: alpha = 1 - sigma. idx is clamped at 0:
-        the branches that would read below it are traced but never taken."""
+        """(alpha_t, sigma_t, lambda) at sigmas[idx]. idx is clamped at 0: the branches that would read below
+        it are traced but never taken."""
         sigma = sigmas[jnp.maximum(idx, 0)]
-        alpha = 1 - sigma
+        alpha, sigma = (1 - sigma, sigma) if self.use_flow_sigmas else vp_alpha_sigma(sigma)
         return alpha, sigma, jnp.log(alpha) - jnp.log(sigma)
 
     def _phi(self, h, order: int):

@@ -38,6 +38,7 @@ CLASS = {
     "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
+    "unipc": "UniPCMultistepScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
@@ -130,6 +131,27 @@ CASES = [
     ("tcd", {}, dict(eta=0.3)),
     ("tcd", dict(prediction_type="v_prediction", rescale_betas_zero_snr=True), dict(eta=0.5)),
     ("tcd", dict(prediction_type="sample", original_inference_steps=40, clip_sample=True), dict(eta=1.0)),
+    # UniPC's VP form, as "unipc" reads a beta-schedule (SDXL) folder's config (its flow form: test_unipc.py).
+    ("unipc", {}, {}),
+    ("unipc", dict(timestep_spacing="trailing"), {}),
+    ("unipc", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("unipc", dict(prediction_type="sample"), {}),
+    ("unipc", dict(beta_schedule="squaredcos_cap_v2", timestep_spacing="linspace"), {}),
+    ("unipc", VPRED_ZSNR, {}),
+    ("unipc", dict(solver_type="bh1", final_sigmas_type="sigma_min"), {}),
+    ("unipc", dict(disable_corrector=[1, 2]), {}),
+    ("unipc", dict(use_karras_sigmas=True), {}),
+    ("unipc", dict(use_karras_sigmas=True, final_sigmas_type="sigma_min"), {}),
+    ("unipc", dict(use_exponential_sigmas=True), {}),
+    ("unipc", dict(use_beta_sigmas=True), {}),
+    ("unipc", dict(use_karras_sigmas=True, beta_schedule="squaredcos_cap_v2"), {}),
+    ("UniPCMultistepScheduler", dict(solver_order=1), {}),
+    ("UniPCMultistepScheduler", dict(solver_order=3), {}),
+    (
+        "UniPCMultistepScheduler",
+        dict(solver_order=3, final_sigmas_type="sigma_min", lower_order_final=False),
+        {},
+    ),
 ]
 
 
@@ -324,6 +346,15 @@ def test_dpm_long_loop_matches_diffusers(sdxl_config, changes):
     """16 steps: past diffusers' 15-step threshold where lower_order_final stops lowering the last steps."""
     ours, ref = build(sdxl_config, ("DPMSolverMultistepScheduler", changes, {}))
     assert check_loop(ours, ref, steps=16) <= TOL
+
+
+@pytest.mark.parametrize(
+    "changes", [{}, dict(solver_order=3), dict(solver_type="bh1", final_sigmas_type="sigma_min")], ids=str
+)
+def test_unipc_long_loop_matches_diffusers(sdxl_config, changes):
+    """UniPC's VP form over 12 steps: every order's predictor and corrector, the lowered last steps."""
+    ours, ref = build(sdxl_config, ("UniPCMultistepScheduler", changes, {}))
+    assert check_loop(ours, ref, steps=12) <= TOL
 
 
 def test_ancestral_step_to_a_tiny_sigma_stays_finite(sdxl_config):

@@ -24,12 +24,20 @@ def reference(tiny_sdxl_path):
 
 
 def _diffusers_scheduler(pipe, name):
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
+    from diffusers import (
+        DDIMScheduler,
+        DPMSolverMultistepScheduler,
+        EulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+    )
 
     base = name.removesuffix("_karras")
-    cls = {"euler": EulerDiscreteScheduler, "ddim": DDIMScheduler, "dpmpp_2m": DPMSolverMultistepScheduler}[
-        base
-    ]
+    cls = {
+        "euler": EulerDiscreteScheduler,
+        "ddim": DDIMScheduler,
+        "dpmpp_2m": DPMSolverMultistepScheduler,
+        "unipc": UniPCMultistepScheduler,
+    }[base]
     # diffusers' docs: A1111's "Karras". Said either way: from_config keeps what an earlier test's scheduler set.
     pipe.scheduler = cls.from_config(pipe.scheduler.config, use_karras_sigmas=base != name)
 
@@ -41,6 +49,8 @@ def _diffusers_scheduler(pipe, name):
         ("ddim", ["a photo of a cat", "a red car"], ["blurry", "low quality"], 3),
         ("dpmpp_2m", ["mountains at dawn", ""], "ugly", 4),
         ("dpmpp_2m_karras", ["a photo of a cat", "a red car"], None, 4),
+        # UniPC's VP form: 5 steps reach its order-2 predictor and corrector.
+        ("unipc", ["mountains at dawn", "a red car"], ["blurry", ""], 5),
     ],
 )
 def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):

@@ -265,8 +265,13 @@ def test_padded_schedule_equals_exact(steps):
 
 
 def test_names_and_unsupported_options():
-    assert "unipc" in FLOW_SCHEDULER_NAMES and "unipc" not in SCHEDULER_NAMES
-    assert isinstance(make_scheduler("unipc", {}), UniPCMultistepScheduler)
+    # Both forms under one name: the flow form on a flow-matching config, the VP form (test_schedulers.py) on
+    # a beta-schedule one.
+    assert "unipc" in FLOW_SCHEDULER_NAMES and "unipc" in SCHEDULER_NAMES
+    assert make_scheduler("unipc", WAN).use_flow_sigmas
+    assert make_scheduler("unipc", {"_class_name": "FlowMatchEulerDiscreteScheduler"}).use_flow_sigmas
+    assert not make_scheduler("unipc", {}).use_flow_sigmas
+    assert make_scheduler("unipc", {}).prediction_type == "epsilon"
     assert isinstance(make_scheduler(None, WAN), UniPCMultistepScheduler)
     assert make_scheduler("unipc", WAN, flow_shift=5.0).flow_shift == 5.0
     sched = make_scheduler(None, {**WAN, "disable_corrector": [1, 2]})
