@@ -122,6 +122,29 @@ def test_img2img_matches_diffusers_and_never_recompiles(ours, base_reference, sa
     assert not np.allclose(other.images, got.images)
 
 
+def test_img2img_with_unipc_matches_diffusers(ours, base_reference, same_noise):
+    """UniPC's VP form started mid-schedule: diffusers' add_noise at the strength's start step, then its
+    history, orders and corrector restarted there (6 steps at strength 0.7: 4 run, reaching order 2)."""
+    import torch
+    from diffusers import StableDiffusionXLImg2ImgPipeline, UniPCMultistepScheduler
+
+    ref = StableDiffusionXLImg2ImgPipeline.from_pipe(base_reference)
+    ref.scheduler = UniPCMultistepScheduler.from_config(base_reference.scheduler.config)
+    ref.set_progress_bar_config(disable=True)
+    images = _images(3)
+    same_noise["noise"] = noise = (
+        np.random.default_rng(2).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    )
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=6, guidance_scale=5.0, strength=0.7)
+    expected = ref(
+        PROMPTS, image=[torch.from_numpy(i.transpose(2, 0, 1)) for i in images], output_type="np", **kw
+    )
+    got = ours(
+        PROMPTS, image=images, height=H, width=W, latents=noise, scheduler="unipc", output_type="np", **kw
+    )
+    _check(got.images, expected.images, "img2img with unipc")
+
+
 def test_img2img_denoising_end_cuts_the_strengths_steps_as_diffusers(ours, base_reference, same_noise):
     """diffusers' img2img applies denoising_end to the steps its strength left: 8 steps at strength 0.75 run
     the last 6 timesteps; denoising_end 0.5 keeps those >= 500 of them."""
