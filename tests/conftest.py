@@ -61,9 +61,9 @@ def pytest_configure(config):
 def _share_the_cores_with_torch(config):
     """torch (the diffusers references) gets the cores divided among the test processes: one intra-op thread
     each under .ci/run's two workers on two cores. Its OpenMP threads spin at every barrier, so two of them
-    beside a busy core ran the tiny SDXL's 8-step CFG call in 1.81-2.20 s against 0.57-0.70 s on one thread
-    (0.51-0.60 against 0.62-0.65 s on a quiet machine; 2026-11-30, 2-core Zen 4 EPYC). XLA's pool does not
-    spin: the same call of ours ran 0.36-0.39 s either way. Set in each xdist worker before torch is imported
+    beside a busy core ran the tiny SDXL's diffusers call about 3x slower than one thread did, where XLA's pool
+    (which does not spin) ran ours as fast either way; the torch-heavy files' time went down 16 %
+    (bench/README.md, "The test suite's time"). Set in each xdist worker before torch is imported
     (it reads the variable once); one test process keeps torch's default (every core), and an OMP_NUM_THREADS
     of the user's wins."""
     workers = getattr(config, "workerinput", {}).get("workercount")
