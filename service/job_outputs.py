@@ -48,14 +48,20 @@ class JobOutputs(StoreBase):
         if not (token and _OUTPUT_TOKEN.match(token)):  # every submitted job has one: this one is gone
             return None
         out_key = f"{token}-{delivery.attempt}"
-        try:
-            await asyncio.gather(
-                *(
-                    self.outputs.put(job.id, o.index, EXTENSIONS[o.content_type], o.data, key=out_key)
-                    for o in outputs
-                )
-            )
-        except OutputStoreError as e:
+        # Every write ends before an error is raised: one still in flight would land after the caller's cleanup
+        # (a failed job's delete_outputs) and leave its object behind.
+        ended = await asyncio.gather(
+            *(
+                self.outputs.put(job.id, o.index, EXTENSIONS[o.content_type], o.data, key=out_key)
+                for o in outputs
+            ),
+            return_exceptions=True,
+        )
+        errors = [e for e in ended if isinstance(e, BaseException)]
+        if errors:
+            e = next((e for e in errors if isinstance(e, OutputStoreError)), errors[0])
+            if not isinstance(e, OutputStoreError):
+                raise e
             # The message goes to worker logs and the job's error: without the path's secret segment.
             raise OutputStoreError(str(e).replace(token, "<token>")) from e.__cause__
         urls = await self._output_urls(job.id, out_key, [(o.index, o.content_type) for o in outputs])
