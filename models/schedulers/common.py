@@ -268,6 +268,17 @@ def vp_alpha_sigma(sigma):
     return alpha_t, sigma * alpha_t
 
 
+def vp_data_prediction(prediction_type: str, sigma, model_output, sample):
+    """x0 from a model output at VE sigma on the VP path (diffusers' convert_model_output of the multistep
+    solvers, data-prediction form): epsilon, v_prediction or sample."""
+    alpha_t, sigma_t = vp_alpha_sigma(sigma)
+    if prediction_type == "epsilon":
+        return (sample - sigma_t * model_output) / alpha_t
+    if prediction_type == "v_prediction":
+        return alpha_t * sample - sigma_t * model_output
+    return model_output
+
+
 def multistep_timesteps(
     spacing: str, last_timestep: int, num_train: int, n: int, steps_offset: int
 ) -> np.ndarray:

@@ -29,6 +29,7 @@ from meshserve.models.schedulers.common import (
     step_noise,
     threshold_sample,
     vp_alpha_sigma,
+    vp_data_prediction,
 )
 from meshserve.models.schedulers.euler import capped_alphas_cumprod, training_sigmas
 
@@ -183,13 +184,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
 
     def _data_prediction(self, sigma, model_output, sample):
         """diffusers' convert_model_output for dpmsolver++: x0 from the model output at noise level sigma."""
-        alpha_t, sigma_t = vp_alpha_sigma(sigma)
-        if self.prediction_type == "epsilon":
-            x0 = (sample - sigma_t * model_output) / alpha_t
-        elif self.prediction_type == "v_prediction":
-            x0 = alpha_t * sample - sigma_t * model_output
-        else:
-            x0 = model_output
+        x0 = vp_data_prediction(self.prediction_type, sigma, model_output, sample)
         if self.thresholding:
             x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         return x0

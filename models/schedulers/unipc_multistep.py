@@ -53,6 +53,7 @@ from meshserve.models.schedulers.common import (
     respaced_sigmas,
     schedule_length,
     vp_alpha_sigma,
+    vp_data_prediction,
 )
 from meshserve.models.schedulers.euler import training_sigmas
 
@@ -251,13 +252,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
         if self.use_flow_sigmas:
             # x0 = x - sigma * v (see the module docstring for bf16).
             return x - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
-        alpha_t, sigma_t = vp_alpha_sigma(sigma)
-        model_output = model_output.astype(jnp.float32)
-        if self.prediction_type == "epsilon":
-            return (x - sigma_t * model_output) / alpha_t
-        if self.prediction_type == "v_prediction":
-            return alpha_t * x - sigma_t * model_output
-        return model_output
+        return vp_data_prediction(self.prediction_type, sigma, model_output.astype(jnp.float32), x)
 
     def _lambda(self, sigmas, idx):
         """(alpha_t, sigma_t, lambda) at sigmas[idx]. idx is clamped at 0: the branches that would read below
