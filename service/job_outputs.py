@@ -10,8 +10,9 @@ makes the path, and so an `output_url_base` URL, unguessable even to whoever kno
 ids): such URLs are bearer links (docs/security.md). The attempt makes each delivery write its own objects: a stale
 attempt (its lease lapsed, another delivery took the job) that writes after the new one committed cannot replace
 the committed bytes with its own (another pool's mesh rounds differently, so they need not be identical); the fenced
-commit records which key won (`out_key`), and a loser's objects are never referenced (they go with the job's prefix:
-`delete_outputs`, or the bucket's lifecycle rule).
+commit records which key won (`out_key`). A loser's objects are never referenced, and it deletes them when its commit
+is refused (`_drop_refused_objects`): a job deleted while its worker was still writing would otherwise keep them
+for good, since the job's own `delete_outputs` ran before they landed.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ class JobOutputs(StoreBase):
             raise OutputStoreError(str(e).replace(token, "<token>")) from e.__cause__
         urls = await self._output_urls(job.id, out_key, [(o.index, o.content_type) for o in outputs])
         return urls, out_key, []
+
+    async def _drop_refused_objects(self, job_id: str, out_key: str) -> None:
+        """Delete the objects an attempt wrote under `out_key` after its commit was refused (another attempt
+        committed, or the job was canceled or deleted meanwhile). Kept when the job records this very key: a
+        commit that landed whose reply was lost, then repeated. A failure is logged, not raised: the job's
+        outcome stands, and the bucket's lifecycle rule is the backstop."""
+        assert self.outputs is not None
+        if await self.redis.hget(self.job_key(job_id), "out_key") == out_key:
+            return
+        try:
+            dropped = await self.outputs.delete(job_id, key=out_key)
+        except OutputStoreError as e:
+            log.warning("job %s: cannot delete a refused attempt's outputs: %s", job_id, e)
+            return
+        if dropped:
+            log.info("job %s: deleted %d outputs of an attempt whose commit was refused", job_id, dropped)
 
     async def _stage_outputs(self, delivery: Delivery, outputs: list[OutputBlob]) -> list[tuple[str, str]]:
         """SET each output's bytes (with `output_ttl_s`) under this attempt's staged key, with plain commands in

@@ -144,15 +144,17 @@ class OutputStore:
         except Exception as e:
             raise OutputStoreError(f"cannot read output {path} from {self.location}: {e}") from e
 
-    async def delete(self, job_id: str) -> int:
-        """Delete every object of the job (whatever its key); returns how many were deleted here. An object gone
-        meanwhile (another delete of the same job: an audit's two concurrent `DELETE /v1/jobs/{id}` answered 503
-        on the local backend's NotFound) counts as deleted. The error names no object path: paths hold the
-        job's secret segment (`<token>-<attempt>`), and the API passes the message on; the cause is logged."""
-        self.path(job_id, 0, "x")  # validates the job id before it names a prefix
+    async def delete(self, job_id: str, *, key: str | None = None) -> int:
+        """Delete every object of the job (whatever its key), or those under one `key` only; returns how many
+        were deleted here. An object gone meanwhile (another delete of the same job: an audit's two concurrent
+        `DELETE /v1/jobs/{id}` answered 503 on the local backend's NotFound) counts as deleted. The error names
+        no object path: paths hold the job's secret segment (`<token>-<attempt>`), and the API passes the
+        message on; the cause is logged."""
+        self.path(job_id, 0, "x", key)  # validates the job id and key before they name a prefix
+        prefix = f"{job_id}/{key}" if key else job_id
 
         def delete_all() -> int:
-            paths = [meta["path"] for batch in obstore.list(self._store, job_id) for meta in batch]
+            paths = [meta["path"] for batch in obstore.list(self._store, prefix) for meta in batch]
             deleted = 0
             for path in paths:
                 try:

@@ -123,10 +123,64 @@ async def test_a_stale_attempts_objects_never_become_the_jobs(make_settings):
         assert await store.output(job.id, 0) == b"new"
         token = await store.redis.hget(store.job_key(job.id), "out_token")
         assert await store.redis.hget(store.job_key(job.id), "out_key") == f"{token}-2"
-        # The stale bytes exist only under the stale attempt's key, referenced by nothing; they go with the job.
-        assert await store.outputs.get(job.id, 0, "png", key=f"{token}-1") == b"stale"
-        assert await store.delete_outputs(job.id) == 2
+        # The refused attempt deleted what it wrote under its own key; the committed objects stay.
         assert await store.outputs.get(job.id, 0, "png", key=f"{token}-1") is None
+        assert await store.delete_outputs(job.id) == 1
+    finally:
+        await drop_keys(store)
+        await store.close()
+
+
+async def test_a_lapsed_workers_objects_do_not_outlive_a_deleted_job(make_settings, tmp_path):
+    """A worker whose lease lapsed is writing its outputs when the job is canceled, ended by the next claim and
+    deleted: its objects land after the job's delete_outputs ran, and its refused commit deletes them."""
+
+    class LateOutputStore(OutputStore):
+        """Runs `meanwhile` (once) between the worker's read of the job's token and its first write."""
+
+        meanwhile = None
+
+        async def put(self, job_id, index, ext, data, *, key=None):
+            if self.meanwhile is not None:
+                meanwhile, self.meanwhile = self.meanwhile, None
+                await meanwhile()
+            return await super().put(job_id, index, ext, data, key=key)
+
+    root = tmp_path / "outputs"
+    outputs = LateOutputStore(str(root))
+    store = Store(make_settings(output_dir=str(root), lease_s=0.3), outputs=outputs)
+    try:
+        job = await store.submit(params(n=2))
+        (old,) = await store.claim(["toy"], "c1")
+        assert await store.start(old)
+
+        async def cancel_and_delete():
+            await asyncio.sleep(0.4)  # c1 stalls past its lease; the client cancels; c2's claim ends the job
+            await store.cancel(job.id)
+            assert await store.claim(["toy"], "c2") == []
+            assert (await store.get(job.id)).status == JobStatus.CANCELED
+            assert await store.delete_ended(job.id) == "deleted"
+
+        outputs.meanwhile = cancel_and_delete
+        assert not await store.complete(old, [blob(0), blob(1)])  # c1's writes land, its commit is fenced
+        assert outputs.meanwhile is None  # the deletion ran between them
+        assert [p for p in root.rglob("*") if p.is_file()] == []
+    finally:
+        await drop_keys(store)
+        await store.close()
+
+
+async def test_a_repeated_commit_keeps_the_committed_objects(make_settings):
+    """A commit whose reply was lost and that is sent again is refused (the job has ended), but the objects are
+    the job's: they stay."""
+    store = Store(make_settings(output_dir="memory://"))
+    try:
+        job = await store.submit(params())
+        (d,) = await store.claim(["toy"], "c1")
+        assert await store.start(d) and await store.complete(d, [blob(0)])
+        assert not await store.complete(d, [blob(0)])
+        assert (await store.get(job.id)).status == JobStatus.SUCCEEDED
+        assert await store.output(job.id, 0) == b"img0"
     finally:
         await drop_keys(store)
         await store.close()
