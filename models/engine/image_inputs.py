@@ -34,6 +34,7 @@ from meshserve.models.schedulers import (
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     LCMScheduler,
+    LMSDiscreteScheduler,
     UniPCMultistepScheduler,
 )
 from meshserve.models.schedulers.common import at, vp_alpha_sigma
@@ -85,7 +86,7 @@ def noise_to(scheduler, schedule, x, noise, index):
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or unipc_flow:
         sigma = at(schedule.sigmas, index)
         return sigma * noise + (1.0 - sigma) * x
-    if isinstance(scheduler, EulerDiscreteScheduler | EulerAncestralDiscreteScheduler):
+    if isinstance(scheduler, EulerDiscreteScheduler | EulerAncestralDiscreteScheduler | LMSDiscreteScheduler):
         return x + noise * at(schedule.sigmas, index)
     if isinstance(scheduler, DPMSolverMultistepScheduler | UniPCMultistepScheduler):
         alpha_t, sigma_t = vp_alpha_sigma(at(schedule.sigmas, index))
@@ -106,6 +107,9 @@ def check_scheduler(scheduler) -> None:
         UniPCMultistepScheduler,
         DDIMScheduler,
         LCMScheduler,
+        # LMS starts with no slopes from before the start step, as diffusers' (begin index > 0) does. Heun and
+        # DPM2 are left out: diffusers starts them at start x order (and their split cut-offs keep whole steps).
+        LMSDiscreteScheduler,
     )
     if not isinstance(scheduler, supported):
         raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")

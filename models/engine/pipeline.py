@@ -511,15 +511,21 @@ class DiffusionPipeline:
         """A task's strength when a call gives none (diffusers' pipeline default); None: takes no strength."""
         return None
 
-    def scheduler_argument_limits(self, schedulers) -> dict:
+    def scheduler_argument_limits(self, schedulers, max_steps: int = MAX_STEPS) -> dict:
         """limits["scheduler_arguments"]: {scheduler name, DEFAULT_SCHEDULER for the folder's own: the rules of
-        the custom schedules it takes of the family's `schedule_fields`} (meshserve/limits.py)."""
+        the custom schedules it takes of the family's `schedule_fields`} (meshserve/limits.py). A scheduler that
+        calls the model more than once a step (Heun, DPM2) gets a "max_steps" whose calls fit the compiled
+        loop's `max_steps` trips."""
         out = {}
         for name in (None, *schedulers):
             try:
-                rules = dict(self.scheduler(name).scheduler_arguments())
+                sched = self.scheduler(name)
             except PipelineError:  # a folder scheduler the engine lacks: requests must name one
                 continue
+            rules = dict(sched.scheduler_arguments())
+            if sched.model_calls(max_steps) > max_steps:
+                fit = max(n for n in range(1, max_steps + 1) if sched.model_calls(n) <= max_steps)
+                rules = {**rules, "max_steps": min(rules.get("max_steps") or fit, fit)}
             fields = ("sigmas", "timesteps", "eta")
             for field in fields:
                 rules[field] = bool(rules.get(field)) and field in self.schedule_fields
@@ -1245,8 +1251,14 @@ class DiffusionPipeline:
 
     def _make_schedule(self, name, steps, options):
         sched = self.scheduler(name)
+        if sched.model_calls(steps) > self.limits["max_steps"]:  # (the API refuses them: scheduler_arguments)
+            raise PipelineError(
+                f"{steps} steps of {type(sched).__name__} call the model {sched.model_calls(steps)} times, more "
+                f"than the {self.limits['max_steps']} a call runs"
+            )
         schedule = sched.schedule(steps, **dict(options))
-        real = int(schedule.timesteps.shape[0])  # DPM-Solver's clipped schedules can be shorter
+        # The model calls: DPM-Solver's clipped schedules can be shorter than the steps, Heun's and DPM2's longer.
+        real = int(schedule.timesteps.shape[0])
         return sched, self.put_replicated(pad_schedule(schedule, self.limits["max_steps"])), real
 
     def put_replicated(self, tree):

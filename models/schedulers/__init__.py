@@ -12,7 +12,8 @@
 A scheduler is a frozen, hashable dataclass (a static argument of jit); a schedule's arrays are traced inputs,
 so a new step index or new schedule values of the same length reuse the compiled program. Stochastic
 schedulers (`sched.stochastic`) take a fresh PRNG key per step, or explicit standard-normal `noise=`.
-Loop over `schedule.num_steps`, not the requested count: DPM-Solver's clipped schedules can be shorter.
+Loop over `schedule.num_steps`, not the requested count: DPM-Solver's clipped schedules can be shorter, Heun's
+and DPM2's longer (two model calls a step but the last: `sched.model_calls(n)`).
 `pad_schedule(schedule, max_steps)` pads the arrays to a fixed length and makes `num_steps` a traced count, so
 one compiled loop serves every step count.
 """
@@ -28,7 +29,10 @@ from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
+from meshserve.models.schedulers.heun import HeunDiscreteScheduler
+from meshserve.models.schedulers.k_dpm_2 import KDPM2DiscreteScheduler, KDPM2Schedule
 from meshserve.models.schedulers.lcm import LCMSchedule, LCMScheduler
+from meshserve.models.schedulers.lms import LMSDiscreteScheduler, LMSSchedule
 from meshserve.models.schedulers.tcd import TCDSchedule, TCDScheduler
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
@@ -62,6 +66,12 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
             **_DPM_SIGMAS_OFF,
         },
     ),
+    # diffusers' k-diffusion ports under A1111's names; "heun" and "dpm2" call the model twice a step but the last.
+    "heun": (HeunDiscreteScheduler, {}),
+    "dpm2": (KDPM2DiscreteScheduler, {}),
+    "dpm2_karras": (KDPM2DiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
+    "lms": (LMSDiscreteScheduler, {}),
+    "lms_karras": (LMSDiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
     # LCM-distilled UNets' and LCM-LoRA's sampler (diffusers' LCMScheduler.from_config(the model's config)).
     "lcm": (LCMScheduler, {}),
     # TCD-distilled adapters' sampler (TCD-SDXL-LoRA, Hyper-SD); its gamma is the request's eta.
@@ -88,6 +98,9 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         UniPCMultistepScheduler,
         LCMScheduler,
         TCDScheduler,
+        HeunDiscreteScheduler,
+        KDPM2DiscreteScheduler,
+        LMSDiscreteScheduler,
     )
 }
 
@@ -136,6 +149,8 @@ __all__ = [
     "DDIMSchedule",
     "LCMSchedule",
     "TCDSchedule",
+    "KDPM2Schedule",
+    "LMSSchedule",
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
@@ -144,5 +159,8 @@ __all__ = [
     "UniPCMultistepScheduler",
     "LCMScheduler",
     "TCDScheduler",
+    "HeunDiscreteScheduler",
+    "KDPM2DiscreteScheduler",
+    "LMSDiscreteScheduler",
     "flux_mu",
 ]

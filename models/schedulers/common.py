@@ -1,4 +1,4 @@
-"""What the four schedulers share: the training noise schedule, inference timestep spacing, sigma conversions,
+"""What the schedulers share: the training noise schedule, inference timestep spacing, sigma conversions,
 config reading, and the pytree plumbing that lets a schedule enter a compiled program as traced arrays.
 
 Split of work. Everything that depends only on (config, num_inference_steps) is computed on the host in numpy
@@ -41,11 +41,12 @@ def pytree_dataclass(cls):
 
 @pytree_dataclass
 class SigmaSchedule:
-    """The schedule of the sigma-parameterised schedulers (Euler, Euler ancestral, DPM-Solver).
+    """The schedule of the sigma-parameterised schedulers (Euler, Euler ancestral, DPM-Solver, UniPC, Heun).
 
     timesteps: [N] float32, what the UNet receives at step i (diffusers' `scheduler.timesteps`).
     sigmas: [N + 1] float32 (N + 2 for Euler's "log_linear" interpolation, as diffusers), sigmas[i] is the noise
-        level of the sample entering step i, sigmas[i + 1] the level it leaves with.
+        level of the sample entering step i, sigmas[i + 1] the level it leaves with. (Heun: timesteps [2N - 1]
+        and sigmas [2N], one entry per model call as diffusers' arrays: heun.py.)
     init_noise_sigma: [] float32, the scale of the initial Gaussian latents.
     steps: None, or [] int32 when the arrays are padded past the schedule's end (`pad_schedule`).
     """
@@ -169,6 +170,11 @@ class NoiseScheduler:
             raise ValueError(
                 f"num_inference_steps must be in [1, {self.num_train_timesteps}], got {num_inference_steps}"
             )
+
+    def model_calls(self, num_inference_steps: int) -> int:
+        """How many times a loop over the schedule calls the model for `num_inference_steps` steps (its
+        timesteps' length; the second-order methods, Heun and DPM2, call it twice for all steps but the last)."""
+        return num_inference_steps
 
     def scheduler_arguments(self) -> dict:
         """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`) and of

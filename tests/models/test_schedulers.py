@@ -39,6 +39,11 @@ CLASS = {
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
     "unipc": "UniPCMultistepScheduler",
+    "heun": "HeunDiscreteScheduler",
+    "dpm2": "KDPM2DiscreteScheduler",
+    "dpm2_karras": "KDPM2DiscreteScheduler",
+    "lms": "LMSDiscreteScheduler",
+    "lms_karras": "LMSDiscreteScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
@@ -50,6 +55,8 @@ NAMED = {
     "euler_karras": KARRAS,
     "dpmpp_2m_karras": dict(KARRAS, use_lu_lambdas=False),
     "dpmpp_2m_sde_karras": dict(SDE, **KARRAS, use_lu_lambdas=False),
+    "dpm2_karras": KARRAS,
+    "lms_karras": KARRAS,
 }
 
 # (name, config changes over the tiny SDXL config, runtime overrides)
@@ -145,6 +152,26 @@ CASES = [
     ("unipc", dict(use_exponential_sigmas=True), {}),
     ("unipc", dict(use_beta_sigmas=True), {}),
     ("unipc", dict(use_karras_sigmas=True, beta_schedule="squaredcos_cap_v2"), {}),
+    # diffusers' k-diffusion ports: Heun and DPM2 (two model calls a step but the last), LMS (4 slopes).
+    ("heun", {}, {}),
+    ("heun", dict(use_karras_sigmas=True), {}),
+    ("heun", dict(timestep_spacing="trailing"), {}),
+    ("heun", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("heun", dict(prediction_type="sample", clip_sample=True, clip_sample_range=0.5), {}),
+    ("heun", dict(use_exponential_sigmas=True, steps_offset=1), {}),
+    ("heun", VPRED_ZSNR, {}),  # diffusers' Heun has no zero-SNR setting: the key is ignored by both
+    ("dpm2", {}, {}),
+    ("dpm2", dict(timestep_spacing="trailing"), {}),
+    ("dpm2", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("dpm2", dict(beta_schedule="squaredcos_cap_v2", use_exponential_sigmas=True), {}),
+    ("dpm2_karras", {}, {}),
+    ("dpm2_karras", dict(use_beta_sigmas=True), {}),
+    ("lms", {}, {}),
+    ("lms", dict(timestep_spacing="trailing"), {}),
+    ("lms", dict(timestep_spacing="linspace", prediction_type="v_prediction"), {}),
+    ("lms", dict(prediction_type="sample"), {}),
+    ("lms", dict(use_exponential_sigmas=True), {}),
+    ("lms_karras", {}, {}),
     ("UniPCMultistepScheduler", dict(solver_order=1), {}),
     ("UniPCMultistepScheduler", dict(solver_order=3), {}),
     (
@@ -229,7 +256,8 @@ def test_new_step_count_gives_new_schedule(sdxl_config, name):
     second = ours.schedule(25)
     ref.set_timesteps(10)
     ref.set_timesteps(25)
-    assert first.timesteps.shape == (10,) and second.timesteps.shape == (25,)
+    assert first.timesteps.shape == (ours.model_calls(10),)
+    assert second.timesteps.shape == (ours.model_calls(25),)
     assert rel_err(second.timesteps, ref.timesteps.numpy()) <= TOL
     if hasattr(second, "sigmas"):
         assert rel_err(second.sigmas, ref.sigmas.numpy()) <= TOL
@@ -357,6 +385,30 @@ def test_unipc_long_loop_matches_diffusers(sdxl_config, changes):
     assert check_loop(ours, ref, steps=12) <= TOL
 
 
+@pytest.mark.parametrize("start", [1, 3])
+def test_lms_from_a_start_step_matches_diffusers(sdxl_config, start):
+    """Image-to-image starts LMS at a later step with no slopes from before it: diffusers (begin index > 0)
+    then sums the step's weights only over the slopes it has, as the zeros of ours do."""
+    ours, ref = build(sdxl_config, ("lms", {}, {}))
+    steps = 6
+    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
+    ref.set_timesteps(steps)
+    ref.set_begin_index(start)
+    sample = torch.from_numpy(x)
+    for t in ref.timesteps[start:]:
+        x_in = ref.scale_model_input(sample, t)
+        sample = ref.step(fake_model(x_in, t.float(), torch), t, sample).prev_sample
+    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
+
+    def body(i, carry):
+        sample, state = carry
+        x_in = ours.scale_model_input(schedule, sample, i)
+        return ours.step(schedule, state, fake_model(x_in, schedule.timesteps[i], jnp), sample, i)
+
+    got, _ = jax.lax.fori_loop(start, steps, body, (jnp.asarray(x), ours.init_state(x)))
+    assert rel_err(got, sample.numpy()) <= TOL
+
+
 def test_ancestral_step_to_a_tiny_sigma_stays_finite(sdxl_config):
     """Linear betas, linspace, 2 steps: sigma_to / sigma ~ 1e-4, where sigma_down's radicand is 0 in float32
     (a fused multiply-add once made it negative: an all-NaN sample where diffusers' is finite)."""
@@ -467,9 +519,13 @@ def test_make_scheduler_names_and_errors(sdxl_config):
     assert make_scheduler("DPMSolverMultistepScheduler", dpm_config).solver_order == 3
     assert make_scheduler("euler", sdxl_config, use_karras_sigmas=True).use_karras_sigmas
     with pytest.raises(ValueError, match="euler_ancestral"):
-        make_scheduler("heun", sdxl_config)
-    with pytest.raises(ValueError, match="the folder.s scheduler .LMSDiscreteScheduler. is not implemented"):
-        make_scheduler(None, {**sdxl_config, "_class_name": "LMSDiscreteScheduler"})
+        make_scheduler("dpmpp_sde", sdxl_config)
+    with pytest.raises(ValueError, match="the folder.s scheduler .PNDMScheduler. is not implemented"):
+        make_scheduler(None, {**sdxl_config, "_class_name": "PNDMScheduler"})
+    # A folder saved with one of the k-diffusion ports: its class, with its config.
+    heun = make_scheduler(None, {**sdxl_config, "_class_name": "HeunDiscreteScheduler", "clip_sample": True})
+    assert type(heun).__name__ == "HeunDiscreteScheduler" and heun.clip_sample
+    assert heun.model_calls(10) == 19 and make_scheduler("lms", sdxl_config).model_calls(10) == 10
     bad = [
         ("euler", dict(timestep_spacing="middle")),
         ("euler", dict(beta_schedule="sigmoid")),
@@ -478,6 +534,8 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("dpmpp_2m", dict(use_flow_sigmas=True)),
         ("DPMSolverMultistepScheduler", dict(algorithm_type="dpmsolver")),
         ("dpmpp_2m", dict(use_karras_sigmas=True, use_lu_lambdas=True)),
+        ("dpm2", dict(prediction_type="sample")),
+        ("lms", dict(use_karras_sigmas=True, use_beta_sigmas=True)),
     ]
     for name, changes in bad:
         with pytest.raises(ValueError):

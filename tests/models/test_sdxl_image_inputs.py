@@ -519,7 +519,7 @@ def test_warm_up_runs_each_task_with_an_image(ours, monkeypatch):
         ours.warm_up(tasks=["image-to-video"])
 
 
-@pytest.mark.parametrize("name", ["euler", "euler_ancestral", "ddim", "dpmpp_2m", "lcm", "unipc"])
+@pytest.mark.parametrize("name", ["euler", "euler_ancestral", "ddim", "dpmpp_2m", "lcm", "unipc", "lms"])
 def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
     """The image noised to the start step (each scheduler's add_noise at its begin index) and the start step
     of a strength (diffusers' SDXL and Flux get_timesteps), for the schedulers the parity runs above do not
@@ -542,6 +542,7 @@ def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
         "dpmpp_2m": "DPMSolverMultistepScheduler",
         "lcm": "LCMScheduler",
         "unipc": "UniPCMultistepScheduler",
+        "lms": "LMSDiscreteScheduler",
     }
     ref = getattr(diffusers, classes[name]).from_config(config)
     ours = make_scheduler(name, config)

@@ -28,6 +28,7 @@ def _diffusers_scheduler(pipe, name):
         DDIMScheduler,
         DPMSolverMultistepScheduler,
         EulerDiscreteScheduler,
+        HeunDiscreteScheduler,
         UniPCMultistepScheduler,
     )
 
@@ -37,6 +38,7 @@ def _diffusers_scheduler(pipe, name):
         "ddim": DDIMScheduler,
         "dpmpp_2m": DPMSolverMultistepScheduler,
         "unipc": UniPCMultistepScheduler,
+        "heun": HeunDiscreteScheduler,
     }[base]
     # diffusers' docs: A1111's "Karras". Said either way: from_config keeps what an earlier test's scheduler set.
     pipe.scheduler = cls.from_config(pipe.scheduler.config, use_karras_sigmas=base != name)
@@ -51,6 +53,8 @@ def _diffusers_scheduler(pipe, name):
         ("dpmpp_2m_karras", ["a photo of a cat", "a red car"], None, 4),
         # UniPC's VP form: 5 steps reach its order-2 predictor and corrector.
         ("unipc", ["mountains at dawn", "a red car"], ["blurry", ""], 5),
+        # Heun: 3 steps are 5 UNet calls (the padded loop's trip count is the calls, not the steps).
+        ("heun", ["a photo of a cat", "a red car"], ["blurry", ""], 3),
     ],
 )
 def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):
@@ -84,6 +88,15 @@ def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, neg
     assert err <= 1e-3, f"max abs pixel difference {err:.2e}"
     # A real image, not a constant: guards against a test that passes on two blank outputs.
     assert expected.std() > 1e-3
+
+
+def test_second_order_schedulers_cap_their_steps_to_the_loops_trips(ours):
+    """Heun and DPM2 call the UNet 2N - 1 times for N steps: the loop's 200 trips hold 100 steps, published in
+    limits.scheduler_arguments and refused past it; LMS calls it once a step and has no cap."""
+    rules = ours.limits["scheduler_arguments"]
+    assert rules["heun"]["max_steps"] == rules["dpm2_karras"]["max_steps"] == 100 and "lms" not in rules
+    with pytest.raises(PipelineError, match="num_inference_steps must be at most 100 with scheduler 'heun'"):
+        ours("a cat", scheduler="heun", num_inference_steps=101, height=H, width=W)
 
 
 def test_pipeline_without_guidance_matches_diffusers(ours, reference):
