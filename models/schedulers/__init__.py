@@ -26,6 +26,7 @@ from typing import Any
 from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, pad_schedule
 from meshserve.models.schedulers.ddim import DDIMSchedule, DDIMScheduler
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
+from meshserve.models.schedulers.dpm_solver_sde import DPMSolverSDEScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
@@ -72,6 +73,9 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "dpm2_karras": (KDPM2DiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
     "lms": (LMSDiscreteScheduler, {}),
     "lms_karras": (LMSDiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
+    # DPM++ SDE: two calls a step as Heun, with Brownian noise from each row's seed (dpm_solver_sde.py).
+    "dpmpp_sde": (DPMSolverSDEScheduler, {}),
+    "dpmpp_sde_karras": (DPMSolverSDEScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
     # LCM-distilled UNets' and LCM-LoRA's sampler (diffusers' LCMScheduler.from_config(the model's config)).
     "lcm": (LCMScheduler, {}),
     # TCD-distilled adapters' sampler (TCD-SDXL-LoRA, Hyper-SD); its gamma is the request's eta.
@@ -101,6 +105,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         HeunDiscreteScheduler,
         KDPM2DiscreteScheduler,
         LMSDiscreteScheduler,
+        DPMSolverSDEScheduler,
     )
 }
 
@@ -162,5 +167,6 @@ __all__ = [
     "HeunDiscreteScheduler",
     "KDPM2DiscreteScheduler",
     "LMSDiscreteScheduler",
+    "DPMSolverSDEScheduler",
     "flux_mu",
 ]

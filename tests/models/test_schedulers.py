@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler
+from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
 from tests.fixtures.tiny_sdxl import SCHEDULER
 
 TOL = 1e-4  # fp32 relative error budget of the house rules
@@ -44,6 +44,8 @@ CLASS = {
     "dpm2_karras": "KDPM2DiscreteScheduler",
     "lms": "LMSDiscreteScheduler",
     "lms_karras": "LMSDiscreteScheduler",
+    "dpmpp_sde": "DPMSolverSDEScheduler",
+    "dpmpp_sde_karras": "DPMSolverSDEScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
@@ -57,6 +59,7 @@ NAMED = {
     "dpmpp_2m_sde_karras": dict(SDE, **KARRAS, use_lu_lambdas=False),
     "dpm2_karras": KARRAS,
     "lms_karras": KARRAS,
+    "dpmpp_sde_karras": KARRAS,
 }
 
 # (name, config changes over the tiny SDXL config, runtime overrides)
@@ -409,6 +412,78 @@ def test_lms_from_a_start_step_matches_diffusers(sdxl_config, start):
     assert rel_err(got, sample.numpy()) <= TOL
 
 
+# DPM++ SDE draws from a Brownian tree, not a generator: its own cases (not CASES, whose steps replay a generator).
+SDE_CASES = [
+    ("dpmpp_sde", {}, {}),
+    ("dpmpp_sde_karras", {}, {}),
+    ("dpmpp_sde", dict(timestep_spacing="trailing", prediction_type="v_prediction"), {}),
+    ("dpmpp_sde", dict(timestep_spacing="leading", steps_offset=1, use_exponential_sigmas=True), {}),
+    ("DPMSolverSDEScheduler", dict(beta_schedule="scaled_linear", beta_start=0.0001, beta_end=0.02), {}),
+]
+
+
+@pytest.mark.parametrize("case", SDE_CASES, ids=case_id)
+def test_dpm_sde_schedule_matches_diffusers(sdxl_config, case):
+    for steps in (1, 5, 30):
+        ours, ref = build(sdxl_config, case)
+        schedule = ours.schedule(steps)
+        ref.set_timesteps(steps)
+        assert schedule.timesteps.shape == (ours.model_calls(steps),)
+        assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
+        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
+        assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
+
+
+@pytest.mark.parametrize("case", SDE_CASES, ids=case_id)
+def test_dpm_sde_loop_matches_diffusers_on_its_brownian_draws(sdxl_config, case):
+    """diffusers' loop with its Brownian tree, each draw recorded; ours fed the same increments as standard
+    normals: stage 1's draw n1 as is, stage 2's as the z that extends it (n2 = (sqrt(s - mid) n1 +
+    sqrt(mid - s_next) z) / sqrt(s - s_next), dpm_solver_sde.py)."""
+    from diffusers.schedulers.scheduling_dpmsolver_sde import BrownianTreeNoiseSampler
+
+    ours, ref = build(sdxl_config, case)
+    steps = 5
+    latents = np.random.default_rng(5).standard_normal(SHAPE).astype(np.float32)
+    ref.set_timesteps(steps)
+    sigmas = ref.sigmas
+    tree = BrownianTreeNoiseSampler(
+        torch.zeros(SHAPE), sigmas[sigmas > 0].min().item(), sigmas.max().item(), seed=11
+    )
+    draws = []
+
+    def recording(sigma, sigma_next):
+        n = tree(sigma, sigma_next)
+        draws.append((float(sigma), float(sigma_next), n.numpy().astype(np.float64)))
+        return n
+
+    ref.noise_sampler = recording
+    expected = ref_loop_from(ref, latents, {})
+    assert len(draws) == 2 * (steps - 1)  # none on the last (Euler) step
+    noises = np.zeros((ours.model_calls(steps), *SHAPE), np.float32)
+    for k in range(steps - 1):
+        (s, mid, n1), (_, s_next, n2) = draws[2 * k], draws[2 * k + 1]
+        noises[2 * k] = n1
+        noises[2 * k + 1] = (n2 * (s - s_next) ** 0.5 - n1 * (s - mid) ** 0.5) / (mid - s_next) ** 0.5
+    got = run_loop(ours, ours.schedule(steps), jnp.asarray(latents), jnp.asarray(noises))
+    assert rel_err(got, expected) <= TOL
+    padded = run_loop(ours, pad_schedule(ours.schedule(steps), 20), jnp.asarray(latents), jnp.asarray(noises))
+    assert rel_err(padded, expected) <= TOL
+
+
+def test_dpm_sde_second_stage_extends_the_first_draw(sdxl_config):
+    """The two draws of a step are one Brownian motion's increments over nested intervals: with z = 0 the second
+    stage reuses the first's normal scaled by sqrt((s - mid) / (s - s_next)), not a fresh one."""
+    ours = make_scheduler("dpmpp_sde", sdxl_config)
+    schedule = ours.schedule(4)
+    x = jnp.ones(SHAPE)
+    n1 = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32))
+    _, state = ours.step(schedule, ours.init_state(x), x * 0.1, x, 0, noise=n1)
+    np.testing.assert_array_equal(state[1], n1)
+    with_z, _ = ours.step(schedule, state, x * 0.1, x, 1, noise=jnp.zeros(SHAPE))
+    without, _ = ours.step(schedule, (state[0], jnp.zeros(SHAPE)), x * 0.1, x, 1, noise=jnp.zeros(SHAPE))
+    assert float(jnp.max(jnp.abs(with_z - without))) > 1e-3
+
+
 def test_ancestral_step_to_a_tiny_sigma_stays_finite(sdxl_config):
     """Linear betas, linspace, 2 steps: sigma_to / sigma ~ 1e-4, where sigma_down's radicand is 0 in float32
     (a fused multiply-add once made it negative: an all-NaN sample where diffusers' is finite)."""
@@ -455,7 +530,8 @@ def test_jitted_step_compiles_once(sdxl_config, name):
         c
         for c in CASES
         if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "lcm") or c[2].get("eta")
-    ],
+    ]
+    + SDE_CASES[:1],
     ids=case_id,
 )
 def test_key_draws_standard_normal_noise(sdxl_config, case):
@@ -519,7 +595,7 @@ def test_make_scheduler_names_and_errors(sdxl_config):
     assert make_scheduler("DPMSolverMultistepScheduler", dpm_config).solver_order == 3
     assert make_scheduler("euler", sdxl_config, use_karras_sigmas=True).use_karras_sigmas
     with pytest.raises(ValueError, match="euler_ancestral"):
-        make_scheduler("dpmpp_sde", sdxl_config)
+        make_scheduler("pndm", sdxl_config)
     with pytest.raises(ValueError, match="the folder.s scheduler .PNDMScheduler. is not implemented"):
         make_scheduler(None, {**sdxl_config, "_class_name": "PNDMScheduler"})
     # A folder saved with one of the k-diffusion ports: its class, with its config.

@@ -1,7 +1,7 @@
 """An output depends only on its own seed: a seed alone gives the same latents as the same seed at any position
 of a batch (the stochastic schedulers draw every step's noise per row).
 
-Run for the two stochastic schedulers, whose step noise is what per-row keys are about. A deterministic
+Run for the stochastic schedulers, whose step noise is what per-row keys are about. A deterministic
 scheduler adds nothing here: a stochastic row equals its seed alone only when its initial noise and the
 denoiser's batch invariance are right as well (and every deterministic scheduler shares those). Each scheduler
 is two more denoise programs (batch 1 and 2). A batch of 4 as well (a third program, 4 more calls; the test
@@ -24,7 +24,8 @@ from meshserve.models.engine.seeds import key_data
 H, W = 64, 48
 SEED, OTHERS = 1234, [7, 99, 2**32 - 1]
 TOL = 1e-5
-SCHEDULERS = ["euler_ancestral", "dpmpp_2m_sde"]
+# dpmpp_sde: two calls a step, its second stage's noise extending the first's (a state carried per row).
+SCHEDULERS = ["euler_ancestral", "dpmpp_2m_sde", "dpmpp_sde"]
 
 
 @pytest.fixture(scope="module")
