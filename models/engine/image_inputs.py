@@ -30,9 +30,14 @@ from meshserve.models.engine.common import PipelineError
 from meshserve.models.schedulers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
+    DPMSolverSDEScheduler,
+    EDMDPMSolverMultistepScheduler,
+    EDMEulerScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    HeunDiscreteScheduler,
+    KDPM2DiscreteScheduler,
     LCMScheduler,
     LMSDiscreteScheduler,
     UniPCMultistepScheduler,
@@ -78,6 +83,20 @@ def check_strength(
     return start
 
 
+# The schedulers whose add_noise is x + noise x sigmas[index] (index: the model call; Heun's, DPM2's and DPM++
+# SDE's sigmas hold one entry per call, as diffusers'). EDM's DPM-Solver is one, though a DPM-Solver subclass.
+SIGMA_NOISED = (
+    EDMDPMSolverMultistepScheduler,
+    EDMEulerScheduler,
+    EulerDiscreteScheduler,
+    EulerAncestralDiscreteScheduler,
+    LMSDiscreteScheduler,
+    HeunDiscreteScheduler,
+    KDPM2DiscreteScheduler,
+    DPMSolverSDEScheduler,
+)
+
+
 def noise_to(scheduler, schedule, x, noise, index):
     """x noised to the level of step `index` (traced), as the scheduler's diffusers `add_noise` /
     `scale_noise` does at `timesteps[index]`; float32."""
@@ -86,7 +105,7 @@ def noise_to(scheduler, schedule, x, noise, index):
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or unipc_flow:
         sigma = at(schedule.sigmas, index)
         return sigma * noise + (1.0 - sigma) * x
-    if isinstance(scheduler, EulerDiscreteScheduler | EulerAncestralDiscreteScheduler | LMSDiscreteScheduler):
+    if isinstance(scheduler, SIGMA_NOISED):
         return x + noise * at(schedule.sigmas, index)
     if isinstance(scheduler, DPMSolverMultistepScheduler | UniPCMultistepScheduler):
         alpha_t, sigma_t = vp_alpha_sigma(at(schedule.sigmas, index))
@@ -99,17 +118,15 @@ def noise_to(scheduler, schedule, x, noise, index):
 
 def check_scheduler(scheduler) -> None:
     """Fail on the host, before tracing, for a scheduler that cannot start from an image."""
+    # LMS starts with no slopes from before the start step, as diffusers' (begin index > 0) does; the second-order
+    # ones on a step's first call (start x order), with nothing carried from before.
     supported = (
         FlowMatchEulerDiscreteScheduler,
-        EulerDiscreteScheduler,
-        EulerAncestralDiscreteScheduler,
         DPMSolverMultistepScheduler,
         UniPCMultistepScheduler,
         DDIMScheduler,
         LCMScheduler,
-        # LMS starts with no slopes from before the start step, as diffusers' (begin index > 0) does. Heun and
-        # DPM2 are left out: diffusers starts them at start x order (and their split cut-offs keep whole steps).
-        LMSDiscreteScheduler,
+        *SIGMA_NOISED,
     )
     if not isinstance(scheduler, supported):
         raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")

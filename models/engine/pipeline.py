@@ -920,14 +920,15 @@ class DiffusionPipeline:
             )
         if image is not None:
             if denoising_start is not None:  # diffusers then ignores the strength and adds no noise
-                start = start_step(denoising_start, timesteps, self.scheduler_config)
+                start = start_step(denoising_start, timesteps, self.scheduler_config, sched.order)
                 check_scheduler(sched)
             elif strength is not None:  # a strength runs the last steps of the schedule (image_inputs.py)
-                start = check_strength(
+                # ... counted in steps, then in model calls: step k's first call is k x order (get_timesteps).
+                start = sched.order * check_strength(
                     strength,
                     settings["num_inference_steps"],
                     self.strength_rule,
-                    length=steps,
+                    length=-(-steps // sched.order),
                     steps_from=next(
                         (k for k in ("sigmas", "timesteps") if k in custom), "num_inference_steps"
                     ),

@@ -27,6 +27,8 @@ from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, pa
 from meshserve.models.schedulers.ddim import DDIMSchedule, DDIMScheduler
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.dpm_solver_sde import DPMSolverSDEScheduler
+from meshserve.models.schedulers.edm_dpm_solver import EDMDPMSolverMultistepScheduler
+from meshserve.models.schedulers.edm_euler import EDMEulerScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
 from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
@@ -106,6 +108,9 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         KDPM2DiscreteScheduler,
         LMSDiscreteScheduler,
         DPMSolverSDEScheduler,
+        # EDM-trained folders' own (Playground v2.5): by class only, since no beta-schedule model runs on them.
+        EDMDPMSolverMultistepScheduler,
+        EDMEulerScheduler,
     )
 }
 
@@ -168,5 +173,7 @@ __all__ = [
     "KDPM2DiscreteScheduler",
     "LMSDiscreteScheduler",
     "DPMSolverSDEScheduler",
+    "EDMDPMSolverMultistepScheduler",
+    "EDMEulerScheduler",
     "flux_mu",
 ]

@@ -118,6 +118,9 @@ class NoiseScheduler:
     UNSUPPORTED: ClassVar[Mapping[str, Any]] = {}
     # Whether `step` consumes random noise (needs `key` or `noise`).
     stochastic: ClassVar[bool] = False
+    # diffusers' `order`: model calls a step makes (2 for Heun, DPM2, DPM++ SDE: all steps but the last). An
+    # image-to-image call starting at step k starts at call k x order, as diffusers' get_timesteps does.
+    order: ClassVar[int] = 1
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], **overrides):
@@ -173,8 +176,8 @@ class NoiseScheduler:
 
     def model_calls(self, num_inference_steps: int) -> int:
         """How many times a loop over the schedule calls the model for `num_inference_steps` steps (its
-        timesteps' length; the second-order methods, Heun and DPM2, call it twice for all steps but the last)."""
-        return num_inference_steps
+        timesteps' length; the second-order methods call it twice for all steps but the last)."""
+        return self.order * num_inference_steps - (self.order - 1)
 
     def scheduler_arguments(self) -> dict:
         """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`) and of

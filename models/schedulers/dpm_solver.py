@@ -189,12 +189,16 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
             x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         return x0
 
+    def _alpha_sigma(self, sigma):
+        """(alpha_t, sigma_t) of the noise level sigma: the variance-preserving pair."""
+        return vp_alpha_sigma(sigma)
+
     def _lambdas(self, sigmas, i, k: int):
         """(alpha, sigma, lambda) at sigmas[i + 1] (the target t) and at sigmas[i], sigmas[i-1], ...
         (s0, s1, ..., k of them). Indices below 0 are clamped: such branches are never taken there."""
         out = []
         for idx in [i + 1] + [jnp.maximum(i - j, 0) for j in range(k)]:
-            alpha, sigma = vp_alpha_sigma(sigmas[idx])
+            alpha, sigma = self._alpha_sigma(sigmas[idx])
             out.append((alpha, sigma, jnp.log(alpha) - jnp.log(sigma)))
         return out
 

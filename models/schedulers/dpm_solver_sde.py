@@ -43,14 +43,12 @@ class DPMSolverSDEScheduler(KDiffusionScheduler):
     noise_sampler_seed: int | None = None
 
     stochastic = True
+    order = 2
 
     def __post_init__(self):
         super().__post_init__()
         if self.prediction_type == "sample":
             raise ValueError("DPMSolverSDEScheduler: prediction_type='sample' is not supported")
-
-    def model_calls(self, num_inference_steps: int) -> int:
-        return 2 * num_inference_steps - 1
 
     def schedule(self, num_inference_steps: int) -> SigmaSchedule:
         """timesteps [2N - 1] (the midpoints' at the odd calls), sigmas [2N] (each inner one twice, then 0)."""

@@ -27,8 +27,7 @@ class HeunDiscreteScheduler(KDiffusionScheduler):
     clip_sample: bool = False
     clip_sample_range: float = 1.0
 
-    def model_calls(self, num_inference_steps: int) -> int:
-        return 2 * num_inference_steps - 1
+    order = 2
 
     def schedule(self, num_inference_steps: int) -> SigmaSchedule:
         """timesteps [2N - 1] (every one but the first twice), sigmas [2N] (likewise, then 0)."""

@@ -45,13 +45,12 @@ class KDPM2DiscreteScheduler(KDiffusionScheduler):
     """Settings: diffusers' KDPM2DiscreteScheduler config (defaults equal); prediction_type "sample" is refused,
     as diffusers' step refuses it."""
 
+    order = 2
+
     def __post_init__(self):
         super().__post_init__()
         if self.prediction_type == "sample":
             raise ValueError("KDPM2DiscreteScheduler: prediction_type='sample' is not supported")
-
-    def model_calls(self, num_inference_steps: int) -> int:
-        return 2 * num_inference_steps - 1
 
     def schedule(self, num_inference_steps: int) -> KDPM2Schedule:
         timesteps, sigmas = self.inference_sigmas(int(num_inference_steps), round_karras=True)

@@ -49,6 +49,8 @@ CLASS = {
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
+# An EDM folder's own sigma range (the SDXL config's sigma_min / sigma_max are null: Euler's "use the schedule's").
+EDM = dict(sigma_min=0.002, sigma_max=80.0)
 # What a name means in diffusers' terms (its docs' A1111 table), given to the reference alone: ours must read
 # the same from the name.
 KARRAS = dict(use_karras_sigmas=True, use_exponential_sigmas=False, use_beta_sigmas=False)
@@ -175,6 +177,21 @@ CASES = [
     ("lms", dict(prediction_type="sample"), {}),
     ("lms", dict(use_exponential_sigmas=True), {}),
     ("lms_karras", {}, {}),
+    # EDM-trained folders' DPM-Solver++ (Playground v2.5): EDM's sigmas and preconditioning, no beta schedule.
+    ("EDMDPMSolverMultistepScheduler", EDM, {}),
+    ("EDMDPMSolverMultistepScheduler", dict(EDM, sigma_schedule="exponential", sigma_max=120.0), {}),
+    ("EDMDPMSolverMultistepScheduler", dict(EDM, prediction_type="v_prediction", solver_order=3), {}),
+    ("EDMDPMSolverMultistepScheduler", dict(EDM, algorithm_type="sde-dpmsolver++"), {}),
+    (
+        "EDMDPMSolverMultistepScheduler",
+        # (sigma_min ends where the sigmas end: a zero last interval, NaN in diffusers' second order at 15+
+        # steps; euler_at_final takes a first-order last step)
+        dict(EDM, final_sigmas_type="sigma_min", euler_at_final=True, solver_type="heun", sigma_data=1.0),
+        {},
+    ),
+    ("EDMEulerScheduler", EDM, {}),
+    ("EDMEulerScheduler", dict(EDM, sigma_schedule="exponential", prediction_type="v_prediction"), {}),
+    ("EDMEulerScheduler", dict(EDM, final_sigmas_type="sigma_min", sigma_data=1.0, rho=5.0), {}),
     ("UniPCMultistepScheduler", dict(solver_order=1), {}),
     ("UniPCMultistepScheduler", dict(solver_order=3), {}),
     (

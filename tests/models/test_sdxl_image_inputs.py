@@ -145,6 +145,72 @@ def test_img2img_with_unipc_matches_diffusers(ours, base_reference, same_noise):
     _check(got.images, expected.images, "img2img with unipc")
 
 
+def test_heun_from_a_strength_and_a_split_matches_diffusers(ours, base_reference, same_noise):
+    """A second-order scheduler started mid-schedule. At a strength diffusers starts on step t_start's first call
+    (t_start x order) from the image noised to that call's sigma; from a denoising_start it keeps one call more
+    when the kept count is even, so that it starts on a step's first call. Heun: 5 steps are 9 calls; the split
+    at 0.6 cuts them 5 + 4 (kept 4, even: the refiner runs 5, the base's last call again)."""
+    import torch
+    from diffusers import HeunDiscreteScheduler, StableDiffusionXLImg2ImgPipeline
+
+    base = type(base_reference).from_pipe(base_reference)
+    base.scheduler = HeunDiscreteScheduler.from_config(base_reference.scheduler.config)
+    refiner = StableDiffusionXLImg2ImgPipeline.from_pipe(base)
+    for pipe in (base, refiner):
+        pipe.set_progress_bar_config(disable=True)
+    kw = dict(negative_prompt=NEGATIVE, num_inference_steps=5, guidance_scale=5.0)
+    images = _images(4)
+    same_noise["noise"] = noise = (
+        np.random.default_rng(4).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    )
+    pixels = [torch.from_numpy(i.transpose(2, 0, 1)) for i in images]
+    expected = refiner(PROMPTS, image=pixels, strength=0.6, output_type="np", **kw).images
+    kw["scheduler"] = "heun"
+    steps = []
+    got = ours(
+        PROMPTS,
+        image=images,
+        height=H,
+        width=W,
+        latents=noise,
+        strength=0.6,
+        callback=lambda s, t: steps.append(t),
+        output_type="np",
+        **kw,
+    )
+    _check(got.images, expected, "img2img with heun")
+    assert steps == [5] * 5  # int(5 x 0.6) = 3 steps from step 2: calls 4 to 8
+
+    latents = np.random.default_rng(9).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    del kw["scheduler"]
+    handed = base(
+        PROMPTS,
+        height=H,
+        width=W,
+        latents=torch.from_numpy(latents),
+        denoising_end=0.6,
+        output_type="latent",
+        **kw,
+    )
+    expected = refiner(PROMPTS, image=handed.images, denoising_start=0.6, output_type="np", **kw).images
+    kw["scheduler"] = "heun"
+    ours_handed = ours(
+        PROMPTS, height=H, width=W, latents=latents, denoising_end=0.6, output_type="latent", **kw
+    )
+    assert float(np.abs(ours_handed.images - handed.images.numpy()).max()) <= 1e-3
+    steps.clear()
+    got = ours(
+        PROMPTS,
+        image=ours_handed.images,
+        denoising_start=0.6,
+        callback=lambda s, t: steps.append(t),
+        output_type="np",
+        **kw,
+    )
+    _check(got.images, expected, "heun base + refiner")
+    assert steps == [5] * 5
+
+
 def test_img2img_denoising_end_cuts_the_strengths_steps_as_diffusers(ours, base_reference, same_noise):
     """diffusers' img2img applies denoising_end to the steps its strength left: 8 steps at strength 0.75 run
     the last 6 timesteps; denoising_end 0.5 keeps those >= 500 of them."""
@@ -519,7 +585,13 @@ def test_warm_up_runs_each_task_with_an_image(ours, monkeypatch):
         ours.warm_up(tasks=["image-to-video"])
 
 
-@pytest.mark.parametrize("name", ["euler", "euler_ancestral", "ddim", "dpmpp_2m", "lcm", "unipc", "lms"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "euler", "euler_ancestral", "ddim", "dpmpp_2m", "lcm", "unipc", "lms", "heun", "dpm2", "dpmpp_sde",
+        "edm_dpm", "edm_euler",
+    ],
+)  # fmt: skip
 def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
     """The image noised to the start step (each scheduler's add_noise at its begin index) and the start step
     of a strength (diffusers' SDXL and Flux get_timesteps), for the schedulers the parity runs above do not
@@ -543,9 +615,17 @@ def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
         "lcm": "LCMScheduler",
         "unipc": "UniPCMultistepScheduler",
         "lms": "LMSDiscreteScheduler",
+        "heun": "HeunDiscreteScheduler",
+        "dpm2": "KDPM2DiscreteScheduler",
+        "dpmpp_sde": "DPMSolverSDEScheduler",
+        "edm_dpm": "EDMDPMSolverMultistepScheduler",
+        "edm_euler": "EDMEulerScheduler",
     }
+    edm = name.startswith("edm")
+    if edm:  # an EDM folder's (by class name: no beta-schedule model runs on them)
+        config = {**config, "sigma_min": 0.002, "sigma_max": 80.0}
     ref = getattr(diffusers, classes[name]).from_config(config)
-    ours = make_scheduler(name, config)
+    ours = make_scheduler(classes[name] if edm else name, config)
     rng = np.random.default_rng(0)
     x, noise = rng.standard_normal((2, 4, 6, 5)).astype(np.float32), rng.standard_normal((2, 4, 6, 5))
     noise = noise.astype(np.float32)
@@ -554,14 +634,16 @@ def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
         ref.set_timesteps(steps)
         timesteps, _ = StableDiffusionXLImg2ImgPipeline.get_timesteps(holder, steps, strength, "cpu")
         start = start_step(steps, strength, "int")
-        assert start == steps - len(timesteps)
+        # The first model call it runs: step `start`'s first (order 2: two calls a step but the last).
+        assert start * ours.order == len(ref.timesteps) - len(timesteps)
         expected = ref.add_noise(
             torch.from_numpy(x), torch.from_numpy(noise), timesteps[:1].repeat(2)
         ).numpy()
-        got = np.asarray(noise_to(ours, ours.schedule(steps), x, noise, start))
+        got = np.asarray(noise_to(ours, ours.schedule(steps), x, noise, start * ours.order))
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-        flux_timesteps, _ = FluxImg2ImgPipeline.get_timesteps(holder, steps, strength, "cpu")
-        assert start_step(steps, strength, "float") == steps - len(flux_timesteps)
+        if ours.order == 1:  # (Flux's rule, for its flow schedulers: the first-order ones are enough here)
+            flux_timesteps, _ = FluxImg2ImgPipeline.get_timesteps(holder, steps, strength, "cpu")
+            assert start_step(steps, strength, "float") == steps - len(flux_timesteps)
 
 
 def test_vae_latents_statistics_scale_img2img_not_inpaint(tiny_sdxl_path, tmp_path, same_noise):

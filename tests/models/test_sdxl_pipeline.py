@@ -90,6 +90,62 @@ def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, neg
     assert expected.std() > 1e-3
 
 
+# Playground v2.5's scheduler_config.json (an EDM-trained SDXL-architecture model).
+EDM_SCHEDULER = {
+    "_class_name": "EDMDPMSolverMultistepScheduler",
+    "algorithm_type": "dpmsolver++",
+    "dynamic_thresholding_ratio": 0.995,
+    "euler_at_final": False,
+    "final_sigmas_type": "zero",
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "prediction_type": "epsilon",
+    "rho": 7.0,
+    "sample_max_value": 1.0,
+    "sigma_data": 0.5,
+    "sigma_max": 80.0,
+    "sigma_min": 0.002,
+    "solver_order": 2,
+    "solver_type": "midpoint",
+    "thresholding": False,
+}
+
+
+def test_an_edm_folder_runs_its_own_scheduler_as_diffusers(tiny_sdxl_path, tmp_path):
+    """A folder of Playground v2.5's kind: model_index and scheduler_config name EDMDPMSolverMultistepScheduler
+    (EDM's sigmas, c_in / c_noise / c_skip / c_out preconditioning) and its VAE has latents_mean / latents_std.
+    With no scheduler named, ours runs the folder's, as diffusers' pipeline loaded from the folder does."""
+    import json
+    import shutil
+
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    folder = tmp_path / "edm-sdxl"
+    shutil.copytree(tiny_sdxl_path, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "EDMDPMSolverMultistepScheduler"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(EDM_SCHEDULER))
+    vae_config = folder / "vae" / "config.json"
+    stats = {"latents_mean": [0.1, -0.2, 0.3, 0.05], "latents_std": [0.5, 2.0, 1.5, 0.8]}
+    vae_config.write_text(json.dumps({**json.loads(vae_config.read_text()), **stats}))
+
+    reference = StableDiffusionXLPipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    assert type(reference.scheduler).__name__ == "EDMDPMSolverMultistepScheduler"
+    latents = np.random.default_rng(6).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(negative_prompt=["blurry", ""], height=H, width=W, num_inference_steps=5, guidance_scale=3.0)
+    prompts = ["a photo of a cat", "a red car"]
+    expected = reference(prompts, latents=torch.from_numpy(latents), output_type="np", **kw).images
+    pipe = load_pipeline(folder, dtype="float32")
+    assert type(pipe.scheduler(None)).__name__ == "EDMDPMSolverMultistepScheduler"
+    got = pipe(prompts, latents=latents, output_type="np", **kw).images
+    err = float(np.abs(got - expected).max())
+    assert err <= 1e-3, f"max abs pixel difference {err:.2e}"
+    assert expected.std() > 1e-3
+
+
 def test_second_order_schedulers_cap_their_steps_to_the_loops_trips(ours):
     """Heun and DPM2 call the UNet 2N - 1 times for N steps: the loop's 200 trips hold 100 steps, published in
     limits.scheduler_arguments and refused past it; LMS calls it once a step and has no cap."""
