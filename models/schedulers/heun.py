@@ -24,6 +24,9 @@ class HeunDiscreteScheduler(KDiffusionScheduler):
     """Settings: diffusers' HeunDiscreteScheduler config (defaults equal); clip_sample clamps x0 to
     [-clip_sample_range, clip_sample_range]."""
 
+    beta_start: float = 0.00085  # diffusers' defaults for this class
+    beta_end: float = 0.012
+
     clip_sample: bool = False
     clip_sample_range: float = 1.0
 

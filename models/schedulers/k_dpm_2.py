@@ -45,6 +45,9 @@ class KDPM2DiscreteScheduler(KDiffusionScheduler):
     """Settings: diffusers' KDPM2DiscreteScheduler config (defaults equal); prediction_type "sample" is refused,
     as diffusers' step refuses it."""
 
+    beta_start: float = 0.00085  # diffusers' defaults for this class
+    beta_end: float = 0.012
+
     order = 2
 
     def __post_init__(self):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshserve.models.schedulers import SCHEDULER_NAMES, make_scheduler, pad_schedule
+from meshserve.models.schedulers import _BY_CLASS, SCHEDULER_NAMES, make_scheduler, pad_schedule
 from tests.fixtures.tiny_sdxl import SCHEDULER
 
 TOL = 1e-4  # fp32 relative error budget of the house rules
@@ -637,6 +637,21 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         make_scheduler("euler", sdxl_config, karras=True)
     with pytest.raises(ValueError, match="num_inference_steps"):
         default.schedule(0)
+
+
+# Flow-matching Euler's schedule is its pipelines' (sigmas linspace(1, 1/N)), not set_timesteps' own:
+# tests/models/test_flow_match_euler.py.
+@pytest.mark.parametrize("class_name", sorted(set(_BY_CLASS) - {"FlowMatchEulerDiscreteScheduler"}))
+def test_a_config_without_settings_means_diffusers_defaults(class_name):
+    """A config that omits a key means the diffusers class's default for it (Heun's and DPM2's betas are
+    0.00085-0.012, not DDPM's 0.0001-0.02; EDM's sigma range 0.002-80)."""
+    ours = make_scheduler(class_name, {})
+    ref = getattr(diffusers, class_name)()
+    schedule = ours.schedule(10)
+    ref.set_timesteps(10)
+    assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
+    if hasattr(schedule, "sigmas") and hasattr(ref, "sigmas"):
+        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
 
 
 def test_runtime_imports_no_torch():
