@@ -37,6 +37,7 @@ from meshserve.models.schedulers import (
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     HeunDiscreteScheduler,
+    KDPM2AncestralDiscreteScheduler,
     KDPM2DiscreteScheduler,
     LCMScheduler,
     LMSDiscreteScheduler,
@@ -83,8 +84,8 @@ def check_strength(
     return start
 
 
-# The schedulers whose add_noise is x + noise x sigmas[index] (index: the model call; Heun's, DPM2's and DPM++
-# SDE's sigmas hold one entry per call, as diffusers'). EDM's DPM-Solver is one, though a DPM-Solver subclass.
+# The schedulers whose add_noise is x + noise x sigmas[index] (index: the model call; the second-order ones'
+# sigmas hold one entry per call, as diffusers'). EDM's DPM-Solver is one, though a DPM-Solver subclass.
 SIGMA_NOISED = (
     EDMDPMSolverMultistepScheduler,
     EDMEulerScheduler,
@@ -93,6 +94,7 @@ SIGMA_NOISED = (
     LMSDiscreteScheduler,
     HeunDiscreteScheduler,
     KDPM2DiscreteScheduler,
+    KDPM2AncestralDiscreteScheduler,
     DPMSolverSDEScheduler,
 )
 

@@ -34,6 +34,10 @@ from meshserve.models.schedulers.euler_ancestral import EulerAncestralDiscreteSc
 from meshserve.models.schedulers.flow_match_euler import FlowMatchEulerDiscreteScheduler, flux_mu
 from meshserve.models.schedulers.heun import HeunDiscreteScheduler
 from meshserve.models.schedulers.k_dpm_2 import KDPM2DiscreteScheduler, KDPM2Schedule
+from meshserve.models.schedulers.k_dpm_2_ancestral import (
+    KDPM2AncestralDiscreteScheduler,
+    KDPM2AncestralSchedule,
+)
 from meshserve.models.schedulers.lcm import LCMSchedule, LCMScheduler
 from meshserve.models.schedulers.lms import LMSDiscreteScheduler, LMSSchedule
 from meshserve.models.schedulers.tcd import TCDSchedule, TCDScheduler
@@ -73,6 +77,11 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "heun": (HeunDiscreteScheduler, {}),
     "dpm2": (KDPM2DiscreteScheduler, {}),
     "dpm2_karras": (KDPM2DiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
+    "dpm2_ancestral": (KDPM2AncestralDiscreteScheduler, {}),
+    "dpm2_ancestral_karras": (
+        KDPM2AncestralDiscreteScheduler,
+        {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF},
+    ),
     "lms": (LMSDiscreteScheduler, {}),
     "lms_karras": (LMSDiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
     # DPM++ SDE: two calls a step as Heun, with Brownian noise from each row's seed (dpm_solver_sde.py).
@@ -106,6 +115,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         TCDScheduler,
         HeunDiscreteScheduler,
         KDPM2DiscreteScheduler,
+        KDPM2AncestralDiscreteScheduler,
         LMSDiscreteScheduler,
         DPMSolverSDEScheduler,
         # EDM-trained folders' own (Playground v2.5): by class only, since no beta-schedule model runs on them.
@@ -160,6 +170,7 @@ __all__ = [
     "LCMSchedule",
     "TCDSchedule",
     "KDPM2Schedule",
+    "KDPM2AncestralSchedule",
     "LMSSchedule",
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
@@ -171,6 +182,7 @@ __all__ = [
     "TCDScheduler",
     "HeunDiscreteScheduler",
     "KDPM2DiscreteScheduler",
+    "KDPM2AncestralDiscreteScheduler",
     "LMSDiscreteScheduler",
     "DPMSolverSDEScheduler",
     "EDMDPMSolverMultistepScheduler",

@@ -46,6 +46,8 @@ CLASS = {
     "lms_karras": "LMSDiscreteScheduler",
     "dpmpp_sde": "DPMSolverSDEScheduler",
     "dpmpp_sde_karras": "DPMSolverSDEScheduler",
+    "dpm2_ancestral": "KDPM2AncestralDiscreteScheduler",
+    "dpm2_ancestral_karras": "KDPM2AncestralDiscreteScheduler",
 }
 VPRED_ZSNR = dict(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing")
 SDE = dict(algorithm_type="sde-dpmsolver++")
@@ -62,6 +64,7 @@ NAMED = {
     "dpm2_karras": KARRAS,
     "lms_karras": KARRAS,
     "dpmpp_sde_karras": KARRAS,
+    "dpm2_ancestral_karras": KARRAS,
 }
 
 # (name, config changes over the tiny SDXL config, runtime overrides)
@@ -487,6 +490,39 @@ def test_dpm_sde_loop_matches_diffusers_on_its_brownian_draws(sdxl_config, case)
     assert rel_err(padded, expected) <= TOL
 
 
+# DPM2 ancestral draws noise on a step's second call only: its own cases (CASES' loops give one draw per call).
+DPM2_ANCESTRAL_CASES = [
+    ("dpm2_ancestral", {}, {}),
+    ("dpm2_ancestral_karras", {}, {}),
+    ("dpm2_ancestral", dict(timestep_spacing="trailing", prediction_type="v_prediction"), {}),
+    ("dpm2_ancestral", dict(timestep_spacing="linspace", use_exponential_sigmas=True), {}),
+]
+
+
+@pytest.mark.parametrize("case", DPM2_ANCESTRAL_CASES, ids=case_id)
+def test_dpm2_ancestral_matches_diffusers(sdxl_config, case):
+    """The schedule at 1, 5 and 30 steps; a 5-step loop (9 calls) with diffusers' generator draws, the j-th
+    given to ours at call 2j + 1 (stage 2 of step j), exact and padded."""
+    ours, ref = build(sdxl_config, case)
+    for steps in (1, 5, 30):
+        schedule = ours.schedule(steps)
+        ref.set_timesteps(steps)
+        assert schedule.timesteps.shape == (ours.model_calls(steps),)
+        assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
+        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
+        assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
+    steps = 5
+    latents = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+    expected = ref_loop(ref, steps, latents, {"generator": torch.Generator().manual_seed(2)})
+    noises = np.zeros((ours.model_calls(steps), *SHAPE), np.float32)
+    noises[1::2] = np.stack([n.numpy() for n in torch_noises(2, steps - 1)])
+    schedule = ours.schedule(steps)
+    got = run_loop(ours, schedule, jnp.asarray(latents), jnp.asarray(noises))
+    assert rel_err(got, expected) <= TOL
+    padded = run_loop(ours, pad_schedule(schedule, 20), jnp.asarray(latents), jnp.asarray(noises))
+    assert rel_err(padded, expected) <= TOL
+
+
 def test_dpm_sde_second_stage_extends_the_first_draw(sdxl_config):
     """The two draws of a step are one Brownian motion's increments over nested intervals: with z = 0 the second
     stage reuses the first's normal scaled by sqrt((s - mid) / (s - s_next)), not a fresh one."""
@@ -548,7 +584,8 @@ def test_jitted_step_compiles_once(sdxl_config, name):
         for c in CASES
         if c[0] in ("euler_ancestral", "dpmpp_2m_sde", "dpmpp_2m_sde_karras", "lcm") or c[2].get("eta")
     ]
-    + SDE_CASES[:1],
+    + SDE_CASES[:1]
+    + DPM2_ANCESTRAL_CASES[:1],
     ids=case_id,
 )
 def test_key_draws_standard_normal_noise(sdxl_config, case):
