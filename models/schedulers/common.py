@@ -336,18 +336,24 @@ def beta_sigmas(
     return sigma_min + ppf * (sigma_max - sigma_min)
 
 
+def respacing(scheduler):
+    """The respacing of the sigmas a config asks for: karras_sigmas, exponential_sigmas or beta_sigmas (by its
+    use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas), or None."""
+    return (
+        karras_sigmas if scheduler.use_karras_sigmas
+        else exponential_sigmas if scheduler.use_exponential_sigmas
+        else beta_sigmas if scheduler.use_beta_sigmas
+        else None
+    )  # fmt: skip
+
+
 def respaced_sigmas(scheduler, train_sigmas: np.ndarray, n: int, *, round_karras: bool):
     """(sigmas [n], fractional timesteps [n]) of the multistep solvers' Karras / exponential / beta sigmas:
     respaced between the ends of the *training* sigmas (Euler uses the inference ones), or the config's
     sigma_min / sigma_max where it has them; Karras timesteps rounded when `round_karras`."""
     sigma_min = scheduler.sigma_min if scheduler.sigma_min is not None else train_sigmas[0]
     sigma_max = scheduler.sigma_max if scheduler.sigma_max is not None else train_sigmas[-1]
-    convert = (
-        karras_sigmas if scheduler.use_karras_sigmas
-        else exponential_sigmas if scheduler.use_exponential_sigmas
-        else beta_sigmas
-    )  # fmt: skip
-    sigmas = convert(sigma_min, sigma_max, n)
+    sigmas = respacing(scheduler)(sigma_min, sigma_max, n)
     timesteps = sigma_to_t(sigmas, np.log(train_sigmas))
     if scheduler.use_karras_sigmas and round_karras:
         timesteps = timesteps.round()

@@ -16,11 +16,9 @@ from meshserve.models.schedulers.common import (
     NoiseScheduler,
     SigmaSchedule,
     at,
-    beta_sigmas,
     check_choice,
-    exponential_sigmas,
     f32,
-    karras_sigmas,
+    respacing,
     sigma_to_t,
     spaced_timesteps,
 )
@@ -124,12 +122,7 @@ class EulerDiscreteScheduler(NoiseScheduler):
         else:  # diffusers' log_linear yields n + 1 sigmas (then n + 2 with the final one); kept as is.
             sigmas = np.exp(np.linspace(log_sigmas[-1], log_sigmas[0], n + 1))
 
-        convert = (
-            karras_sigmas if self.use_karras_sigmas
-            else exponential_sigmas if self.use_exponential_sigmas
-            else beta_sigmas if self.use_beta_sigmas
-            else None
-        )  # fmt: skip
+        convert = respacing(self)
         if convert is not None:
             # Euler respaces between the ends of the *inference* sigmas (DPM-Solver uses the training ones).
             sigma_min = self.sigma_min if self.sigma_min is not None else sigmas[-1]

@@ -1,10 +1,10 @@
-"""What diffusers' k-diffusion ports (Heun, DPM2, LMS) share: their inference sigmas, made one way in the three
-classes' `set_timesteps`, and their settings.
+"""What diffusers' k-diffusion ports (Heun, DPM2, DPM2 ancestral, LMS, DPM++ SDE) share: their inference
+sigmas, made one way in those classes' `set_timesteps`, their settings, and DPM2's per-call array layout.
 
-The timesteps are spaced in float32 (`np.linspace(..., dtype=np.float32)`, where Euler spaces them in float64),
-the sigmas interpolated from the training ones at them, then, with a Karras / exponential / beta setting, respaced
-between the inference sigmas' own ends (these classes have no sigma_min / sigma_max settings), the timesteps
-following by interpolation in log sigma.
+The timesteps are spaced as Euler's, but cast to float32 before the sigmas are interpolated at them (their
+`np.linspace(..., dtype=np.float32)`; Euler interpolates at the float64 ones); with a Karras / exponential / beta
+setting the sigmas are then respaced between the inference sigmas' own ends (these classes have no sigma_min /
+sigma_max settings), the timesteps following by interpolation in log sigma.
 """
 
 from __future__ import annotations
@@ -13,14 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshserve.models.schedulers.common import (
-    NoiseScheduler,
-    beta_sigmas,
-    exponential_sigmas,
-    karras_sigmas,
-    sigma_to_t,
-    trailing_timesteps,
-)
+from meshserve.models.schedulers.common import NoiseScheduler, respacing, sigma_to_t, spaced_timesteps
 from meshserve.models.schedulers.euler import training_sigmas
 
 
@@ -48,25 +41,15 @@ class KDiffusionScheduler(NoiseScheduler):
             )
 
     def inference_sigmas(self, n: int, *, round_karras: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(timesteps [n], sigmas [n]) in float64 before the caller's cast; `round_karras`: DPM2 rounds the
+        """(timesteps [n], sigmas [n]), float32 timesteps or float64 respaced ones, before the caller's cast; `round_karras`: DPM2 rounds the
         timesteps of Karras sigmas, Heun and LMS do not."""
         self.check_steps(n)
-        num_train = self.num_train_timesteps
-        if self.timestep_spacing == "linspace":
-            timesteps = np.linspace(0, num_train - 1, n, dtype=np.float32)[::-1]
-        elif self.timestep_spacing == "leading":
-            timesteps = (np.arange(0, n) * (num_train // n)).round()[::-1].astype(np.float32)
-            timesteps += self.steps_offset
-        else:
-            timesteps = trailing_timesteps(num_train, num_train, n).astype(np.float32)
+        timesteps = spaced_timesteps(
+            self.timestep_spacing, self.num_train_timesteps, n, self.steps_offset, round_linspace=False
+        ).astype(np.float32)
         train_sigmas = training_sigmas(self)
         sigmas = np.interp(timesteps, np.arange(len(train_sigmas)), train_sigmas)
-        convert = (
-            karras_sigmas if self.use_karras_sigmas
-            else exponential_sigmas if self.use_exponential_sigmas
-            else beta_sigmas if self.use_beta_sigmas
-            else None
-        )  # fmt: skip
+        convert = respacing(self)
         if convert is None:
             return timesteps.astype(np.float64), sigmas
         sigmas = convert(sigmas[-1], sigmas[0], n)
@@ -78,3 +61,9 @@ class KDiffusionScheduler(NoiseScheduler):
     def scheduler_arguments(self) -> dict:
         # No custom schedules: diffusers' DPM2 and LMS take none; Heun's custom timesteps are not offered here.
         return {}
+
+
+def doubled(values: np.ndarray) -> np.ndarray:
+    """diffusers' per-call layout of DPM2's arrays (plain and ancestral): the first value, every later one twice
+    (a step's two calls), the last once more: [a0, a1, a1, ..., aN, aN, aN]."""
+    return np.concatenate([values[:1], np.repeat(values[1:], 2), values[-1:]])

@@ -18,7 +18,7 @@ import numpy as np
 
 from meshserve.models.schedulers.common import at, f32, pytree_dataclass, schedule_length, sigma_to_t
 from meshserve.models.schedulers.euler import init_noise_sigma, predicted_original, training_sigmas
-from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler
+from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler, doubled
 
 
 @pytree_dataclass
@@ -68,9 +68,6 @@ class KDPM2DiscreteScheduler(KDiffusionScheduler):
         timesteps_interpol = sigma_to_t(interpol, np.log(training_sigmas(self)))
         timesteps = f32(timesteps)
         inner = np.stack([f32(timesteps_interpol[1:-1]), timesteps[1:]], axis=-1).reshape(-1)
-
-        def doubled(a):
-            return np.concatenate([a[:1], np.repeat(a[1:], 2), a[-1:]])
 
         sigmas = doubled(sigmas)
         return KDPM2Schedule(

@@ -24,7 +24,7 @@ from meshserve.models.schedulers.common import (
     step_noise,
 )
 from meshserve.models.schedulers.euler import init_noise_sigma, predicted_original, training_sigmas
-from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler
+from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler, doubled
 
 
 @pytree_dataclass
@@ -44,10 +44,6 @@ class KDPM2AncestralSchedule:
     @property
     def num_steps(self):
         return schedule_length(self)
-
-
-def _doubled(a: np.ndarray) -> np.ndarray:
-    return np.concatenate([a[:1], np.repeat(a[1:], 2), a[-1:]])
 
 
 @dataclass(frozen=True)
@@ -82,13 +78,13 @@ class KDPM2AncestralDiscreteScheduler(KDiffusionScheduler):
         timesteps_interpol = sigma_to_t(interpol, np.log(training_sigmas(self)))
         timesteps = f32(timesteps)
         inner = np.stack([f32(timesteps_interpol[:-2]), timesteps[1:]], axis=-1).reshape(-1)
-        expanded = _doubled(sigmas)
+        expanded = doubled(sigmas)
         return KDPM2AncestralSchedule(
             timesteps=np.concatenate([timesteps[:1], inner]),
             sigmas=expanded,
-            sigmas_interpol=_doubled(interpol),
-            sigmas_up=_doubled(f32(sigmas_up)),
-            sigmas_down=_doubled(f32(sigmas_down)),
+            sigmas_interpol=doubled(interpol),
+            sigmas_up=doubled(f32(sigmas_up)),
+            sigmas_down=doubled(f32(sigmas_down)),
             init_noise_sigma=init_noise_sigma(expanded, self.timestep_spacing),
         )
 
