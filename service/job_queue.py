@@ -471,7 +471,10 @@ class JobQueue(JobReads):
             ).model_dump(mode="json")
             for o, url in zip(outputs, urls, strict=True)
         ]
-        total = job.progress.total_steps or job.params.num_inference_steps
+        # The steps the worker reported running (an image's strength runs fewer than the job's steps; Heun's or
+        # DPM2's loop calls the model 2N - 1 times), so that the job ends on the count its progress events gave.
+        reported = await self.redis.hget(self.job_key(job.id), "total_steps")
+        total = int(reported or 0) or job.progress.total_steps or job.params.num_inference_steps
         fields = {
             "outputs": json.dumps(records),
             "timings": timings.model_dump_json(),

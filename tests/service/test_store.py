@@ -77,6 +77,23 @@ async def test_full_lifecycle_and_events(store: Store):
     assert (await store.redis.xpending(store.stream_key("toy", "normal"), "pools"))["pending"] == 0
 
 
+async def test_a_job_ends_on_the_step_count_its_progress_reported(store: Store):
+    """A run's steps need not be the job's num_inference_steps (a strength runs fewer; Heun's loop calls the
+    model 2N - 1 times): the succeeded job's progress is the count its progress events gave, else its steps."""
+    reported, silent = await store.submit(params()), await store.submit(params())
+    first, second = await store.claim(["toy"], "c1", max_jobs=2)
+    assert await store.start(first) and await store.start(second)
+    calls = 2 * reported.params.num_inference_steps - 1
+    for step in range(1, calls + 1):
+        assert await store.progress(first, step, calls)
+    assert await store.complete(first, [blob(0)]) and await store.complete(second, [blob(0)])
+    done = await store.get(reported.id)
+    assert (done.progress.step, done.progress.total_steps) == (calls, calls)
+    steps = silent.params.num_inference_steps
+    done = await store.get(silent.id)
+    assert (done.progress.step, done.progress.total_steps) == (steps, steps)
+
+
 async def test_stale_attempt_write_is_refused(store: Store):
     job = await store.submit(params())
     (old,) = await store.claim(["toy"], "c1")
