@@ -432,6 +432,17 @@ def test_lms_from_a_start_step_matches_diffusers(sdxl_config, start):
     assert rel_err(got, sample.numpy()) <= TOL
 
 
+def check_calls_schedule(ours, ref, steps: int) -> None:
+    """A two-call scheduler's schedule of `steps` steps against diffusers': one timestep per model call, the
+    sigmas as diffusers lays them out, the initial noise scale."""
+    schedule = ours.schedule(steps)
+    ref.set_timesteps(steps)
+    assert schedule.timesteps.shape == (ours.model_calls(steps),)
+    assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
+    assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
+    assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
+
+
 # DPM++ SDE draws from a Brownian tree, not a generator: its own cases (not CASES, whose steps replay a generator).
 SDE_CASES = [
     ("dpmpp_sde", {}, {}),
@@ -445,13 +456,7 @@ SDE_CASES = [
 @pytest.mark.parametrize("case", SDE_CASES, ids=case_id)
 def test_dpm_sde_schedule_matches_diffusers(sdxl_config, case):
     for steps in (1, 5, 30):
-        ours, ref = build(sdxl_config, case)
-        schedule = ours.schedule(steps)
-        ref.set_timesteps(steps)
-        assert schedule.timesteps.shape == (ours.model_calls(steps),)
-        assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
-        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
-        assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
+        check_calls_schedule(*build(sdxl_config, case), steps)
 
 
 @pytest.mark.parametrize("case", SDE_CASES, ids=case_id)
@@ -505,12 +510,7 @@ def test_dpm2_ancestral_matches_diffusers(sdxl_config, case):
     given to ours at call 2j + 1 (stage 2 of step j), exact and padded."""
     ours, ref = build(sdxl_config, case)
     for steps in (1, 5, 30):
-        schedule = ours.schedule(steps)
-        ref.set_timesteps(steps)
-        assert schedule.timesteps.shape == (ours.model_calls(steps),)
-        assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
-        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
-        assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
+        check_calls_schedule(ours, ref, steps)
     steps = 5
     latents = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
     expected = ref_loop(ref, steps, latents, {"generator": torch.Generator().manual_seed(2)})
