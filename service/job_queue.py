@@ -443,10 +443,10 @@ class JobQueue(JobReads):
         with its outputs and timings, emit `succeeded`, XACK and drop the lease. The bytes are written first
         under this attempt's own keys (Redis) or object paths (service/job_outputs.py); one small fenced script
         then renames them into place (Redis) or records the attempt's object key, and commits the job: a stale
-        attempt's call returns False, and what it wrote never becomes visible (and is deleted). So a succeeded job always has its
-        outputs. Raises `OutputStoreError` when an object cannot be written (nothing is committed; the caller
-        retries or fails the job). `stages`: seconds per stage as measured by the worker (text_encode, ...);
-        `cached_steps`: the steps a step cache skipped (a job with `cache`)."""
+        attempt's call returns False, and what it wrote never becomes visible (and is deleted). So a succeeded
+        job always has its outputs. Raises `OutputStoreError` when an object cannot be written (nothing is
+        committed; the caller retries or fails the job). `stages`: seconds per stage as measured by the worker
+        (text_encode, ...); `cached_steps`: the steps a step cache skipped (a job with `cache`)."""
         job, now = delivery.job, time.time()
         started = job.started_at or now
         timings = Timings(

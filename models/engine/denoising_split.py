@@ -66,8 +66,8 @@ def end_steps(denoising_end, timesteps: np.ndarray, scheduler_config: Mapping) -
 def start_step(denoising_start, timesteps: np.ndarray, scheduler_config: Mapping, order: int = 1) -> int:
     """The first of `timesteps` (the whole schedule, one per model call) a `denoising_start` runs: diffusers'
     img2img `get_timesteps` keeps the last `(timesteps < discrete_timestep_cutoff).sum()` of them, one more when
-    that is even for a second-order scheduler (`order` 2: Heun, DPM2, DPM++ SDE), so that the run starts on a
-    step's first call. PipelineError when that is none."""
+    that is even for a second-order scheduler (`order` 2: Heun, DPM2, DPM2 a, DPM++ SDE), so that the run
+    starts on a step's first call. PipelineError when that is none."""
     cutoff = _cutoff("denoising_start", denoising_start, scheduler_config)
     kept = int(np.sum(np.asarray(timesteps, np.float64) < cutoff))
     if order == 2 and kept % 2 == 0 and kept:

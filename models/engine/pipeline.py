@@ -514,8 +514,8 @@ class DiffusionPipeline:
     def scheduler_argument_limits(self, schedulers, max_steps: int = MAX_STEPS) -> dict:
         """limits["scheduler_arguments"]: {scheduler name, DEFAULT_SCHEDULER for the folder's own: the rules of
         the custom schedules it takes of the family's `schedule_fields`} (meshserve/limits.py). A scheduler that
-        calls the model twice a step (Heun, DPM2, DPM++ SDE) gets a "max_steps" whose calls fit the compiled
-        loop's `max_steps` trips."""
+        calls the model twice a step (Heun, DPM2, DPM2 a, DPM++ SDE) gets a "max_steps" whose calls fit the
+        compiled loop's `max_steps` trips."""
         out = {}
         for name in (None, *schedulers):
             try:

@@ -118,8 +118,8 @@ class NoiseScheduler:
     UNSUPPORTED: ClassVar[Mapping[str, Any]] = {}
     # Whether `step` consumes random noise (needs `key` or `noise`).
     stochastic: ClassVar[bool] = False
-    # diffusers' `order`: model calls a step makes (2 for Heun, DPM2, DPM++ SDE: all steps but the last). An
-    # image-to-image call starting at step k starts at call k x order, as diffusers' get_timesteps does.
+    # diffusers' `order`: model calls a step makes (2 for Heun, DPM2, DPM2 a, DPM++ SDE: all steps but the
+    # last). An image-to-image call starting at step k starts at call k x order, as diffusers' get_timesteps.
     order: ClassVar[int] = 1
 
     @classmethod
