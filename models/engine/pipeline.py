@@ -524,7 +524,9 @@ class DiffusionPipeline:
                 continue
             rules = dict(sched.scheduler_arguments())
             if sched.model_calls(max_steps) > max_steps:
-                fit = max(n for n in range(1, max_steps + 1) if sched.model_calls(n) <= max_steps)
+                fit = (
+                    max_steps + sched.order - 1
+                ) // sched.order  # the most n with order n - (order - 1) calls
                 rules = {**rules, "max_steps": min(rules.get("max_steps") or fit, fit)}
             fields = ("sigmas", "timesteps", "eta")
             for field in fields:
@@ -1251,16 +1253,16 @@ class DiffusionPipeline:
         return self._schedules(name, int(steps), tuple(sorted(options.items())))
 
     def _make_schedule(self, name, steps, options):
-        sched = self.scheduler(name)
-        if sched.model_calls(steps) > self.limits["max_steps"]:  # (the API refuses them: scheduler_arguments)
+        sched, max_steps = self.scheduler(name), self.limits["max_steps"]
+        if sched.model_calls(steps) > max_steps:  # (the API refuses them: scheduler_arguments)
             raise PipelineError(
                 f"{steps} steps of {type(sched).__name__} call the model {sched.model_calls(steps)} times, more "
-                f"than the {self.limits['max_steps']} a call runs"
+                f"than the {max_steps} a call runs"
             )
         schedule = sched.schedule(steps, **dict(options))
         # The model calls: DPM-Solver's clipped schedules can be shorter than the steps, Heun's and DPM2's longer.
         real = int(schedule.timesteps.shape[0])
-        return sched, self.put_replicated(pad_schedule(schedule, self.limits["max_steps"])), real
+        return sched, self.put_replicated(pad_schedule(schedule, max_steps)), real
 
     def put_replicated(self, tree):
         if self.placement is None:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import SigmaSchedule, at, f32, sigma_to_t, step_noise
+from meshserve.models.schedulers.common import SigmaSchedule, at, sigma_to_t, step_noise
 from meshserve.models.schedulers.euler import init_noise_sigma, predicted_original, training_sigmas
-from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler
+from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler, heun_layout
 
 
 def midpoint_sigma(sigma, sigma_next):
@@ -44,23 +44,17 @@ class DPMSolverSDEScheduler(KDiffusionScheduler):
 
     stochastic = True
     order = 2
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.prediction_type == "sample":
-            raise ValueError("DPMSolverSDEScheduler: prediction_type='sample' is not supported")
+    takes_sample_prediction = False
 
     def schedule(self, num_inference_steps: int) -> SigmaSchedule:
         """timesteps [2N - 1] (the midpoints' at the odd calls), sigmas [2N] (each inner one twice, then 0)."""
         timesteps, sigmas = self.inference_sigmas(int(num_inference_steps))
         t = -np.log(sigmas)
         midpoints = np.exp(-(t[:-1] + np.diff(t) * 0.5))
-        calls = np.concatenate([timesteps[:1], np.repeat(timesteps[1:], 2)])
+        calls, sigmas = heun_layout(timesteps, sigmas)
         calls[1::2] = sigma_to_t(midpoints, np.log(training_sigmas(self)))
-        sigmas = f32(np.concatenate([sigmas, [0.0]]))
-        sigmas = np.concatenate([sigmas[:1], np.repeat(sigmas[1:-1], 2), sigmas[-1:]])
         return SigmaSchedule(
-            timesteps=f32(calls),
+            timesteps=calls,
             sigmas=sigmas,
             init_noise_sigma=init_noise_sigma(sigmas, self.timestep_spacing),
         )

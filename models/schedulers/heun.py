@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
-import numpy as np
 
-from meshserve.models.schedulers.common import SigmaSchedule, at, f32
+from meshserve.models.schedulers.common import SigmaSchedule, at
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler, init_noise_sigma, predicted_original
-from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler
+from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler, heun_layout
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,9 @@ class HeunDiscreteScheduler(KDiffusionScheduler):
 
     def schedule(self, num_inference_steps: int) -> SigmaSchedule:
         """timesteps [2N - 1] (every one but the first twice), sigmas [2N] (likewise, then 0)."""
-        timesteps, sigmas = self.inference_sigmas(int(num_inference_steps))
-        sigmas = f32(np.concatenate([sigmas, [0.0]]))
-        sigmas = np.concatenate([sigmas[:1], np.repeat(sigmas[1:-1], 2), sigmas[-1:]])
-        timesteps = f32(timesteps)
+        timesteps, sigmas = heun_layout(*self.inference_sigmas(int(num_inference_steps)))
         return SigmaSchedule(
-            timesteps=np.concatenate([timesteps[:1], np.repeat(timesteps[1:], 2)]),
+            timesteps=timesteps,
             sigmas=sigmas,
             init_noise_sigma=init_noise_sigma(sigmas, self.timestep_spacing),
         )

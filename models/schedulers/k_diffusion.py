@@ -10,6 +10,7 @@ sigma_max settings), the timesteps following by interpolation in log sigma.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -26,9 +27,12 @@ class KDiffusionScheduler(NoiseScheduler):
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
 
+    # Whether the class takes prediction_type "sample" (DPM2, DPM2 a and DPM++ SDE refuse it, as diffusers' steps).
+    takes_sample_prediction: ClassVar[bool] = True
+
     @classmethod
     def from_config(cls, config, **overrides):
-        # The three diffusers classes have no rescale_betas_zero_snr setting: their from_config ignores the key (a
+        # These diffusers classes have no rescale_betas_zero_snr setting: their from_config ignores the key (a
         # zero-terminal-SNR folder's config samples with its plain betas there), and so does this port.
         config = {k: v for k, v in config.items() if k != "rescale_betas_zero_snr"}
         return super().from_config(config, **overrides)
@@ -39,10 +43,12 @@ class KDiffusionScheduler(NoiseScheduler):
             raise ValueError(
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
             )
+        if self.prediction_type == "sample" and not self.takes_sample_prediction:
+            raise ValueError(f"{type(self).__name__}: prediction_type='sample' is not supported")
 
     def inference_sigmas(self, n: int, *, round_karras: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(timesteps [n], sigmas [n]), float32 timesteps or float64 respaced ones, before the caller's cast; `round_karras`: DPM2 rounds the
-        timesteps of Karras sigmas, Heun and LMS do not."""
+        """(timesteps [n], sigmas [n]) before the caller's cast (float32 spaced timesteps, or float64 ones of
+        respaced sigmas); `round_karras`: DPM2 rounds the timesteps of Karras sigmas, the others do not."""
         self.check_steps(n)
         timesteps = spaced_timesteps(
             self.timestep_spacing, self.num_train_timesteps, n, self.steps_offset, round_linspace=False
@@ -67,3 +73,13 @@ def doubled(values: np.ndarray) -> np.ndarray:
     """diffusers' per-call layout of DPM2's arrays (plain and ancestral): the first value, every later one twice
     (a step's two calls), the last once more: [a0, a1, a1, ..., aN, aN, aN]."""
     return np.concatenate([values[:1], np.repeat(values[1:], 2), values[-1:]])
+
+
+def heun_layout(timesteps: np.ndarray, sigmas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """diffusers' per-call arrays of Heun and DPM++ SDE from N timesteps and N sigmas: timesteps [2N - 1] (every
+    one but the first twice: a step's two calls), sigmas [2N] (likewise, then 0), float32."""
+    timesteps, sigmas = np.asarray(timesteps, np.float32), np.concatenate([sigmas, [0.0]]).astype(np.float32)
+    return (
+        np.concatenate([timesteps[:1], np.repeat(timesteps[1:], 2)]),
+        np.concatenate([sigmas[:1], np.repeat(sigmas[1:-1], 2), sigmas[-1:]]),
+    )

@@ -49,11 +49,7 @@ class KDPM2DiscreteScheduler(KDiffusionScheduler):
     beta_end: float = 0.012
 
     order = 2
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.prediction_type == "sample":
-            raise ValueError("KDPM2DiscreteScheduler: prediction_type='sample' is not supported")
+    takes_sample_prediction = False
 
     def schedule(self, num_inference_steps: int) -> KDPM2Schedule:
         timesteps, sigmas = self.inference_sigmas(int(num_inference_steps), round_karras=True)

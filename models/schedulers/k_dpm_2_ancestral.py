@@ -55,12 +55,8 @@ class KDPM2AncestralDiscreteScheduler(KDiffusionScheduler):
     beta_end: float = 0.012
 
     order = 2
+    takes_sample_prediction = False
     stochastic = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.prediction_type == "sample":
-            raise ValueError("KDPM2AncestralDiscreteScheduler: prediction_type='sample' is not supported")
 
     def schedule(self, num_inference_steps: int) -> KDPM2AncestralSchedule:
         timesteps, sigmas = self.inference_sigmas(int(num_inference_steps), round_karras=True)
