@@ -29,6 +29,7 @@ from meshserve.limits import min_strength
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.schedulers import (
     DDIMScheduler,
+    DDPMScheduler,
     DPMSolverMultistepScheduler,
     DPMSolverSDEScheduler,
     EDMDPMSolverMultistepScheduler,
@@ -112,7 +113,7 @@ def noise_to(scheduler, schedule, x, noise, index):
     if isinstance(scheduler, DPMSolverMultistepScheduler | UniPCMultistepScheduler):
         alpha_t, sigma_t = vp_alpha_sigma(at(schedule.sigmas, index))
         return alpha_t * x + sigma_t * noise
-    if isinstance(scheduler, DDIMScheduler | LCMScheduler):  # DDPM's add_noise, by alpha_bar
+    if isinstance(scheduler, DDIMScheduler | DDPMScheduler | LCMScheduler):  # DDPM's add_noise, by alpha_bar
         alpha_prod = at(schedule.alpha_prod_t, index)
         return alpha_prod**0.5 * x + (1.0 - alpha_prod) ** 0.5 * noise
     raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")
@@ -127,6 +128,7 @@ def check_scheduler(scheduler) -> None:
         DPMSolverMultistepScheduler,
         UniPCMultistepScheduler,
         DDIMScheduler,
+        DDPMScheduler,
         LCMScheduler,
         *SIGMA_NOISED,
     )

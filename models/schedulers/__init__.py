@@ -25,6 +25,8 @@ from typing import Any
 
 from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, pad_schedule
 from meshserve.models.schedulers.ddim import DDIMSchedule, DDIMScheduler
+from meshserve.models.schedulers.ddpm import DDPMSchedule, DDPMScheduler
+from meshserve.models.schedulers.deis_multistep import DEISMultistepScheduler
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.dpm_solver_sde import DPMSolverSDEScheduler
 from meshserve.models.schedulers.edm_dpm_solver import EDMDPMSolverMultistepScheduler
@@ -52,6 +54,7 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "euler": (EulerDiscreteScheduler, {}),
     "euler_ancestral": (EulerAncestralDiscreteScheduler, {}),
     "ddim": (DDIMScheduler, {}),
+    "ddpm": (DDPMScheduler, {}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
     # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras"): diffusers'
@@ -73,6 +76,8 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
             **_DPM_SIGMAS_OFF,
         },
     ),
+    # DEIS (ComfyUI's "deis"): DPM-Solver's multistep loop over noise predictions, order 2 as diffusers' default.
+    "deis": (DEISMultistepScheduler, {}),
     # diffusers' k-diffusion ports under A1111's names; "heun" and "dpm2" call the model twice a step but the last.
     "heun": (HeunDiscreteScheduler, {}),
     "dpm2": (KDPM2DiscreteScheduler, {}),
@@ -108,7 +113,9 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         EulerDiscreteScheduler,
         EulerAncestralDiscreteScheduler,
         DDIMScheduler,
+        DDPMScheduler,
         DPMSolverMultistepScheduler,
+        DEISMultistepScheduler,
         FlowMatchEulerDiscreteScheduler,
         UniPCMultistepScheduler,
         LCMScheduler,
@@ -167,6 +174,7 @@ __all__ = [
     "NoiseScheduler",
     "SigmaSchedule",
     "DDIMSchedule",
+    "DDPMSchedule",
     "LCMSchedule",
     "TCDSchedule",
     "KDPM2Schedule",
@@ -175,6 +183,8 @@ __all__ = [
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
+    "DDPMScheduler",
+    "DEISMultistepScheduler",
     "DPMSolverMultistepScheduler",
     "FlowMatchEulerDiscreteScheduler",
     "UniPCMultistepScheduler",

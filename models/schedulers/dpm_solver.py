@@ -12,6 +12,7 @@ so the three updates are branches of a `lax.switch`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +63,13 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     # The noise-prediction variants ("dpmsolver", "sde-dpmsolver") are deprecated in diffusers; flow sigmas
     # belong to flow-matching models; learned variance to DeepFloyd-style UNets.
     UNSUPPORTED = {"use_flow_sigmas": False, "variance_type": None, "use_dynamic_shifting": False}
+    ALGORITHM_TYPES: ClassVar[tuple[str, ...]] = ("dpmsolver++", "sde-dpmsolver++")
+    SOLVER_TYPES: ClassVar[tuple[str, ...]] = ("midpoint", "heun")
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice("algorithm_type", self.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
-        check_choice("solver_type", self.solver_type, ("midpoint", "heun"))
+        check_choice("algorithm_type", self.algorithm_type, self.ALGORITHM_TYPES)
+        check_choice("solver_type", self.solver_type, self.SOLVER_TYPES)
         check_choice("solver_order", self.solver_order, (1, 2, 3))
         check_choice("final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
         if (
@@ -139,7 +142,8 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     # Traced: the step
 
     def init_state(self, sample):
-        """model_outputs: the last solver_order x0 predictions, oldest first, float32 [order, *sample.shape];
+        """model_outputs: the last solver_order converted model outputs (x0 predictions), oldest first,
+        float32 [order, *sample.shape];
         lower_order_nums: how many steps have run (capped at solver_order), which bounds the usable order."""
         return {
             "model_outputs": jnp.zeros((self.solver_order, *sample.shape), jnp.float32),
@@ -153,8 +157,8 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         num_steps = schedule_length(schedule)
         sigmas = jnp.asarray(schedule.sigmas)
         x = sample.astype(jnp.float32)
-        x0 = self._data_prediction(sigmas[i], model_output.astype(jnp.float32), x)
-        history = jnp.concatenate([state["model_outputs"][1:], x0[None]])
+        converted = self._convert_model_output(sigmas[i], model_output.astype(jnp.float32), x)
+        history = jnp.concatenate([state["model_outputs"][1:], converted[None]])
         lower_order_nums = state["lower_order_nums"]
 
         # The order of this step, as diffusers decides it: i (the position in the schedule) lowers the last
@@ -182,8 +186,12 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         }
         return prev_sample.astype(sample.dtype), state
 
+    def _convert_model_output(self, sigma, model_output, sample):
+        """diffusers' convert_model_output: what the history keeps of a model output (DPM-Solver++: x0)."""
+        return self._data_prediction(sigma, model_output, sample)
+
     def _data_prediction(self, sigma, model_output, sample):
-        """diffusers' convert_model_output for dpmsolver++: x0 from the model output at noise level sigma."""
+        """x0 from the model output at noise level sigma, thresholded where the config says."""
         x0 = vp_data_prediction(self.prediction_type, sigma, model_output, sample)
         if self.thresholding:
             x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)

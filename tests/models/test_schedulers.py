@@ -31,6 +31,8 @@ CLASS = {
     "euler": "EulerDiscreteScheduler",
     "euler_ancestral": "EulerAncestralDiscreteScheduler",
     "ddim": "DDIMScheduler",
+    "ddpm": "DDPMScheduler",
+    "deis": "DEISMultistepScheduler",
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde": "DPMSolverMultistepScheduler",
     "euler_karras": "EulerDiscreteScheduler",
@@ -99,6 +101,24 @@ CASES = [
     ("ddim", dict(prediction_type="sample", clip_sample_range=0.5), {}),
     ("ddim", dict(thresholding=True, dynamic_thresholding_ratio=0.9, sample_max_value=1.5), {}),
     ("ddim", dict(clip_sample=False), dict(eta=0.7)),
+    # DDPM: the posterior mean plus noise of its fixed variance, none at timestep 0.
+    ("ddpm", {}, {}),
+    ("ddpm", dict(clip_sample=False, timestep_spacing="trailing"), {}),
+    ("ddpm", dict(VPRED_ZSNR, clip_sample=False), {}),
+    ("ddpm", dict(timestep_spacing="linspace", variance_type="fixed_large", clip_sample=False), {}),
+    ("ddpm", dict(variance_type="fixed_small_log", prediction_type="sample", clip_sample_range=0.5), {}),
+    ("ddpm", dict(thresholding=True, dynamic_thresholding_ratio=0.9, sample_max_value=1.5), {}),
+    # DEIS: DPM-Solver's loop over noise predictions; a DPM-Solver folder's config read as DEIS reads it.
+    ("deis", {}, {}),
+    ("deis", dict(timestep_spacing="trailing", prediction_type="v_prediction"), {}),
+    ("deis", dict(prediction_type="sample", thresholding=True, sample_max_value=1.2), {}),
+    ("deis", dict(use_karras_sigmas=True, beta_schedule="squaredcos_cap_v2"), {}),
+    ("deis", dict(use_exponential_sigmas=True, steps_offset=1, timestep_spacing="leading"), {}),
+    ("deis", dict(use_beta_sigmas=True), {}),
+    ("deis", dict(algorithm_type="dpmsolver++", solver_type="midpoint", final_sigmas_type="zero"), {}),
+    ("DEISMultistepScheduler", dict(solver_order=1), {}),
+    ("DEISMultistepScheduler", dict(solver_order=3), {}),
+    ("DEISMultistepScheduler", dict(solver_order=3, lower_order_final=False), {}),
     ("dpmpp_2m", {}, {}),
     ("dpmpp_2m", dict(use_karras_sigmas=True), {}),
     ("dpmpp_2m", dict(timestep_spacing="trailing"), {}),
@@ -389,14 +409,38 @@ def test_loop_matches_diffusers(sdxl_config, case):
 
 
 @pytest.mark.parametrize(
-    "changes",
-    [dict(solver_order=3), dict(solver_order=3, final_sigmas_type="sigma_min"), dict(use_karras_sigmas=True)],
+    "name, changes",
+    [
+        ("DPMSolverMultistepScheduler", dict(solver_order=3)),
+        ("DPMSolverMultistepScheduler", dict(solver_order=3, final_sigmas_type="sigma_min")),
+        ("DPMSolverMultistepScheduler", dict(use_karras_sigmas=True)),
+        ("DEISMultistepScheduler", dict(solver_order=3)),
+        ("DEISMultistepScheduler", dict(use_karras_sigmas=True)),
+    ],
     ids=str,
 )
-def test_dpm_long_loop_matches_diffusers(sdxl_config, changes):
+def test_dpm_long_loop_matches_diffusers(sdxl_config, name, changes):
     """16 steps: past diffusers' 15-step threshold where lower_order_final stops lowering the last steps."""
-    ours, ref = build(sdxl_config, ("DPMSolverMultistepScheduler", changes, {}))
+    ours, ref = build(sdxl_config, (name, changes, {}))
     assert check_loop(ours, ref, steps=16) <= TOL
+
+
+@pytest.mark.parametrize("changes", [{}, dict(variance_type="fixed_large", clip_sample=False)], ids=str)
+def test_ddpm_custom_timesteps_match_diffusers(sdxl_config, changes):
+    """diffusers' set_timesteps(timesteps=): each step goes to the next given timestep (the last to a clean
+    sample), with no noise added at timestep 0."""
+    ours, ref = build(sdxl_config, ("ddpm", changes, {}))
+    for custom in ([999, 700, 420, 100, 7], [960, 901, 500, 250, 0]):
+        ref.set_timesteps(timesteps=custom)
+        schedule = ours.schedule(len(custom), timesteps=custom)
+        latents = np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
+        noises = np.stack([n.numpy() for n in torch_noises(1, len(custom))])
+        expected = ref_loop_from(ref, latents, {"generator": torch.Generator().manual_seed(1)})
+        got = run_loop(ours, schedule, jnp.asarray(latents), jnp.asarray(noises))
+        assert rel_err(got, expected) <= TOL
+    assert ours.scheduler_arguments()["timesteps"]
+    with pytest.raises(ValueError, match="decrease"):
+        ours.schedule(2, timesteps=[499, 999])
 
 
 @pytest.mark.parametrize(
@@ -666,6 +710,10 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("dpmpp_2m", dict(use_karras_sigmas=True, use_lu_lambdas=True)),
         ("dpm2", dict(prediction_type="sample")),
         ("lms", dict(use_karras_sigmas=True, use_beta_sigmas=True)),
+        ("ddpm", dict(variance_type="learned_range")),
+        ("ddpm", dict(variance_type="fixed_large_log")),
+        ("deis", dict(algorithm_type="sde-dpmsolver++")),
+        ("deis", dict(use_flow_sigmas=True)),
     ]
     for name, changes in bad:
         with pytest.raises(ValueError):

@@ -589,7 +589,7 @@ def test_warm_up_runs_each_task_with_an_image(ours, monkeypatch):
     "name",
     [
         "euler", "euler_ancestral", "ddim", "dpmpp_2m", "lcm", "unipc", "lms", "heun", "dpm2", "dpmpp_sde",
-        "dpm2_ancestral", "edm_dpm", "edm_euler",
+        "dpm2_ancestral", "edm_dpm", "edm_euler", "ddpm", "deis",
     ],
 )  # fmt: skip
 def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
@@ -621,6 +621,8 @@ def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
         "dpm2_ancestral": "KDPM2AncestralDiscreteScheduler",
         "edm_dpm": "EDMDPMSolverMultistepScheduler",
         "edm_euler": "EDMEulerScheduler",
+        "ddpm": "DDPMScheduler",
+        "deis": "DEISMultistepScheduler",
     }
     edm = name.startswith("edm")
     if edm:  # an EDM folder's (by class name: no beta-schedule model runs on them)

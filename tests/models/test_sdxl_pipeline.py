@@ -26,6 +26,7 @@ def reference(tiny_sdxl_path):
 def _diffusers_scheduler(pipe, name):
     from diffusers import (
         DDIMScheduler,
+        DEISMultistepScheduler,
         DPMSolverMultistepScheduler,
         EulerDiscreteScheduler,
         HeunDiscreteScheduler,
@@ -39,6 +40,7 @@ def _diffusers_scheduler(pipe, name):
         "dpmpp_2m": DPMSolverMultistepScheduler,
         "unipc": UniPCMultistepScheduler,
         "heun": HeunDiscreteScheduler,
+        "deis": DEISMultistepScheduler,
     }[base]
     # diffusers' docs: A1111's "Karras". Said either way: from_config keeps what an earlier test's scheduler set.
     pipe.scheduler = cls.from_config(pipe.scheduler.config, use_karras_sigmas=base != name)
@@ -55,6 +57,7 @@ def _diffusers_scheduler(pipe, name):
         ("unipc", ["mountains at dawn", "a red car"], ["blurry", ""], 5),
         # Heun: 3 steps are 5 UNet calls (the padded loop's trip count is the calls, not the steps).
         ("heun", ["a photo of a cat", "a red car"], ["blurry", ""], 3),
+        ("deis", ["mountains at dawn", "the dog and the cat"], None, 4),
     ],
 )
 def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):
