@@ -232,7 +232,7 @@ def check_scheduler_arguments(
     "eta" takes it; any takes 0 (diffusers' default, which changes nothing). And, without a custom schedule, the
     step count (the request's num_inference_steps, else `default_steps`) against the scheduler's own
     "max_steps" (LCM's schedule is a subset of its distillation's 50 steps; diffusers' set_timesteps raises
-    past them)."""
+    past them) and "min_steps" (PNDM's Runge-Kutta start takes 3 steps and one more)."""
     scheduler = request.get("scheduler")
     rules = _get(_get(limits, "scheduler_arguments", {}), scheduler or DEFAULT_SCHEDULER)
     named = f"scheduler {scheduler!r}" if scheduler else "its default scheduler"
@@ -258,6 +258,13 @@ def check_scheduler_arguments(
                 "num_inference_steps",
                 "out_of_range",
                 f"num_inference_steps must be at most {cap} with {named} for {model}, got {steps}",
+            )
+        floor = None if rules is None else _get(rules, "min_steps")
+        if floor is not None and isinstance(steps, Integral) and steps < floor:
+            raise LimitError(
+                "num_inference_steps",
+                "out_of_range",
+                f"num_inference_steps must be at least {floor} with {named} for {model}, got {steps}",
             )
         return None
     if sigmas is not None and timesteps is not None:

@@ -164,6 +164,7 @@ class SchedulerArguments(_Frozen):
     max_timestep: int = 999
     eta: bool = False  # takes diffusers' eta (DDIM's noise weight, TCD's gamma)
     max_steps: int | None = None  # the most num_inference_steps it makes (LCM: its original_inference_steps)
+    min_steps: int | None = None  # the fewest it makes (PNDM's Runge-Kutta start: 4)
 
 
 class CacheMethodLimits(_Frozen):

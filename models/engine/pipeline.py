@@ -514,8 +514,8 @@ class DiffusionPipeline:
     def scheduler_argument_limits(self, schedulers, max_steps: int = MAX_STEPS) -> dict:
         """limits["scheduler_arguments"]: {scheduler name, DEFAULT_SCHEDULER for the folder's own: the rules of
         the custom schedules it takes of the family's `schedule_fields`} (meshserve/limits.py). A scheduler that
-        calls the model twice a step (Heun, DPM2, DPM2 a, DPM++ SDE) gets a "max_steps" whose calls fit the
-        compiled loop's `max_steps` trips."""
+        calls the model more than once a step (Heun, DPM2, DPM2 a, DPM++ SDE: twice; PNDM: once more, 9 more
+        with its Runge-Kutta start) gets a "max_steps" whose calls fit the compiled loop's `max_steps` trips."""
         out = {}
         for name in (None, *schedulers):
             try:
@@ -524,14 +524,14 @@ class DiffusionPipeline:
                 continue
             rules = dict(sched.scheduler_arguments())
             if sched.model_calls(max_steps) > max_steps:
-                fit = (
-                    max_steps + sched.order - 1
-                ) // sched.order  # the most n with order n - (order - 1) calls
+                fit = sched.max_steps_within(max_steps)
                 rules = {**rules, "max_steps": min(rules.get("max_steps") or fit, fit)}
             fields = ("sigmas", "timesteps", "eta")
             for field in fields:
                 rules[field] = bool(rules.get(field)) and field in self.schedule_fields
-            if any(rules[field] for field in fields) or rules.get("max_steps") is not None:
+            if any(rules[field] for field in fields) or any(
+                rules.get(bound) is not None for bound in ("max_steps", "min_steps")
+            ):
                 out[name or DEFAULT_SCHEDULER] = rules
         return out
 

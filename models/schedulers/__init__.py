@@ -13,7 +13,8 @@ A scheduler is a frozen, hashable dataclass (a static argument of jit); a schedu
 so a new step index or new schedule values of the same length reuse the compiled program. Stochastic
 schedulers (`sched.stochastic`) take a fresh PRNG key per step, or explicit standard-normal `noise=`.
 Loop over `schedule.num_steps`, not the requested count: DPM-Solver's clipped schedules can be shorter, Heun's
-and DPM2's longer (two model calls a step but the last: `sched.model_calls(n)`).
+and DPM2's longer (two model calls a step but the last), PNDM's too (its first step twice, or a Runge-Kutta start):
+`sched.model_calls(n)`.
 `pad_schedule(schedule, max_steps)` pads the arrays to a fixed length and makes `num_steps` a traced count, so
 one compiled loop serves every step count.
 """
@@ -42,6 +43,7 @@ from meshserve.models.schedulers.k_dpm_2_ancestral import (
 )
 from meshserve.models.schedulers.lcm import LCMSchedule, LCMScheduler
 from meshserve.models.schedulers.lms import LMSDiscreteScheduler, LMSSchedule
+from meshserve.models.schedulers.pndm import PNDMSchedule, PNDMScheduler
 from meshserve.models.schedulers.tcd import TCDSchedule, TCDScheduler
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
@@ -55,6 +57,9 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "euler_ancestral": (EulerAncestralDiscreteScheduler, {}),
     "ddim": (DDIMScheduler, {}),
     "ddpm": (DDPMScheduler, {}),
+    # PNDM as the folder's config says (SDXL's and SD 1.x's set skip_prk_steps: PLMS, A1111's "PLMS"; N + 1
+    # model calls for N steps, the first step taken twice).
+    "pndm": (PNDMScheduler, {}),
     "dpmpp_2m": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
     # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras"): diffusers'
@@ -114,6 +119,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         EulerAncestralDiscreteScheduler,
         DDIMScheduler,
         DDPMScheduler,
+        PNDMScheduler,
         DPMSolverMultistepScheduler,
         DEISMultistepScheduler,
         FlowMatchEulerDiscreteScheduler,
@@ -180,11 +186,13 @@ __all__ = [
     "KDPM2Schedule",
     "KDPM2AncestralSchedule",
     "LMSSchedule",
+    "PNDMSchedule",
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
     "DDPMScheduler",
     "DEISMultistepScheduler",
+    "PNDMScheduler",
     "DPMSolverMultistepScheduler",
     "FlowMatchEulerDiscreteScheduler",
     "UniPCMultistepScheduler",

@@ -116,6 +116,9 @@ class NoiseScheduler:
     # (the diffusers default, which turns the feature off). Anything else raises instead of silently
     # sampling differently from diffusers.
     UNSUPPORTED: ClassVar[Mapping[str, Any]] = {}
+    # Settings a field of this port's base (or parent port) holds but the diffusers class has not: its from_config
+    # ignores them in a config (a zero-terminal-SNR folder's samples with its plain betas there), so this does.
+    IGNORED: ClassVar[tuple[str, ...]] = ()
     # Whether `step` consumes random noise (needs `key` or `noise`).
     stochastic: ClassVar[bool] = False
     # diffusers' `order`: model calls a step makes (2 for Heun, DPM2, DPM2 a, DPM++ SDE: all steps but the
@@ -131,7 +134,7 @@ class NoiseScheduler:
         DDIM's eta) must name fields of this class.
         """
         config = dict(config)
-        for key in config.pop("_use_default_values", None) or ():
+        for key in (*(config.pop("_use_default_values", None) or ()), *cls.IGNORED):
             config.pop(key, None)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
@@ -179,6 +182,10 @@ class NoiseScheduler:
         timesteps' length; the second-order methods call it twice for all steps but the last)."""
         return self.order * num_inference_steps - (self.order - 1)
 
+    def max_steps_within(self, calls: int) -> int:
+        """The most steps whose model calls fit `calls` trips of a loop (the inverse of `model_calls`)."""
+        return (calls + self.order - 1) // self.order
+
     def scheduler_arguments(self) -> dict:
         """What `schedule` takes of diffusers' custom schedules (set_timesteps' `sigmas` / `timesteps`) and of
         its step's `eta` (DDIM), and the most steps it makes when fewer than the model's (LCM: `max_steps`), as
@@ -195,6 +202,7 @@ class NoiseScheduler:
             "max_timestep": self.num_train_timesteps - 1,
             "eta": False,
             "max_steps": None,
+            "min_steps": None,
         }
 
     def init_noise_sigma(self, schedule) -> Any:

@@ -23,17 +23,6 @@ from meshserve.models.schedulers.common import (
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.euler import training_sigmas
 
-# Settings of DPM-Solver that diffusers' DEIS has not: a config carrying them (a DPM-Solver or Euler folder's)
-# is read as DEIS reads it, without them.
-_NOT_DEIS = (
-    "final_sigmas_type",
-    "euler_at_final",
-    "lambda_min_clipped",
-    "use_lu_lambdas",
-    "variance_type",
-    "rescale_betas_zero_snr",
-)
-
 
 @dataclass(frozen=True)
 class DEISMultistepScheduler(DPMSolverMultistepScheduler):
@@ -47,10 +36,20 @@ class DEISMultistepScheduler(DPMSolverMultistepScheduler):
 
     ALGORITHM_TYPES = ("deis",)
     SOLVER_TYPES = ("logrho",)
+    # DPM-Solver's settings that DEIS has not: a config carrying them (a DPM-Solver or Euler folder's) is read
+    # as DEIS reads it, without them.
+    IGNORED = (
+        "final_sigmas_type",
+        "euler_at_final",
+        "lambda_min_clipped",
+        "use_lu_lambdas",
+        "variance_type",
+        "rescale_betas_zero_snr",
+    )
 
     @classmethod
     def from_config(cls, config, **overrides):
-        config = {k: v for k, v in dict(config).items() if k not in _NOT_DEIS}
+        config = dict(config)
         if config.get("algorithm_type") in ("dpmsolver", "dpmsolver++"):
             config["algorithm_type"] = "deis"
         if config.get("solver_type") in ("midpoint", "heun", "bh1", "bh2"):

@@ -27,15 +27,9 @@ class KDiffusionScheduler(NoiseScheduler):
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
 
+    IGNORED = ("rescale_betas_zero_snr",)
     # Whether the class takes prediction_type "sample" (DPM2, DPM2 a and DPM++ SDE refuse it, as diffusers' steps).
     takes_sample_prediction: ClassVar[bool] = True
-
-    @classmethod
-    def from_config(cls, config, **overrides):
-        # These diffusers classes have no rescale_betas_zero_snr setting: their from_config ignores the key (a
-        # zero-terminal-SNR folder's config samples with its plain betas there), and so does this port.
-        config = {k: v for k, v in config.items() if k != "rescale_betas_zero_snr"}
-        return super().from_config(config, **overrides)
 
     def __post_init__(self):
         super().__post_init__()

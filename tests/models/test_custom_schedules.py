@@ -159,6 +159,7 @@ def test_flow_sigmas_match_diffusers_flux(mu):
         "max_timestep": 0,
         "eta": False,
         "max_steps": None,
+        "min_steps": None,
     }
 
 
@@ -199,6 +200,14 @@ def test_a_scheduler_step_cap():
     for request, default in (({"num_inference_steps": 5}, None), ({}, 30), ({"num_inference_steps": 5}, 2)):
         with pytest.raises(LimitError, match="at most 4 with scheduler 'lcm'") as e:
             check_scheduler_arguments(limits, {"scheduler": "lcm", **request}, default_steps=default)
+        assert (e.value.field, e.value.rule) == ("num_inference_steps", "out_of_range")
+    # PNDM's Runge-Kutta start: at least 4 steps, the model's default counted too.
+    pndm = {**EULER, "sigmas": False, "min_steps": 4}
+    limits = {**LIMITS, "scheduler_arguments": {**LIMITS["scheduler_arguments"], "pndm": pndm}}
+    assert check_scheduler_arguments(limits, {"scheduler": "pndm", "num_inference_steps": 4}) is None
+    for request, default in (({"num_inference_steps": 3}, None), ({}, 2)):
+        with pytest.raises(LimitError, match="at least 4 with scheduler 'pndm'") as e:
+            check_scheduler_arguments(limits, {"scheduler": "pndm", **request}, default_steps=default)
         assert (e.value.field, e.value.rule) == ("num_inference_steps", "out_of_range")
 
 

@@ -33,6 +33,7 @@ CLASS = {
     "ddim": "DDIMScheduler",
     "ddpm": "DDPMScheduler",
     "deis": "DEISMultistepScheduler",
+    "pndm": "PNDMScheduler",
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde": "DPMSolverMultistepScheduler",
     "euler_karras": "EulerDiscreteScheduler",
@@ -108,6 +109,12 @@ CASES = [
     ("ddpm", dict(timestep_spacing="linspace", variance_type="fixed_large", clip_sample=False), {}),
     ("ddpm", dict(variance_type="fixed_small_log", prediction_type="sample", clip_sample_range=0.5), {}),
     ("ddpm", dict(thresholding=True, dynamic_thresholding_ratio=0.9, sample_max_value=1.5), {}),
+    # PNDM: PLMS (skip_prk_steps, SD's configs) and the Runge-Kutta start (the class's default).
+    ("pndm", dict(skip_prk_steps=True), {}),
+    ("pndm", {}, {}),
+    ("pndm", dict(skip_prk_steps=True, timestep_spacing="trailing", prediction_type="v_prediction"), {}),
+    ("pndm", dict(timestep_spacing="linspace", set_alpha_to_one=True), {}),
+    ("pndm", dict(VPRED_ZSNR, skip_prk_steps=True), {}),
     # DEIS: DPM-Solver's loop over noise predictions; a DPM-Solver folder's config read as DEIS reads it.
     ("deis", {}, {}),
     ("deis", dict(timestep_spacing="trailing", prediction_type="v_prediction"), {}),
@@ -280,12 +287,16 @@ def ref_step_kwargs(ours, seed: int) -> dict:
 @pytest.mark.parametrize("steps", [1, 5, 30])
 def test_schedule_matches_diffusers(sdxl_config, case, steps):
     ours, ref = build(sdxl_config, case)
+    if case[0] == "pndm" and not ours.skip_prk_steps and steps < 4:  # diffusers' Runge-Kutta start fails too
+        with pytest.raises(ValueError, match="at least 4 steps"):
+            ours.schedule(steps)
+        return
     schedule = ours.schedule(steps)
     ref.set_timesteps(steps)
     assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
     if hasattr(schedule, "sigmas"):
         assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
-    else:  # DDIM: alpha_bar at each step's timestep
+    elif case[0] != "pndm":  # DDIM, DDPM, LCM: alpha_bar at each step's timestep (PNDM's: its loops)
         t = ref.timesteps.numpy()
         assert rel_err(schedule.alpha_prod_t, ref.alphas_cumprod.numpy()[t]) <= TOL
     assert rel_err(ours.init_noise_sigma(schedule), float(ref.init_noise_sigma)) <= TOL
@@ -336,7 +347,8 @@ def test_step_matches_diffusers(sdxl_config, case):
     rng = np.random.default_rng(0)
     sample = rng.standard_normal(SHAPE).astype(np.float32) * 3
     model_output = rng.standard_normal(SHAPE).astype(np.float32)
-    indices = [0] if "DPMSolver" in type(ours).__name__ else [0, 2]
+    # (PNDM's call 2 depends on its counter, which a fresh diffusers scheduler starts at 0.)
+    indices = [0] if "DPMSolver" in type(ours).__name__ or case[0] == "pndm" else [0, 2]
     for i in indices:
         ref.set_timesteps(steps)
         if hasattr(ref, "set_begin_index"):
@@ -693,9 +705,13 @@ def test_make_scheduler_names_and_errors(sdxl_config):
     assert make_scheduler("DPMSolverMultistepScheduler", dpm_config).solver_order == 3
     assert make_scheduler("euler", sdxl_config, use_karras_sigmas=True).use_karras_sigmas
     with pytest.raises(ValueError, match="euler_ancestral"):
-        make_scheduler("pndm", sdxl_config)
-    with pytest.raises(ValueError, match="the folder.s scheduler .PNDMScheduler. is not implemented"):
-        make_scheduler(None, {**sdxl_config, "_class_name": "PNDMScheduler"})
+        make_scheduler("dpmpp_2s_ancestral", sdxl_config)
+    with pytest.raises(ValueError, match="the folder.s scheduler .ScoreSdeVeScheduler. is not implemented"):
+        make_scheduler(None, {**sdxl_config, "_class_name": "ScoreSdeVeScheduler"})
+    # An SD-style folder's PNDM (skip_prk_steps: PLMS): N + 1 calls for N steps; without it, 9 more.
+    pndm = make_scheduler(None, {**sdxl_config, "_class_name": "PNDMScheduler", "skip_prk_steps": True})
+    assert pndm.model_calls(10) == 11 and pndm.max_steps_within(200) == 199
+    assert make_scheduler("pndm", sdxl_config).model_calls(10) == 19
     # A folder saved with one of the k-diffusion ports: its class, with its config.
     heun = make_scheduler(None, {**sdxl_config, "_class_name": "HeunDiscreteScheduler", "clip_sample": True})
     assert type(heun).__name__ == "HeunDiscreteScheduler" and heun.clip_sample
@@ -714,6 +730,7 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("ddpm", dict(variance_type="fixed_large_log")),
         ("deis", dict(algorithm_type="sde-dpmsolver++")),
         ("deis", dict(use_flow_sigmas=True)),
+        ("pndm", dict(prediction_type="sample")),
     ]
     for name, changes in bad:
         with pytest.raises(ValueError):

@@ -30,6 +30,7 @@ def _diffusers_scheduler(pipe, name):
         DPMSolverMultistepScheduler,
         EulerDiscreteScheduler,
         HeunDiscreteScheduler,
+        PNDMScheduler,
         UniPCMultistepScheduler,
     )
 
@@ -41,6 +42,7 @@ def _diffusers_scheduler(pipe, name):
         "unipc": UniPCMultistepScheduler,
         "heun": HeunDiscreteScheduler,
         "deis": DEISMultistepScheduler,
+        "pndm": PNDMScheduler,
     }[base]
     # diffusers' docs: A1111's "Karras". Said either way: from_config keeps what an earlier test's scheduler set.
     pipe.scheduler = cls.from_config(pipe.scheduler.config, use_karras_sigmas=base != name)
@@ -58,6 +60,8 @@ def _diffusers_scheduler(pipe, name):
         # Heun: 3 steps are 5 UNet calls (the padded loop's trip count is the calls, not the steps).
         ("heun", ["a photo of a cat", "a red car"], ["blurry", ""], 3),
         ("deis", ["mountains at dawn", "the dog and the cat"], None, 4),
+        # PNDM without skip_prk_steps (this folder's config): 4 steps are 13 calls, Runge-Kutta then PLMS.
+        ("pndm", ["a photo of a cat", "a red car"], None, 4),
     ],
 )
 def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):
@@ -156,6 +160,11 @@ def test_second_order_schedulers_cap_their_steps_to_the_loops_trips(ours):
     assert rules["heun"]["max_steps"] == rules["dpm2_karras"]["max_steps"] == 100 and "lms" not in rules
     with pytest.raises(PipelineError, match="num_inference_steps must be at most 100 with scheduler 'heun'"):
         ours("a cat", scheduler="heun", num_inference_steps=101, height=H, width=W)
+    # PNDM on this folder's config (no skip_prk_steps): a Runge-Kutta start of 12 calls for 3 steps, N + 9 in
+    # all, so 191 steps fit and 4 is the fewest.
+    assert (rules["pndm"]["max_steps"], rules["pndm"]["min_steps"]) == (191, 4)
+    with pytest.raises(PipelineError, match="num_inference_steps must be at least 4 with scheduler 'pndm'"):
+        ours("a cat", scheduler="pndm", num_inference_steps=3, height=H, width=W)
 
 
 def test_pipeline_without_guidance_matches_diffusers(ours, reference):
