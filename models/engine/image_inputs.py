@@ -42,6 +42,7 @@ from meshserve.models.schedulers import (
     KDPM2DiscreteScheduler,
     LCMScheduler,
     LMSDiscreteScheduler,
+    PNDMScheduler,
     UniPCMultistepScheduler,
 )
 from meshserve.models.schedulers.common import at, vp_alpha_sigma
@@ -113,7 +114,7 @@ def noise_to(scheduler, schedule, x, noise, index):
     if isinstance(scheduler, DPMSolverMultistepScheduler | UniPCMultistepScheduler):
         alpha_t, sigma_t = vp_alpha_sigma(at(schedule.sigmas, index))
         return alpha_t * x + sigma_t * noise
-    if isinstance(scheduler, DDIMScheduler | DDPMScheduler | LCMScheduler):  # DDPM's add_noise, by alpha_bar
+    if isinstance(scheduler, DDIMScheduler | DDPMScheduler | LCMScheduler | PNDMScheduler):  # by alpha_bar
         alpha_prod = at(schedule.alpha_prod_t, index)
         return alpha_prod**0.5 * x + (1.0 - alpha_prod) ** 0.5 * noise
     raise PipelineError(f"{type(scheduler).__name__} cannot start from an image (no add_noise here)")
@@ -122,7 +123,7 @@ def noise_to(scheduler, schedule, x, noise, index):
 def check_scheduler(scheduler) -> None:
     """Fail on the host, before tracing, for a scheduler that cannot start from an image."""
     # LMS starts with no slopes from before the start step, as diffusers' (begin index > 0) does; the second-order
-    # ones on a step's first call (start x order), with nothing carried from before.
+    # ones on a step's first call (start x order), with nothing carried from before; PNDM with its counter at 0.
     supported = (
         FlowMatchEulerDiscreteScheduler,
         DPMSolverMultistepScheduler,
@@ -130,6 +131,7 @@ def check_scheduler(scheduler) -> None:
         DDIMScheduler,
         DDPMScheduler,
         LCMScheduler,
+        PNDMScheduler,
         *SIGMA_NOISED,
     )
     if not isinstance(scheduler, supported):

@@ -347,8 +347,7 @@ def test_step_matches_diffusers(sdxl_config, case):
     rng = np.random.default_rng(0)
     sample = rng.standard_normal(SHAPE).astype(np.float32) * 3
     model_output = rng.standard_normal(SHAPE).astype(np.float32)
-    # (PNDM's call 2 depends on its counter, which a fresh diffusers scheduler starts at 0.)
-    indices = [0] if "DPMSolver" in type(ours).__name__ or case[0] == "pndm" else [0, 2]
+    indices = [0] if "DPMSolver" in type(ours).__name__ else [0, 2]
     for i in indices:
         ref.set_timesteps(steps)
         if hasattr(ref, "set_begin_index"):
@@ -485,6 +484,30 @@ def test_lms_from_a_start_step_matches_diffusers(sdxl_config, start):
         return ours.step(schedule, state, fake_model(x_in, schedule.timesteps[i], jnp), sample, i)
 
     got, _ = jax.lax.fori_loop(start, steps, body, (jnp.asarray(x), ours.init_state(x)))
+    assert rel_err(got, sample.numpy()) <= TOL
+
+
+@pytest.mark.parametrize("skip_prk_steps", [True, False])
+@pytest.mark.parametrize("start", [1, 2, 5])
+def test_pndm_from_a_start_call_matches_diffusers(sdxl_config, skip_prk_steps, start):
+    """Image-to-image runs PNDM over the calls from `start` with its counter at 0 (diffusers' PNDM has no begin
+    index): the first of them taken as a first step, the Runge-Kutta start (without skip_prk_steps) on
+    the later timesteps, with the alpha_bar its counter picks."""
+    ours, ref = build(sdxl_config, ("pndm", dict(skip_prk_steps=skip_prk_steps), {}))
+    steps = 6
+    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
+    ref.set_timesteps(steps)
+    sample = torch.from_numpy(x)
+    for t in ref.timesteps[start:]:
+        sample = ref.step(fake_model(sample, t.float(), torch), t, sample).prev_sample
+    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
+
+    def body(i, carry):
+        sample, state = carry
+        return ours.step(schedule, state, fake_model(sample, schedule.timesteps[i], jnp), sample, i)
+
+    calls = ours.model_calls(steps)
+    got, _ = jax.lax.fori_loop(start, calls, body, (jnp.asarray(x), ours.init_state(x)))
     assert rel_err(got, sample.numpy()) <= TOL
 
 
