@@ -411,6 +411,30 @@ def step_noise(key, noise, like):
     return jax.random.normal(key, like.shape, jnp.float32)
 
 
+def alpha_bar_prediction(prediction_type: str, alpha_prod_t, sample, model_output):
+    """(x0, eps) from a model output at alpha_bar (the steps of diffusers' DDIM, DDPM, LCM and TCD): epsilon,
+    sample or v_prediction; float32 in, float32 out."""
+    beta_prod_t = 1 - alpha_prod_t
+    if prediction_type == "epsilon":
+        return (sample - beta_prod_t**0.5 * model_output) / alpha_prod_t**0.5, model_output
+    if prediction_type == "sample":
+        return model_output, (sample - alpha_prod_t**0.5 * model_output) / beta_prod_t**0.5
+    return (
+        alpha_prod_t**0.5 * sample - beta_prod_t**0.5 * model_output,
+        alpha_prod_t**0.5 * model_output + beta_prod_t**0.5 * sample,
+    )
+
+
+def clip_or_threshold(scheduler, x0):
+    """x0 dynamically thresholded, or clipped to +-clip_sample_range, as the scheduler's settings say (diffusers'
+    DDIM, DDPM, LCM)."""
+    if scheduler.thresholding:
+        return threshold_sample(x0, scheduler.dynamic_thresholding_ratio, scheduler.sample_max_value)
+    if scheduler.clip_sample:
+        return jnp.clip(x0, -scheduler.clip_sample_range, scheduler.clip_sample_range)
+    return x0
+
+
 def threshold_sample(x0, ratio: float, max_value: float):
     """Dynamic thresholding (Imagen, https://huggingface.co/papers/2205.11487): per sample, clip x0 to the
     `ratio` quantile s of |x0| (s clamped to [1, max_value]) and divide by s. Layout-agnostic: a sample's

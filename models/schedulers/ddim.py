@@ -14,13 +14,14 @@ import numpy as np
 
 from meshserve.models.schedulers.common import (
     NoiseScheduler,
+    alpha_bar_prediction,
     at,
+    clip_or_threshold,
     f32,
     pytree_dataclass,
     schedule_length,
     spaced_timesteps,
     step_noise,
-    threshold_sample,
 )
 
 
@@ -106,23 +107,10 @@ class DDIMScheduler(NoiseScheduler):
         alpha_prod_t_prev = at(schedule.alpha_prod_t_prev, i)
         beta_prod_t = 1 - alpha_prod_t
         x = sample.astype(jnp.float32)
-        out = model_output.astype(jnp.float32)
-        if self.prediction_type == "epsilon":
-            pred_original = (x - beta_prod_t**0.5 * out) / alpha_prod_t**0.5
-            pred_epsilon = out
-        elif self.prediction_type == "sample":
-            pred_original = out
-            pred_epsilon = (x - alpha_prod_t**0.5 * pred_original) / beta_prod_t**0.5
-        else:  # v_prediction
-            pred_original = alpha_prod_t**0.5 * x - beta_prod_t**0.5 * out
-            pred_epsilon = alpha_prod_t**0.5 * out + beta_prod_t**0.5 * x
-
-        if self.thresholding:
-            pred_original = threshold_sample(
-                pred_original, self.dynamic_thresholding_ratio, self.sample_max_value
-            )
-        elif self.clip_sample:
-            pred_original = jnp.clip(pred_original, -self.clip_sample_range, self.clip_sample_range)
+        pred_original, pred_epsilon = alpha_bar_prediction(
+            self.prediction_type, alpha_prod_t, x, model_output.astype(jnp.float32)
+        )
+        pred_original = clip_or_threshold(self, pred_original)
 
         # sigma_t of the DDIM paper (eq. 16) times eta.
         variance = ((1 - alpha_prod_t_prev) / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)

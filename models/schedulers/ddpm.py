@@ -15,14 +15,15 @@ import numpy as np
 
 from meshserve.models.schedulers.common import (
     NoiseScheduler,
+    alpha_bar_prediction,
     at,
     check_choice,
+    clip_or_threshold,
     f32,
     pytree_dataclass,
     schedule_length,
     spaced_timesteps,
     step_noise,
-    threshold_sample,
 )
 
 # diffusers' fixed variances; "fixed_large_log" is left out (its step takes the square root of log(beta), NaN
@@ -126,20 +127,10 @@ class DDPMScheduler(NoiseScheduler):
         current_alpha_t = alpha_prod_t / alpha_prod_t_prev
         current_beta_t = 1 - current_alpha_t
         x = sample.astype(jnp.float32)
-        out = model_output.astype(jnp.float32)
-        if self.prediction_type == "epsilon":
-            pred_original = (x - beta_prod_t**0.5 * out) / alpha_prod_t**0.5
-        elif self.prediction_type == "sample":
-            pred_original = out
-        else:  # v_prediction
-            pred_original = alpha_prod_t**0.5 * x - beta_prod_t**0.5 * out
-
-        if self.thresholding:
-            pred_original = threshold_sample(
-                pred_original, self.dynamic_thresholding_ratio, self.sample_max_value
-            )
-        elif self.clip_sample:
-            pred_original = jnp.clip(pred_original, -self.clip_sample_range, self.clip_sample_range)
+        pred_original, _ = alpha_bar_prediction(
+            self.prediction_type, alpha_prod_t, x, model_output.astype(jnp.float32)
+        )
+        pred_original = clip_or_threshold(self, pred_original)
 
         # The posterior mean (formula 7 of the paper): a blend of the x0 prediction and the current sample.
         pred_original_coeff = (alpha_prod_t_prev**0.5 * current_beta_t) / beta_prod_t

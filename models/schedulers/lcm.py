@@ -20,12 +20,13 @@ import numpy as np
 
 from meshserve.models.schedulers.common import (
     NoiseScheduler,
+    alpha_bar_prediction,
     at,
+    clip_or_threshold,
     f32,
     pytree_dataclass,
     schedule_length,
     step_noise,
-    threshold_sample,
 )
 
 # diffusers' get_scalings_for_boundary_condition_discrete: sigma_data of the consistency parameterisation.
@@ -149,21 +150,11 @@ class LCMScheduler(NoiseScheduler):
         last is `noise` when given (standard normal, sample's shape), else jax.random.normal(key, ...)."""
         alpha_prod_t = at(schedule.alpha_prod_t, i)
         alpha_prod_t_prev = at(schedule.alpha_prod_t_prev, i)
-        beta_prod_t = 1 - alpha_prod_t
         x = sample.astype(jnp.float32)
-        out = model_output.astype(jnp.float32)
-        if self.prediction_type == "epsilon":
-            pred_original = (x - beta_prod_t**0.5 * out) / alpha_prod_t**0.5
-        elif self.prediction_type == "sample":
-            pred_original = out
-        else:  # v_prediction
-            pred_original = alpha_prod_t**0.5 * x - beta_prod_t**0.5 * out
-        if self.thresholding:
-            pred_original = threshold_sample(
-                pred_original, self.dynamic_thresholding_ratio, self.sample_max_value
-            )
-        elif self.clip_sample:
-            pred_original = jnp.clip(pred_original, -self.clip_sample_range, self.clip_sample_range)
+        pred_original, _ = alpha_bar_prediction(
+            self.prediction_type, alpha_prod_t, x, model_output.astype(jnp.float32)
+        )
+        pred_original = clip_or_threshold(self, pred_original)
         denoised = at(schedule.c_out, i) * pred_original + at(schedule.c_skip, i) * x
         renoised = alpha_prod_t_prev**0.5 * denoised + (1 - alpha_prod_t_prev) ** 0.5 * step_noise(
             key, noise, x

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import at, f32, pytree_dataclass, schedule_length, step_noise
+from meshserve.models.schedulers.common import (
+    alpha_bar_prediction,
+    at,
+    f32,
+    pytree_dataclass,
+    schedule_length,
+    step_noise,
+)
 from meshserve.models.schedulers.lcm import LCMScheduler
 
 
@@ -77,17 +84,10 @@ class TCDScheduler(LCMScheduler):
         alpha_prod_t = at(schedule.alpha_prod_t, i)
         alpha_prod_t_prev = at(schedule.alpha_prod_t_prev, i)
         alpha_prod_s = at(schedule.alpha_prod_s, i)
-        beta_prod_t = 1 - alpha_prod_t
         x = sample.astype(jnp.float32)
-        out = model_output.astype(jnp.float32)
-        if self.prediction_type == "epsilon":
-            pred_original, pred_epsilon = (x - beta_prod_t**0.5 * out) / alpha_prod_t**0.5, out
-        elif self.prediction_type == "sample":
-            pred_original = out
-            pred_epsilon = (x - alpha_prod_t**0.5 * pred_original) / beta_prod_t**0.5
-        else:  # v_prediction
-            pred_original = alpha_prod_t**0.5 * x - beta_prod_t**0.5 * out
-            pred_epsilon = alpha_prod_t**0.5 * out + beta_prod_t**0.5 * x
+        pred_original, pred_epsilon = alpha_bar_prediction(
+            self.prediction_type, alpha_prod_t, x, model_output.astype(jnp.float32)
+        )
         pred_noised = alpha_prod_s**0.5 * pred_original + (1 - alpha_prod_s) ** 0.5 * pred_epsilon
         ratio = alpha_prod_t_prev / alpha_prod_s  # 1 at eta 0 (s = t_prev): no noise, as diffusers' eta = 0
         renoised = ratio**0.5 * pred_noised + jnp.maximum(1 - ratio, 0.0) ** 0.5 * step_noise(key, noise, x)
