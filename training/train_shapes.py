@@ -201,7 +201,13 @@ def train(
         return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, replicated), opt_state)
 
     # ---- stage 1: the VAE
-    vae_opt = optax.adamw(_schedule(recipe.vae_lr, recipe.warmup_steps, recipe.vae_steps), weight_decay=0.0)
+    # Every optimiser here updates one flat vector of all the parameters (optax.flatten): per parameter array,
+    # the update was hundreds of small element-wise programs inside the step, and the tiny SDXL's denoiser
+    # step compiled in 32-36 s against 13-16 s flat (2-core EPYC, XLA level 0, 2026-11-30). The same
+    # arithmetic but for the order clip_by_global_norm sums the squares in (rounding).
+    vae_opt = optax.flatten(
+        optax.adamw(_schedule(recipe.vae_lr, recipe.warmup_steps, recipe.vae_steps), weight_decay=0.0)
+    )
     vae_opt_state = on_mesh(vae_opt.init(vae.params))
 
     def vae_loss(params, pixels, key):
@@ -259,12 +265,14 @@ def train(
     trainees = {c.name: build(c, recipe.seed + 2 + i) for i, c in enumerate(family.denoiser)}
     params = {name: t.params for name, t in trainees.items()}
     ema = jax.tree.map(jnp.copy, params)
-    opt = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(
-            _schedule(recipe.denoiser_lr, recipe.warmup_steps, recipe.denoiser_steps),
-            weight_decay=recipe.weight_decay,
-        ),
+    opt = optax.flatten(
+        optax.chain(
+            optax.clip_by_global_norm(1.0),
+            optax.adamw(
+                _schedule(recipe.denoiser_lr, recipe.warmup_steps, recipe.denoiser_steps),
+                weight_decay=recipe.weight_decay,
+            ),
+        )
     )
     opt_state = on_mesh(opt.init(params))
     objective = family.objective()
