@@ -124,7 +124,7 @@ class RandomComponent:
 
     def write(self, folder: Path, rng: np.random.Generator) -> list[str]:
         config = self.config_cls.from_config(self.config)
-        module = abstract_module(lambda rngs: self.module_cls(config, dtype=jnp.float32, rngs=rngs))
+        module = abstract_module(self.module_cls, config, dtype=jnp.float32)
         weights = random_weights(module, rng)
         if self.to_checkpoint is not None:
             weights = self.to_checkpoint(weights, rng)

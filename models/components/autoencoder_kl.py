@@ -430,7 +430,7 @@ def load_autoencoder_kl(
     config = AutoencoderKLConfig.from_config(read_json(folder / "config.json"))
     dtype = jnp.dtype(dtype)
     # Built abstractly: no random initialisation of weights the checkpoint is about to replace.
-    model = abstract_module(lambda rngs: AutoencoderKL(config, settings=settings, dtype=dtype, rngs=rngs))
+    model = abstract_module(AutoencoderKL, config, settings=settings, dtype=dtype)
     load_weights(
         model, _modernise(read_component_weights(folder)), where=str(folder), dtype=dtype, place=place
     )

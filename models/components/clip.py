@@ -27,6 +27,7 @@ from flax import nnx
 from meshserve.models.attention import AttentionSettings, attention
 from meshserve.models.checkpoints.loading import (
     CheckpointError,
+    abstract_module,
     load_weights,
     read_component_weights,
     read_json,
@@ -341,7 +342,7 @@ def load_clip_text_model(
     config = CLIPTextConfig.from_config(raw)
     # Shapes only: every parameter is then set from the checkpoint, so random initialisation would be wasted
     # (seconds and a full extra copy for a 700M-parameter encoder).
-    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, settings=settings, rngs=nnx.Rngs(0)))
+    model = abstract_module(cls, config, dtype=dtype, settings=settings)
     # `position_ids` is a non-persistent buffer some older checkpoints still carry.
     load_weights(
         model,

@@ -31,6 +31,7 @@ from flax import nnx
 from meshserve.models.attention import AttentionSettings, attention
 from meshserve.models.checkpoints.loading import (
     CheckpointError,
+    abstract_module,
     load_weights,
     read_component_weights,
     read_json,
@@ -281,7 +282,7 @@ def load_clip_vision_model(
         config = CLIPVisionConfig.from_config(raw)
     except ValueError as e:
         raise CheckpointError(f"{folder}: {e}") from None
-    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, settings=settings, rngs=nnx.Rngs(0)))
+    model = abstract_module(cls, config, dtype=dtype, settings=settings)
     load_weights(
         model,
         read_component_weights(folder),

@@ -393,6 +393,6 @@ def load_t5_encoder(folder: Path, dtype=jnp.float32, place=None) -> T5EncoderMod
     embed_tokens = state.pop("encoder.embed_tokens.weight", None)
     if "shared.weight" not in state and embed_tokens is not None:
         state["shared.weight"] = embed_tokens
-    model = abstract_module(lambda rngs: T5EncoderModel(config, dtype=dtype, rngs=rngs))
+    model = abstract_module(T5EncoderModel, config, dtype=dtype)
     load_weights(model, state, where=str(folder), rename=_rename, place=place)
     return model

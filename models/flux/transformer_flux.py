@@ -562,9 +562,7 @@ def load_flux_transformer(
         raise CheckpointError(f"{folder}: _class_name {class_name!r} is not FluxTransformer2DModel")
     config = FluxTransformer2DConfig.from_config(raw)
     dtype = jnp.dtype(dtype)
-    model = abstract_module(
-        lambda rngs: FluxTransformer2DModel(config, settings=settings, dtype=dtype, rngs=rngs)
-    )
+    model = abstract_module(FluxTransformer2DModel, config, settings=settings, dtype=dtype)
     state = split_single_proj_out(read_component_weights(folder), config.inner_dim)
     load_weights(model, state, where=str(folder), dtype=dtype, place=place)
     return model

@@ -677,8 +677,6 @@ def load_unet(
     config = UNet2DConditionConfig.from_config(read_json(folder / "config.json"))
     dtype = jnp.dtype(dtype)
     # Built abstractly: no random initialisation of ~2.6B parameters the checkpoint is about to replace.
-    model = abstract_module(
-        lambda rngs: UNet2DConditionModel(config, settings=settings, dtype=dtype, rngs=rngs)
-    )
+    model = abstract_module(UNet2DConditionModel, config, settings=settings, dtype=dtype)
     load_weights(model, read_component_weights(folder), where=str(folder), dtype=dtype, place=place)
     return model

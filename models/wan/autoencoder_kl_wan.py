@@ -578,7 +578,7 @@ def load_autoencoder_kl_wan(
     folder = Path(folder)
     config = AutoencoderKLWanConfig.from_config(read_json(folder / "config.json"))
     dtype = jnp.dtype(dtype)
-    model = abstract_module(lambda rngs: AutoencoderKLWan(config, settings=settings, dtype=dtype, rngs=rngs))
+    model = abstract_module(AutoencoderKLWan, config, settings=settings, dtype=dtype)
     load_weights(
         model, diffusers_to_ours(read_component_weights(folder)), where=str(folder), dtype=dtype, place=place
     )

@@ -646,9 +646,7 @@ def load_wan_transformer(
         raise CheckpointError(f"{folder}: _class_name {class_name!r} is not WanTransformer3DModel")
     config = WanTransformer3DConfig.from_config(raw)
     dtype = jnp.dtype(dtype)
-    model = abstract_module(
-        lambda rngs: WanTransformer3DModel(config, settings=settings, dtype=dtype, rngs=rngs)
-    )
+    model = abstract_module(WanTransformer3DModel, config, settings=settings, dtype=dtype)
     # No `dtype` to load_weights: every parameter is cast to the dtype it was built with (fp32 for the keep
     # list, `dtype` otherwise).
     load_weights(model, read_component_weights(folder), where=str(folder), rename=_rename, place=place)

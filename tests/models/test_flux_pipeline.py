@@ -478,15 +478,15 @@ def test_full_size_flux_schnell_t5_xxl_and_vae_keys_and_shapes_map():
 
     config = FluxTransformer2DConfig.from_config(dict(flux.config))
     assert not config.guidance_embeds
-    model = abstract_module(lambda rngs: FluxTransformer2DModel(config, rngs=rngs))
+    model = abstract_module(FluxTransformer2DModel, config)
     load_weights(model, split_single_proj_out(_zero_strided(flux.state_dict()), config.inner_dim), place=keep)
 
     t5_state = _zero_strided(t5.state_dict())
     t5_state.pop("encoder.embed_tokens.weight", None)  # tied to `shared` (load_t5_encoder does the same)
     t5_config = T5Config.from_config({**t5.config.to_dict(), "model_type": "t5"})
-    model = abstract_module(lambda rngs: T5EncoderModel(t5_config, rngs=rngs))
+    model = abstract_module(T5EncoderModel, t5_config)
     load_weights(model, t5_state, rename=_rename, place=keep)
 
-    model = abstract_module(lambda rngs: AutoencoderKL(AutoencoderKLConfig.from_config(FLUX_VAE), rngs=rngs))
+    model = abstract_module(AutoencoderKL, AutoencoderKLConfig.from_config(FLUX_VAE))
     load_weights(model, _zero_strided(vae.state_dict()), place=keep)
     assert sum(int(np.prod(t.shape)) for t in vae.state_dict().values()) == 83_819_683  # FLUX.1's VAE

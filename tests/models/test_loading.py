@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from flax import nnx
 from meshserve.models.checkpoints.loading import (
     CheckpointError,
     CheckpointMismatchError,
+    abstract_module,
     export_weights,
     load_weights,
     read_component_weights,
@@ -52,6 +54,31 @@ def test_rules_map_names_and_layouts():
     np.testing.assert_array_equal(np.asarray(m.blocks[0].embedding[...]), state["blocks.0.weight"])
     back = export_weights(m)
     assert back.keys() == state.keys() and all(np.array_equal(back[k], state[k]) for k in state)
+
+
+class Counted(Tiny):
+    """Tiny, counting how often it is built (traced, when built abstractly)."""
+
+    built = 0
+
+    def __init__(self, tag, rngs):
+        Counted.built += 1
+        super().__init__(rngs)
+
+
+def test_an_abstract_module_is_built_once_per_arguments_and_each_load_holds_its_own_weights():
+    before = Counted.built
+    first, second = abstract_module(Counted, "a"), abstract_module(Counted, "a")
+    assert Counted.built == before + 1  # the second came from the first's structure, not traced again
+    abstract_module(Counted, "b")
+    assert Counted.built == before + 2
+    state, other = _torch_state(), {k: v + 1 for k, v in _torch_state().items()}
+    load_weights(first, state)
+    load_weights(second, other)
+    # Each module's Variables are its own: loading the second left the first's weights as loaded.
+    np.testing.assert_array_equal(np.asarray(first.proj.kernel[...]), state["proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(second.proj.kernel[...]), other["proj.weight"].T)
+    assert isinstance(abstract_module(Counted, "a").proj.kernel.get_value(), jax.ShapeDtypeStruct)
 
 
 @pytest.mark.parametrize("ndim", [2, 3, 4, 5])

@@ -319,7 +319,7 @@ def test_sharding_rules_split_every_large_flux_dev_weight():
     parameter, and every weight of dim^2 elements or more is split over tensor except the embedders' and
     the output head's, which are FSDP-only (measured: 0.54 % of the parameters stay whole per device)."""
     config = FluxTransformer2DConfig(guidance_embeds=True)
-    model = abstract_module(lambda rngs: FluxTransformer2DModel(config, rngs=rngs))
+    model = abstract_module(FluxTransformer2DModel, config)
     sizes = MeshSizes(tensor=4)
     placement = Placement(make_mesh(sizes, jax.devices()[:4]), sizes)
     total = whole = 0
@@ -354,5 +354,5 @@ def test_every_flux_dev_checkpoint_key_and_shape_maps():
         for key, t in reference.state_dict().items()
     }
     config = FluxTransformer2DConfig.from_config(dict(reference.config))
-    model = abstract_module(lambda rngs: FluxTransformer2DModel(config, rngs=rngs))
+    model = abstract_module(FluxTransformer2DModel, config)
     load_weights(model, split_single_proj_out(state, config.inner_dim), place=lambda path, array: array)

@@ -384,7 +384,7 @@ def test_every_real_checkpoint_key_and_shape_maps(name, config):
     }
     ours = WanTransformer3DConfig.from_config({"_class_name": "WanTransformer3DModel", **config})
     assert ours.inner_dim == {"1.3B": 1536, "14B": 5120}[name]
-    model = abstract_module(lambda rngs: WanTransformer3DModel(ours, rngs=rngs))
+    model = abstract_module(WanTransformer3DModel, ours)
     load_weights(model, state, place=lambda path, array: array)
     total = sum(t.numel() for t in reference.parameters())
     log.info("Wan %s: %.3f B parameters, all mapped", name, total / 1e9)
@@ -396,7 +396,7 @@ def test_sharding_rules_split_every_large_wan_weight():
     parameter, and every weight of dim^2 elements or more is split over tensor except the embedders' and the
     output head's, which are FSDP-only."""
     config = WanTransformer3DConfig.from_config(WAN_1_3B)
-    model = abstract_module(lambda rngs: WanTransformer3DModel(config, rngs=rngs))
+    model = abstract_module(WanTransformer3DModel, config)
     sizes = MeshSizes(tensor=4)
     placement = Placement(make_mesh(sizes, jax.devices()[:4]), sizes)
     total = whole = 0

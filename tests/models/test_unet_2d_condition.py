@@ -279,7 +279,7 @@ def test_sdxl_base_config_builds_diffusers_parameter_tree():
     from meshserve.models.sdxl.unet_2d_condition import UNet2DConditionModel as Ours
 
     cfg = UNet2DConditionConfig.from_config(SDXL_BASE)
-    ours = abstract_module(lambda rngs: Ours(cfg, dtype=jnp.bfloat16, rngs=rngs))
+    ours = abstract_module(Ours, cfg, dtype=jnp.bfloat16)
     with torch.device("meta"):
         ref = UNet2DConditionModel(**{k: v for k, v in SDXL_BASE.items() if not k.startswith("_")})
     torch_shapes = {key: tuple(value.shape) for key, value in ref.state_dict().items()}

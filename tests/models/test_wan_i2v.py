@@ -180,7 +180,7 @@ def test_image_states_required_exactly_for_i2v(i2v_transformer_folder):
         json.loads((i2v_transformer_folder / "config.json").read_text())
     )
     # Shapes only: both errors are raised before any weight is read.
-    model = abstract_module(lambda rngs: WanTransformer3DModel(config, rngs=rngs))
+    model = abstract_module(WanTransformer3DModel, config)
     inputs = make_inputs(batch=1)
     args = (inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"][:, :8])
     with pytest.raises(ValueError, match="needs encoder_hidden_states_image"):
@@ -188,7 +188,7 @@ def test_image_states_required_exactly_for_i2v(i2v_transformer_folder):
     t2v_config = WanTransformer3DConfig.from_config(
         {**I2V_TRANSFORMER, "image_dim": None, "added_kv_proj_dim": None}
     )
-    t2v = abstract_module(lambda rngs: WanTransformer3DModel(t2v_config, rngs=rngs))
+    t2v = abstract_module(WanTransformer3DModel, t2v_config)
     with pytest.raises(ValueError, match="given to a text-to-video model"):
         t2v(*args, t2v.rope(FRAMES, HEIGHT, WIDTH), inputs["encoder_hidden_states_image"])
 
@@ -217,7 +217,7 @@ def test_real_i2v_transformer_keys_and_shapes_map():
         reference = TorchWan(**WAN_I2V_14B)
     state = {key: zero_strided(t.shape) for key, t in reference.state_dict().items()}
     config = WanTransformer3DConfig.from_config({"_class_name": "WanTransformer3DModel", **WAN_I2V_14B})
-    model = abstract_module(lambda rngs: WanTransformer3DModel(config, rngs=rngs))
+    model = abstract_module(WanTransformer3DModel, config)
     load_weights(model, state, place=lambda path, array: array)
     total = sum(t.numel() for t in reference.parameters())
     added = sum(t.numel() for k, t in reference.named_parameters() if "add_" in k or "image_embedder" in k)
@@ -245,7 +245,7 @@ def test_real_image_encoder_keys_and_shapes_map():
     state = {key: zero_strided(t.shape) for key, t in reference.state_dict().items()}
     config = CLIPVisionConfig.from_config(CLIP_VIT_H_14)
     assert config.num_positions == 257
-    model = abstract_module(lambda rngs: CLIPVisionModelWithProjection(config, rngs=rngs))
+    model = abstract_module(CLIPVisionModelWithProjection, config)
     load_weights(model, state, place=lambda path, array: array, ignore=("position_ids",))
     total = sum(t.numel() for t in reference.parameters())
     log.info("CLIP ViT-H/14 vision + projection: %.3f B parameters, all mapped", total / 1e9)
