@@ -260,7 +260,7 @@ def load_weights(
 
     `rename` maps a checkpoint key to the module's key (None skips it); keys ending with one of `ignore`'s
     suffixes are skipped (non-persistent buffers such as `position_ids`). `dtype` casts floating weights.
-    `place(path, array)` puts an array on devices (default: `jnp.asarray`); the parallel engine passes one
+    `place(path, array)` puts an array on devices (default: `jax.device_put`); the parallel engine passes one
     that device_puts straight into the parameter's sharding, so no device ever holds a full copy it
     does not need. Raises CheckpointMismatchError naming every missing, unexpected and misshapen key.
     """
@@ -293,7 +293,9 @@ def load_weights(
             else target.dtype
         )
         array = np.asarray(array).astype(want, copy=False)
-        updates[path] = place(path, array) if place else jax.numpy.asarray(array)
+        # device_put, not jnp.asarray: that stages the array through a program compiled per shape and dtype
+        # (48 of them for the tiny SDXL, about 1 s of a process's first load).
+        updates[path] = place(path, array) if place else jax.device_put(array)
     unexpected = sorted(set(renamed) - used)
     if missing or unexpected or misshapen:
         raise CheckpointMismatchError(where or type(module).__name__, sorted(missing), unexpected, misshapen)

@@ -254,7 +254,7 @@ def load_quantized(
     from meshserve.models.components.layers import Linear
 
     def put(path: tuple, array: np.ndarray):
-        return place(path, array) if place is not None else jnp.asarray(array)
+        return place(path, array) if place is not None else jax.device_put(array)  # as load_weights
 
     scales: dict[tuple, jax.Array] = {}
 
