@@ -338,8 +338,8 @@ def abstract_module(cls: type[nnx.Module], *args, **kwargs) -> nnx.Module:
     """`cls(*args, **kwargs, rngs=...)` built with shapes only (no random initialisation), ready for
     load_weights: a new module on every call, which load_weights then fills.
 
-    Building one traces every initialiser of the model (the tiny SDXL's UNet: 0.4-0.7 s on 2 cores; a
-    pipeline's modules about 1 s), so the structure is built once per class and arguments in a process and
+    Building one traces every initialiser of the model (the tiny SDXL's UNet: 0.4-0.7 s on 2 cores; its second
+    load in a process 1.09 -> 0.37 s), so the structure is built once per class and arguments in a process and
     each call merges a copy from it (13 ms): a process that loads a model again (a test suite, a pool
     reloading a folder) does not trace it again. Every Variable is the new module's own (`copy=True`: merged
     without it, two loads shared them and the second's weights replaced the first's). Arguments that cannot
