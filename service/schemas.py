@@ -275,7 +275,8 @@ class GenerateRequest(_TextRequest):
         None,
         min_length=1,
         max_length=MAX_SCHEDULE_VALUES,
-        description="diffusers' custom timesteps (SDXL with euler, dpmpp_2m, dpmpp_2m_sde or lcm): one per step, "
+        description="diffusers' custom timesteps (SDXL with euler, ddpm, dpmpp_2m, dpmpp_2m_sde, dpmpp_2s, lcm or "
+        "tcd: where limits.scheduler_arguments[scheduler].timesteps is true): one per step, "
         "strictly decreasing, in [0, limits.scheduler_arguments[scheduler].max_timestep]; they set the step count. "
         "Not with sigmas.",
     )

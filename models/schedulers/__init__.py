@@ -30,6 +30,7 @@ from meshserve.models.schedulers.ddpm import DDPMSchedule, DDPMScheduler
 from meshserve.models.schedulers.deis_multistep import DEISMultistepScheduler
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.dpm_solver_sde import DPMSolverSDEScheduler
+from meshserve.models.schedulers.dpm_solver_singlestep import DPMSolverSinglestepScheduler, SinglestepSchedule
 from meshserve.models.schedulers.edm_dpm_solver import EDMDPMSolverMultistepScheduler
 from meshserve.models.schedulers.edm_euler import EDMEulerScheduler
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler
@@ -81,6 +82,9 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
             **_DPM_SIGMAS_OFF,
         },
     ),
+    # DPM-Solver++(2S) (the paper's name for its second-order singlestep solver): diffusers'
+    # DPMSolverSinglestepScheduler, order 2. Not A1111's "DPM++ 2S a", which adds ancestral noise.
+    "dpmpp_2s": (DPMSolverSinglestepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     # DEIS (ComfyUI's "deis"): DPM-Solver's multistep loop over noise predictions, order 2 as diffusers' default.
     "deis": (DEISMultistepScheduler, {}),
     # diffusers' k-diffusion ports under A1111's names; "heun" and "dpm2" call the model twice a step but the last.
@@ -121,6 +125,7 @@ _BY_CLASS: dict[str, type[NoiseScheduler]] = {
         DDPMScheduler,
         PNDMScheduler,
         DPMSolverMultistepScheduler,
+        DPMSolverSinglestepScheduler,
         DEISMultistepScheduler,
         FlowMatchEulerDiscreteScheduler,
         UniPCMultistepScheduler,
@@ -187,6 +192,7 @@ __all__ = [
     "KDPM2AncestralSchedule",
     "LMSSchedule",
     "PNDMSchedule",
+    "SinglestepSchedule",
     "EulerDiscreteScheduler",
     "EulerAncestralDiscreteScheduler",
     "DDIMScheduler",
@@ -194,6 +200,7 @@ __all__ = [
     "DEISMultistepScheduler",
     "PNDMScheduler",
     "DPMSolverMultistepScheduler",
+    "DPMSolverSinglestepScheduler",
     "FlowMatchEulerDiscreteScheduler",
     "UniPCMultistepScheduler",
     "LCMScheduler",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -119,6 +119,10 @@ class NoiseScheduler:
     # Settings a field of this port's base (or parent port) holds but the diffusers class has not: its from_config
     # ignores them in a config (a zero-terminal-SNR folder's samples with its plain betas there), so this does.
     IGNORED: ClassVar[tuple[str, ...]] = ()
+    # Values of a setting that the diffusers class's __init__ registers as another (DPM-Solver reads DEIS's
+    # "logrho" and UniPC's "bh2" as "midpoint"): a folder's config of one class, asked for by another's name,
+    # reads as diffusers' from_config reads it. {setting: {value: what it reads as}}.
+    CONFIG_ALIASES: ClassVar[Mapping[str, Mapping[Any, Any]]] = {}
     # Whether `step` consumes random noise (needs `key` or `noise`).
     stochastic: ClassVar[bool] = False
     # diffusers' `order`: model calls a step makes (2 for Heun, DPM2, DPM2 a, DPM++ SDE: all steps but the
@@ -141,6 +145,9 @@ class NoiseScheduler:
         if unknown:
             raise ValueError(f"{cls.__name__} has no setting {unknown}; settings: {sorted(fields)}")
         config.update(overrides)
+        for key, aliases in cls.CONFIG_ALIASES.items():
+            if key in config and isinstance(config[key], Hashable) and config[key] in aliases:
+                config[key] = aliases[config[key]]
         for key, allowed in cls.UNSUPPORTED.items():
             if key in config and config[key] != allowed:
                 raise ValueError(f"{cls.__name__}: {key}={config[key]!r} is not supported (only {allowed!r})")

@@ -65,6 +65,9 @@ class DDPMScheduler(NoiseScheduler):
     sample_max_value: float = 1.0
 
     stochastic = True
+    # A DPM-Solver folder's `variance_type: null` (its learned-variance switch): diffusers' DDPM step then
+    # takes the fixed_small variance.
+    CONFIG_ALIASES = {"variance_type": {None: "fixed_small"}}
 
     def __post_init__(self):
         super().__post_init__()

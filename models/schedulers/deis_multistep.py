@@ -36,6 +36,10 @@ class DEISMultistepScheduler(DPMSolverMultistepScheduler):
 
     ALGORITHM_TYPES = ("deis",)
     SOLVER_TYPES = ("logrho",)
+    CONFIG_ALIASES = {
+        "algorithm_type": {"dpmsolver": "deis", "dpmsolver++": "deis"},
+        "solver_type": {"midpoint": "logrho", "heun": "logrho", "bh1": "logrho", "bh2": "logrho"},
+    }
     # DPM-Solver's settings that DEIS has not: a config carrying them (a DPM-Solver or Euler folder's) is read
     # as DEIS reads it, without them.
     IGNORED = (
@@ -46,15 +50,6 @@ class DEISMultistepScheduler(DPMSolverMultistepScheduler):
         "variance_type",
         "rescale_betas_zero_snr",
     )
-
-    @classmethod
-    def from_config(cls, config, **overrides):
-        config = dict(config)
-        if config.get("algorithm_type") in ("dpmsolver", "dpmsolver++"):
-            config["algorithm_type"] = "deis"
-        if config.get("solver_type") in ("midpoint", "heun", "bh1", "bh2"):
-            config["solver_type"] = "logrho"
-        return super().from_config(config, **overrides)
 
     def scheduler_arguments(self) -> dict:
         return self.argument_rules(sigmas=False, timesteps=False, sigmas_end=False)

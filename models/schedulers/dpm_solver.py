@@ -65,6 +65,16 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     UNSUPPORTED = {"use_flow_sigmas": False, "variance_type": None, "use_dynamic_shifting": False}
     ALGORITHM_TYPES: ClassVar[tuple[str, ...]] = ("dpmsolver++", "sde-dpmsolver++")
     SOLVER_TYPES: ClassVar[tuple[str, ...]] = ("midpoint", "heun")
+    # As diffusers' __init__: a DEIS or UniPC folder's config asked for as DPM-Solver ("dpmpp_2m").
+    # A variance_type other than the learned ones changes nothing in diffusers' step (a DDPM folder's
+    # "fixed_small"), so it reads as None.
+    CONFIG_ALIASES = {
+        "algorithm_type": {"deis": "dpmsolver++"},
+        "solver_type": {"logrho": "midpoint", "bh1": "midpoint", "bh2": "midpoint"},
+        "variance_type": {
+            v: None for v in ("fixed_small", "fixed_small_log", "fixed_large", "fixed_large_log")
+        },
+    }
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,8 +131,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
             )
 
         if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
-            round_karras = self.beta_schedule != "squaredcos_cap_v2"
-            sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=round_karras)
+            sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=self._rounds_karras())
         elif self.use_lu_lambdas:
             # Uniform in log sigma between its training ends (diffusers' _convert_to_lu with rho = 1).
             sigmas = np.exp(np.linspace(float(log_sigmas[-1]), float(log_sigmas[0]), n))
@@ -137,6 +146,11 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         # diffusers stores int64 timesteps: fractional ones (exponential / beta sigmas) are truncated.
         timesteps = np.asarray(timesteps).astype(np.int64)
         return SigmaSchedule(timesteps=f32(timesteps), sigmas=f32(sigmas), init_noise_sigma=f32(1.0))
+
+    def _rounds_karras(self) -> bool:
+        """Whether Karras sigmas' timesteps are rounded to integers (diffusers' multistep set_timesteps: not
+        on the cosine schedule)."""
+        return self.beta_schedule != "squaredcos_cap_v2"
 
     # ---------------------------------------------------------------------------------------------
     # Traced: the step

@@ -92,6 +92,8 @@ class UniPCMultistepScheduler(NoiseScheduler):
         "thresholding": False,
         "solver_p": None,
     }
+    # As diffusers' __init__: a DPM-Solver or DEIS folder's solver names read as bh2.
+    CONFIG_ALIASES = {"solver_type": {"midpoint": "bh2", "heun": "bh2", "logrho": "bh2"}}
 
     def __post_init__(self):
         if self.use_flow_sigmas != (self.prediction_type == "flow_prediction"):
@@ -126,10 +128,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
             )
         check_choice("final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
         check_choice("time_shift_type", self.time_shift_type, ("exponential", "linear"))
-        # diffusers registers the DPM-Solver names as bh2 (its __init__).
-        solver_type = "bh2" if self.solver_type in ("midpoint", "heun", "logrho") else self.solver_type
-        check_choice("solver_type", solver_type, ("bh1", "bh2"))
-        object.__setattr__(self, "solver_type", solver_type)
+        check_choice("solver_type", self.solver_type, ("bh1", "bh2"))
         # A JSON list in the config; a tuple keeps the scheduler hashable (a static jit argument).
         object.__setattr__(self, "disable_corrector", tuple(int(s) for s in self.disable_corrector or ()))
 

@@ -39,6 +39,7 @@ CLASS = {
     "euler_karras": "EulerDiscreteScheduler",
     "dpmpp_2m_karras": "DPMSolverMultistepScheduler",
     "dpmpp_2m_sde_karras": "DPMSolverMultistepScheduler",
+    "dpmpp_2s": "DPMSolverSinglestepScheduler",
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
     "unipc": "UniPCMultistepScheduler",
@@ -59,11 +60,14 @@ EDM = dict(sigma_min=0.002, sigma_max=80.0)
 # What a name means in diffusers' terms (its docs' A1111 table), given to the reference alone: ours must read
 # the same from the name.
 KARRAS = dict(use_karras_sigmas=True, use_exponential_sigmas=False, use_beta_sigmas=False)
+DPMPP_2 = dict(algorithm_type="dpmsolver++", solver_order=2)
 NAMED = {
-    "dpmpp_2m_sde": SDE,
+    "dpmpp_2m": DPMPP_2,
+    "dpmpp_2s": DPMPP_2,
+    "dpmpp_2m_sde": dict(SDE, solver_order=2),
     "euler_karras": KARRAS,
-    "dpmpp_2m_karras": dict(KARRAS, use_lu_lambdas=False),
-    "dpmpp_2m_sde_karras": dict(SDE, **KARRAS, use_lu_lambdas=False),
+    "dpmpp_2m_karras": dict(DPMPP_2, **KARRAS, use_lu_lambdas=False),
+    "dpmpp_2m_sde_karras": dict(SDE, solver_order=2, **KARRAS, use_lu_lambdas=False),
     "dpm2_karras": KARRAS,
     "lms_karras": KARRAS,
     "dpmpp_sde_karras": KARRAS,
@@ -157,6 +161,18 @@ CASES = [
     ("euler_karras", {}, {}),
     ("dpmpp_2m_karras", {}, {}),
     ("dpmpp_2m_sde_karras", {}, {}),
+    # DPM-Solver singlestep: its groups of 1-3 steps from the group's first sample; the config's timestep
+    # spacing and offset mean nothing to it (diffusers' class has neither: linspace timesteps).
+    ("dpmpp_2s", {}, {}),
+    ("dpmpp_2s", dict(prediction_type="v_prediction", timestep_spacing="trailing", steps_offset=1), {}),
+    ("dpmpp_2s", dict(SDE, solver_type="heun", use_karras_sigmas=True), {}),
+    ("DPMSolverSinglestepScheduler", dict(solver_order=3), {}),
+    ("DPMSolverSinglestepScheduler", dict(SDE, solver_order=3), {}),
+    (
+        "DPMSolverSinglestepScheduler",
+        dict(solver_order=3, solver_type="heun", use_exponential_sigmas=True, final_sigmas_type="sigma_min"),
+        {},
+    ),
     # A folder's own other sigma setting: the Karras name wins (NAMED turns it off for diffusers too).
     ("euler_karras", dict(use_beta_sigmas=True), {}),
     ("dpmpp_2m_karras", dict(use_lu_lambdas=True), {}),
@@ -434,6 +450,53 @@ def test_dpm_long_loop_matches_diffusers(sdxl_config, name, changes):
     """16 steps: past diffusers' 15-step threshold where lower_order_final stops lowering the last steps."""
     ours, ref = build(sdxl_config, (name, changes, {}))
     assert check_loop(ours, ref, steps=16) <= TOL
+
+
+@pytest.mark.parametrize(
+    "changes, steps",
+    [
+        # Whole groups, no lowered last step: [1, 2] x 8 and [1, 2, 3] x 5.
+        (dict(final_sigmas_type="sigma_min"), 16),
+        (dict(solver_order=3, final_sigmas_type="sigma_min"), 15),
+        # A step count that is not a multiple of the order: diffusers turns lower_order_final on.
+        (dict(solver_order=3, final_sigmas_type="sigma_min"), 16),
+        (dict(solver_order=2, final_sigmas_type="sigma_min"), 7),
+        # lower_order_final asked for; the zero final sigma's first-order last step.
+        (dict(solver_order=3, final_sigmas_type="sigma_min", lower_order_final=True), 12),
+        (dict(solver_order=3), 14),
+        (dict(solver_order=3, solver_type="heun"), 9),
+        (dict(SDE, solver_order=3), 8),
+    ],
+    ids=str,
+)
+def test_dpm_singlestep_groups_match_diffusers(sdxl_config, changes, steps):
+    """Each step's order as diffusers' get_order_list gives it after its set_timesteps, and the loop."""
+    ours, ref = build(sdxl_config, ("DPMSolverSinglestepScheduler", changes, {}))
+    ref.set_timesteps(steps)
+    assert ours.schedule(steps).orders.astype(int).tolist() == ref.order_list
+    assert check_loop(ours, ref, steps=steps) <= TOL
+
+
+@pytest.mark.parametrize("start", [1, 2, 4])
+def test_dpm_singlestep_from_a_start_step_matches_diffusers(sdxl_config, start):
+    """Image-to-image starts DPM-Solver singlestep inside a group: diffusers (begin index > 0) lowers the
+    order to the predictions it has, so the start step is first order and stores its sample, as ours."""
+    ours, ref = build(sdxl_config, ("DPMSolverSinglestepScheduler", dict(solver_order=3), {}))
+    steps = 9
+    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
+    ref.set_timesteps(steps)
+    ref.set_begin_index(start)
+    sample = torch.from_numpy(x)
+    for t in ref.timesteps[start:]:
+        sample = ref.step(fake_model(sample, t.float(), torch), t, sample).prev_sample
+    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
+
+    def body(i, carry):
+        sample, state = carry
+        return ours.step(schedule, state, fake_model(sample, schedule.timesteps[i], jnp), sample, i)
+
+    got, _ = jax.lax.fori_loop(start, steps, body, (jnp.asarray(x), ours.init_state(x)))
+    assert rel_err(got, sample.numpy()) <= TOL
 
 
 @pytest.mark.parametrize("changes", [{}, dict(variance_type="fixed_large", clip_sample=False)], ids=str)
@@ -762,6 +825,86 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         make_scheduler("euler", sdxl_config, karras=True)
     with pytest.raises(ValueError, match="num_inference_steps"):
         default.schedule(0)
+
+
+# The classes of diffusers' SDXL pipelines' `scheduler.compatibles`, whose folders' configs a name may be read from.
+FOLDER_CLASSES = (
+    "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler",
+    "DDIMScheduler",
+    "DDPMScheduler",
+    "PNDMScheduler",
+    "LMSDiscreteScheduler",
+    "HeunDiscreteScheduler",
+    "KDPM2DiscreteScheduler",
+    "KDPM2AncestralDiscreteScheduler",
+    "DPMSolverMultistepScheduler",
+    "DPMSolverSinglestepScheduler",
+    "DPMSolverSDEScheduler",
+    "DEISMultistepScheduler",
+    "UniPCMultistepScheduler",
+    "LCMScheduler",
+    "TCDScheduler",
+)
+# Where a name reads a folder's setting through diffusers' renaming (DPM-Solver reads UniPC's "bh2" as
+# "midpoint", UniPC DPM-Solver's "midpoint" as "bh2", DEIS both as "logrho", DPM-Solver a DDPM folder's
+# variance_type as None and DDPM a DPM-Solver folder's None as "fixed_small"): the loops must agree too.
+RENAMED = [
+    ("UniPCMultistepScheduler", "dpmpp_2m"),
+    ("UniPCMultistepScheduler", "dpmpp_2s"),
+    ("UniPCMultistepScheduler", "deis"),
+    ("DEISMultistepScheduler", "dpmpp_2m_sde"),
+    ("DEISMultistepScheduler", "unipc"),
+    ("DPMSolverMultistepScheduler", "deis"),
+    ("DPMSolverMultistepScheduler", "unipc"),
+    ("DPMSolverMultistepScheduler", "ddpm"),
+    ("DDPMScheduler", "dpmpp_2m"),
+]
+
+
+@pytest.fixture(scope="module")
+def folder_configs(sdxl_config, tmp_path_factory) -> dict:
+    """Each compatible class's scheduler_config.json as its folder holds it (saved by diffusers from the SDXL
+    settings, with every other key at the class's default)."""
+    configs = {}
+    for class_name in FOLDER_CLASSES:
+        folder = tmp_path_factory.mktemp(class_name)
+        getattr(diffusers, class_name).from_config(sdxl_config).save_config(str(folder))
+        configs[class_name] = json.loads((folder / "scheduler_config.json").read_text())
+    return configs
+
+
+def test_every_name_reads_every_compatible_folder_as_diffusers_does(folder_configs):
+    """A name asked of a folder saved with another class: ours is made where diffusers' from_config makes
+    its class (and the schedules agree), and refused where diffusers refuses. One deliberate difference: UniPC
+    on a DPM-Solver singlestep folder (its lower_order_final=False at a final sigma of 0) makes NaN pictures in
+    diffusers and is refused here."""
+    refused_here = {("DPMSolverSinglestepScheduler", "unipc")}
+    for class_name, config in folder_configs.items():
+        for name in SCHEDULER_NAMES:
+            try:
+                ref = getattr(diffusers, CLASS[name]).from_config({**config, **NAMED.get(name, {})})
+            except (ValueError, NotImplementedError):
+                ref = None
+            try:
+                ours = make_scheduler(name, config)
+            except ValueError:
+                ours = None
+            if (class_name, name) in refused_here:
+                assert ref is not None and ours is None
+                continue
+            assert (ours is None) == (ref is None), (class_name, name)
+            if ours is not None:
+                ref.set_timesteps(10)
+                assert rel_err(ours.schedule(10).timesteps, ref.timesteps.numpy()) <= TOL, (class_name, name)
+
+
+@pytest.mark.parametrize("class_name, name", RENAMED, ids=str)
+def test_renamed_settings_run_as_diffusers(folder_configs, class_name, name):
+    config = folder_configs[class_name]
+    ours = make_scheduler(name, config)
+    ref = getattr(diffusers, CLASS[name]).from_config({**config, **NAMED.get(name, {})})
+    assert check_loop(ours, ref, steps=5) <= TOL
 
 
 # Flow-matching Euler's schedule is its pipelines' (sigmas linspace(1, 1/N)), not set_timesteps' own:

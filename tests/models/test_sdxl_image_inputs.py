@@ -589,7 +589,7 @@ def test_warm_up_runs_each_task_with_an_image(ours, monkeypatch):
     "name",
     [
         "euler", "euler_ancestral", "ddim", "dpmpp_2m", "lcm", "unipc", "lms", "heun", "dpm2", "dpmpp_sde",
-        "dpm2_ancestral", "edm_dpm", "edm_euler", "ddpm", "deis", "pndm",
+        "dpm2_ancestral", "edm_dpm", "edm_euler", "ddpm", "deis", "pndm", "dpmpp_2s",
     ],
 )  # fmt: skip
 def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
@@ -624,6 +624,7 @@ def test_noise_to_and_start_step_equal_diffusers(tiny_sdxl_path, name):
         "ddpm": "DDPMScheduler",
         "deis": "DEISMultistepScheduler",
         "pndm": "PNDMScheduler",
+        "dpmpp_2s": "DPMSolverSinglestepScheduler",
     }
     edm = name.startswith("edm")
     if edm:  # an EDM folder's (by class name: no beta-schedule model runs on them)

@@ -28,6 +28,7 @@ def _diffusers_scheduler(pipe, name):
         DDIMScheduler,
         DEISMultistepScheduler,
         DPMSolverMultistepScheduler,
+        DPMSolverSinglestepScheduler,
         EulerDiscreteScheduler,
         HeunDiscreteScheduler,
         PNDMScheduler,
@@ -39,6 +40,7 @@ def _diffusers_scheduler(pipe, name):
         "euler": EulerDiscreteScheduler,
         "ddim": DDIMScheduler,
         "dpmpp_2m": DPMSolverMultistepScheduler,
+        "dpmpp_2s": DPMSolverSinglestepScheduler,
         "unipc": UniPCMultistepScheduler,
         "heun": HeunDiscreteScheduler,
         "deis": DEISMultistepScheduler,
@@ -62,6 +64,8 @@ def _diffusers_scheduler(pipe, name):
         ("deis", ["mountains at dawn", "the dog and the cat"], None, 4),
         # PNDM without skip_prk_steps (this folder's config): 4 steps are 13 calls, Runge-Kutta then PLMS.
         ("pndm", ["a photo of a cat", "a red car"], None, 4),
+        # DPM-Solver singlestep: 5 steps are groups [1, 2], [1, 2] and a last first-order step.
+        ("dpmpp_2s", ["mountains at dawn", "a red car"], "ugly", 5),
     ],
 )
 def test_pipeline_matches_diffusers_fp32(ours, reference, scheduler, prompt, negative, steps):
