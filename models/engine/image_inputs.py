@@ -105,8 +105,8 @@ def noise_to(scheduler, schedule, x, noise, index):
     """x noised to the level of step `index` (traced), as the scheduler's diffusers `add_noise` /
     `scale_noise` does at `timesteps[index]`; float32."""
     x, noise = x.astype(jnp.float32), noise.astype(jnp.float32)
-    unipc_flow = isinstance(scheduler, UniPCMultistepScheduler) and scheduler.use_flow_sigmas
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or unipc_flow:
+    # UniPC's and DPM-Solver's flow forms noise as flow-matching Euler does (their alpha is 1 - sigma).
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler) or getattr(scheduler, "use_flow_sigmas", False):
         sigma = at(schedule.sigmas, index)
         return sigma * noise + (1.0 - sigma) * x
     if isinstance(scheduler, SIGMA_NOISED):

@@ -48,7 +48,8 @@ from meshserve.models.schedulers.pndm import PNDMSchedule, PNDMScheduler
 from meshserve.models.schedulers.tcd import TCDSchedule, TCDScheduler
 from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 
-_FLOW_UNIPC = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
+# What a name of both families means on a flow-matching model's config (FLOW_SCHEDULER_NAMES).
+_FLOW_FORM = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
 _OTHER_SIGMAS_OFF = {"use_exponential_sigmas": False, "use_beta_sigmas": False}
 _DPM_SIGMAS_OFF = {**_OTHER_SIGMAS_OFF, "use_lu_lambdas": False}
 
@@ -106,14 +107,15 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     # TCD-distilled adapters' sampler (TCD-SDXL-LoRA, Hyper-SD); its gamma is the request's eta.
     "tcd": (TCDScheduler, {}),
     "flow_match_euler": (FlowMatchEulerDiscreteScheduler, {}),
-    # Wan 2.1's scheduler, in its flow-matching form; on a beta-schedule model's config (SDXL), its VP form
-    # (make_scheduler drops these settings there).
-    "unipc": (UniPCMultistepScheduler, _FLOW_UNIPC),
+    # Wan 2.1's scheduler, in its flow-matching form on a flow model's config; on a beta-schedule model's
+    # config (SDXL), its VP form.
+    "unipc": (UniPCMultistepScheduler, {}),
 }
 # Flow-matching models (Flux, Wan) predict a velocity, the others noise: the two are never interchangeable, so
-# SCHEDULER_NAMES (what SDXL-type families offer) leaves flow-matching Euler out; flow families offer these.
-# UniPC has both forms, so both lists have it.
-FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler", "unipc")
+# SCHEDULER_NAMES (what SDXL-type families offer) leaves flow-matching Euler out; Wan offers these. UniPC and
+# DPM-Solver++ have both forms (Wan 2.1's own sample solvers are "unipc" and "dpm++": DPM-Solver++ 2M on flow
+# sigmas), so both lists have them; on a flow config they take flow sigmas and velocity predictions.
+FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler", "unipc", "dpmpp_2m", "dpmpp_2s")
 SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n in _BY_NAME if n != "flow_match_euler")
 # diffusers class names are accepted too; they take every setting from the config.
 _BY_CLASS: dict[str, type[NoiseScheduler]] = {
@@ -163,8 +165,8 @@ def make_scheduler(name: str | None, config: Mapping[str, Any], **overrides) -> 
     key = config.get("_class_name") if name is None else name
     if key in _BY_NAME:
         cls, implied = _BY_NAME[key]
-        if implied is _FLOW_UNIPC and not is_flow_config(config):
-            implied = {}
+        if key in FLOW_SCHEDULER_NAMES and key != "flow_match_euler" and is_flow_config(config):
+            implied = {**implied, **_FLOW_FORM}
     elif key in _BY_CLASS:
         cls, implied = _BY_CLASS[key], {}
     else:

@@ -34,6 +34,8 @@ class DEISMultistepScheduler(DPMSolverMultistepScheduler):
     solver_type: str = "logrho"
     final_sigmas_type: str = "sigma_min"  # fixed: the schedule ends at the training sigma_min
 
+    # DEIS on flow sigmas is not ported (no Wan or Flux folder uses it).
+    UNSUPPORTED = {**DPMSolverMultistepScheduler.UNSUPPORTED, "use_flow_sigmas": False}
     ALGORITHM_TYPES = ("deis",)
     SOLVER_TYPES = ("logrho",)
     CONFIG_ALIASES = {

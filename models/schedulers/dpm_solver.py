@@ -1,6 +1,7 @@
 """DPM-Solver++ multistep (Lu et al. 2022, https://huggingface.co/papers/2211.01095) = diffusers'
 DPMSolverMultistepScheduler with algorithm_type "dpmsolver++" ("DPM++ 2M" at solver_order 2) or
-"sde-dpmsolver++" ("DPM++ 2M SDE").
+"sde-dpmsolver++" ("DPM++ 2M SDE"), on a beta schedule's sigmas (SDXL) or on flow matching's (Wan 2.1's "dpm++"
+solver: `use_flow_sigmas`, `prediction_type="flow_prediction"`, `flow_shift`; alpha = 1 - sigma).
 
 It integrates the data-prediction ODE in lambda = log(alpha / sigma): each step converts the model output to
 x0, then extrapolates with the last `solver_order` x0 predictions (a linear multistep method). The history and
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.models.schedulers.common import (
+    TIMESTEP_SPACINGS,
     NoiseScheduler,
     SigmaSchedule,
     check_choice,
@@ -40,8 +42,8 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     """Settings: diffusers' DPMSolverMultistepScheduler config (defaults equal). Supported: solver_order 1-3,
     algorithm_type dpmsolver++ / sde-dpmsolver++, solver_type midpoint / heun, lower_order_final,
     euler_at_final, karras / exponential / beta / lu-lambda sigmas, final_sigmas_type, lambda_min_clipped,
-    thresholding. sigma_min / sigma_max are read when the config has them (diffusers honours them when a
-    config of another class, e.g. Euler's, carries them)."""
+    thresholding, flow sigmas (shifted by flow_shift; not respaced). sigma_min / sigma_max are read when the
+    config has them (diffusers honours them when a config of another class, e.g. Euler's, carries them)."""
 
     solver_order: int = 2
     thresholding: bool = False
@@ -59,10 +61,12 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     lambda_min_clipped: float = -float("inf")
     sigma_min: float | None = None
     sigma_max: float | None = None
+    use_flow_sigmas: bool = False
+    flow_shift: float = 1.0
 
-    # The noise-prediction variants ("dpmsolver", "sde-dpmsolver") are deprecated in diffusers; flow sigmas
-    # belong to flow-matching models; learned variance to DeepFloyd-style UNets.
-    UNSUPPORTED = {"use_flow_sigmas": False, "variance_type": None, "use_dynamic_shifting": False}
+    # The noise-prediction variants ("dpmsolver", "sde-dpmsolver") are deprecated in diffusers; learned variance
+    # belongs to DeepFloyd-style UNets; a dynamic shift (a mu per call) to no pipeline that offers this solver.
+    UNSUPPORTED = {"variance_type": None, "use_dynamic_shifting": False}
     ALGORITHM_TYPES: ClassVar[tuple[str, ...]] = ("dpmsolver++", "sde-dpmsolver++")
     SOLVER_TYPES: ClassVar[tuple[str, ...]] = ("midpoint", "heun")
     # As diffusers' __init__: a DEIS or UniPC folder's config asked for as DPM-Solver ("dpmpp_2m").
@@ -77,7 +81,26 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     }
 
     def __post_init__(self):
-        super().__post_init__()
+        if self.use_flow_sigmas != (self.prediction_type == "flow_prediction"):
+            raise ValueError(
+                f"{type(self).__name__}: flow sigmas go with prediction_type 'flow_prediction' and the "
+                "beta-schedule sigmas with 'epsilon', 'v_prediction' or 'sample'; got use_flow_sigmas="
+                f"{self.use_flow_sigmas!r}, prediction_type={self.prediction_type!r}"
+            )
+        if self.use_flow_sigmas:
+            # Not NoiseScheduler's checks: "flow_prediction" is no prediction type of the beta-schedule family.
+            check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+            if (
+                self.use_karras_sigmas
+                or self.use_exponential_sigmas
+                or self.use_beta_sigmas
+                or self.use_lu_lambdas
+            ):
+                raise ValueError(
+                    f"{type(self).__name__}: respaced sigmas with flow sigmas are not implemented"
+                )
+        else:
+            super().__post_init__()
         check_choice("algorithm_type", self.algorithm_type, self.ALGORITHM_TYPES)
         check_choice("solver_type", self.solver_type, self.SOLVER_TYPES)
         check_choice("solver_order", self.solver_order, (1, 2, 3))
@@ -99,9 +122,12 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
 
     def scheduler_arguments(self) -> dict:
         # diffusers takes custom timesteps (not sigmas), but not with respaced sigmas or lu lambdas.
+        # (diffusers' flow sigmas ignore custom timesteps: refused rather than ignored)
         respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         return self.argument_rules(
-            sigmas=False, timesteps=not (respaced or self.use_lu_lambdas), sigmas_end=False
+            sigmas=False,
+            timesteps=not (respaced or self.use_lu_lambdas or self.use_flow_sigmas),
+            sigmas_end=False,
         )
 
     def schedule(self, num_inference_steps: int, *, timesteps=None) -> SigmaSchedule:
@@ -112,7 +138,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         self.check_steps(n)
         if timesteps is not None:
             if not self.scheduler_arguments()["timesteps"]:
-                raise ValueError("custom timesteps are not supported with respaced sigmas or lu lambdas")
+                raise ValueError("custom timesteps are not supported with respaced, lu-lambda or flow sigmas")
             if len(timesteps) != n:
                 raise ValueError(f"{n} steps take {n} timesteps, got {len(timesteps)}")
         train_sigmas = training_sigmas(self)
@@ -138,9 +164,15 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
             timesteps = sigma_to_t(sigmas, log_sigmas)
             if self.beta_schedule != "squaredcos_cap_v2":
                 timesteps = timesteps.round()
+        elif self.use_flow_sigmas:
+            # n + 1 points from 1 to 1/T, shifted, the last (0) dropped: sigmas below 1, so lambda is finite.
+            unshifted = 1.0 - np.linspace(1, 1 / self.num_train_timesteps, n + 1)
+            sigmas = np.flip(self.flow_shift * unshifted / (1 + (self.flow_shift - 1) * unshifted))[:-1]
+            timesteps = sigmas * self.num_train_timesteps
         else:
             sigmas = np.interp(timesteps, np.arange(len(train_sigmas)), train_sigmas)
 
+        # (diffusers' sigma_min is the beta schedule's smallest sigma, with flow sigmas too)
         sigma_last = train_sigmas[0] if self.final_sigmas_type == "sigma_min" else 0.0
         sigmas = np.concatenate([sigmas, [sigma_last]])
         # diffusers stores int64 timesteps: fractional ones (exponential / beta sigmas) are truncated.
@@ -206,14 +238,17 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
 
     def _data_prediction(self, sigma, model_output, sample):
         """x0 from the model output at noise level sigma, thresholded where the config says."""
-        x0 = vp_data_prediction(self.prediction_type, sigma, model_output, sample)
+        if self.use_flow_sigmas:
+            x0 = sample - sigma * model_output
+        else:
+            x0 = vp_data_prediction(self.prediction_type, sigma, model_output, sample)
         if self.thresholding:
             x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         return x0
 
     def _alpha_sigma(self, sigma):
-        """(alpha_t, sigma_t) of the noise level sigma: the variance-preserving pair."""
-        return vp_alpha_sigma(sigma)
+        """(alpha_t, sigma_t) of the noise level sigma: the variance-preserving pair, or flow matching's."""
+        return (1 - sigma, sigma) if self.use_flow_sigmas else vp_alpha_sigma(sigma)
 
     def _lambdas(self, sigmas, i, k: int):
         """(alpha, sigma, lambda) at sigmas[i + 1] (the target t) and at sigmas[i], sigmas[i-1], ...

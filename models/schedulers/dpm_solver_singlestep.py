@@ -48,7 +48,7 @@ class DPMSolverSinglestepScheduler(DPMSolverMultistepScheduler):
     """Settings: diffusers' DPMSolverSinglestepScheduler config (defaults equal: note lower_order_final=False).
     Supported: solver_order 1-3, algorithm_type dpmsolver++ / sde-dpmsolver++, solver_type midpoint / heun,
     lower_order_final, karras / exponential / beta sigmas, final_sigmas_type, lambda_min_clipped, thresholding,
-    custom timesteps. Its timesteps are always linspace-spaced (diffusers' class has no timestep_spacing)."""
+    custom timesteps, flow sigmas (dpm_solver.py). Its timesteps are always linspace-spaced (diffusers' class has no timestep_spacing)."""
 
     lower_order_final: bool = False
 

@@ -34,6 +34,8 @@ class EDMDPMSolverMultistepScheduler(DPMSolverMultistepScheduler):
     sigma_schedule: str = "karras"
     rho: float = 7.0
 
+    IGNORED = ("use_flow_sigmas", "flow_shift")  # not settings of diffusers' EDM class
+
     def __post_init__(self):
         super().__post_init__()
         check_edm_settings(self)

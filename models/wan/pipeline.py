@@ -38,7 +38,12 @@ from meshserve.models.components.t5_tokenizer import load_t5_tokenizer
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.pipeline import DiffusionPipeline, folder_serving_defaults, image_limits
 from meshserve.models.parallel.small_maps import MIN_ROWS
-from meshserve.models.schedulers import FLOW_SCHEDULER_NAMES, FlowMatchEulerDiscreteScheduler, make_scheduler
+from meshserve.models.schedulers import (
+    FLOW_SCHEDULER_NAMES,
+    FlowMatchEulerDiscreteScheduler,
+    is_flow_config,
+    make_scheduler,
+)
 from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES
 from meshserve.models.wan.autoencoder_kl_wan import load_autoencoder_kl_wan
 from meshserve.models.wan.text import WAN_MAX_SEQUENCE_LENGTH, encode_wan_prompts, tokenize_wan_prompts
@@ -91,7 +96,12 @@ class WanPipeline(DiffusionPipeline):
     # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
     # values, not yet measured on trained weights (docs/step-cache.md).
     cache_methods = {"first_block": 0.08, "teacache": 0.1}
-    scheduler_classes = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
+    scheduler_classes = (
+        "UniPCMultistepScheduler",
+        "FlowMatchEulerDiscreteScheduler",
+        "DPMSolverMultistepScheduler",
+        "DPMSolverSinglestepScheduler",
+    )
     latents_axes = (0, 4, 1, 2, 3)
     latents_layout = "[B, C, T, h, w]"
     default_output_type = "np"  # diffusers' WanPipeline's
@@ -104,6 +114,12 @@ class WanPipeline(DiffusionPipeline):
             raise CheckpointError(
                 f"{folder}: model_index.json sets {experts} (Wan 2.2's two-expert model): not supported; "
                 "Wan 2.1 is"
+            )
+        if not is_flow_config(self.scheduler_config):
+            # A beta-schedule UniPC or DPM-Solver config would sample a velocity model as a noise predictor.
+            raise CheckpointError(
+                f"{folder / 'scheduler'}: a Wan folder's scheduler runs in flow matching's form "
+                "(use_flow_sigmas with prediction_type 'flow_prediction', or FlowMatchEulerDiscreteScheduler)"
             )
         if self.scheduler_config.get("use_dynamic_shifting"):
             # diffusers' WanPipeline passes no mu, so its set_timesteps would fail on such a config too.

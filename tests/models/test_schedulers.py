@@ -477,6 +477,44 @@ def test_dpm_singlestep_groups_match_diffusers(sdxl_config, changes, steps):
     assert check_loop(ours, ref, steps=steps) <= TOL
 
 
+@pytest.fixture(scope="module")
+def wan_config(tmp_path_factory) -> dict:
+    """Wan 2.1's scheduler_config.json (UniPC in its flow-matching form, flow_shift 3) as diffusers saves it."""
+    from meshserve.models.wan.random_tiny import SCHEDULER as WAN_SCHEDULER
+
+    folder = tmp_path_factory.mktemp("wan_scheduler")
+    diffusers.UniPCMultistepScheduler(**WAN_SCHEDULER).save_config(str(folder))
+    return json.loads((folder / "scheduler_config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("dpmpp_2m", {}),
+        ("dpmpp_2s", {}),
+        ("DPMSolverMultistepScheduler", dict(solver_order=3, flow_shift=5.0)),
+        ("DPMSolverMultistepScheduler", dict(SDE, solver_type="heun")),
+        ("DPMSolverMultistepScheduler", dict(final_sigmas_type="sigma_min", lower_order_final=False)),
+        ("DPMSolverSinglestepScheduler", dict(solver_order=3)),
+        ("DPMSolverSinglestepScheduler", dict(SDE, lower_order_final=True)),
+    ],
+    ids=str,
+)
+def test_dpm_solver_on_flow_sigmas_matches_diffusers(wan_config, name, changes):
+    """DPM-Solver on Wan's flow config (its "dpm++" solver): shifted flow sigmas, x0 = x - sigma v, alpha =
+    1 - sigma; diffusers' class from the same config (the names' settings given to it)."""
+    config = {**wan_config, **changes}
+    ours = make_scheduler(name, config)
+    assert ours.use_flow_sigmas and not ours.scheduler_arguments()["timesteps"]
+    for steps in (1, 5, 12):
+        ref = getattr(diffusers, CLASS.get(name, name)).from_config({**config, **NAMED.get(name, {})})
+        ref.set_timesteps(steps)
+        schedule = ours.schedule(steps)
+        np.testing.assert_array_equal(schedule.timesteps, ref.timesteps.numpy().astype(np.float32))
+        assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
+        assert check_loop(ours, ref, steps=steps) <= TOL
+
+
 @pytest.mark.parametrize("start", [1, 2, 4])
 def test_dpm_singlestep_from_a_start_step_matches_diffusers(sdxl_config, start):
     """Image-to-image starts DPM-Solver singlestep inside a group: diffusers (begin index > 0) lowers the
@@ -807,7 +845,6 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("euler", dict(beta_schedule="sigmoid")),
         ("ddim", dict(prediction_type="flow")),
         ("euler_ancestral", dict(prediction_type="sample")),
-        ("dpmpp_2m", dict(use_flow_sigmas=True)),
         ("DPMSolverMultistepScheduler", dict(algorithm_type="dpmsolver")),
         ("dpmpp_2m", dict(use_karras_sigmas=True, use_lu_lambdas=True)),
         ("dpm2", dict(prediction_type="sample")),
@@ -815,7 +852,10 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("ddpm", dict(variance_type="learned_range")),
         ("ddpm", dict(variance_type="fixed_large_log")),
         ("deis", dict(algorithm_type="sde-dpmsolver++")),
-        ("deis", dict(use_flow_sigmas=True)),
+        ("deis", dict(use_flow_sigmas=True, prediction_type="flow_prediction")),
+        ("DPMSolverMultistepScheduler", dict(use_flow_sigmas=True)),  # flow sigmas, a noise prediction
+        ("DPMSolverMultistepScheduler", dict(prediction_type="flow_prediction")),
+        ("dpmpp_2s", dict(use_flow_sigmas=True, prediction_type="flow_prediction", use_karras_sigmas=True)),
         ("pndm", dict(prediction_type="sample")),
     ]
     for name, changes in bad:

@@ -135,6 +135,29 @@ def test_flow_match_euler_matches_diffusers(wan, reference):
     assert err <= 1e-3
 
 
+@pytest.mark.parametrize(
+    "name, class_name",
+    [("dpmpp_2m", "DPMSolverMultistepScheduler"), ("dpmpp_2s", "DPMSolverSinglestepScheduler")],
+)
+def test_dpm_solver_on_flow_sigmas_matches_diffusers(wan, reference, name, class_name):
+    """Wan 2.1's other sample solver ("dpm++"): DPM-Solver++ on the folder's flow sigmas, as diffusers' class
+    reads the folder's UniPC config (flow sigmas, flow_shift 3, bh2 read as midpoint); 5 steps reach order 2."""
+    import diffusers
+
+    original = reference.scheduler
+    reference.scheduler = getattr(diffusers, class_name).from_config(original.config)
+    try:
+        latents = latents_for(1, seed=3)
+        kw = dict(guidance_scale=4.0, num_inference_steps=5, output_type="latent")
+        expected = run_reference(reference, PROMPTS[1], latents, **kw)
+    finally:
+        reference.scheduler = original
+    got = run_ours(wan, PROMPTS[1], latents=latents, scheduler=name, **kw)
+    err = rel_err(got, expected)
+    log.info("wan fp32 %s, latents: max rel error %.2e", name, err)
+    assert err <= 1e-3 and max_abs(expected, latents) > 0.1
+
+
 def test_bf16_is_as_close_to_fp32_as_diffusers_bf16(tiny_wan_path, reference):
     """bf16 UMT5 and transformer, fp32 latents and VAE (as diffusers' Wan examples load it), against diffusers
     fp32; diffusers' own bf16 run (same component dtypes) measured beside it. Not bit parity: bf16 matmuls
@@ -225,7 +248,7 @@ def test_contract_fields(wan):
     )
     assert lim["frames"] == {"min_frames": 1, "max_frames": 81, "step": 4, "offset": 1, "default": 5}
     assert lim["size_multiple"] == 16 and lim["max_size"] == 512  # 32 patches x 2 x 8
-    assert lim["schedulers"] == ["flow_match_euler", "unipc"]
+    assert lim["schedulers"] == ["flow_match_euler", "unipc", "dpmpp_2m", "dpmpp_2s"]
     from meshserve.service.contract import VIDEO_FORMATS, ModelDefaults, ModelLimits
 
     ModelDefaults(**d)  # what the worker publishes validates
@@ -346,6 +369,21 @@ def test_folder_readings_diffusers_shares(tiny_wan_path, tmp_path):
         json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "flow_shift": 5.0})
     )
     assert load_pipeline(folder, dtype="float32").make_scheduler(None).inner.shift == 1.0
+    # A DPM-Solver folder: in its flow form, its own scheduler; in its beta-schedule form, refused (it would
+    # sample the velocity model as a noise predictor).
+    index_path.write_text(json.dumps({**index, "scheduler": ["diffusers", "DPMSolverMultistepScheduler"]}))
+    dpm = {"_class_name": "DPMSolverMultistepScheduler", "flow_shift": 5.0}
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(dpm))
+    with pytest.raises(ModelFolderError, match="flow matching's form"):
+        load_pipeline(folder, dtype="float32")
+    dpm.update(use_flow_sigmas=True, prediction_type="flow_prediction")
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(dpm))
+    own = load_pipeline(folder, dtype="float32").make_scheduler(None).inner
+    assert (type(own).__name__, own.use_flow_sigmas, own.flow_shift) == (
+        "DPMSolverMultistepScheduler",
+        True,
+        5.0,
+    )
     unipc = load_pipeline(tiny_wan_path, dtype="float32")
     flow_shift = unipc.scheduler_config["flow_shift"]
     assert unipc.make_scheduler("flow_match_euler").inner.shift == flow_shift != 1.0
