@@ -32,14 +32,21 @@ TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
 
-def pytree_dataclass(cls):
-    """A frozen dataclass whose fields are all pytree leaves (arrays), so it can be a traced jit argument."""
+def schedule_length(schedule):
+    """The steps a schedule runs: a Python int for an exact schedule, a traced [] int32 for a padded one."""
+    return schedule.timesteps.shape[0] if schedule.steps is None else schedule.steps
+
+
+def schedule_dataclass(cls):
+    """A schedule: a frozen dataclass whose fields are all pytree leaves (arrays), so it can be a traced jit
+    argument, with `num_steps` (`schedule_length`). Its last field is `steps` (None; `pad_schedule` sets it)."""
     cls = dataclass(frozen=True)(cls)
+    cls.num_steps = property(schedule_length)
     names = [f.name for f in dataclasses.fields(cls)]
     return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
 
-@pytree_dataclass
+@schedule_dataclass
 class SigmaSchedule:
     """The schedule of the sigma-parameterised schedulers (Euler, Euler ancestral, DPM-Solver, UniPC, Heun).
 
@@ -55,15 +62,6 @@ class SigmaSchedule:
     sigmas: Any
     init_noise_sigma: Any
     steps: Any = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
-
-
-def schedule_length(schedule):
-    """The steps a schedule runs: a Python int for an exact schedule, a traced [] int32 for a padded one."""
-    return schedule.timesteps.shape[0] if schedule.steps is None else schedule.steps
 
 
 def pad_schedule(schedule, max_steps: int):

@@ -18,14 +18,13 @@ from meshserve.models.schedulers.common import (
     at,
     clip_or_threshold,
     f32,
-    pytree_dataclass,
-    schedule_length,
+    schedule_dataclass,
     spaced_timesteps,
     step_noise,
 )
 
 
-@pytree_dataclass
+@schedule_dataclass
 class DDIMSchedule:
     """timesteps: [N] float32 (integers, as float for a uniform UNet input);
     alpha_prod_t, alpha_prod_t_prev: [N] float32 alpha_bar at step i's timestep and at the one it steps to;
@@ -40,10 +39,6 @@ class DDIMSchedule:
     init_noise_sigma: object
     eta: object
     steps: object = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

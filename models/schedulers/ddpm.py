@@ -20,8 +20,7 @@ from meshserve.models.schedulers.common import (
     check_choice,
     clip_or_threshold,
     f32,
-    pytree_dataclass,
-    schedule_length,
+    schedule_dataclass,
     spaced_timesteps,
     step_noise,
 )
@@ -31,7 +30,7 @@ from meshserve.models.schedulers.common import (
 VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large")
 
 
-@pytree_dataclass
+@schedule_dataclass
 class DDPMSchedule:
     """timesteps: [N] float32 (integers, as float for a uniform UNet input);
     alpha_prod_t, alpha_prod_t_prev: [N] float32 alpha_bar at step i's timestep and at the next one (1 after the
@@ -46,10 +45,6 @@ class DDPMSchedule:
     noise_std: object
     init_noise_sigma: object
     steps: object = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

@@ -278,16 +278,22 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         m0, m1 = history[-1], history[-2]
         h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
         r0 = h_0 / h
-        d0, d1 = m0, (1.0 / r0) * (m0 - m1)
+        return self._second_order_update(
+            alpha_t, sigma_t, sigma_s0, h, sample, m0, (1.0 / r0) * (m0 - m1), noise
+        )
+
+    def _second_order_update(self, alpha_t, sigma_t, sigma_s, h, sample, d0, d1, noise):
+        """x_t from `sample` at sigma_s over the step h in lambda with the second-order terms D0, D1 (the
+        multistep and singlestep solvers share it; they differ in where the step starts and in D0, D1)."""
         if self.algorithm_type == "dpmsolver++":
             if self.solver_type == "midpoint":
                 return (
-                    (sigma_t / sigma_s0) * sample
+                    (sigma_t / sigma_s) * sample
                     - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
                     - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
                 )
             return (
-                (sigma_t / sigma_s0) * sample
+                (sigma_t / sigma_s) * sample
                 - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
                 + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
             )
@@ -296,7 +302,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         else:
             d1_term = (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
         return (
-            (sigma_t / sigma_s0 * jnp.exp(-h)) * sample
+            (sigma_t / sigma_s * jnp.exp(-h)) * sample
             + (alpha_t * (1 - jnp.exp(-2.0 * h))) * d0
             + d1_term
             + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
@@ -309,19 +315,23 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         m0, m1, m2 = history[-1], history[-2], history[-3]
         h, h_0, h_1 = lambda_t - lambda_s0, lambda_s0 - lambda_s1, lambda_s1 - lambda_s2
         r0, r1 = h_0 / h, h_1 / h
-        d0 = m0
         d1_0, d1_1 = (1.0 / r0) * (m0 - m1), (1.0 / r1) * (m1 - m2)
         d1 = d1_0 + (r0 / (r0 + r1)) * (d1_0 - d1_1)
         d2 = (1.0 / (r0 + r1)) * (d1_0 - d1_1)
+        return self._third_order_update(alpha_t, sigma_t, sigma_s0, h, sample, m0, d1, d2, noise)
+
+    def _third_order_update(self, alpha_t, sigma_t, sigma_s, h, sample, d0, d1, d2, noise):
+        """x_t from `sample` at sigma_s over the step h with the third-order terms D0, D1, D2 (also the
+        singlestep solver's with solver_type "heun")."""
         if self.algorithm_type == "dpmsolver++":
             return (
-                (sigma_t / sigma_s0) * sample
+                (sigma_t / sigma_s) * sample
                 - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
                 + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
                 - (alpha_t * ((jnp.exp(-h) - 1.0 + h) / h**2 - 0.5)) * d2
             )
         return (
-            (sigma_t / sigma_s0 * jnp.exp(-h)) * sample
+            (sigma_t / sigma_s * jnp.exp(-h)) * sample
             + (alpha_t * (1.0 - jnp.exp(-2.0 * h))) * d0
             + (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
             + (alpha_t * ((1.0 - jnp.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2 - 0.5)) * d2

@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshserve.models.schedulers.common import at, f32, pytree_dataclass, schedule_length, step_noise
+from meshserve.models.schedulers.common import at, f32, schedule_dataclass, step_noise
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 
 
-@pytree_dataclass
+@schedule_dataclass
 class SinglestepSchedule:
     """timesteps [N], sigmas [N + 1] as SigmaSchedule's; orders [N] float32: the order step i takes (1-3, one
     more than its place in its group); init_noise_sigma [] (1); steps: None, or [] int32 when padded."""
@@ -37,10 +37,6 @@ class SinglestepSchedule:
     orders: Any
     init_noise_sigma: Any
     steps: Any = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)
@@ -133,33 +129,14 @@ class DPMSolverSinglestepScheduler(DPMSolverMultistepScheduler):
         m0, m1 = history[-1], history[-2]
         h, h_0 = lambda_t - lambda_s1, lambda_s0 - lambda_s1
         r0 = h_0 / h
-        d0, d1 = m1, (1.0 / r0) * (m0 - m1)
-        if self.algorithm_type == "dpmsolver++":
-            if self.solver_type == "midpoint":
-                return (
-                    (sigma_t / sigma_s1) * sample
-                    - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
-                    - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
-                )
-            return (
-                (sigma_t / sigma_s1) * sample
-                - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
-                + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
-            )
-        if self.solver_type == "midpoint":
-            d1_term = 0.5 * (alpha_t * (1 - jnp.exp(-2.0 * h))) * d1
-        else:
-            d1_term = (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
-        return (
-            (sigma_t / sigma_s1 * jnp.exp(-h)) * sample
-            + (alpha_t * (1 - jnp.exp(-2.0 * h))) * d0
-            + d1_term
-            + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
+        return self._second_order_update(
+            alpha_t, sigma_t, sigma_s1, h, sample, m1, (1.0 / r0) * (m0 - m1), noise
         )
 
     def _group_third_order(self, sigmas, i, history, sample, noise):
         """diffusers' singlestep_dpm_solver_third_order_update: from `sample` at sigmas[i - 2] (s2) to
-        sigmas[i + 1], with the predictions at s2, s1 = sigmas[i - 1] and s0 = sigmas[i]."""
+        sigmas[i + 1], with the predictions at s2, s1 = sigmas[i - 1] and s0 = sigmas[i]. "heun" takes the
+        multistep solver's third-order terms; "midpoint" a second-order one through the latest prediction."""
         lams = self._lambdas(sigmas, i, 3)
         alpha_t, sigma_t, lambda_t = lams[0]
         lambda_s0, lambda_s1 = lams[1][2], lams[2][2]
@@ -167,27 +144,20 @@ class DPMSolverSinglestepScheduler(DPMSolverMultistepScheduler):
         m0, m1, m2 = history[-1], history[-2], history[-3]
         h, h_0, h_1 = lambda_t - lambda_s2, lambda_s0 - lambda_s2, lambda_s1 - lambda_s2
         r0, r1 = h_0 / h, h_1 / h
-        d0 = m2
         d1_0, d1_1 = (1.0 / r1) * (m1 - m2), (1.0 / r0) * (m0 - m2)
-        d1 = (r0 * d1_0 - r1 * d1_1) / (r0 - r1)
-        d2 = 2.0 * (d1_1 - d1_0) / (r0 - r1)
-        midpoint = self.solver_type == "midpoint"
+        if self.solver_type == "heun":
+            d1 = (r0 * d1_0 - r1 * d1_1) / (r0 - r1)
+            d2 = 2.0 * (d1_1 - d1_0) / (r0 - r1)
+            return self._third_order_update(alpha_t, sigma_t, sigma_s2, h, sample, m2, d1, d2, noise)
         if self.algorithm_type == "dpmsolver++":
-            x_t = (sigma_t / sigma_s2) * sample - (alpha_t * (jnp.exp(-h) - 1.0)) * d0
-            if midpoint:
-                return x_t + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1_1
             return (
-                x_t
-                + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
-                - (alpha_t * ((jnp.exp(-h) - 1.0 + h) / h**2 - 0.5)) * d2
+                (sigma_t / sigma_s2) * sample
+                - (alpha_t * (jnp.exp(-h) - 1.0)) * m2
+                + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1_1
             )
-        x_t = (sigma_t / sigma_s2 * jnp.exp(-h)) * sample + (alpha_t * (1.0 - jnp.exp(-2.0 * h))) * d0
-        noise_term = sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
-        if midpoint:
-            return x_t + (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1_1 + noise_term
         return (
-            x_t
-            + (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1
-            + (alpha_t * ((1.0 - jnp.exp(-2.0 * h) + -2.0 * h) / (-2.0 * h) ** 2 - 0.5)) * d2
-            + noise_term
+            (sigma_t / sigma_s2 * jnp.exp(-h)) * sample
+            + (alpha_t * (1.0 - jnp.exp(-2.0 * h))) * m2
+            + (alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)) * d1_1
+            + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
         )

@@ -16,12 +16,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import at, f32, pytree_dataclass, schedule_length, sigma_to_t
+from meshserve.models.schedulers.common import at, f32, schedule_dataclass, sigma_to_t
 from meshserve.models.schedulers.euler import init_noise_sigma, predicted_original, training_sigmas
 from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler, doubled
 
 
-@pytree_dataclass
+@schedule_dataclass
 class KDPM2Schedule:
     """timesteps: [2N - 1] float32, the model's timestep at each call (the midpoints' at the odd calls);
     sigmas, sigmas_interpol: [2N + 2] float32, diffusers' arrays as they are (each inner value twice), the
@@ -34,10 +34,6 @@ class KDPM2Schedule:
     sigmas_interpol: Any
     init_noise_sigma: Any
     steps: Any = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ import numpy as np
 from meshserve.models.schedulers.common import (
     at,
     f32,
-    pytree_dataclass,
-    schedule_length,
+    schedule_dataclass,
     sigma_to_t,
     step_noise,
 )
@@ -27,7 +26,7 @@ from meshserve.models.schedulers.euler import init_noise_sigma, predicted_origin
 from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler, doubled
 
 
-@pytree_dataclass
+@schedule_dataclass
 class KDPM2AncestralSchedule:
     """timesteps: [2N - 1] float32 (the midpoints' at the odd calls); sigmas, sigmas_interpol, sigmas_up,
     sigmas_down: [2N + 2] float32, diffusers' arrays as they are (each inner value twice; entries diffusers
@@ -40,10 +39,6 @@ class KDPM2AncestralSchedule:
     sigmas_down: Any
     init_noise_sigma: Any
     steps: Any = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

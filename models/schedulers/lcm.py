@@ -24,8 +24,7 @@ from meshserve.models.schedulers.common import (
     at,
     clip_or_threshold,
     f32,
-    pytree_dataclass,
-    schedule_length,
+    schedule_dataclass,
     step_noise,
 )
 
@@ -33,7 +32,7 @@ from meshserve.models.schedulers.common import (
 SIGMA_DATA = 0.5
 
 
-@pytree_dataclass
+@schedule_dataclass
 class LCMSchedule:
     """timesteps: [N] float32 (integer training timesteps, as float for a uniform UNet input);
     alpha_prod_t: [N] float32 alpha_bar at step i's timestep (also what image inputs are noised with);
@@ -49,10 +48,6 @@ class LCMSchedule:
     c_out: object
     init_noise_sigma: object
     steps: object = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

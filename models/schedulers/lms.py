@@ -16,14 +16,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import at, f32, pytree_dataclass, schedule_length
+from meshserve.models.schedulers.common import at, f32, schedule_dataclass
 from meshserve.models.schedulers.euler import EulerDiscreteScheduler, init_noise_sigma, predicted_original
 from meshserve.models.schedulers.k_diffusion import KDiffusionScheduler
 
 ORDER = 4  # diffusers' step(order=4): its pipelines never pass another
 
 
-@pytree_dataclass
+@schedule_dataclass
 class LMSSchedule:
     """timesteps: [N] float32; sigmas: [N + 1] float32 (then 0); coefficients: [N, ORDER] float32, step i's
     weight of the slope k steps back; init_noise_sigma: [] float32; steps: None, or [] int32 when padded."""
@@ -33,10 +33,6 @@ class LMSSchedule:
     coefficients: Any
     init_noise_sigma: Any
     steps: Any = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 def lms_coefficients(sigmas: np.ndarray, order: int = ORDER) -> np.ndarray:

@@ -27,8 +27,7 @@ from meshserve.models.schedulers.common import (
     NoiseScheduler,
     at,
     f32,
-    pytree_dataclass,
-    schedule_length,
+    schedule_dataclass,
     spaced_timesteps,
 )
 
@@ -45,7 +44,7 @@ FROM_T, FROM_T_PLUS, FROM_PRK_START = 0, 1, 2
 TO_T_MINUS, TO_T, TO_T_HALF = 0, 1, 2
 
 
-@pytree_dataclass
+@schedule_dataclass
 class PNDMSchedule:
     """All [L] float32, L the model calls (N + 1 with skip_prk_steps, N + 9 without); w_ets [L, 4].
 
@@ -80,10 +79,6 @@ class PNDMSchedule:
     acc_add: object
     init_noise_sigma: object
     steps: object = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

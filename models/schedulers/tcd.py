@@ -20,14 +20,13 @@ from meshserve.models.schedulers.common import (
     alpha_bar_prediction,
     at,
     f32,
-    pytree_dataclass,
-    schedule_length,
+    schedule_dataclass,
     step_noise,
 )
 from meshserve.models.schedulers.lcm import LCMScheduler
 
 
-@pytree_dataclass
+@schedule_dataclass
 class TCDSchedule:
     """timesteps: [N] float32 (integer training timesteps); alpha_prod_t, alpha_prod_t_prev, alpha_prod_s: [N]
     float32 alpha_bar at step i's timestep, at the next one (0 after the last) and at the intermediate
@@ -39,10 +38,6 @@ class TCDSchedule:
     alpha_prod_s: object
     init_noise_sigma: object
     steps: object = None
-
-    @property
-    def num_steps(self):
-        return schedule_length(self)
 
 
 @dataclass(frozen=True)

@@ -429,6 +429,29 @@ def check_loop(ours, ref, steps: int, seed: int = 0) -> float:
     return rel_err(got, expected)
 
 
+def check_loop_from(ours, ref, steps: int, start: int) -> float:
+    """An image-to-image loop: the model calls from `start` on (diffusers: its begin index where it has one;
+    PNDM's counter starts at 0 either way), ours with a fresh state, from the same sample."""
+    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
+    ref.set_timesteps(steps)
+    if hasattr(ref, "set_begin_index"):
+        ref.set_begin_index(start)
+    sample = torch.from_numpy(x)
+    for t in ref.timesteps[start:]:
+        x_in = ref.scale_model_input(sample, t)
+        sample = ref.step(fake_model(x_in, t.float(), torch), t, sample).prev_sample
+    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
+
+    def body(i, carry):
+        sample, state = carry
+        x_in = ours.scale_model_input(schedule, sample, i)
+        return ours.step(schedule, state, fake_model(x_in, schedule.timesteps[i], jnp), sample, i)
+
+    calls = ours.model_calls(steps)
+    got, _ = jax.lax.fori_loop(start, calls, body, (jnp.asarray(x), ours.init_state(x)))
+    return rel_err(got, sample.numpy())
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_loop_matches_diffusers(sdxl_config, case):
     ours, ref = build(sdxl_config, case)
@@ -520,21 +543,7 @@ def test_dpm_singlestep_from_a_start_step_matches_diffusers(sdxl_config, start):
     """Image-to-image starts DPM-Solver singlestep inside a group: diffusers (begin index > 0) lowers the
     order to the predictions it has, so the start step is first order and stores its sample, as ours."""
     ours, ref = build(sdxl_config, ("DPMSolverSinglestepScheduler", dict(solver_order=3), {}))
-    steps = 9
-    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
-    ref.set_timesteps(steps)
-    ref.set_begin_index(start)
-    sample = torch.from_numpy(x)
-    for t in ref.timesteps[start:]:
-        sample = ref.step(fake_model(sample, t.float(), torch), t, sample).prev_sample
-    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
-
-    def body(i, carry):
-        sample, state = carry
-        return ours.step(schedule, state, fake_model(sample, schedule.timesteps[i], jnp), sample, i)
-
-    got, _ = jax.lax.fori_loop(start, steps, body, (jnp.asarray(x), ours.init_state(x)))
-    assert rel_err(got, sample.numpy()) <= TOL
+    assert check_loop_from(ours, ref, steps=9, start=start) <= TOL
 
 
 @pytest.mark.parametrize("changes", [{}, dict(variance_type="fixed_large", clip_sample=False)], ids=str)
@@ -569,23 +578,7 @@ def test_lms_from_a_start_step_matches_diffusers(sdxl_config, start):
     """Image-to-image starts LMS at a later step with no slopes from before it: diffusers (begin index > 0)
     then sums the step's weights only over the slopes it has, as the zeros of ours do."""
     ours, ref = build(sdxl_config, ("lms", {}, {}))
-    steps = 6
-    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
-    ref.set_timesteps(steps)
-    ref.set_begin_index(start)
-    sample = torch.from_numpy(x)
-    for t in ref.timesteps[start:]:
-        x_in = ref.scale_model_input(sample, t)
-        sample = ref.step(fake_model(x_in, t.float(), torch), t, sample).prev_sample
-    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
-
-    def body(i, carry):
-        sample, state = carry
-        x_in = ours.scale_model_input(schedule, sample, i)
-        return ours.step(schedule, state, fake_model(x_in, schedule.timesteps[i], jnp), sample, i)
-
-    got, _ = jax.lax.fori_loop(start, steps, body, (jnp.asarray(x), ours.init_state(x)))
-    assert rel_err(got, sample.numpy()) <= TOL
+    assert check_loop_from(ours, ref, steps=6, start=start) <= TOL
 
 
 @pytest.mark.parametrize("skip_prk_steps", [True, False])
@@ -595,21 +588,7 @@ def test_pndm_from_a_start_call_matches_diffusers(sdxl_config, skip_prk_steps, s
     index): the first of them taken as a first step, the Runge-Kutta start (without skip_prk_steps) on
     the later timesteps, with the alpha_bar its counter picks."""
     ours, ref = build(sdxl_config, ("pndm", dict(skip_prk_steps=skip_prk_steps), {}))
-    steps = 6
-    x = np.random.default_rng(start).standard_normal(SHAPE).astype(np.float32)
-    ref.set_timesteps(steps)
-    sample = torch.from_numpy(x)
-    for t in ref.timesteps[start:]:
-        sample = ref.step(fake_model(sample, t.float(), torch), t, sample).prev_sample
-    schedule = jax.tree.map(jnp.asarray, ours.schedule(steps))
-
-    def body(i, carry):
-        sample, state = carry
-        return ours.step(schedule, state, fake_model(sample, schedule.timesteps[i], jnp), sample, i)
-
-    calls = ours.model_calls(steps)
-    got, _ = jax.lax.fori_loop(start, calls, body, (jnp.asarray(x), ours.init_state(x)))
-    assert rel_err(got, sample.numpy()) <= TOL
+    assert check_loop_from(ours, ref, steps=6, start=start) <= TOL
 
 
 def check_calls_schedule(ours, ref, steps: int) -> None:
