@@ -4,7 +4,9 @@ UniPCMultistepScheduler in its two forms:
 - flow matching, as Wan 2.1 runs it: `use_flow_sigmas=True`, `prediction_type="flow_prediction"`, `flow_shift`
   3.0 (480p) / 5.0 (720p), solver_order 2, `solver_type="bh2"`, `lower_order_final`, predict_x0;
 - the beta-schedule (variance-preserving) form SD-type UNets sample with (SDXL folders, A1111's "UniPC"):
-  sigmas of the training schedule at multistep timesteps (as DPM-Solver's), epsilon / v / sample predictions.
+  sigmas of the training schedule at multistep timesteps (as DPM-Solver's), epsilon / v / sample predictions,
+  integrated over x0 predictions (predict_x0, thresholded where the config says) or, with predict_x0=False,
+  over the noise they imply (then the schedule must end at sigma_min: at 0 diffusers' last step is NaN).
 
     sched = make_scheduler("unipc", wan_scheduler_config, flow_shift=3.0)
     schedule = sched.schedule(50)            # timesteps 999, 993, ... (int64 in diffusers; exact in float32)
@@ -52,6 +54,7 @@ from meshserve.models.schedulers.common import (
     multistep_timesteps,
     respaced_sigmas,
     schedule_length,
+    threshold_sample,
     vp_alpha_sigma,
     vp_data_prediction,
 )
@@ -84,14 +87,13 @@ class UniPCMultistepScheduler(NoiseScheduler):
     use_beta_sigmas: bool = False
     sigma_min: float | None = None
     sigma_max: float | None = None
+    thresholding: bool = False
+    dynamic_thresholding_ratio: float = 0.995
+    sample_max_value: float = 1.0
 
-    # predict_x0 false (the noise-prediction form) is not implemented, nor thresholding, a solver_p, or
-    # respaced flow sigmas: no Wan or SDXL folder seen sets them.
-    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {
-        "predict_x0": True,
-        "thresholding": False,
-        "solver_p": None,
-    }
+    # A solver_p (another scheduler as the predictor) and respaced flow sigmas are not implemented: no Wan or
+    # SDXL folder seen sets them.
+    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {"solver_p": None}
     # As diffusers' __init__: a DPM-Solver or DEIS folder's solver names read as bh2.
     CONFIG_ALIASES = {"solver_type": {"midpoint": "bh2", "heun": "bh2", "logrho": "bh2"}}
 
@@ -118,6 +120,17 @@ class UniPCMultistepScheduler(NoiseScheduler):
                 "flow sigmas is not implemented"
             )
         check_choice("solver_order", self.solver_order, (1, 2, 3))
+        if not self.predict_x0 and self.use_flow_sigmas:
+            raise ValueError(
+                "UniPCMultistepScheduler: predict_x0=False takes no flow prediction (as diffusers)"
+            )
+        if not self.predict_x0 and self.final_sigmas_type == "zero":
+            # The noise-prediction form's last update is alpha_t / alpha_s0 x - sigma_t (e^h - 1) eps with
+            # sigma_t = 0 and h = inf: 0 x inf, NaN (diffusers' too, every order).
+            raise ValueError(
+                "UniPCMultistepScheduler: predict_x0=False with final_sigmas_type 'zero' makes the last step NaN; "
+                "set final_sigmas_type to 'sigma_min'"
+            )
         if not self.lower_order_final and self.solver_order > 1 and self.final_sigmas_type == "zero":
             # The last step at order 2 or 3 works in lambda = log(alpha / sigma), infinite at a final sigma of
             # 0: all NaN (diffusers: NaN at order 2, a singular linalg.solve at 3).
@@ -212,7 +225,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
         sigmas = jnp.asarray(schedule.sigmas)
         i = jnp.asarray(i, jnp.int32)
         x = sample.astype(jnp.float32)
-        x0 = self._data_prediction(sigmas[i], model_output, x)
+        x0 = self._convert_model_output(sigmas[i], model_output, x)
 
         history = state["model_outputs"]
         lower_order_nums = state["lower_order_nums"]
@@ -246,12 +259,25 @@ class UniPCMultistepScheduler(NoiseScheduler):
         }
         return prev_sample.astype(sample.dtype), state
 
-    def _data_prediction(self, sigma, model_output, x):
-        """diffusers' convert_model_output (predict_x0): x0 from the model output at sigma, float32."""
+    def _convert_model_output(self, sigma, model_output, x):
+        """diffusers' convert_model_output, float32: x0 from the model output at sigma (predict_x0,
+        thresholded where the config says), or the noise it implies (predict_x0=False)."""
         if self.use_flow_sigmas:
             # x0 = x - sigma * v (see the module docstring for bf16).
-            return x - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
-        return vp_data_prediction(self.prediction_type, sigma, model_output.astype(jnp.float32), x)
+            x0 = x - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
+        elif self.predict_x0:
+            x0 = vp_data_prediction(self.prediction_type, sigma, model_output.astype(jnp.float32), x)
+        else:
+            model_output = model_output.astype(jnp.float32)
+            alpha_t, sigma_t = vp_alpha_sigma(sigma)
+            if self.prediction_type == "epsilon":
+                return model_output
+            if self.prediction_type == "sample":
+                return (x - alpha_t * model_output) / sigma_t
+            return alpha_t * model_output + sigma_t * x
+        if self.thresholding:
+            x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
+        return x0
 
     def _lambda(self, sigmas, idx):
         """(alpha_t, sigma_t, lambda) at sigmas[idx]. idx is clamped at 0: the branches that would read below
@@ -261,8 +287,9 @@ class UniPCMultistepScheduler(NoiseScheduler):
         return alpha, sigma, jnp.log(alpha) - jnp.log(sigma)
 
     def _phi(self, h, order: int):
-        """diffusers' shared coefficients: hh = -h (predict_x0), h_phi_1 = e^hh - 1, B(h), and the b vector."""
-        hh = -h
+        """diffusers' shared coefficients: hh = -h (predict_x0; h for noise predictions), h_phi_1 = e^hh - 1,
+        B(h), and the b vector."""
+        hh = -h if self.predict_x0 else h
         h_phi_1 = jnp.expm1(hh)
         h_phi_k = h_phi_1 / hh - 1
         factorial_i = 1
@@ -278,7 +305,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
         """multistep_uni_p_bh_update: from sigmas[i] (sample x, x0 history ending at this step's) to
         sigmas[i + 1] with `order` predictions."""
         alpha_t, sigma_t, lambda_t = self._lambda(sigmas, i + 1)
-        _, sigma_s0, lambda_s0 = self._lambda(sigmas, i)
+        alpha_s0, sigma_s0, lambda_s0 = self._lambda(sigmas, i)
         h = lambda_t - lambda_s0
         m0 = history[-1]
         rks, d1s = [], []
@@ -287,7 +314,8 @@ class UniPCMultistepScheduler(NoiseScheduler):
             rks.append(rk)
             d1s.append((history[-(k + 1)] - m0) / rk)
         h_phi_1, b_h, b = self._phi(h, order)
-        x_t = (sigma_t / sigma_s0) * x - (alpha_t * h_phi_1) * m0
+        x_scale, scale = self._scales(alpha_t, sigma_t, alpha_s0, sigma_s0)
+        x_t = x_scale * x - (scale * h_phi_1) * m0
         if order == 1:
             return x_t
         if order == 2:
@@ -295,13 +323,13 @@ class UniPCMultistepScheduler(NoiseScheduler):
         else:
             rhos_p = jnp.linalg.solve(_powers(rks)[:-1, :-1], b[:-1])
         pred_res = sum(rhos_p[k] * d1s[k] for k in range(order - 1))
-        return x_t - (alpha_t * b_h) * pred_res
+        return x_t - (scale * b_h) * pred_res
 
     def _corrector(self, order: int, sigmas, i, history, last_sample, x0):
         """multistep_uni_c_bh_update: the previous step (sigmas[i - 1] -> sigmas[i], from last_sample) redone
         with this step's x0 as one more point; history is the x0 history before this step's is appended."""
         alpha_t, sigma_t, lambda_t = self._lambda(sigmas, i)
-        _, sigma_s0, lambda_s0 = self._lambda(sigmas, i - 1)
+        alpha_s0, sigma_s0, lambda_s0 = self._lambda(sigmas, i - 1)
         h = lambda_t - lambda_s0
         m0 = history[-1]
         rks, d1s = [], []
@@ -314,9 +342,17 @@ class UniPCMultistepScheduler(NoiseScheduler):
             rhos_c = jnp.full((1,), 0.5, jnp.float32)
         else:
             rhos_c = jnp.linalg.solve(_powers(rks), b)
-        x_t = (sigma_t / sigma_s0) * last_sample - (alpha_t * h_phi_1) * m0
+        x_scale, scale = self._scales(alpha_t, sigma_t, alpha_s0, sigma_s0)
+        x_t = x_scale * last_sample - (scale * h_phi_1) * m0
         corr_res = sum(rhos_c[k] * d1s[k] for k in range(order - 1))
-        return x_t - (alpha_t * b_h) * (corr_res + rhos_c[-1] * (x0 - m0))
+        return x_t - (scale * b_h) * (corr_res + rhos_c[-1] * (x0 - m0))
+
+    def _scales(self, alpha_t, sigma_t, alpha_s0, sigma_s0):
+        """(the sample's factor, the predictions' scale) of an update from s0 to t: sigma_t / sigma_s0 and
+        alpha_t over x0 predictions, alpha_t / alpha_s0 and sigma_t over noise predictions."""
+        if self.predict_x0:
+            return sigma_t / sigma_s0, alpha_t
+        return alpha_t / alpha_s0, sigma_t
 
 
 def _powers(rks):

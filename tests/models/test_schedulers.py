@@ -239,6 +239,19 @@ CASES = [
     ("EDMEulerScheduler", dict(EDM, sigma_schedule="exponential", prediction_type="v_prediction"), {}),
     ("EDMEulerScheduler", dict(EDM, final_sigmas_type="sigma_min", sigma_data=1.0, rho=5.0), {}),
     ("UniPCMultistepScheduler", dict(solver_order=1), {}),
+    # UniPC over noise predictions (predict_x0=False: its schedule must end at sigma_min) and thresholded x0.
+    ("UniPCMultistepScheduler", dict(predict_x0=False, final_sigmas_type="sigma_min"), {}),
+    (
+        "UniPCMultistepScheduler",
+        dict(predict_x0=False, final_sigmas_type="sigma_min", solver_order=3, prediction_type="v_prediction"),
+        {},
+    ),
+    (
+        "unipc",
+        dict(predict_x0=False, final_sigmas_type="sigma_min", solver_type="bh1", prediction_type="sample"),
+        {},
+    ),
+    ("unipc", dict(thresholding=True, prediction_type="sample", sample_max_value=1.2), {}),
     ("UniPCMultistepScheduler", dict(solver_order=3), {}),
     (
         "UniPCMultistepScheduler",
@@ -565,7 +578,14 @@ def test_ddpm_custom_timesteps_match_diffusers(sdxl_config, changes):
 
 
 @pytest.mark.parametrize(
-    "changes", [{}, dict(solver_order=3), dict(solver_type="bh1", final_sigmas_type="sigma_min")], ids=str
+    "changes",
+    [
+        {},
+        dict(solver_order=3),
+        dict(solver_type="bh1", final_sigmas_type="sigma_min"),
+        dict(predict_x0=False, final_sigmas_type="sigma_min", solver_order=3),
+    ],
+    ids=str,
 )
 def test_unipc_long_loop_matches_diffusers(sdxl_config, changes):
     """UniPC's VP form over 12 steps: every order's predictor and corrector, the lowered last steps."""
@@ -836,6 +856,8 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("DPMSolverMultistepScheduler", dict(prediction_type="flow_prediction")),
         ("dpmpp_2s", dict(use_flow_sigmas=True, prediction_type="flow_prediction", use_karras_sigmas=True)),
         ("pndm", dict(prediction_type="sample")),
+        ("unipc", dict(predict_x0=False)),  # at a final sigma of 0: NaN in diffusers
+        ("unipc", dict(solver_p="DDIMScheduler")),
     ]
     for name, changes in bad:
         with pytest.raises(ValueError):

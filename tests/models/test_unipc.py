@@ -163,13 +163,26 @@ LOOP_CASES = [
     ({**WAN, "solver_type": "bh1", "final_sigmas_type": "sigma_min"}, 12),
     ({**WAN, "lower_order_final": False, "final_sigmas_type": "sigma_min"}, 12),
     ({**WAN, "disable_corrector": [0, 3]}, 8),
+    ({**WAN, "thresholding": True, "sample_max_value": 1.2}, 8),
 ]
 
 
 @pytest.mark.parametrize(
     "config,steps",
     LOOP_CASES,
-    ids=["wan50", "shift5", "2steps", "3steps", "10steps", "order1", "order3", "bh1", "no_lof", "no_corr"],
+    ids=[
+        "wan50",
+        "shift5",
+        "2steps",
+        "3steps",
+        "10steps",
+        "order1",
+        "order3",
+        "bh1",
+        "no_lof",
+        "no_corr",
+        "thresh",
+    ],
 )
 def test_jitted_padded_loop_equals_diffusers(config, steps):
     want = diffusers_loop(config, steps, X0)
@@ -277,7 +290,7 @@ def test_names_and_unsupported_options():
     sched = make_scheduler(None, {**WAN, "disable_corrector": [1, 2]})
     assert sched.disable_corrector == (1, 2) and hash(sched)  # hashable: a static jit argument
     assert make_scheduler(None, {**WAN, "solver_type": "midpoint"}).solver_type == "bh2"  # as diffusers
-    for key, value in (("use_karras_sigmas", True), ("thresholding", True), ("predict_x0", False)):
+    for key, value in (("use_karras_sigmas", True), ("predict_x0", False)):
         with pytest.raises(ValueError, match=key):
             make_scheduler(None, {**WAN, key: value})
     with pytest.raises(ValueError, match="use_flow_sigmas"):
