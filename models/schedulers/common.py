@@ -39,7 +39,7 @@ def schedule_length(schedule):
 
 def schedule_dataclass(cls):
     """A schedule: a frozen dataclass whose fields are all pytree leaves (arrays), so it can be a traced jit
-    argument, with `num_steps` (`schedule_length`). Its last field is `steps` (None; `pad_schedule` sets it)."""
+    argument, with `num_steps` (`schedule_length`); its `steps` field is None until `pad_schedule` sets it."""
     cls = dataclass(frozen=True)(cls)
     cls.num_steps = property(schedule_length)
     names = [f.name for f in dataclasses.fields(cls)]
