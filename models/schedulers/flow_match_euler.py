@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, at, check_choice, f32
+from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, at, check_choice, f32, respacing
 
 
 def flux_mu(image_seq_len: int, config: Mapping[str, Any]) -> float:
@@ -51,20 +51,26 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
     time_shift_type: str = "exponential"
+    # After the shift: stretched to end at shift_terminal (LTX-Video's), then respaced between the shifted
+    # sigmas' ends (or the config's sigma_min / sigma_max where it has them), as diffusers' set_timesteps.
+    shift_terminal: float | None = None
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None
+    sigma_max: float | None = None
 
-    # Options no Flux or Wan checkpoint sets (diffusers' defaults turn them off).
-    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {
-        "invert_sigmas": False,
-        "shift_terminal": None,
-        "use_karras_sigmas": False,
-        "use_exponential_sigmas": False,
-        "use_beta_sigmas": False,
-        "stochastic_sampling": False,
-    }
+    # Options no Flux or Wan checkpoint sets (diffusers' defaults turn them off): Mochi's inverted sigmas and
+    # a stochastic step.
+    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {"invert_sigmas": False, "stochastic_sampling": False}
 
     def __post_init__(self):
         super().__post_init__()
         check_choice("time_shift_type", self.time_shift_type, ("exponential", "linear"))
+        if self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas > 1:
+            raise ValueError(
+                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
+            )
 
     def _training_sigma_range(self) -> tuple[float, float]:
         """diffusers' __init__: (sigma_max, sigma_min) of the float32 training sigmas t / 1000, t = 1000..1,
@@ -115,6 +121,18 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
             sigmas = self._time_shift(mu, sigmas)
         else:
             sigmas = self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
+        if self.shift_terminal:
+            one_minus_z = 1 - sigmas
+            if one_minus_z[-1] == 0:  # one step at sigma 1: diffusers' stretch divides 0 by 0 (NaN)
+                raise ValueError(
+                    "shift_terminal stretches the schedule to its last sigma: it needs 2 steps or more"
+                )
+            sigmas = 1 - one_minus_z / (one_minus_z[-1] / (1 - self.shift_terminal))
+        respace = respacing(self)
+        if respace is not None:
+            sigma_min = self.sigma_min if self.sigma_min is not None else sigmas[-1]
+            sigma_max = self.sigma_max if self.sigma_max is not None else sigmas[0]
+            sigmas = respace(sigma_min, sigma_max, n)
         sigmas = f32(sigmas)
         timesteps = sigmas * np.float32(self.num_train_timesteps)  # torch float32 product
         return SigmaSchedule(

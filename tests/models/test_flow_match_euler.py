@@ -77,6 +77,38 @@ def test_dynamic_shift_schedule_equals_diffusers(seq_len, steps, pipeline_sigmas
     assert_schedule_equal(ours, reference(FLUX_DEV, steps, mu=mu, pipeline_sigmas=pipeline_sigmas))
 
 
+# After the shift: LTX-Video's terminal stretch, and the respaced sigmas diffusers offers on flow matching too
+# (between the shifted sigmas' ends, or the config's sigma_min / sigma_max, which diffusers keeps as hidden keys).
+RESPACED = [
+    {"shift": 3.0, "shift_terminal": 0.1},
+    {"shift": 3.0, "use_karras_sigmas": True},
+    {"shift": 1.0, "use_exponential_sigmas": True},
+    {"shift": 3.0, "use_beta_sigmas": True},
+    {"shift": 3.0, "use_karras_sigmas": True, "sigma_min": 0.01, "sigma_max": 0.9},
+    {**FLUX_DEV, "use_karras_sigmas": True},
+    {**FLUX_DEV, "shift_terminal": 0.05, "use_exponential_sigmas": True},
+]
+
+
+@pytest.mark.parametrize("pipeline_sigmas", [True, False], ids=["pipeline_sigmas", "config_sigmas"])
+@pytest.mark.parametrize(
+    "config", RESPACED, ids=lambda c: "-".join(k for k in c if k not in FLUX_DEV) or "flux"
+)
+@pytest.mark.parametrize("steps", (1, 4, 28))
+def test_terminal_and_respaced_sigmas_equal_diffusers(config, steps, pipeline_sigmas):
+    mu = flux_mu(1024, FLUX_DEV) if config.get("use_dynamic_shifting") else None
+    sched = make_scheduler("flow_match_euler", config)
+    if config.get("shift_terminal") and steps == 1:  # its one sigma is 1: diffusers' stretch is 0 / 0, NaN
+        assert np.isnan(reference(config, steps, mu=mu, pipeline_sigmas=pipeline_sigmas).sigmas[0])
+        with pytest.raises(ValueError, match="shift_terminal"):
+            sched.schedule(steps, mu=mu, pipeline_sigmas=pipeline_sigmas)
+        return
+    ours = sched.schedule(steps, mu=mu, pipeline_sigmas=pipeline_sigmas)
+    ref = reference(config, steps, mu=mu, pipeline_sigmas=pipeline_sigmas)
+    assert rel_err(ours.sigmas, ref.sigmas.numpy()) <= 1e-6
+    assert rel_err(ours.timesteps, ref.timesteps.numpy()) <= 1e-6
+
+
 def test_linear_time_shift_equals_diffusers():
     config = {**FLUX_DEV, "time_shift_type": "linear"}
     ours = make_scheduler("FlowMatchEulerDiscreteScheduler", config).schedule(28, mu=1.15)
@@ -172,8 +204,10 @@ def test_names_and_unsupported_options():
     assert "flow_match_euler" in FLOW_SCHEDULER_NAMES and "flow_match_euler" not in SCHEDULER_NAMES
     assert isinstance(make_scheduler("flow_match_euler", {}), FlowMatchEulerDiscreteScheduler)
     assert isinstance(make_scheduler(None, FLUX_DEV), FlowMatchEulerDiscreteScheduler)
-    for key, value in (("invert_sigmas", True), ("use_karras_sigmas", True), ("stochastic_sampling", True)):
+    for key, value in (("invert_sigmas", True), ("stochastic_sampling", True)):
         with pytest.raises(ValueError, match=key):
             make_scheduler(None, {**FLUX_DEV, key: value})
+    with pytest.raises(ValueError, match="only one of"):
+        make_scheduler(None, {**FLUX_DEV, "use_karras_sigmas": True, "use_beta_sigmas": True})
     with pytest.raises(ValueError, match="time_shift_type"):
         make_scheduler(None, {**FLUX_DEV, "time_shift_type": "cubic"})
