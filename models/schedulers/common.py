@@ -373,6 +373,13 @@ def respaced_sigmas(scheduler, train_sigmas: np.ndarray, n: int, *, round_karras
     return sigmas, timesteps
 
 
+def stretch_to_terminal(sigmas: np.ndarray, shift_terminal: float) -> np.ndarray:
+    """Flow sigmas stretched so the last one is `shift_terminal` (diffusers' stretch_shift_to_terminal, from
+    LTX-Video); a last sigma of 1 divides 0 by 0."""
+    one_minus_z = 1 - sigmas
+    return 1 - one_minus_z / (one_minus_z[-1] / (1 - shift_terminal))
+
+
 def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
     """Fractional training timesteps of `sigmas` by linear interpolation in log sigma (k-diffusion)."""
     sigmas = np.asarray(sigmas, np.float64)  # log_sigmas: diffusers' float32 table, kept float32

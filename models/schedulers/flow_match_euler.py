@@ -21,7 +21,15 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import NoiseScheduler, SigmaSchedule, at, check_choice, f32, respacing
+from meshserve.models.schedulers.common import (
+    NoiseScheduler,
+    SigmaSchedule,
+    at,
+    check_choice,
+    f32,
+    respacing,
+    stretch_to_terminal,
+)
 
 
 def flux_mu(image_seq_len: int, config: Mapping[str, Any]) -> float:
@@ -122,12 +130,11 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
         else:
             sigmas = self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
         if self.shift_terminal:
-            one_minus_z = 1 - sigmas
-            if one_minus_z[-1] == 0:  # one step at sigma 1: diffusers' stretch divides 0 by 0 (NaN)
+            if sigmas[-1] == 1:  # one step at sigma 1: diffusers' stretch divides 0 by 0 (NaN)
                 raise ValueError(
                     "shift_terminal stretches the schedule to its last sigma: it needs 2 steps or more"
                 )
-            sigmas = 1 - one_minus_z / (one_minus_z[-1] / (1 - self.shift_terminal))
+            sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
         respace = respacing(self)
         if respace is not None:
             sigma_min = self.sigma_min if self.sigma_min is not None else sigmas[-1]

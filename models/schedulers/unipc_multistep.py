@@ -54,6 +54,7 @@ from meshserve.models.schedulers.common import (
     multistep_timesteps,
     respaced_sigmas,
     schedule_length,
+    stretch_to_terminal,
     threshold_sample,
     vp_alpha_sigma,
     vp_data_prediction,
@@ -168,8 +169,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
         else:
             sigmas = self.flow_shift * sigmas / (1 + (self.flow_shift - 1) * sigmas)
         if self.shift_terminal:
-            one_minus_z = 1 - sigmas
-            sigmas = 1 - one_minus_z / (one_minus_z[-1] / (1 - self.shift_terminal))
+            sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
         # sigma 1 would make lambda = log(0) at the first step; diffusers nudges it (and t becomes 999).
         eps = 1e-6
         if np.fabs(sigmas[0] - 1) < eps:
