@@ -349,7 +349,50 @@ def beta_sigmas(
     return sigma_min + ppf * (sigma_max - sigma_min)
 
 
-def respacing(scheduler):
+@dataclass(frozen=True)
+class RespacedSigmas(NoiseScheduler):
+    """The settings of diffusers' classes whose sigmas can be respaced: Karras' rho ramp, exponential or beta
+    spacing (at most one of them). The classes that read them: Euler, the k-diffusion ones (Heun, DPM2, DPM2 a,
+    LMS, DPM++ SDE), DPM-Solver (and DEIS, singlestep), UniPC and flow-matching Euler."""
+
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+
+    # The settings of which at most one may be on (DPM-Solver adds its lu lambdas).
+    EXCLUSIVE_SPACINGS: ClassVar[tuple[str, ...]] = (
+        "use_karras_sigmas",
+        "use_exponential_sigmas",
+        "use_beta_sigmas",
+    )
+
+    @property
+    def respaced(self) -> bool:
+        return bool(self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas)
+
+    def check_one_spacing(self) -> None:
+        """Raises when more than one of EXCLUSIVE_SPACINGS is on (diffusers' __init__ does too). Called by each
+        class's __post_init__, since the flow forms of DPM-Solver and UniPC skip the base's beta checks."""
+        if sum(bool(getattr(self, name)) for name in self.EXCLUSIVE_SPACINGS) > 1:
+            raise ValueError(f"only one of {', '.join(self.EXCLUSIVE_SPACINGS)} can be set")
+
+
+@dataclass(frozen=True)
+class RespacedSigmasInRange(RespacedSigmas):
+    """Respaced sigmas between the config's sigma_min / sigma_max where it sets them (diffusers' Euler,
+    DPM-Solver, UniPC and flow-matching Euler read these keys; the k-diffusion classes do not have them)."""
+
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+
+    def respaced_between(self, low: float, high: float, n: int) -> np.ndarray:
+        """[n] respaced sigmas from the config's sigma_max (else `high`) down to its sigma_min (else `low`)."""
+        sigma_min = self.sigma_min if self.sigma_min is not None else low
+        sigma_max = self.sigma_max if self.sigma_max is not None else high
+        return respacing(self)(sigma_min, sigma_max, n)
+
+
+def respacing(scheduler: RespacedSigmas):
     """The respacing of the sigmas a config asks for: karras_sigmas, exponential_sigmas or beta_sigmas (by its
     use_karras_sigmas / use_exponential_sigmas / use_beta_sigmas), or None."""
     return (
@@ -360,13 +403,13 @@ def respacing(scheduler):
     )  # fmt: skip
 
 
-def respaced_sigmas(scheduler, train_sigmas: np.ndarray, n: int, *, round_karras: bool):
+def respaced_sigmas(
+    scheduler: RespacedSigmasInRange, train_sigmas: np.ndarray, n: int, *, round_karras: bool
+):
     """(sigmas [n], fractional timesteps [n]) of the multistep solvers' Karras / exponential / beta sigmas:
     respaced between the ends of the *training* sigmas (Euler uses the inference ones), or the config's
     sigma_min / sigma_max where it has them; Karras timesteps rounded when `round_karras`."""
-    sigma_min = scheduler.sigma_min if scheduler.sigma_min is not None else train_sigmas[0]
-    sigma_max = scheduler.sigma_max if scheduler.sigma_max is not None else train_sigmas[-1]
-    sigmas = respacing(scheduler)(sigma_min, sigma_max, n)
+    sigmas = scheduler.respaced_between(train_sigmas[0], train_sigmas[-1], n)
     timesteps = sigma_to_t(sigmas, np.log(train_sigmas))
     if scheduler.use_karras_sigmas and round_karras:
         timesteps = timesteps.round()

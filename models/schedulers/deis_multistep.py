@@ -60,7 +60,7 @@ class DEISMultistepScheduler(DPMSolverMultistepScheduler):
         n = int(num_inference_steps)
         self.check_steps(n)
         train_sigmas = training_sigmas(self)
-        if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
+        if self.respaced:
             # Karras timesteps always rounded (DPM-Solver keeps a cosine schedule's fractional); the last sigma is
             # the respaced schedule's own end.
             sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=True)

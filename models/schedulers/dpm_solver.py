@@ -21,7 +21,7 @@ import numpy as np
 
 from meshserve.models.schedulers.common import (
     TIMESTEP_SPACINGS,
-    NoiseScheduler,
+    RespacedSigmasInRange,
     SigmaSchedule,
     check_choice,
     f32,
@@ -38,7 +38,7 @@ from meshserve.models.schedulers.euler import capped_alphas_cumprod, training_si
 
 
 @dataclass(frozen=True)
-class DPMSolverMultistepScheduler(NoiseScheduler):
+class DPMSolverMultistepScheduler(RespacedSigmasInRange):
     """Settings: diffusers' DPMSolverMultistepScheduler config (defaults equal). Supported: solver_order 1-3,
     algorithm_type dpmsolver++ / sde-dpmsolver++, solver_type midpoint / heun, lower_order_final,
     euler_at_final, karras / exponential / beta / lu-lambda sigmas, final_sigmas_type, lambda_min_clipped,
@@ -53,14 +53,9 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     solver_type: str = "midpoint"
     lower_order_final: bool = True
     euler_at_final: bool = False
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
     use_lu_lambdas: bool = False
     final_sigmas_type: str = "zero"
     lambda_min_clipped: float = -float("inf")
-    sigma_min: float | None = None
-    sigma_max: float | None = None
     use_flow_sigmas: bool = False
     flow_shift: float = 1.0
 
@@ -90,12 +85,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         if self.use_flow_sigmas:
             # Not NoiseScheduler's checks: "flow_prediction" is no prediction type of the beta-schedule family.
             check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
-            if (
-                self.use_karras_sigmas
-                or self.use_exponential_sigmas
-                or self.use_beta_sigmas
-                or self.use_lu_lambdas
-            ):
+            if self.respaced or self.use_lu_lambdas:
                 raise ValueError(
                     f"{type(self).__name__}: respaced sigmas with flow sigmas are not implemented"
                 )
@@ -105,13 +95,7 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
         check_choice("solver_type", self.solver_type, self.SOLVER_TYPES)
         check_choice("solver_order", self.solver_order, (1, 2, 3))
         check_choice("final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
-        if (
-            self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas + self.use_lu_lambdas
-            > 1
-        ):
-            raise ValueError(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas, use_lu_lambdas can be set"
-            )
+        self.check_one_spacing()
 
     @property
     def stochastic(self) -> bool:
@@ -123,10 +107,9 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
     def scheduler_arguments(self) -> dict:
         # diffusers takes custom timesteps (not sigmas), but not with respaced sigmas or lu lambdas.
         # (diffusers' flow sigmas ignore custom timesteps: refused rather than ignored)
-        respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         return self.argument_rules(
             sigmas=False,
-            timesteps=not (respaced or self.use_lu_lambdas or self.use_flow_sigmas),
+            timesteps=not (self.respaced or self.use_lu_lambdas or self.use_flow_sigmas),
             sigmas_end=False,
         )
 
@@ -156,9 +139,12 @@ class DPMSolverMultistepScheduler(NoiseScheduler):
                 self.timestep_spacing, last_timestep, self.num_train_timesteps, n, self.steps_offset
             )
 
-        if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
+        # diffusers' order: Karras sigmas, then lu lambdas, then exponential or beta sigmas (its __init__
+        # refuses two of the three respacings together, but not lu lambdas beside one).
+        lu_lambdas = self.use_lu_lambdas and not self.use_karras_sigmas
+        if self.respaced and not lu_lambdas:
             sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=self._rounds_karras())
-        elif self.use_lu_lambdas:
+        elif lu_lambdas:
             # Uniform in log sigma between its training ends (diffusers' _convert_to_lu with rho = 1).
             sigmas = np.exp(np.linspace(float(log_sigmas[-1]), float(log_sigmas[0]), n))
             timesteps = sigma_to_t(sigmas, log_sigmas)

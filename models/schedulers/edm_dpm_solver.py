@@ -34,7 +34,13 @@ class EDMDPMSolverMultistepScheduler(DPMSolverMultistepScheduler):
     sigma_schedule: str = "karras"
     rho: float = 7.0
 
-    IGNORED = ("use_flow_sigmas", "flow_shift")  # not settings of diffusers' EDM class
+    # Not settings of diffusers' EDM class: a config carrying them (another class's) is read without them.
+    IGNORED = (
+        "use_flow_sigmas",
+        "flow_shift",
+        *DPMSolverMultistepScheduler.EXCLUSIVE_SPACINGS,
+        "use_lu_lambdas",
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -14,11 +14,11 @@ import numpy as np
 
 from meshserve.models.schedulers.common import (
     NoiseScheduler,
+    RespacedSigmasInRange,
     SigmaSchedule,
     at,
     check_choice,
     f32,
-    respacing,
     sigma_to_t,
     spaced_timesteps,
 )
@@ -61,7 +61,7 @@ def predicted_original(prediction_type: str, sigma, sample, model_output):
 
 
 @dataclass(frozen=True)
-class EulerDiscreteScheduler(NoiseScheduler):
+class EulerDiscreteScheduler(RespacedSigmasInRange):
     """Settings: diffusers' EulerDiscreteScheduler config (defaults equal). interpolation_type places the
     inference sigmas ("linear" in t, or "log_linear" from sigma_max to sigma_min); at most one of
     use_karras/exponential/beta_sigmas respaces them, the timesteps following by interpolation in log sigma;
@@ -69,11 +69,6 @@ class EulerDiscreteScheduler(NoiseScheduler):
     final_sigmas_type: the last step ends at 0 ("zero") or at the smallest training sigma ("sigma_min")."""
 
     interpolation_type: str = "linear"
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    sigma_min: float | None = None
-    sigma_max: float | None = None
     timestep_type: str = "discrete"
     final_sigmas_type: str = "zero"
 
@@ -82,17 +77,13 @@ class EulerDiscreteScheduler(NoiseScheduler):
         check_choice("interpolation_type", self.interpolation_type, ("linear", "log_linear"))
         check_choice("timestep_type", self.timestep_type, ("discrete", "continuous"))
         check_choice("final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
-        if self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas > 1:
-            raise ValueError(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
-            )
+        self.check_one_spacing()
 
     def scheduler_arguments(self) -> dict:
         # diffusers refuses custom timesteps where the sigmas are respaced or the timesteps come from them.
-        respaced = self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas
         edm = self.timestep_type == "continuous" and self.prediction_type == "v_prediction"
         return self.argument_rules(
-            sigmas=True, timesteps=not (respaced or edm), sigmas_end=True, max_sigma=MAX_CUSTOM_SIGMA
+            sigmas=True, timesteps=not (self.respaced or edm), sigmas_end=True, max_sigma=MAX_CUSTOM_SIGMA
         )
 
     def schedule(self, num_inference_steps: int, *, sigmas=None, timesteps=None) -> SigmaSchedule:
@@ -122,12 +113,9 @@ class EulerDiscreteScheduler(NoiseScheduler):
         else:  # diffusers' log_linear yields n + 1 sigmas (then n + 2 with the final one); kept as is.
             sigmas = np.exp(np.linspace(log_sigmas[-1], log_sigmas[0], n + 1))
 
-        convert = respacing(self)
-        if convert is not None:
+        if self.respaced:
             # Euler respaces between the ends of the *inference* sigmas (DPM-Solver uses the training ones).
-            sigma_min = self.sigma_min if self.sigma_min is not None else sigmas[-1]
-            sigma_max = self.sigma_max if self.sigma_max is not None else sigmas[0]
-            sigmas = convert(sigma_min, sigma_max, n)
+            sigmas = self.respaced_between(sigmas[-1], sigmas[0], n)
             timesteps = sigma_to_t(sigmas, log_sigmas)
 
         sigma_last = train_sigmas[0] if self.final_sigmas_type == "sigma_min" else 0.0

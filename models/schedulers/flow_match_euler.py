@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.models.schedulers.common import (
-    NoiseScheduler,
+    RespacedSigmasInRange,
     SigmaSchedule,
     at,
     check_choice,
     f32,
-    respacing,
     stretch_to_terminal,
 )
 
@@ -48,7 +47,7 @@ def flux_mu(image_seq_len: int, config: Mapping[str, Any]) -> float:
 
 
 @dataclass(frozen=True)
-class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
+class FlowMatchEulerDiscreteScheduler(RespacedSigmasInRange):
     """Settings: diffusers' FlowMatchEulerDiscreteScheduler config (defaults equal). The beta fields inherited
     from NoiseScheduler are unused (a flow model has no beta schedule)."""
 
@@ -59,14 +58,9 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
     time_shift_type: str = "exponential"
-    # After the shift: stretched to end at shift_terminal (LTX-Video's), then respaced between the shifted
-    # sigmas' ends (or the config's sigma_min / sigma_max where it has them), as diffusers' set_timesteps.
+    # After the shift: stretched to end at shift_terminal (LTX-Video's), then respaced (the inherited settings)
+    # between the shifted sigmas' ends or the config's sigma_min / sigma_max, as diffusers' set_timesteps.
     shift_terminal: float | None = None
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    sigma_min: float | None = None
-    sigma_max: float | None = None
 
     # Options no Flux or Wan checkpoint sets (diffusers' defaults turn them off): Mochi's inverted sigmas and
     # a stochastic step.
@@ -75,10 +69,7 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
     def __post_init__(self):
         super().__post_init__()
         check_choice("time_shift_type", self.time_shift_type, ("exponential", "linear"))
-        if self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas > 1:
-            raise ValueError(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
-            )
+        self.check_one_spacing()
 
     def _training_sigma_range(self) -> tuple[float, float]:
         """diffusers' __init__: (sigma_max, sigma_min) of the float32 training sigmas t / 1000, t = 1000..1,
@@ -135,11 +126,8 @@ class FlowMatchEulerDiscreteScheduler(NoiseScheduler):
                     "shift_terminal stretches the schedule to its last sigma: it needs 2 steps or more"
                 )
             sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
-        respace = respacing(self)
-        if respace is not None:
-            sigma_min = self.sigma_min if self.sigma_min is not None else sigmas[-1]
-            sigma_max = self.sigma_max if self.sigma_max is not None else sigmas[0]
-            sigmas = respace(sigma_min, sigma_max, n)
+        if self.respaced:
+            sigmas = self.respaced_between(sigmas[-1], sigmas[0], n)
         sigmas = f32(sigmas)
         timesteps = sigmas * np.float32(self.num_train_timesteps)  # torch float32 product
         return SigmaSchedule(

@@ -14,18 +14,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from meshserve.models.schedulers.common import NoiseScheduler, respacing, sigma_to_t, spaced_timesteps
+from meshserve.models.schedulers.common import RespacedSigmas, respacing, sigma_to_t, spaced_timesteps
 from meshserve.models.schedulers.euler import training_sigmas
 
 
 @dataclass(frozen=True)
-class KDiffusionScheduler(NoiseScheduler):
-    """Settings the three classes share (defaults equal diffusers'): at most one of use_karras_sigmas,
-    use_exponential_sigmas, use_beta_sigmas respaces the sigmas."""
-
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
+class KDiffusionScheduler(RespacedSigmas):
+    """Settings the classes share (defaults equal diffusers'): the respacing ones (RespacedSigmas), between the
+    inference sigmas' own ends."""
 
     IGNORED = ("rescale_betas_zero_snr",)
     # Whether the class takes prediction_type "sample" (DPM2, DPM2 a and DPM++ SDE refuse it, as diffusers' steps).
@@ -33,10 +29,7 @@ class KDiffusionScheduler(NoiseScheduler):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas > 1:
-            raise ValueError(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
-            )
+        self.check_one_spacing()
         if self.prediction_type == "sample" and not self.takes_sample_prediction:
             raise ValueError(f"{type(self).__name__}: prediction_type='sample' is not supported")
 

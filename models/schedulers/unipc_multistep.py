@@ -47,7 +47,7 @@ import numpy as np
 
 from meshserve.models.schedulers.common import (
     TIMESTEP_SPACINGS,
-    NoiseScheduler,
+    RespacedSigmasInRange,
     SigmaSchedule,
     check_choice,
     f32,
@@ -63,7 +63,7 @@ from meshserve.models.schedulers.euler import training_sigmas
 
 
 @dataclass(frozen=True)
-class UniPCMultistepScheduler(NoiseScheduler):
+class UniPCMultistepScheduler(RespacedSigmasInRange):
     """Settings: diffusers' UniPCMultistepScheduler config (defaults equal). The "unipc" name implies the flow
     form (use_flow_sigmas, flow_prediction) on a flow-matching model's config and the VP form on a
     beta-schedule one (make_scheduler). The beta fields inherited from NoiseScheduler are unused with flow
@@ -81,13 +81,6 @@ class UniPCMultistepScheduler(NoiseScheduler):
     time_shift_type: str = "exponential"
     shift_terminal: float | None = None
 
-    # The VP form's respaced sigmas (a folder's Euler or DPM-Solver config may set them: UniPC from_config
-    # keeps them); sigma_min / sigma_max are read when that config has them, as for DPM-Solver.
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    sigma_min: float | None = None
-    sigma_max: float | None = None
     thresholding: bool = False
     dynamic_thresholding_ratio: float = 0.995
     sample_max_value: float = 1.0
@@ -110,12 +103,8 @@ class UniPCMultistepScheduler(NoiseScheduler):
             check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
         else:
             super().__post_init__()
-        respaced = self.use_karras_sigmas + self.use_exponential_sigmas + self.use_beta_sigmas
-        if respaced > 1:
-            raise ValueError(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
-            )
-        if respaced and self.use_flow_sigmas:
+        self.check_one_spacing()
+        if self.respaced and self.use_flow_sigmas:
             raise ValueError(
                 "UniPCMultistepScheduler: use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas with "
                 "flow sigmas is not implemented"
@@ -188,7 +177,7 @@ class UniPCMultistepScheduler(NoiseScheduler):
         or the smallest sigma (respaced: the last one, as diffusers)."""
         train_sigmas = training_sigmas(self)
         num_train = self.num_train_timesteps
-        if self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas:
+        if self.respaced:
             sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=True)
             smallest = sigmas[-1]
         else:

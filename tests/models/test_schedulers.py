@@ -8,6 +8,7 @@ a torch.Generator, we replay the same generator's draws as explicit `noise`.
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from meshserve.models.schedulers import _BY_CLASS, SCHEDULER_NAMES, make_scheduler, pad_schedule
+from meshserve.models.schedulers.common import RespacedSigmas
 from tests.fixtures.tiny_sdxl import SCHEDULER
 
 TOL = 1e-4  # fp32 relative error budget of the house rules
@@ -845,7 +847,6 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("ddim", dict(prediction_type="flow")),
         ("euler_ancestral", dict(prediction_type="sample")),
         ("DPMSolverMultistepScheduler", dict(algorithm_type="dpmsolver")),
-        ("dpmpp_2m", dict(use_karras_sigmas=True, use_lu_lambdas=True)),
         ("dpm2", dict(prediction_type="sample")),
         ("lms", dict(use_karras_sigmas=True, use_beta_sigmas=True)),
         ("ddpm", dict(variance_type="learned_range")),
@@ -964,6 +965,38 @@ def test_a_config_without_settings_means_diffusers_defaults(class_name):
     assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL
     if hasattr(schedule, "sigmas") and hasattr(ref, "sigmas"):
         assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL
+
+
+def _takes(cls, setting: str) -> bool:
+    return setting in inspect.signature(cls.__init__).parameters
+
+
+@pytest.mark.parametrize(
+    "class_name",
+    sorted(c for c in _BY_CLASS if _takes(getattr(diffusers, c), "use_karras_sigmas")),
+)
+def test_respacings_together_are_refused_or_run_as_diffusers(sdxl_config, class_name):
+    """Every class whose diffusers counterpart has the respacing settings (RespacedSigmas) refuses two of
+    Karras / exponential / beta sigmas together, as its __init__ does, and runs each alone; DPM-Solver's lu
+    lambdas beside one run as diffusers' set_timesteps orders them (Karras, then lu lambdas, then the others)."""
+    theirs = getattr(diffusers, class_name)
+    config = {k: v for k, v in sdxl_config.items() if k not in ("_class_name", "_diffusers_version")}
+    names = RespacedSigmas.EXCLUSIVE_SPACINGS
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            with pytest.raises(ValueError):
+                theirs.from_config(config, **{first: True, second: True})
+            with pytest.raises(ValueError, match=f"only one of .*{first}.*{second}"):
+                make_scheduler(class_name, {**config, first: True, second: True})
+        make_scheduler(class_name, {**config, first: True}).schedule(4)
+    if _takes(theirs, "use_lu_lambdas"):
+        for first in names:
+            settings = {**config, first: True, "use_lu_lambdas": True}
+            ref = theirs.from_config(settings)
+            ref.set_timesteps(6)
+            schedule = make_scheduler(class_name, settings).schedule(6)
+            assert rel_err(schedule.timesteps, ref.timesteps.numpy()) <= TOL, first
+            assert rel_err(schedule.sigmas, ref.sigmas.numpy()) <= TOL, first
 
 
 def test_runtime_imports_no_torch():
