@@ -27,6 +27,7 @@ from meshserve.models.schedulers.common import (
     at,
     check_choice,
     f32,
+    step_noise,
     stretch_to_terminal,
 )
 
@@ -61,10 +62,15 @@ class FlowMatchEulerDiscreteScheduler(RespacedSigmasInRange):
     # After the shift: stretched to end at shift_terminal (LTX-Video's), then respaced (the inherited settings)
     # between the shifted sigmas' ends or the config's sigma_min / sigma_max, as diffusers' set_timesteps.
     shift_terminal: float | None = None
+    # Each step goes to the x0 the velocity implies and noises it afresh to the next sigma (`step`).
+    stochastic_sampling: bool = False
 
-    # Options no Flux or Wan checkpoint sets (diffusers' defaults turn them off): Mochi's inverted sigmas and
-    # a stochastic step.
-    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {"invert_sigmas": False, "stochastic_sampling": False}
+    # Mochi's inverted sigmas (its model's time runs the other way): no Flux or Wan model is trained so.
+    UNSUPPORTED: ClassVar[Mapping[str, Any]] = {"invert_sigmas": False}
+
+    @property
+    def stochastic(self) -> bool:
+        return self.stochastic_sampling
 
     def __post_init__(self):
         super().__post_init__()
@@ -137,7 +143,9 @@ class FlowMatchEulerDiscreteScheduler(RespacedSigmasInRange):
         )
 
     def step(self, schedule: SigmaSchedule, state, model_output, sample, i, key=None, *, noise=None):
-        """x + (sigma_next - sigma) * v from sigmas[i] to sigmas[i + 1]; returns (prev_sample, state).
+        """x + (sigma_next - sigma) * v from sigmas[i] to sigmas[i + 1]; returns (prev_sample, state). With
+        stochastic_sampling: x0 = x - sigma * v, then (1 - sigma_next) * x0 + sigma_next * fresh noise (`noise`
+        when given, else drawn from `key`, as `step_noise`), the product sigma * v rounded as dt * v below.
 
         As diffusers: the sample is upcast to fp32 and the result cast back to the model output's dtype. The
         product dt * v is taken in the model output's dtype: torch multiplies the 0-d fp32 dt with a bf16 v
@@ -145,7 +153,12 @@ class FlowMatchEulerDiscreteScheduler(RespacedSigmasInRange):
         diffusers bit for bit; rounding only the fp32 product differs in 199, all-fp32 in 466). For an fp32
         model this is plain fp32 arithmetic.
         """
-        dt = at(schedule.sigmas, i + 1) - at(schedule.sigmas, i)
-        update = dt.astype(model_output.dtype) * model_output
-        prev_sample = sample.astype(jnp.float32) + update.astype(jnp.float32)
+        sigma, sigma_next = at(schedule.sigmas, i), at(schedule.sigmas, i + 1)
+        x = sample.astype(jnp.float32)
+        if self.stochastic_sampling:
+            x0 = x - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
+            prev_sample = (1 - sigma_next) * x0 + sigma_next * step_noise(key, noise, x)
+        else:
+            update = (sigma_next - sigma).astype(model_output.dtype) * model_output
+            prev_sample = x + update.astype(jnp.float32)
         return prev_sample.astype(model_output.dtype), state

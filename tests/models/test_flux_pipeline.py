@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import GenerationCancelled, PipelineError, load_pipeline
-from meshserve.models.engine.seeds import initial_noise, key_data, row_keys
+from meshserve.models.engine.seeds import initial_noise, key_data, row_keys, step_keys
 from meshserve.models.flux.pipeline import FluxPipeline, pack_latents, unpack_latents
 
 log = logging.getLogger(__name__)
@@ -238,6 +238,40 @@ def test_rows_equal_alone_and_seeds_reproduce(dev):
         dev, prompts, latents=np.asarray(noise), guidance_scale=guidance, output_type="latent"
     )
     assert max_abs(explicit, batch) <= 1e-5
+
+
+def test_a_stochastic_sampling_folder_matches_diffusers_on_the_same_draws(
+    tiny_flux_dev_path, tmp_path, monkeypatch
+):
+    """A folder whose scheduler sets stochastic_sampling: each step's fresh noise comes from the row's seed (its
+    own stream), so a row equals itself alone; replayed into diffusers' step (its randn), the same pictures."""
+    import jax
+    import torch
+    from diffusers.schedulers import scheduling_flow_match_euler_discrete as flow_match
+
+    folder = tmp_path / "stochastic"
+    shutil.copytree(tiny_flux_dev_path, folder)
+    config_file = folder / "scheduler" / "scheduler_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "stochastic_sampling": True}))
+    pipe, seeds = load_pipeline(folder, dtype="float32"), [3, 2**40 + 8]
+    got = run_ours(pipe, PROMPTS, seed=seeds, guidance_scale=3.5)
+    alone = run_ours(pipe, PROMPTS[1], seed=seeds[1], guidance_scale=3.5)
+    assert max_abs(got[1:], alone) <= 1e-5
+    assert (
+        max_abs(got, run_ours(load_pipeline(tiny_flux_dev_path), PROMPTS, seed=seeds, guidance_scale=3.5))
+        > 1e-2
+    )
+
+    keys = row_keys(key_data(seeds))
+    draws = iter(
+        np.asarray(jax.vmap(lambda k: jax.random.normal(k, (TOKENS, CHANNELS)))(step_keys(keys, i)))
+        for i in range(3)
+    )
+    monkeypatch.setattr(flow_match, "randn_tensor", lambda shape, **kw: torch.from_numpy(next(draws)))
+    latents = np.asarray(pack_latents(initial_noise(keys, (H // 2, W // 2, CHANNELS // 4))))
+    expected = run_reference(_reference(folder), PROMPTS, latents, guidance_scale=3.5)
+    assert max_abs(got, expected) <= 1e-3 and expected.std() > 1e-2
+    assert next(draws, None) is None  # diffusers drew once per step
 
 
 def test_pack_unpack_are_diffusers_layout():
