@@ -112,10 +112,10 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "unipc": (UniPCMultistepScheduler, {}),
 }
 # Flow-matching models (Flux, Wan) predict a velocity, the others noise: the two are never interchangeable, so
-# SCHEDULER_NAMES (what SDXL-type families offer) leaves flow-matching Euler out; Wan offers these. UniPC and
-# DPM-Solver++ have both forms (Wan 2.1's own sample solvers are "unipc" and "dpm++": DPM-Solver++ 2M on flow
-# sigmas), so both lists have them; on a flow config they take flow sigmas and velocity predictions.
-FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler", "unipc", "dpmpp_2m", "dpmpp_2s")
+# SCHEDULER_NAMES (what SDXL-type families offer) leaves flow-matching Euler out; Wan offers these. UniPC,
+# DPM-Solver++ and DEIS have both forms (Wan 2.1's own sample solvers are "unipc" and "dpm++": DPM-Solver++ 2M
+# on flow sigmas), so both lists have them; on a flow config they take flow sigmas and velocity predictions.
+FLOW_SCHEDULER_NAMES: tuple[str, ...] = ("flow_match_euler", "unipc", "dpmpp_2m", "dpmpp_2s", "deis")
 SCHEDULER_NAMES: tuple[str, ...] = tuple(n for n in _BY_NAME if n != "flow_match_euler")
 # diffusers class names are accepted too; they take every setting from the config.
 _BY_CLASS: dict[str, type[NoiseScheduler]] = {

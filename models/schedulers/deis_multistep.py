@@ -4,7 +4,8 @@ DEISMultistepScheduler ("logrho", the only solver diffusers implements).
 The loop of DPM-Solver multistep (dpm_solver.py: the history, the orders of the first and last steps) over the
 noise prediction instead of x0: a step integrates the exponential integrator exactly for a polynomial in
 log(rho), rho = sigma_t / alpha_t, through the last `solver_order` noise predictions. Its schedule ends at the
-training sigma_min (not 0), so the last step never takes the first-order update unless lower_order_final does.
+training sigma_min (not 0; on flow sigmas, at its own last sigma, repeated), so the last step never takes the
+first-order update unless lower_order_final does.
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from meshserve.models.schedulers.euler import training_sigmas
 @dataclass(frozen=True)
 class DEISMultistepScheduler(DPMSolverMultistepScheduler):
     """Settings: diffusers' DEISMultistepScheduler config (defaults equal): solver_order 1-3, lower_order_final,
-    karras / exponential / beta sigmas, thresholding. As diffusers, DPM-Solver's algorithm and solver names
-    ("dpmsolver++", "midpoint", ...) in a config read as DEIS's own."""
+    karras / exponential / beta sigmas, thresholding, flow sigmas (use_flow_sigmas with flow_prediction,
+    flow_shift: DPM-Solver's, the last sigma repeated as the end). As diffusers, DPM-Solver's and UniPC's
+    algorithm and solver names ("dpmsolver++", "midpoint", "bh2", ...) in a config read as DEIS's own."""
 
     algorithm_type: str = "deis"
     solver_type: str = "logrho"
     final_sigmas_type: str = "sigma_min"  # fixed: the schedule ends at the training sigma_min
 
-    # DEIS on flow sigmas is not ported (no Wan or Flux folder uses it).
-    UNSUPPORTED = {**DPMSolverMultistepScheduler.UNSUPPORTED, "use_flow_sigmas": False}
     ALGORITHM_TYPES = ("deis",)
     SOLVER_TYPES = ("logrho",)
     CONFIG_ALIASES = {
@@ -65,6 +65,9 @@ class DEISMultistepScheduler(DPMSolverMultistepScheduler):
             # the respaced schedule's own end.
             sigmas, timesteps = respaced_sigmas(self, train_sigmas, n, round_karras=True)
             sigma_last = sigmas[-1]
+        elif self.use_flow_sigmas:
+            sigmas = self._flow_sigmas(n)
+            timesteps, sigma_last = sigmas * self.num_train_timesteps, sigmas[-1]
         else:
             timesteps = multistep_timesteps(
                 self.timestep_spacing,

@@ -151,9 +151,7 @@ class DPMSolverMultistepScheduler(RespacedSigmasInRange):
             if self.beta_schedule != "squaredcos_cap_v2":
                 timesteps = timesteps.round()
         elif self.use_flow_sigmas:
-            # n + 1 points from 1 to 1/T, shifted, the last (0) dropped: sigmas below 1, so lambda is finite.
-            unshifted = 1.0 - np.linspace(1, 1 / self.num_train_timesteps, n + 1)
-            sigmas = np.flip(self.flow_shift * unshifted / (1 + (self.flow_shift - 1) * unshifted))[:-1]
+            sigmas = self._flow_sigmas(n)
             timesteps = sigmas * self.num_train_timesteps
         else:
             sigmas = np.interp(timesteps, np.arange(len(train_sigmas)), train_sigmas)
@@ -164,6 +162,12 @@ class DPMSolverMultistepScheduler(RespacedSigmasInRange):
         # diffusers stores int64 timesteps: fractional ones (exponential / beta sigmas) are truncated.
         timesteps = np.asarray(timesteps).astype(np.int64)
         return SigmaSchedule(timesteps=f32(timesteps), sigmas=f32(sigmas), init_noise_sigma=f32(1.0))
+
+    def _flow_sigmas(self, n: int) -> np.ndarray:
+        """[n] float64 flow sigmas: n + 1 points from 1 to 1/T, shifted by flow_shift, the last (0) dropped:
+        all below 1, so lambda is finite."""
+        unshifted = 1.0 - np.linspace(1, 1 / self.num_train_timesteps, n + 1)
+        return np.flip(self.flow_shift * unshifted / (1 + (self.flow_shift - 1) * unshifted))[:-1]
 
     def _rounds_karras(self) -> bool:
         """Whether Karras sigmas' timesteps are rounded to integers (diffusers' multistep set_timesteps: not

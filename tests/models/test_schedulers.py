@@ -535,12 +535,16 @@ def wan_config(tmp_path_factory) -> dict:
         ("DPMSolverMultistepScheduler", dict(final_sigmas_type="sigma_min", lower_order_final=False)),
         ("DPMSolverSinglestepScheduler", dict(solver_order=3)),
         ("DPMSolverSinglestepScheduler", dict(SDE, lower_order_final=True)),
+        ("deis", {}),
+        ("DEISMultistepScheduler", dict(solver_order=3, flow_shift=5.0)),
+        ("DEISMultistepScheduler", dict(solver_order=1)),
+        ("DEISMultistepScheduler", dict(lower_order_final=False, thresholding=True, sample_max_value=0.8)),
     ],
     ids=str,
 )
 def test_dpm_solver_on_flow_sigmas_matches_diffusers(wan_config, name, changes):
-    """DPM-Solver on Wan's flow config (its "dpm++" solver): shifted flow sigmas, x0 = x - sigma v, alpha =
-    1 - sigma; diffusers' class from the same config (the names' settings given to it)."""
+    """DPM-Solver and DEIS on Wan's flow config (its "dpm++" solver): shifted flow sigmas, x0 = x - sigma v,
+    alpha = 1 - sigma; diffusers' class from the same config (the names' settings given to it)."""
     config = {**wan_config, **changes}
     ours = make_scheduler(name, config)
     assert ours.use_flow_sigmas and not ours.scheduler_arguments()["timesteps"]
@@ -852,7 +856,6 @@ def test_make_scheduler_names_and_errors(sdxl_config):
         ("ddpm", dict(variance_type="learned_range")),
         ("ddpm", dict(variance_type="fixed_large_log")),
         ("deis", dict(algorithm_type="sde-dpmsolver++")),
-        ("deis", dict(use_flow_sigmas=True, prediction_type="flow_prediction")),
         ("DPMSolverMultistepScheduler", dict(use_flow_sigmas=True)),  # flow sigmas, a noise prediction
         ("DPMSolverMultistepScheduler", dict(prediction_type="flow_prediction")),
         ("dpmpp_2s", dict(use_flow_sigmas=True, prediction_type="flow_prediction", use_karras_sigmas=True)),

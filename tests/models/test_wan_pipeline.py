@@ -137,7 +137,11 @@ def test_flow_match_euler_matches_diffusers(wan, reference):
 
 @pytest.mark.parametrize(
     "name, class_name",
-    [("dpmpp_2m", "DPMSolverMultistepScheduler"), ("dpmpp_2s", "DPMSolverSinglestepScheduler")],
+    [
+        ("dpmpp_2m", "DPMSolverMultistepScheduler"),
+        ("dpmpp_2s", "DPMSolverSinglestepScheduler"),
+        ("deis", "DEISMultistepScheduler"),
+    ],
 )
 def test_dpm_solver_on_flow_sigmas_matches_diffusers(wan, reference, name, class_name):
     """Wan 2.1's other sample solver ("dpm++"): DPM-Solver++ on the folder's flow sigmas, as diffusers' class
@@ -248,7 +252,7 @@ def test_contract_fields(wan):
     )
     assert lim["frames"] == {"min_frames": 1, "max_frames": 81, "step": 4, "offset": 1, "default": 5}
     assert lim["size_multiple"] == 16 and lim["max_size"] == 512  # 32 patches x 2 x 8
-    assert lim["schedulers"] == ["flow_match_euler", "unipc", "dpmpp_2m", "dpmpp_2s"]
+    assert lim["schedulers"] == ["flow_match_euler", "unipc", "dpmpp_2m", "dpmpp_2s", "deis"]
     from meshserve.service.contract import VIDEO_FORMATS, ModelDefaults, ModelLimits
 
     ModelDefaults(**d)  # what the worker publishes validates
