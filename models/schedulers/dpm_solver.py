@@ -193,7 +193,7 @@ class DPMSolverMultistepScheduler(RespacedSigmasInRange):
         num_steps = schedule_length(schedule)
         sigmas = jnp.asarray(schedule.sigmas)
         x = sample.astype(jnp.float32)
-        converted = self._convert_model_output(sigmas[i], model_output.astype(jnp.float32), x)
+        converted = self._convert_model_output(sigmas[i], model_output, x)
         history = jnp.concatenate([state["model_outputs"][1:], converted[None]])
         lower_order_nums = state["lower_order_nums"]
 
@@ -223,15 +223,18 @@ class DPMSolverMultistepScheduler(RespacedSigmasInRange):
         return prev_sample.astype(sample.dtype), state
 
     def _convert_model_output(self, sigma, model_output, sample):
-        """diffusers' convert_model_output: what the history keeps of a model output (DPM-Solver++: x0)."""
+        """diffusers' convert_model_output: what the history keeps of a model output (DPM-Solver++: x0), in
+        float32 from the model's output in its own dtype and the float32 sample."""
         return self._data_prediction(sigma, model_output, sample)
 
     def _data_prediction(self, sigma, model_output, sample):
-        """x0 from the model output at noise level sigma, thresholded where the config says."""
+        """x0 from the model output at noise level sigma, thresholded where the config says. On flow sigmas a
+        bf16 velocity enters as diffusers' 0-d float32 sigma times a bf16 tensor does: sigma rounded to bf16,
+        the product in bf16, then subtracted from the float32 sample (as UniPC's port)."""
         if self.use_flow_sigmas:
-            x0 = sample - sigma * model_output
+            x0 = sample - (sigma.astype(model_output.dtype) * model_output).astype(jnp.float32)
         else:
-            x0 = vp_data_prediction(self.prediction_type, sigma, model_output, sample)
+            x0 = vp_data_prediction(self.prediction_type, sigma, model_output.astype(jnp.float32), sample)
         if self.thresholding:
             x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         return x0

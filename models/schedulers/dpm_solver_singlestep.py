@@ -102,7 +102,7 @@ class DPMSolverSinglestepScheduler(DPMSolverMultistepScheduler):
         has made); returns (prev_sample in sample's dtype, state). sde-dpmsolver++ draws `noise` or from `key`."""
         sigmas = jnp.asarray(schedule.sigmas)
         x = sample.astype(jnp.float32)
-        converted = self._convert_model_output(sigmas[i], model_output.astype(jnp.float32), x)
+        converted = self._convert_model_output(sigmas[i], model_output, x)
         history = jnp.concatenate([state["model_outputs"][1:], converted[None]])
         taken = state["lower_order_nums"]
         # diffusers lowers the order while model_outputs[-order] is None: the loop has made taken + 1.

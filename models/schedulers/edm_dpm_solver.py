@@ -64,7 +64,9 @@ class EDMDPMSolverMultistepScheduler(DPMSolverMultistepScheduler):
         return precondition_inputs(sample, at(schedule.sigmas, i), self.sigma_data).astype(sample.dtype)
 
     def _data_prediction(self, sigma, model_output, sample):
-        x0 = precondition_outputs(self.prediction_type, self.sigma_data, sigma, sample, model_output)
+        x0 = precondition_outputs(
+            self.prediction_type, self.sigma_data, sigma, sample, model_output.astype(jnp.float32)
+        )
         if self.thresholding:
             x0 = threshold_sample(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         return x0
