@@ -97,16 +97,22 @@ class CLIPTextConfig:
     def from_config(cls, config: dict) -> CLIPTextConfig:
         """From a text encoder's config.json (or a full CLIPConfig's `text_config`)."""
         config = config.get("text_config", config)
-        out = cls(**{name: config.get(name, default) for name, default in _DEFAULTS.items()})
-        if out.hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"unsupported hidden_act {out.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}"
-            )
-        if out.hidden_size % out.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {out.hidden_size} is not divisible by num_attention_heads {out.num_attention_heads}"
-            )
-        return out
+        return check_encoder_config(
+            cls(**{name: config.get(name, default) for name, default in _DEFAULTS.items()})
+        )
+
+
+def check_encoder_config(config):
+    """A text or vision config's encoder settings, checked (ValueError); returns it."""
+    if config.hidden_act not in _ACTIVATIONS:
+        raise ValueError(
+            f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}"
+        )
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(
+            f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {config.num_attention_heads}"
+        )
+    return config
 
 
 class CLIPTextOutput(NamedTuple):
@@ -331,15 +337,36 @@ def load_clip_text_model(
     which stay fp32. Raises CheckpointError for an unknown architecture and CheckpointMismatchError when
     the weights do not fit the config.
     """
+    return load_clip_encoder(
+        folder,
+        _ARCHITECTURES,
+        CLIPTextConfig,
+        "text encoder",
+        _rename,
+        dtype=dtype,
+        settings=settings,
+        place=place,
+    )
+
+
+def load_clip_encoder(
+    folder: Path, architectures: dict, config_class, kind: str, rename, *, dtype, settings, place
+):
+    """What the text and vision loaders share: the class from the config's `architectures` (the first of
+    `architectures` when it has none), the config (CheckpointError when it is not one this port runs), and the
+    weights (CheckpointMismatchError when they do not fit)."""
     folder = Path(folder)
     raw = read_json(folder / "config.json")
-    architecture = (raw.get("architectures") or ["CLIPTextModel"])[0]
-    cls = _ARCHITECTURES.get(architecture)
+    architecture = (raw.get("architectures") or [next(iter(architectures))])[0]
+    cls = architectures.get(architecture)
     if cls is None:
         raise CheckpointError(
-            f"{folder}: architecture {architecture!r} is not a CLIP text encoder ({', '.join(_ARCHITECTURES)})"
+            f"{folder}: architecture {architecture!r} is not a CLIP {kind} ({', '.join(architectures)})"
         )
-    config = CLIPTextConfig.from_config(raw)
+    try:
+        config = config_class.from_config(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
     # Shapes only: every parameter is then set from the checkpoint, so random initialisation would be wasted
     # (seconds and a full extra copy for a 700M-parameter encoder).
     model = abstract_module(cls, config, dtype=dtype, settings=settings)
@@ -348,7 +375,7 @@ def load_clip_text_model(
         model,
         read_component_weights(folder),
         where=str(folder),
-        rename=_rename,
+        rename=rename,
         ignore=("position_ids",),
         place=place,
     )

@@ -29,14 +29,15 @@ import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings, attention
-from meshserve.models.checkpoints.loading import (
-    CheckpointError,
-    abstract_module,
-    load_weights,
-    read_component_weights,
-    read_json,
+from meshserve.models.checkpoints.loading import CheckpointError, read_json
+from meshserve.models.components.clip import (
+    CLIPMLP,
+    CLIPAttention,
+    CLIPEncoder,
+    _layer_norm,
+    check_encoder_config,
+    load_clip_encoder,
 )
-from meshserve.models.components.clip import _ACTIVATIONS, CLIPMLP, CLIPAttention, CLIPEncoder, _layer_norm
 from meshserve.models.components.clip import SHARDING_RULES as CLIP_TEXT_RULES
 
 _DEFAULT_SETTINGS = AttentionSettings()
@@ -79,15 +80,9 @@ class CLIPVisionConfig:
     def from_config(cls, config: dict) -> CLIPVisionConfig:
         """From an image encoder's config.json (or a full CLIPConfig's `vision_config`)."""
         config = config.get("vision_config", config)
-        out = cls(**{name: config.get(name, default) for name, default in _DEFAULTS.items()})
-        if out.hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"unsupported hidden_act {out.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}"
-            )
-        if out.hidden_size % out.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {out.hidden_size} is not divisible by num_attention_heads {out.num_attention_heads}"
-            )
+        out = check_encoder_config(
+            cls(**{name: config.get(name, default) for name, default in _DEFAULTS.items()})
+        )
         if out.image_size % out.patch_size:
             raise ValueError(f"image_size {out.image_size} is not a multiple of patch_size {out.patch_size}")
         return out
@@ -270,28 +265,16 @@ def load_clip_vision_model(
     """An image encoder folder (config.json + safetensors) -> CLIPVisionModel or CLIPVisionModelWithProjection
     (the config's `architectures`). Weights are cast to `dtype` except the layer norms', which stay fp32.
     Raises CheckpointError for another architecture and CheckpointMismatchError when the weights do not fit."""
-    folder = Path(folder)
-    raw = read_json(folder / "config.json")
-    architecture = (raw.get("architectures") or ["CLIPVisionModel"])[0]
-    cls = _ARCHITECTURES.get(architecture)
-    if cls is None:
-        raise CheckpointError(
-            f"{folder}: architecture {architecture!r} is not a CLIP vision encoder ({', '.join(_ARCHITECTURES)})"
-        )
-    try:
-        config = CLIPVisionConfig.from_config(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{folder}: {e}") from None
-    model = abstract_module(cls, config, dtype=dtype, settings=settings)
-    load_weights(
-        model,
-        read_component_weights(folder),
-        where=str(folder),
-        rename=_rename,
-        ignore=("position_ids",),
+    return load_clip_encoder(
+        folder,
+        _ARCHITECTURES,
+        CLIPVisionConfig,
+        "vision encoder",
+        _rename,
+        dtype=dtype,
+        settings=settings,
         place=place,
     )
-    return model
 
 
 # --------------------------------------------------------------------------------------------------
