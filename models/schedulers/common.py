@@ -349,6 +349,10 @@ def beta_sigmas(
     return sigma_min + ppf * (sigma_max - sigma_min)
 
 
+# The settings of which at most one may be on (DPM-Solver's lu lambdas are not among them: see its schedule).
+RESPACINGS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+
+
 @dataclass(frozen=True)
 class RespacedSigmas(NoiseScheduler):
     """The settings of diffusers' classes whose sigmas can be respaced: Karras' rho ramp, exponential or beta
@@ -359,22 +363,15 @@ class RespacedSigmas(NoiseScheduler):
     use_exponential_sigmas: bool = False
     use_beta_sigmas: bool = False
 
-    # The settings of which at most one may be on (DPM-Solver adds its lu lambdas).
-    EXCLUSIVE_SPACINGS: ClassVar[tuple[str, ...]] = (
-        "use_karras_sigmas",
-        "use_exponential_sigmas",
-        "use_beta_sigmas",
-    )
-
     @property
     def respaced(self) -> bool:
         return bool(self.use_karras_sigmas or self.use_exponential_sigmas or self.use_beta_sigmas)
 
     def check_one_spacing(self) -> None:
-        """Raises when more than one of EXCLUSIVE_SPACINGS is on (diffusers' __init__ does too). Called by each
-        class's __post_init__, since the flow forms of DPM-Solver and UniPC skip the base's beta checks."""
-        if sum(bool(getattr(self, name)) for name in self.EXCLUSIVE_SPACINGS) > 1:
-            raise ValueError(f"only one of {', '.join(self.EXCLUSIVE_SPACINGS)} can be set")
+        """Raises when more than one of RESPACINGS is on (diffusers' __init__ does too). Called by each class's
+        __post_init__, since the flow forms of DPM-Solver and UniPC skip the base's beta checks."""
+        if sum(bool(getattr(self, name)) for name in RESPACINGS) > 1:
+            raise ValueError(f"only one of {', '.join(RESPACINGS)} can be set")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from meshserve.models.schedulers.common import SigmaSchedule, at, f32, threshold_sample
+from meshserve.models.schedulers.common import RESPACINGS, SigmaSchedule, at, f32, threshold_sample
 from meshserve.models.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from meshserve.models.schedulers.edm import (
     c_noise,
@@ -38,7 +38,7 @@ class EDMDPMSolverMultistepScheduler(DPMSolverMultistepScheduler):
     IGNORED = (
         "use_flow_sigmas",
         "flow_shift",
-        *DPMSolverMultistepScheduler.EXCLUSIVE_SPACINGS,
+        *RESPACINGS,
         "use_lu_lambdas",
     )
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from meshserve.models.schedulers import _BY_CLASS, SCHEDULER_NAMES, make_scheduler, pad_schedule
-from meshserve.models.schedulers.common import RespacedSigmas
+from meshserve.models.schedulers.common import RESPACINGS
 from tests.fixtures.tiny_sdxl import SCHEDULER
 
 TOL = 1e-4  # fp32 relative error budget of the house rules
@@ -1004,7 +1004,7 @@ def test_respacings_together_are_refused_or_run_as_diffusers(sdxl_config, class_
     lambdas beside one run as diffusers' set_timesteps orders them (Karras, then lu lambdas, then the others)."""
     theirs = getattr(diffusers, class_name)
     config = {k: v for k, v in sdxl_config.items() if k not in ("_class_name", "_diffusers_version")}
-    names = RespacedSigmas.EXCLUSIVE_SPACINGS
+    names = RESPACINGS
     for i, first in enumerate(names):
         for second in names[i + 1 :]:
             with pytest.raises(ValueError):
