@@ -206,8 +206,11 @@ def test_unknown_architecture_and_activation(tiny_sdxl_path, tmp_path):
     src = tiny_sdxl_path / "text_encoder"
     with pytest.raises(CheckpointError, match="CLIPVisionModel"):
         load_clip_text_model(copy_encoder(src, tmp_path / "vision", {"architectures": ["CLIPVisionModel"]}))
-    with pytest.raises(ValueError, match="hidden_act 'swiglu'"):
+    # A config this port cannot run is the folder's fault: a CheckpointError naming the folder and the rule.
+    with pytest.raises(CheckpointError, match=r"/act: unsupported hidden_act 'swiglu'"):
         load_clip_text_model(copy_encoder(src, tmp_path / "act", {"hidden_act": "swiglu"}))
+    with pytest.raises(CheckpointError, match="not divisible by num_attention_heads"):
+        load_clip_text_model(copy_encoder(src, tmp_path / "heads", {"num_attention_heads": 7}))
 
 
 def test_config_reads_the_folder_and_transformers_defaults(tiny_sdxl_path):
