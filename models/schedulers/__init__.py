@@ -51,7 +51,6 @@ from meshserve.models.schedulers.unipc_multistep import UniPCMultistepScheduler
 # What a name of both families means on a flow-matching model's config (FLOW_SCHEDULER_NAMES).
 _FLOW_FORM = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
 _OTHER_SIGMAS_OFF = {"use_exponential_sigmas": False, "use_beta_sigmas": False}
-_DPM_SIGMAS_OFF = {**_OTHER_SIGMAS_OFF, "use_lu_lambdas": False}
 
 # The names the API offers, each with its class and the settings the name implies (over the model's config).
 _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
@@ -66,13 +65,13 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
     "dpmpp_2m_sde": (DPMSolverMultistepScheduler, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
     # The Karras-sigma variants under the names A1111 and ComfyUI users know ("DPM++ 2M Karras"): diffusers'
     # use_karras_sigmas=True on the same class, as its docs map them. The name is the
-    # whole sigma choice: a folder's other sigma setting (exponential, beta, Lu's lambdas) is turned off, where
-    # diffusers' from_config(..., use_karras_sigmas=True) raises on the pair (an audit, 2026-11-29: every call
-    # of a listed scheduler failed on such a folder).
+    # whole sigma choice: a folder's other respacing (exponential, beta) is turned off, where diffusers'
+    # from_config(..., use_karras_sigmas=True) raises on the pair (an audit, 2026-11-29: every call of a listed
+    # scheduler failed on such a folder); Lu's lambdas yield to Karras sigmas in DPM-Solver's own order.
     "euler_karras": (EulerDiscreteScheduler, {"use_karras_sigmas": True, **_OTHER_SIGMAS_OFF}),
     "dpmpp_2m_karras": (
         DPMSolverMultistepScheduler,
-        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True, **_DPM_SIGMAS_OFF},
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True, **_OTHER_SIGMAS_OFF},
     ),
     "dpmpp_2m_sde_karras": (
         DPMSolverMultistepScheduler,
@@ -80,7 +79,7 @@ _BY_NAME: dict[str, tuple[type[NoiseScheduler], dict[str, Any]]] = {
             "algorithm_type": "sde-dpmsolver++",
             "solver_order": 2,
             "use_karras_sigmas": True,
-            **_DPM_SIGMAS_OFF,
+            **_OTHER_SIGMAS_OFF,
         },
     ),
     # DPM-Solver++(2S) (the paper's name for its second-order singlestep solver): diffusers'

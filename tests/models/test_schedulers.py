@@ -1004,16 +1004,15 @@ def test_respacings_together_are_refused_or_run_as_diffusers(sdxl_config, class_
     lambdas beside one run as diffusers' set_timesteps orders them (Karras, then lu lambdas, then the others)."""
     theirs = getattr(diffusers, class_name)
     config = {k: v for k, v in sdxl_config.items() if k not in ("_class_name", "_diffusers_version")}
-    names = RESPACINGS
-    for i, first in enumerate(names):
-        for second in names[i + 1 :]:
+    for i, first in enumerate(RESPACINGS):
+        for second in RESPACINGS[i + 1 :]:
             with pytest.raises(ValueError):
                 theirs.from_config(config, **{first: True, second: True})
             with pytest.raises(ValueError, match=f"only one of .*{first}.*{second}"):
                 make_scheduler(class_name, {**config, first: True, second: True})
         make_scheduler(class_name, {**config, first: True}).schedule(4)
     if _takes(theirs, "use_lu_lambdas"):
-        for first in names:
+        for first in RESPACINGS:
             settings = {**config, first: True, "use_lu_lambdas": True}
             ref = theirs.from_config(settings)
             ref.set_timesteps(6)
