@@ -124,19 +124,45 @@ def image_size(images, name: str, multiple: int) -> tuple[int, int]:
 def image_rows(
     images, prompts: int, n: int, name: str, preprocess: Callable, height: int, width: int
 ) -> np.ndarray:
-    """The images of a call -> one preprocessed image per output row [prompts * n, H, W, C]: one for all, one
-    per output row, or one per prompt, tiled over the n images per prompt as diffusers' image pipelines tile
-    them (`torch.cat([image_latents] * n)`, `mask.repeat(n, ...)`): with prompts p0, p1 and n = 2 the rows
-    are (p0, i0), (p0, i1), (p1, i0), (p1, i1)."""
+    """The images of a call -> one preprocessed image per output row [prompts * n, H, W, C] (`tile_rows`),
+    each distinct image preprocessed once."""
     items = as_image_list(images, name)
+    rows = tile_rows(list(range(len(items))), prompts, n, name)
+    processed = [preprocess(item, height, width, name) for item in items]
+    return np.stack([processed[i] for i in rows])
+
+
+def tile_rows(items: list, prompts: int, n: int, name: str) -> list:
+    """A call's images (one for all, one per prompt or one per output row) -> one per output row, tiled over
+    the n images per prompt as diffusers' image pipelines tile them (`torch.cat([image_latents] * n)`,
+    `mask.repeat(n, ...)`): with prompts p0, p1 and n = 2 the rows are (p0, i0), (p0, i1), (p1, i0), (p1, i1)."""
     if len(items) not in (1, prompts, prompts * n):
         raise PipelineError(
             f"{name}: expected one image, one per prompt ({prompts}) or one per output image ({prompts * n}), "
             f"got {len(items)}"
         )
-    processed = [preprocess(item, height, width, name) for item in items]
     if len(items) == 1:
-        processed = processed * (prompts * n)
-    elif len(items) == prompts and n > 1:
-        processed = processed * n
-    return np.stack(processed)
+        return items * (prompts * n)
+    if len(items) == prompts and n > 1:
+        return items * n
+    return list(items)
+
+
+def as_pil(image, name: str, mode: str):
+    """One image as a PIL image in `mode` ("RGB", or "L" for a mask): a PIL image converted, a numpy one (the
+    shapes and value ranges preprocess_image / preprocess_mask take) rounded to 8 bits as diffusers'
+    numpy_to_pil rounds."""
+    from PIL import Image
+
+    if _is_pil(image):
+        return image.convert(mode)
+    if not isinstance(image, np.ndarray):
+        raise PipelineError(f"{name} must be a PIL image or a numpy array, got {type(image).__name__}")
+    channels = 3 if mode == "RGB" else 1
+    array = image[..., None] if image.ndim == 2 and channels == 1 else image
+    if array.ndim != 3 or array.shape[-1] != channels:
+        shapes = "[H, W, 3]" if channels == 3 else "[H, W] or [H, W, 1]"
+        raise PipelineError(f"{name}: a numpy image must be {shapes}, got shape {list(image.shape)}")
+    if array.dtype != np.uint8:
+        array = np.round(_as_float(array, name) * 255).astype(np.uint8)
+    return Image.fromarray(array[..., 0] if channels == 1 else array)

@@ -31,8 +31,9 @@ What the serving side reads (workers/runner.py relies on nothing else):
 
 Image inputs (docs/image-inputs.md; models/engine/image_inputs.py): __call__ also takes `image=`,
 `mask_image=` (PIL images or numpy [H, W, 3] / [H, W], uint8 or floats in [0, 1]; one for all, one per prompt
-or one per output row) and `strength=` (one number per call: a batch field, in batch_key with the task). The
-task follows from them: no image -> text-to-image; image -> image-to-image (or image-to-video); image and mask
+or one per output row), `strength=` (one number per call: a batch field, in batch_key with the task) and, for
+inpaint, `padding_mask_crop=` (models/components/mask_crop.py: the mask's region only, laid back into the image,
+whose size the output then has). The task follows from them: no image -> text-to-image; image -> image-to-image (or image-to-video); image and mask
 -> inpaint. Images are resized to the call's height x width (default: the model's default size, as text-to-
 image) by models/components/image_processor.py (diffusers' VaeImageProcessor). A fourth program,
 image_encode, runs the family's `encode_image` (the VAE posterior's mode, scaled, in the loop's layout)
@@ -115,6 +116,7 @@ from meshserve.models.components.image_processor import (
     preprocess_mask,
 )
 from meshserve.models.components.layers import place_small_maps
+from meshserve.models.components.mask_crop import MaskCrops
 from meshserve.models.components.quantize import activation_mode, load_quantized, quantized_rules
 from meshserve.models.components.quantize import check_mode as check_quantize
 from meshserve.models.engine.common import (
@@ -650,6 +652,10 @@ class DiffusionPipeline:
         for name in ("denoising_end", "denoising_start") if self.denoising_split else ():
             if request.get(name) is not None:  # where the batch stops, or starts
                 key += ((name, request[name]),)
+        if (
+            request.get("padding_mask_crop") is not None
+        ):  # one per call (its outputs take their images' sizes)
+            key += (("padding_mask_crop", request["padding_mask_crop"]),)
         if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
             try:
                 cache = parse_cache(request["cache"], self.cache_methods)
@@ -783,6 +789,7 @@ class DiffusionPipeline:
         image=None,
         mask_image=None,
         strength: float | None = None,
+        padding_mask_crop: int | None = None,
         num_images_per_prompt: int = 1,
         scheduler: str | None = None,
         output_type: str | None = None,
@@ -879,6 +886,7 @@ class DiffusionPipeline:
             raise PipelineError(str(e)) from None
         cache = parse_cache(cache, self.cache_methods)
         output_type = output_type or self.default_output_type
+        check_padding_mask_crop(padding_mask_crop, task, latent_image is not None, output_type)
         if output_type not in OUTPUT_TYPES:
             raise PipelineError(f"output_type must be 'pil', 'np', 'uint8' or 'latent', got {output_type!r}")
         prompts, n = to_list(prompt, "prompt"), int(num_images_per_prompt)
@@ -911,7 +919,7 @@ class DiffusionPipeline:
         sched, schedule, steps = self.schedule(
             settings["scheduler"], settings["num_inference_steps"], shape, **custom
         )
-        start, full_strength, pixels, mask_pixels = 0, False, None, None
+        start, full_strength, pixels, mask_pixels, crops = 0, False, None, None, None
         check_order(denoising_start, denoising_end)
         # A split's cut-offs read the schedule's timesteps (one copy to the host, only for such a call).
         split = denoising_start is not None or denoising_end is not None
@@ -937,7 +945,20 @@ class DiffusionPipeline:
                 )
                 full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
                 check_scheduler(sched)
-            if latent_image is None:
+            if (
+                padding_mask_crop is not None
+            ):  # each row's masked region, cut out (models/components/mask_crop.py)
+                crops = MaskCrops.of(
+                    image,
+                    mask_image,
+                    len(prompts),
+                    n,
+                    settings["width"],
+                    settings["height"],
+                    padding_mask_crop,
+                )
+                pixels, mask_pixels = crops.inputs(settings["width"], settings["height"])
+            elif latent_image is None:
                 pixels, mask_pixels = self.preprocess_images(
                     image, mask_image, len(prompts), n, settings, **images
                 )
@@ -1056,7 +1077,9 @@ class DiffusionPipeline:
             t0 = time.perf_counter()
             images = self.run_decode(latents, shape, uint8=output_type == "uint8")
             timings["vae_decode"] = time.perf_counter() - t0
-            if output_type == "pil":
+            if crops is not None:  # laid back into the images they were cut from (their sizes)
+                images = crops.paste(images, output_type)
+            elif output_type == "pil":
                 images = to_pil(images)
         out = PipelineOutput(
             images=images,
@@ -1295,6 +1318,21 @@ class DiffusionPipeline:
         if done < total:
             raise GenerationCancelled(f"stopped after {done} of {total} steps")
         return latents, *extra
+
+
+def check_padding_mask_crop(pad, task: str, latent_image: bool, output_type: str) -> None:
+    """diffusers' `padding_mask_crop`: a number of pixels >= 0, for an inpaint of pictures whose result is a
+    picture (it is laid back into the given image)."""
+    if pad is None:
+        return
+    if isinstance(pad, bool) or not isinstance(pad, int | np.integer) or pad < 0:
+        raise PipelineError(f"padding_mask_crop must be an int >= 0 (pixels), got {pad!r}")
+    if task != "inpaint":
+        raise PipelineError(f"padding_mask_crop applies to inpaint (image and mask_image), not to {task}")
+    if latent_image:
+        raise PipelineError("padding_mask_crop needs the image as a picture to crop, not as latents")
+    if output_type == "latent":
+        raise PipelineError("padding_mask_crop lays its result into the image: output_type 'latent' has none")
 
 
 def _batch_default(name: str, defaults: Mapping, limits: Mapping):

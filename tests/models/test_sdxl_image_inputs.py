@@ -499,6 +499,54 @@ def test_inpaint_base_unet_matches_diffusers(ours, base_reference, same_noise):
         _check(got, expected, f"inpaint (4-channel UNet) strength {strength}")
 
 
+def test_padding_mask_crop_matches_diffusers(ours, base_reference, same_noise):
+    """Only the masked region, at the call's size, laid back into the image (its own size): diffusers' call
+    takes one PIL image and mask and gives PIL images, so the comparison is in 8-bit pixels."""
+    from diffusers import StableDiffusionXLInpaintPipeline
+    from PIL import Image
+
+    ref = StableDiffusionXLInpaintPipeline.from_pipe(base_reference)
+    ref.set_progress_bar_config(disable=True)
+    image = Image.fromarray((_images(6, 90, 70)[0] * 255).astype(np.uint8))
+    values = np.zeros((90, 70), np.uint8)
+    values[30:52, 12:40] = 255
+    values[30:52, 12] = 120  # a soft edge: blended by the overlay
+    mask = Image.fromarray(values)
+    noise = np.random.default_rng(8).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    same_noise["noise"] = noise
+    kw = dict(image=image, mask_image=mask, height=H, width=W, negative_prompt=NEGATIVE, strength=0.75)
+    kw |= dict(num_inference_steps=STEPS, guidance_scale=5.0, padding_mask_crop=4, output_type="pil")
+    expected = np.stack([np.asarray(im) for im in ref(PROMPTS, **kw).images])
+    got = ours(PROMPTS, latents=noise, **kw).images
+    assert [im.size for im in got] == [(70, 90)] * 2  # the image's size, not the call's
+    got = np.stack([np.asarray(im) for im in got])
+    diff = np.abs(got.astype(int) - expected.astype(int))
+    print(f"padding_mask_crop: max {diff.max()} / 255, {np.mean(diff > 0):.2%} of pixel values differ")
+    # The outputs are 8-bit: a float 1e-4 apart can round to the next level, which the Lanczos scaling
+    # back into the box spreads to its neighbours.
+    assert diff.max() <= 2 and np.mean(diff > 0) < 0.02
+    assert np.array_equal(
+        got[:, values == 0], np.broadcast_to(np.asarray(image)[values == 0], got[:, values == 0].shape)
+    )
+    plain = np.asarray(ours(PROMPTS, latents=noise, **{**kw, "padding_mask_crop": None}).images[0])
+    assert plain.shape == (H, W, 3)  # without it: the call's size
+    assert np.std(got[0][values > 0].astype(float)) > 1  # the region was repainted, not copied
+    with pytest.raises(PipelineError, match="applies to inpaint"):
+        ours("a cat", image=image, padding_mask_crop=4, num_inference_steps=STEPS)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(PipelineError, match="int >= 0"):
+            ours("a cat", image=image, mask_image=mask, padding_mask_crop=bad, num_inference_steps=STEPS)
+    with pytest.raises(PipelineError, match="output_type 'latent'"):
+        ours(
+            "a",
+            image=image,
+            mask_image=mask,
+            padding_mask_crop=0,
+            output_type="latent",
+            num_inference_steps=2,
+        )
+
+
 def test_inpaint_unet_9_channels_matches_diffusers(inpaint_path, same_noise):
     import torch
     from diffusers import StableDiffusionXLInpaintPipeline
