@@ -272,19 +272,23 @@ def _cache_argument(spec: str | None) -> dict | None:
 
 
 def _image_inputs(args: argparse.Namespace) -> dict:
-    """--image / --mask / --strength as the pipeline's image, mask_image and strength, read under the API's
-    decoding rules (service/image_inputs.py: PNG, JPEG or WebP, one frame, EXIF orientation applied)."""
+    """--image / --mask / --strength / --padding-mask-crop as the pipeline's image, mask_image, strength and
+    padding_mask_crop, read under the API's decoding rules (service/image_inputs.py: PNG, JPEG or WebP, one
+    frame, EXIF orientation applied)."""
     if args.image is None:
         for flag, value in (
             ("--mask", args.mask),
             ("--strength", args.strength),
             ("--last-image", args.last_image),
+            ("--padding-mask-crop", args.padding_mask_crop),
         ):
             if value is not None:
                 raise UsageError(f"{flag} needs --image")
         return {}
     if args.strength is not None and not 0 < args.strength <= 1:
         raise UsageError(f"--strength must be in (0, 1], got {args.strength}")
+    if args.padding_mask_crop is not None and (args.mask is None or args.padding_mask_crop < 0):
+        raise UsageError(f"--padding-mask-crop needs --mask and pixels >= 0, got {args.padding_mask_crop}")
     from meshserve.service.image_inputs import ImageInputError, decode_image  # PIL only
 
     def read(path: str, field: str, **kw):
@@ -305,6 +309,8 @@ def _image_inputs(args: argparse.Namespace) -> dict:
         inputs["last_image"] = read(args.last_image, "last-image")
     if args.strength is not None:
         inputs["strength"] = args.strength
+    if args.padding_mask_crop is not None:
+        inputs["padding_mask_crop"] = args.padding_mask_crop
     return inputs
 
 
@@ -485,6 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"
+    )
+    gen.add_argument(
+        "--padding-mask-crop",
+        type=int,
+        default=None,
+        help="inpaint only the mask's region grown by this many pixels, at the model's size, laid back into "
+        "the image (the output has the image's size)",
     )
     gen.add_argument(
         "--lora",

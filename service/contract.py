@@ -346,6 +346,9 @@ class JobParams(_Frozen):
     mask: str | None = None
     last_image: str | None = None  # a first-last-frame video's last frame (the same kind of reference)
     strength: float | None = None
+    # Inpaint the mask's region only, this many pixels around it, laid back into the image (the outputs then have
+    # the image's size; models/components/mask_crop.py).
+    padding_mask_crop: int | None = None
     # LoRA adapters applied to every output of the job, with their scales (the job ran with exactly these).
     loras: list[LoraRef] = Field(default_factory=list)
     # The step cache the job runs with (None: every step runs the whole denoiser).

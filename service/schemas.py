@@ -33,6 +33,8 @@ from meshserve.service.webhooks.spec import WebhookRequest
 MAX_SEED = 2**32 - 1
 # SDXL's micro-conditioning sizes and crop corners (pixels); the UNet embeds them as numbers, any value runs.
 MAX_CONDITIONING_PIXELS = 16384
+# padding_mask_crop's bound, in pixels: any pad past an image's sides crops the same (the box stops at them).
+MAX_PADDING_MASK_CROP = 16384
 # The longest custom schedule a request may send (a model's max_steps, plus Euler's end sigma, bounds it below).
 MAX_SCHEDULE_VALUES = 1001
 # Lists of two (a strict model takes no JSON array as a tuple); the job holds them as tuples.
@@ -369,6 +371,15 @@ class GenerateRequest(_TextRequest):
         le=1,
         description="How much of the schedule runs from the noised image, in (0, 1]: 1 repaints from noise. "
         "Needs `image`; left out: the task's default (the model's `limits.strength.defaults`).",
+    )
+    padding_mask_crop: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_PADDING_MASK_CROP,
+        description="Inpaint only the masked region (diffusers' `padding_mask_crop`): the mask's bounding box, "
+        "this many pixels larger on each side and grown to the request's aspect, is cut out of the image and "
+        "the mask, inpainted at the request's `width` x `height`, and laid back into the image through the "
+        "mask. The outputs then have the image's size. Needs `mask`.",
     )
     webhook: WebhookRequest | None = Field(
         None, description="POST the job's end here, signed (Standard Webhooks; docs/webhooks.md)."

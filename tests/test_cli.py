@@ -247,7 +247,7 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
         str(out),
     ]
     if not video:
-        args += ["--mask", str(tmp_path / "mask.png"), "--strength", "0.6"]
+        args += ["--mask", str(tmp_path / "mask.png"), "--strength", "0.6", "--padding-mask-crop", "8"]
     else:  # a first-last-frame folder's last frame
         Image.new("RGB", (32, 16), (10, 200, 30)).save(tmp_path / "last.png")
         args += ["--last-image", str(tmp_path / "last.png")]
@@ -264,6 +264,7 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
             assert len(list(container.decode(video=0))) == 5
     else:
         assert call["mask_image"].mode == "L" and call["strength"] == 0.6
+        assert call["padding_mask_crop"] == 8
         assert Image.open(out).size == (32, 16)
 
 
@@ -369,6 +370,15 @@ def _file(tmp_path, name, data=None, image=None):
             "--last-image needs --image",
         ),
         (lambda p: ["--strength", "0.5"], "--strength needs --image"),
+        (
+            lambda p: [
+                "--image",
+                _file(p, "i.png", image=Image.new("RGB", (8, 8))),
+                "--padding-mask-crop",
+                "4",
+            ],
+            "--padding-mask-crop needs --mask",
+        ),
         (
             lambda p: ["--image", _file(p, "i.png", image=Image.new("RGB", (8, 8))), "--strength", "1.5"],
             "--strength must be in (0, 1]",

@@ -448,8 +448,17 @@ def lora_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
 
 
 def image_key(params: JobParams) -> tuple:
-    """What image inputs add to a batch key: the task they ask for (image? mask?) and the strength."""
-    return (params.image is not None, params.mask is not None, params.last_image is not None, params.strength)
+    """What image inputs add to a batch key: the task they ask for (image? mask?), the strength and
+    padding_mask_crop, with which the outputs take the image's size: such a job shares a call only with jobs of
+    the same stored input reference (each job stores its own: it runs alone), so a call's outputs have one size."""
+    crop = (params.padding_mask_crop, params.image) if params.padding_mask_crop is not None else None
+    return (
+        params.image is not None,
+        params.mask is not None,
+        params.last_image is not None,
+        params.strength,
+        crop,
+    )
 
 
 def image_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
@@ -463,8 +472,9 @@ def image_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
         if getattr(batch[0], name) is not None:
             rows = [getattr(req, name) for req in batch for _ in range(req.params.n)]
             args[arg] = rows + rows[:1] * pad
-    if batch[0].params.strength is not None:
-        args["strength"] = batch[0].params.strength
+    for name in ("strength", "padding_mask_crop"):
+        if getattr(batch[0].params, name) is not None:
+            args[name] = getattr(batch[0].params, name)
     return args
 
 

@@ -332,6 +332,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         output_compression=req.output_compression,
         metadata=req.metadata,
         strength=strength,
+        padding_mask_crop=req.padding_mask_crop,
         # `previews: true` alone: about ten previews over the run (models/engine/previews.py's default_every).
         preview_every=req.preview_every or (max(1, steps // 10) if req.previews else 0),
         loras=loras,
@@ -386,6 +387,12 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
     if req.strength is not None and req.image is None:
         raise FieldError(
             "strength", "strength_without_image", "strength applies to an image input: give image"
+        )
+    if req.padding_mask_crop is not None and req.mask is None:
+        raise FieldError(
+            "padding_mask_crop",
+            "padding_mask_crop_without_mask",
+            "padding_mask_crop crops around an inpainting mask: give image and mask",
         )
     task = image_task(req.image is not None, req.mask is not None, tasks)
     if task not in tasks:

@@ -381,6 +381,10 @@ REFUSED_REQUESTS = [
     (_bad(strength=-0.1), "strength", "greater_than"),
     ({"model": "toy-img", "prompt": "p", "mask": data_url(MASK)}, "mask", "mask_without_image"),
     ({"model": "toy-img", "prompt": "p", "strength": 0.5}, "strength", "strength_without_image"),
+    (_bad(padding_mask_crop=8), "padding_mask_crop", "padding_mask_crop_without_mask"),
+    (_bad(mask=data_url(MASK), padding_mask_crop=-1), "padding_mask_crop", "greater_than_equal"),
+    (_bad(mask=data_url(MASK), padding_mask_crop=2.5), "padding_mask_crop", "int_type"),
+    (_bad(mask=data_url(MASK), padding_mask_crop=10**6), "padding_mask_crop", "less_than_equal"),
     (_bad(model="toy"), "image", "task_not_supported"),
     (_bad(model="toy-i2i", mask=data_url(MASK)), "mask", "task_not_supported"),
     (_bad(strength=0.2, num_inference_steps=4), "strength", "no_steps"),  # SDXL's rule: int(4 * 0.2) = 0

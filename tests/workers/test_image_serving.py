@@ -34,6 +34,15 @@ def picture() -> tuple[Image.Image, Image.Image]:
     return img, mask
 
 
+def wide_picture() -> tuple[Image.Image, Image.Image]:
+    """A 96x80 picture (not the model's 64x64) and a mask of a small region of it."""
+    img = Image.new("RGB", (96, 80), (30, 160, 60))
+    ImageDraw.Draw(img).rectangle((50, 20, 80, 60), fill=(240, 220, 20))
+    mask = Image.new("L", (96, 80), 0)
+    ImageDraw.Draw(mask).rectangle((56, 30, 74, 50), fill=255)
+    return img, mask
+
+
 def data_url(img: Image.Image) -> str:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
@@ -95,9 +104,18 @@ def test_img2img_and_inpaint_served_end_to_end(embedded_sdxl, monkeypatch):
 
                 i2i = await client.post("/v1/generate", json={**base, "strength": 0.6})
                 inpaint = await client.post("/v1/generate", json={**base, "mask": data_url(mask)})
-                assert i2i.status_code == inpaint.status_code == 202, (i2i.text, inpaint.text)
-                jobs = [await job_when_ended(client, r.json()["id"]) for r in (i2i, inpaint)]
-                assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], jobs
+                # Only the masked region, inpainted at the model's 64x64 and laid back: a 96x80 output.
+                big, big_mask = wide_picture()
+                cropped = {**base, "image": data_url(big), "mask": data_url(big_mask), "padding_mask_crop": 4}
+                crop = await client.post("/v1/generate", json=cropped)
+                assert i2i.status_code == inpaint.status_code == crop.status_code == 202, (
+                    i2i.text,
+                    crop.text,
+                )
+                jobs = [await job_when_ended(client, r.json()["id"]) for r in (i2i, inpaint, crop)]
+                assert [j["status"] for j in jobs] == ["succeeded"] * 3, jobs
+                assert jobs[2]["params"]["padding_mask_crop"] == 4
+                assert (jobs[2]["outputs"][0]["width"], jobs[2]["outputs"][0]["height"]) == (96, 80)
                 outputs = []
                 for job in jobs:
                     r = await client.get(f"/v1/jobs/{job['id']}/outputs/0")
@@ -116,14 +134,18 @@ def test_img2img_and_inpaint_served_end_to_end(embedded_sdxl, monkeypatch):
                     seed=[3],
                     num_images_per_prompt=1,
                     output_type="np",
-                    image=[img],
-                    **kw,
+                    **{"image": [img], **kw},
                 )
                 return to_uint8(out.images[0]).astype(int)
 
             ref_i2i = await asyncio.to_thread(direct, strength=0.6)
             ref_inpaint = await asyncio.to_thread(direct, mask_image=[mask], strength=0.9999)
-            for got, ref, name in ((outputs[0], ref_i2i, "img2img"), (outputs[1], ref_inpaint, "inpaint")):
+            ref_crop = await asyncio.to_thread(
+                direct, image=[big], mask_image=[big_mask], strength=0.9999, padding_mask_crop=4
+            )
+            assert outputs[2].shape == ref_crop.shape == (80, 96, 3)
+            pairs = ((outputs[0], ref_i2i, "img2img"), (outputs[1], ref_inpaint, "inpaint"))
+            for got, ref, name in (*pairs, (outputs[2], ref_crop, "padding_mask_crop")):
                 diff = np.abs(got.astype(int) - ref).max()
                 assert diff <= 1, f"{name}: served vs direct max |diff| {diff}"
             # The inputs reached the model: another strength, and no mask, give other pictures; inpainting
@@ -157,6 +179,10 @@ def test_img2img_and_inpaint_served_end_to_end(embedded_sdxl, monkeypatch):
             assert key(strength=0.5) == key(strength=0.5)
             assert key(strength=0.5) != key(strength=0.6)
             assert len({key(image=None, strength=None), key(), key(mask="redis:" + "B" * 22)}) == 3
+            # padding_mask_crop's outputs have their image's size: only jobs of one stored image share a call.
+            masked = {"mask": "redis:" + "B" * 22, "padding_mask_crop": 4}
+            assert key(**masked) == key(**masked) != key(**masked, image="redis:" + "C" * 22)
+            assert key(**masked) != key(**{**masked, "padding_mask_crop": 5})
             assert await InputStore.of(store).get(gone.image) is None
         finally:
             worker.stop()
