@@ -149,13 +149,13 @@ def tile_rows(items: list, prompts: int, n: int, name: str) -> list:
 
 
 def as_pil(image, name: str, mode: str):
-    """One image as a PIL image in `mode` ("RGB", or "L" for a mask): a PIL image converted, a numpy one (the
-    shapes and value ranges preprocess_image / preprocess_mask take) rounded to 8 bits as diffusers'
-    numpy_to_pil rounds."""
+    """One image as a PIL image: a PIL image as it is (diffusers' PIL paths crop and scale it in its own mode),
+    a numpy one (the shapes and value ranges preprocess_image / preprocess_mask take) in `mode` ("RGB", or "L"
+    for a mask), rounded to 8 bits as diffusers' numpy_to_pil rounds."""
     from PIL import Image
 
     if _is_pil(image):
-        return image.convert(mode)
+        return image
     if not isinstance(image, np.ndarray):
         raise PipelineError(f"{name} must be a PIL image or a numpy array, got {type(image).__name__}")
     channels = 3 if mode == "RGB" else 1

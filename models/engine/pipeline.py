@@ -33,8 +33,8 @@ Image inputs (docs/image-inputs.md; models/engine/image_inputs.py): __call__ als
 `mask_image=` (PIL images or numpy [H, W, 3] / [H, W], uint8 or floats in [0, 1]; one for all, one per prompt
 or one per output row), `strength=` (one number per call: a batch field, in batch_key with the task) and, for
 inpaint, `padding_mask_crop=` (models/components/mask_crop.py: the mask's region only, laid back into the image,
-whose size the output then has). The task follows from them: no image -> text-to-image; image -> image-to-image (or image-to-video); image and mask
--> inpaint. Images are resized to the call's height x width (default: the model's default size, as text-to-
+whose size the output then has). The task follows from them: no image -> text-to-image; image ->
+image-to-image (or image-to-video); image and mask -> inpaint. Images are resized to the call's height x width (default: the model's default size, as text-to-
 image) by models/components/image_processor.py (diffusers' VaeImageProcessor). A fourth program,
 image_encode, runs the family's `encode_image` (the VAE posterior's mode, scaled, in the loop's layout)
 and builds the dict the denoise program takes (image_latents, mask, condition: image_inputs.py). The loop then
@@ -652,9 +652,8 @@ class DiffusionPipeline:
         for name in ("denoising_end", "denoising_start") if self.denoising_split else ():
             if request.get(name) is not None:  # where the batch stops, or starts
                 key += ((name, request[name]),)
-        if (
-            request.get("padding_mask_crop") is not None
-        ):  # one per call (its outputs take their images' sizes)
+        # padding_mask_crop: one per call (the outputs take their images' sizes; the worker keys by the image too)
+        if request.get("padding_mask_crop") is not None:
             key += (("padding_mask_crop", request["padding_mask_crop"]),)
         if request.get("cache") is not None:  # rows of a batch share the cache's decisions (step_cache.py)
             try:
@@ -945,19 +944,10 @@ class DiffusionPipeline:
                 )
                 full_strength = float(strength) == 1.0 and task in self.pure_noise_tasks
                 check_scheduler(sched)
-            if (
-                padding_mask_crop is not None
-            ):  # each row's masked region, cut out (models/components/mask_crop.py)
-                crops = MaskCrops.of(
-                    image,
-                    mask_image,
-                    len(prompts),
-                    n,
-                    settings["width"],
-                    settings["height"],
-                    padding_mask_crop,
-                )
-                pixels, mask_pixels = crops.inputs(settings["width"], settings["height"])
+            if padding_mask_crop is not None:  # each row's masked region, cut out (components/mask_crop.py)
+                size = settings["width"], settings["height"]
+                crops = MaskCrops.of(image, mask_image, len(prompts), n, *size, padding_mask_crop)
+                pixels, mask_pixels = crops.inputs(*size)
             elif latent_image is None:
                 pixels, mask_pixels = self.preprocess_images(
                     image, mask_image, len(prompts), n, settings, **images
