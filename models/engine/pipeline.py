@@ -135,6 +135,7 @@ from meshserve.models.engine.denoising_split import check_order, end_steps, star
 from meshserve.models.engine.image_inputs import blend_known, check_scheduler, check_strength, noise_to
 from meshserve.models.engine.previews import LatentPreviews, PreviewCallback
 from meshserve.models.engine.programs import CompiledPrograms, compiler_options
+from meshserve.models.engine.prompt_embeds import GivenEmbeds
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, per_row_pairs, row_keys, row_seeds
 from meshserve.models.engine.step_cache import CacheSlot, parse_cache
 from meshserve.models.lora.apply import adapters_from
@@ -242,6 +243,9 @@ class DiffusionPipeline:
     # The family's second text encoder takes texts of its own: diffusers' prompt_2 / negative_prompt_2 (SDXL's
     # OpenCLIP-G, Flux's T5), each defaulting to the first encoder's text. `tokenize` then gets `texts_2`.
     second_prompt: bool = False
+    # What `encode_prompt` makes, in diffusers' argument names (its pytree's leaves, in order): a call may give
+    # them instead of texts, with `negative_` ones for the negatives (models/engine/prompt_embeds.py).
+    embeds_names: tuple[str, ...] = ()
     # Tasks whose diffusers pipeline takes the image's own size when a call names none (SDXL's img2img has no
     # height/width arguments); the others default to the model's size, as text-to-image.
     image_sized_tasks: tuple[str, ...] = ()
@@ -774,7 +778,7 @@ class DiffusionPipeline:
 
     def __call__(
         self,
-        prompt: str | Sequence[str],
+        prompt: str | Sequence[str] | None = None,
         *,
         negative_prompt: str | Sequence[str | None] | None = None,
         prompt_2: str | Sequence[str | None] | None = None,
@@ -814,11 +818,17 @@ class DiffusionPipeline:
         default thresholds are limits["cache"]); the output's `cached_steps` says how many steps it skipped.
         `prompt_cache_scope`: one for all prompts or one per prompt, part of the prompt cache's keys (a
         prompt is served only what its own scope cached: models/engine/prompt_cache.py).
-        The family's batch fields (num_frames, max_sequence_length) are keyword arguments too; any other
-        name is an UnsupportedArgument."""
+        The family's batch fields (num_frames, max_sequence_length) are keyword arguments too, and so are
+        diffusers' `prompt_embeds` and its kin (`embeds_names`, with `negative_` ones) in place of the texts
+        (models/engine/prompt_embeds.py); video families take `num_videos_per_prompt` as diffusers' name for
+        num_images_per_prompt. Any other name is an UnsupportedArgument."""
         own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
         own |= set(self.image_fields) | set(self.schedule_fields)
         own |= {"denoising_end", "denoising_start"} if self.denoising_split else set()
+        own |= (
+            {"num_videos_per_prompt"} if "frames" in self.limits else set()
+        )  # diffusers' video pipelines' n
+        own |= GivenEmbeds.names(self)  # prompt_embeds and its kin (models/engine/prompt_embeds.py)
         own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
@@ -836,6 +846,21 @@ class DiffusionPipeline:
         custom = {name: options.pop(name) for name in self.schedule_fields if options.get(name) is not None}
         denoising_end = options.pop("denoising_end", None)
         denoising_start = options.pop("denoising_start", None)
+        videos = options.pop("num_videos_per_prompt", None)
+        if videos is not None:
+            if num_images_per_prompt not in (1, videos):
+                raise PipelineError(
+                    f"num_videos_per_prompt ({videos}) and num_images_per_prompt ({num_images_per_prompt}) are "
+                    "one setting: give one of them"
+                )
+            num_images_per_prompt = videos
+        embeds = GivenEmbeds.take(self, options, prompt, negative_prompt, prompt_2, negative_prompt_2)
+        if embeds is not None:  # empty texts stand in for the rows given as embeddings
+            prompt, negative_prompt = embeds.texts(prompt, negative_prompt)
+            if "max_sequence_length" in self.batch_fields and options.get("max_sequence_length") is None:
+                options["max_sequence_length"] = embeds.sequence_length()
+        if prompt is None:
+            raise PipelineError("a prompt is needed" + (" (or prompt_embeds)" if self.embeds_names else ""))
         given = {
             "height": height,
             "width": width,
@@ -981,7 +1006,11 @@ class DiffusionPipeline:
         if self.zeros_for_empty_negative:
             keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))
         text = {"prompts": len(prompts), "n": n, "do_cfg": do_cfg}
-        if text_lora is not None:
+        if (
+            embeds is not None
+        ):  # the given rows, the others encoded (neither read from the prompt cache nor kept)
+            cond = embeds.conditioning(self, tokens, keep, text_adapters=text_lora is not None, **text)
+        elif text_lora is not None:
             # The text_encode program's LoRA variant: the table's text-encoder part rides with the weights
             # (fixed shapes: adapters and scales compile nothing); each text row, negatives too, takes its
             # prompt's adapters. It bypasses the prompt cache (neither read nor written: a cached row is the

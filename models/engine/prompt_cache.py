@@ -104,31 +104,16 @@ class PromptCache:
             first = {k: keys.index(k) for k in missing}
             index = [first[k] for k in missing]
             index += index[:1] * (pow2(len(index)) - len(index))
-            encoded = self._encode_rows(pipe, tuple(t[index] for t in tokens))
+            encoded = encode_rows(pipe, tuple(t[index] for t in tokens))
             for k, row in zip(missing, encoded, strict=False):
                 found[k] = row
                 self._put(k, row)
-        rows = tuple(found[k] for k in keys)
-        static = {"pipe": pipe, "prompts": prompts, "n": n, "do_cfg": do_cfg}
-        return pipe.programs.run("text_assemble", _assemble, static, None, rows, keep)
+        return assemble_rows(pipe, tuple(found[k] for k in keys), keep, prompts=prompts, n=n, do_cfg=do_cfg)
 
     def warm_up(self, pipe, settings: dict, max_texts: int) -> None:
         """Compile the miss programs a pool can meet: 1, 2, 4... rows up to `max_texts` (without caching)."""
         for m in sorted({pow2(k) for k in range(1, max_texts + 1)}):
-            self._encode_rows(pipe, pipe.tokenize([""] * m, settings))
-
-    def _encode_rows(self, pipe, tokens) -> tuple:
-        tokens = tuple(pipe.put_batch(t) for t in tokens)
-        replicated = None
-        if pipe.placement is not None:  # rows kept whole on every device, so any call can assemble them
-            replicated = NamedSharding(pipe.placement.mesh, P())
-        return pipe.programs.run(
-            "text_encode_rows",
-            _encode_rows,
-            {"pipe": pipe, "replicated": replicated},
-            pipe._text_states,
-            tokens,
-        )
+            encode_rows(pipe, pipe.tokenize([""] * m, settings))
 
     def _touch(self, key):
         entry = self._rows.get(key)
@@ -148,6 +133,24 @@ class PromptCache:
                 _, (_, dropped) = self._rows.popitem(last=False)
                 self.bytes -= dropped
                 self.evictions += 1
+
+
+def encode_rows(pipe, tokens) -> tuple:
+    """Host token arrays [M, ...] per encoder -> M rows on the pool's devices, each the `encode_prompt` pytree of
+    one text (kept whole on every device, so any call can assemble them)."""
+    tokens = tuple(pipe.put_batch(t) for t in tokens)
+    replicated = None
+    if pipe.placement is not None:
+        replicated = NamedSharding(pipe.placement.mesh, P())
+    static = {"pipe": pipe, "replicated": replicated}
+    return pipe.programs.run("text_encode_rows", _encode_rows, static, pipe._text_states, tokens)
+
+
+def assemble_rows(pipe, rows: tuple, keep, *, prompts: int, n: int, do_cfg: bool):
+    """T rows (`encode_rows`' kind) -> the conditioning `pipe._text_encode` makes of T texts (one program per
+    (prompts, n, CFG) and row shapes)."""
+    static = {"pipe": pipe, "prompts": prompts, "n": n, "do_cfg": do_cfg}
+    return pipe.programs.run("text_assemble", _assemble, static, None, rows, keep)
 
 
 def _encode_rows(states, tokens, *, pipe, replicated):

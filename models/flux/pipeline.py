@@ -85,6 +85,8 @@ class FluxPipeline(DiffusionPipeline):
     cfg_field = "true_cfg_scale"
     cfg_needs_negative = True
     second_prompt = True  # prompt_2 / negative_prompt_2: T5's texts (CLIP's pooled vector reads `prompt`)
+    # encode_prompt's outputs, as diffusers names them (a call may give them: models/engine/prompt_embeds.py)
+    embeds_names = ("prompt_embeds", "pooled_prompt_embeds")
     schedule_fields = ("sigmas",)  # FluxPipeline's custom sigmas (shifted for the size, as its own)
     # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
     # values, not yet measured on trained weights (docs/step-cache.md).

@@ -59,6 +59,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     row_fields = ("guidance_scale", "guidance_rescale")
     # prompt_2 / negative_prompt_2: text_encoder_2's texts (OpenCLIP ViT-bigG in SDXL base).
     second_prompt = True
+    # encode_prompt's outputs, as diffusers names them (a call may give them: models/engine/prompt_embeds.py)
+    embeds_names = ("prompt_embeds", "pooled_prompt_embeds")
     # diffusers' clip_skip: the prompt's states from hidden_states[-(clip_skip + 2)] of both encoders (the
     # negatives' stay at [-2], as in diffusers), per prompt, a traced layer index (any value, one program).
     text_fields = ("clip_skip",)

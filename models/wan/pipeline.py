@@ -93,6 +93,7 @@ class WanPipeline(DiffusionPipeline):
         "max_sequence_length",
     )
     pads_batches = False
+    embeds_names = ("prompt_embeds",)  # encode_prompt's output, as diffusers names it
     # Step caches (models/engine/step_cache.py): first-block and TeaCache. The default thresholds are starting
     # values, not yet measured on trained weights (docs/step-cache.md).
     cache_methods = {"first_block": 0.08, "teacache": 0.1}

@@ -524,3 +524,33 @@ def test_full_size_flux_schnell_t5_xxl_and_vae_keys_and_shapes_map():
     model = abstract_module(AutoencoderKL, AutoencoderKLConfig.from_config(FLUX_VAE))
     load_weights(model, _zero_strided(vae.state_dict()), place=keep)
     assert sum(int(np.prod(t.shape)) for t in vae.state_dict().values()) == 83_819_683  # FLUX.1's VAE
+
+
+def test_prompt_embeds_match_diffusers(dev, dev_reference):
+    """diffusers' prompt_embeds / pooled_prompt_embeds (from its own encode_prompt; the negatives' for true
+    CFG) instead of texts: diffusers' pictures given the same; their text length is the call's when it names
+    none; negatives as text beside given prompts."""
+    import torch
+
+    negatives = ["blurry", "ugly"]
+    with torch.no_grad():
+        pe, ppe, _ = dev_reference.encode_prompt(PROMPTS, None, device="cpu", max_sequence_length=TEXT)
+        npe, nppe, _ = dev_reference.encode_prompt(negatives, None, device="cpu", max_sequence_length=TEXT)
+    latents = packed_latents(2, seed=9)
+    kw = dict(height=H, width=W, num_inference_steps=3, true_cfg_scale=2.0, output_type="np")
+    embeds = dict(prompt_embeds=pe, pooled_prompt_embeds=ppe)
+    negative = dict(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
+    expected = dev_reference(**embeds, **negative, latents=torch.from_numpy(latents), **kw).images
+    mine = {k: v.numpy() for k, v in {**embeds, **negative}.items()}
+    got = dev(latents=latents, **mine, **kw).images  # no max_sequence_length: the embeddings' 24
+    assert max_abs(got, expected) <= 1e-3 and expected.std() > 1e-2
+    texts = dev(PROMPTS, negative_prompt=negatives, latents=latents, max_sequence_length=TEXT, **kw).images
+    assert max_abs(got, texts) <= 1e-4
+    half = {k: mine[k] for k in embeds}
+    expected = dev_reference(
+        **embeds, negative_prompt=negatives, latents=torch.from_numpy(latents), max_sequence_length=TEXT, **kw
+    ).images
+    got = dev(latents=latents, **half, negative_prompt=negatives, **kw).images
+    assert max_abs(got, expected) <= 1e-3
+    with pytest.raises(PipelineError, match="expected shape"):
+        dev(**half, max_sequence_length=TEXT + 8, height=H, width=W, num_inference_steps=1)

@@ -517,8 +517,8 @@ def test_bad_arguments_are_clear(ours, kw, match):
 
 
 def test_an_unsupported_argument_is_a_type_error_too(ours):
-    with pytest.raises(TypeError, match="unsupported argument 'prompt_embeds'"):
-        ours("cat", prompt_embeds=np.zeros((1, 77, 64)))
+    with pytest.raises(TypeError, match="unsupported argument 'ip_adapter_image'"):
+        ours("cat", ip_adapter_image=np.zeros((8, 8, 3)))
 
 
 def test_vae_shift_factor_and_missing_sample_size_read_as_diffusers_does(tiny_sdxl_path, tmp_path):
@@ -654,3 +654,41 @@ def test_a_folder_without_the_first_text_encoder_is_refused_naming_it(tiny_sdxl_
     shutil.rmtree(folder / "text_encoder_2")
     with pytest.raises(ModelFolderError, match="no text_encoder_2; meshserve's SDXL needs the second"):
         load_pipeline(folder)
+
+
+def test_prompt_embeds_match_diffusers(ours, reference):
+    """diffusers' prompt_embeds and its kin (made by diffusers' own encode_prompt) instead of texts: the same
+    pictures as diffusers given them, and as the texts themselves; a side given as text beside embeddings of the
+    other; diffusers' rules for what goes together."""
+    import torch
+
+    _diffusers_scheduler(reference, "euler")  # the shared reference's, whatever an earlier test set
+    prompts, negatives = ["a photo of a cat", "a red car"], ["blurry", "low quality"]
+    with torch.no_grad():
+        pe, npe, ppe, nppe = reference.encode_prompt(prompts, device="cpu", negative_prompt=negatives)
+    latents = np.random.default_rng(4).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
+    kw = dict(height=H, width=W, num_inference_steps=3, guidance_scale=5.0, output_type="np")
+    kw_ours = dict(kw, scheduler="euler")
+    given = dict(prompt_embeds=pe, pooled_prompt_embeds=ppe)
+    negative = dict(negative_prompt_embeds=npe, negative_pooled_prompt_embeds=nppe)
+    expected = reference(**given, **negative, latents=torch.from_numpy(latents), **kw).images
+    as_numpy = {k: v.numpy() for k, v in {**given, **negative}.items()}
+    got = ours(latents=latents, **as_numpy, **kw_ours).images
+    assert np.abs(got - expected).max() <= 1e-3 and expected.std() > 1e-2
+    texts = ours(prompts, negative_prompt=negatives, latents=latents, **kw_ours).images
+    assert np.abs(got - texts).max() <= 1e-4
+    # prompts as embeddings, negatives as text; and no negative (this folder zeroes it, as diffusers does)
+    for negative_kw in ({"negative_prompt": negatives}, {}):
+        expected = reference(**given, **negative_kw, latents=torch.from_numpy(latents), **kw).images
+        mine = {k: as_numpy[k] for k in given}
+        got = ours(latents=latents, **mine, **negative_kw, **kw_ours).images
+        assert np.abs(got - expected).max() <= 1e-3, negative_kw
+    for bad, match in (
+        ({"prompt": "a cat", **as_numpy}, "not both"),
+        ({"prompt_embeds": as_numpy["prompt_embeds"]}, "pooled_prompt_embeds"),
+        ({**as_numpy, "prompt_embeds": as_numpy["prompt_embeds"][:, :10]}, "expected shape"),
+        ({**as_numpy, "prompt_2": "a dog"}, "not both"),
+        ({}, "prompt"),
+    ):
+        with pytest.raises(PipelineError, match=match):
+            ours(**{"prompt": None, **bad}, height=H, width=W, num_inference_steps=1)

@@ -289,6 +289,13 @@ def test_diffusers_call_frames_and_max_sequence_length(wan, reference):
     assert out.frames is out.images and max_abs(out.frames, expected) <= 1e-3
     (frames,) = wan(PROMPTS[0], height=H, width=W, num_frames=F, latents=latents, return_dict=False, **kw)
     np.testing.assert_array_equal(frames, out.frames)
+    # diffusers' video pipelines name the videos per prompt `num_videos_per_prompt`
+    kw = dict(kw, height=H, width=W, num_frames=F, seed=3)
+    two = wan(PROMPTS[0], num_videos_per_prompt=2, **kw).frames
+    assert two.shape[0] == 2 and max_abs(two[0], two[1]) > 1e-2
+    np.testing.assert_array_equal(two, wan(PROMPTS[0], num_images_per_prompt=2, **kw).frames)
+    with pytest.raises(PipelineError, match="one setting"):
+        wan(PROMPTS[0], num_videos_per_prompt=2, num_images_per_prompt=3)
     with pytest.raises(PipelineError, match="unsupported argument 'foo'"):
         wan(PROMPTS[0], foo=1)
     with pytest.raises(PipelineError, match="unsupported argument 'prompt_2'"):  # one text encoder
@@ -391,3 +398,22 @@ def test_folder_readings_diffusers_shares(tiny_wan_path, tmp_path):
     unipc = load_pipeline(tiny_wan_path, dtype="float32")
     flow_shift = unipc.scheduler_config["flow_shift"]
     assert unipc.make_scheduler("flow_match_euler").inner.shift == flow_shift != 1.0
+
+
+def test_prompt_embeds_match_diffusers(wan, reference):
+    """diffusers' prompt_embeds / negative_prompt_embeds (its own encode_prompt's) instead of texts."""
+    import torch
+
+    with torch.no_grad():
+        pe, npe = reference.encode_prompt(
+            PROMPTS, NEGATIVES, do_classifier_free_guidance=True, max_sequence_length=64, device="cpu"
+        )
+    latents = latents_for(2, seed=6)
+    kw = dict(guidance_scale=5.0, num_inference_steps=2)
+    expected = run_reference(reference, None, latents, prompt_embeds=pe, negative_prompt_embeds=npe, **kw)
+    got = run_ours(
+        wan, None, latents=latents, prompt_embeds=pe.numpy(), negative_prompt_embeds=npe.numpy(), **kw
+    )
+    assert max_abs(got, expected) <= 1e-3
+    texts = run_ours(wan, PROMPTS, negative_prompt=NEGATIVES, latents=latents, max_sequence_length=64, **kw)
+    assert max_abs(got, texts) <= 1e-4

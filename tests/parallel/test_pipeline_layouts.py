@@ -67,6 +67,23 @@ def test_layout_matches_single_device(tiny_sdxl_path, single, name, record_prope
     assert step_err <= 1e-4, f"{name}: denoise step relative error {step_err:.2e}"
     assert full_err <= 1e-4, f"{name}: pipeline max abs pixel error {full_err:.2e}"
     assert full_ref.std() > 1e-3
+    if name == "data2-batch2":  # given prompt embeddings: rows assembled on the mesh as the texts' are
+        embeds = _diffusers_embeds(tiny_sdxl_path, prompts)
+        given = {k: v for k, v in kw.items() if k not in ("prompt_2", "clip_skip")} | embeds
+        full_ref = single(num_inference_steps=3, output_type="np", **given).images
+        full = pipe(num_inference_steps=3, output_type="np", **given).images
+        assert float(np.abs(full - full_ref).max()) <= 1e-4 and full_ref.std() > 1e-3
+
+
+def _diffusers_embeds(path, prompts) -> dict:
+    """diffusers' prompt_embeds and pooled_prompt_embeds of `prompts` (its own encode_prompt), as numpy."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    reference = StableDiffusionXLPipeline.from_pretrained(str(path), torch_dtype=torch.float32)
+    with torch.no_grad():
+        pe, _, ppe, _ = reference.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
+    return {"prompt_embeds": pe.numpy(), "pooled_prompt_embeds": ppe.numpy()}
 
 
 def test_weights_are_sharded_not_copied(tiny_sdxl_path):
