@@ -825,9 +825,8 @@ class DiffusionPipeline:
         own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
         own |= set(self.image_fields) | set(self.schedule_fields)
         own |= {"denoising_end", "denoising_start"} if self.denoising_split else set()
-        own |= (
-            {"num_videos_per_prompt"} if "frames" in self.limits else set()
-        )  # diffusers' video pipelines' n
+        # diffusers' video pipelines name n `num_videos_per_prompt`
+        own |= {"num_videos_per_prompt"} if "frames" in self.limits else set()
         own |= GivenEmbeds.names(self)  # prompt_embeds and its kin (models/engine/prompt_embeds.py)
         own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
@@ -1006,9 +1005,7 @@ class DiffusionPipeline:
         if self.zeros_for_empty_negative:
             keep = self.put_batch(np.repeat([neg is not None for neg in negatives], n))
         text = {"prompts": len(prompts), "n": n, "do_cfg": do_cfg}
-        if (
-            embeds is not None
-        ):  # the given rows, the others encoded (neither read from the prompt cache nor kept)
+        if embeds is not None:  # the given rows, the others encoded (the prompt cache neither read nor kept)
             cond = embeds.conditioning(self, tokens, keep, text_adapters=text_lora is not None, **text)
         elif text_lora is not None:
             # The text_encode program's LoRA variant: the table's text-encoder part rides with the weights

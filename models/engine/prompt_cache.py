@@ -95,9 +95,8 @@ class PromptCache:
         with self._lock:
             found = {k: self._touch(k) for k in dict.fromkeys(keys)}
         missing = [k for k, row in found.items() if row is None]
-        missed = sum(
-            1 for k in keys if found[k] is None
-        )  # rows, a text repeated in the call counted each time
+        # rows: a text repeated in the call counts each time
+        missed = sum(1 for k in keys if found[k] is None)
         self.hits += len(keys) - missed
         self.misses += missed
         if missing:
