@@ -20,7 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
-from meshserve.models.components.image_processor import as_image_list, as_pil, tile_rows
+from meshserve.models.components.image_processor import (
+    as_image_list,
+    as_pil,
+    preprocess_image,
+    preprocess_mask,
+    tile_rows,
+)
 from meshserve.models.engine.common import PipelineError
 
 LANCZOS = Image.Resampling.LANCZOS  # the processors' `resample`
@@ -56,10 +62,9 @@ class MaskCrops:
         (keep) and 1 (repaint), binarised at 0.5 as the inpainting mask processor does."""
         pixels, masks = [], []
         for image, mask, region in zip(self.images, self.masks, self.regions, strict=True):
-            rgb, gray = crop_inputs(image, mask, region, width, height)
-            pixels.append(np.asarray(rgb).astype(np.float32) / np.float32(255.0) * 2.0 - 1.0)
-            values = np.asarray(gray).astype(np.float32)[..., None] / np.float32(255.0)
-            masks.append(np.where(values < 0.5, 0.0, 1.0).astype(np.float32))
+            rgb, gray = crop_inputs(image, mask, region, width, height)  # already the call's size
+            pixels.append(preprocess_image(rgb, height, width))
+            masks.append(preprocess_mask(gray, height, width))
         return np.stack(pixels), np.stack(masks)
 
     def paste(self, generated: np.ndarray, output_type: str):
