@@ -662,6 +662,50 @@ async def test_an_edit_without_a_mask_reads_the_images_transparency_as_one(api_i
     assert [(j.params.mask is not None, j.params.strength) for j in keyed] == [(True, defaults["inpaint"])]
 
 
+async def test_an_edit_takes_padding_mask_crop_with_a_mask_or_a_transparent_image(api_img):
+    """/v1/generate's `padding_mask_crop` as a form field: the job's, when the edit is an inpaint (a mask part,
+    or an image with transparent pixels); an opaque image without a mask is an image-to-image, which has no
+    mask to crop around: refused, and nothing stored. The field is part of an Idempotency-Key's request."""
+    client, store, worker = api_img
+    worker.start()
+    holed = Image.new("RGBA", (40, 24), (200, 0, 0, 255))
+    for x in range(10, 20):
+        holed.putpixel((x, 3), (0, 0, 0, 0))
+    opaque = encode(Image.new("RGBA", (40, 24), (200, 0, 0, 255)), "PNG")
+    data = {"prompt": "a cat", "model": "toy-img", "size": "64x48", "padding_mask_crop": "6"}
+    for files in (
+        {"image": ("in.png", PNG, "image/png"), "mask": ("m.png", MASK, "image/png")},
+        {"image": ("in.png", encode(holed, "PNG"), "image/png")},
+    ):
+        r = await client.post("/v1/images/edits", files=files, data=data)
+        assert r.status_code == 200, r.text
+    jobs = [
+        await store.get(k.rsplit(":", 1)[1]) async for k in store.redis.scan_iter(f"{store.prefix}:job:*")
+    ]
+    assert sorted((j.params.mask is not None, j.params.padding_mask_crop) for j in jobs) == [(True, 6)] * 2
+    inputs = {k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")}
+    for files, extra, rule in (
+        ({"image": ("in.png", opaque, "image/png")}, {}, "padding_mask_crop_without_mask"),
+        ({"image": ("in.png", PNG, "image/png")}, {}, "padding_mask_crop_without_mask"),
+        ({"image": ("in.png", PNG, "image/png"), "mask": ("m.png", MASK, "image/png")},
+         {"padding_mask_crop": "-1"}, "greater_than_equal"),
+        ({"image": ("in.png", PNG, "image/png"), "mask": ("m.png", MASK, "image/png")},
+         {"padding_mask_crop": "2.5"}, "int_parsing"),
+    ):  # fmt: skip
+        r = await client.post("/v1/images/edits", files=files, data={**data, **extra})
+        assert r.status_code == 422, r.text
+        assert (r.json()["error"]["field"], r.json()["error"]["code"]) == ("padding_mask_crop", rule), r.text
+    assert {k async for k in store.redis.scan_iter(f"{store.prefix}:input:*")} == inputs
+    files = {"image": ("in.png", PNG, "image/png"), "mask": ("m.png", MASK, "image/png")}
+    key = {"Idempotency-Key": "crop"}
+    first = await client.post("/v1/images/edits", files=files, data=data, headers=key)
+    assert first.status_code == 200, first.text
+    r = await client.post(
+        "/v1/images/edits", files=files, data={**data, "padding_mask_crop": "7"}, headers=key
+    )
+    assert r.status_code == 422 and r.json()["error"]["code"] == "idempotency_key_reused", r.text
+
+
 @pytest.mark.parametrize(
     "files,data,field,rule",
     [

@@ -28,6 +28,7 @@ from meshserve.service.contract import Job, JobParams, JobStatus, Priority
 from meshserve.service.job_queue import SubmitOutcomeUnknown
 from meshserve.service.schemas import (
     MAX_MODEL_ID_CHARS,
+    MAX_PADDING_MASK_CROP,
     OUTPUT_COMPRESSION,
     ErrorResponse,
     GenerateRequest,
@@ -205,6 +206,15 @@ async def edit_image(
         float | None, Form(gt=0, le=1, allow_inf_nan=False, description="As /v1/generate's (an extension).")
     ] = None,
     output_compression: Annotated[int | None, Form(ge=0, le=100, description=OUTPUT_COMPRESSION)] = None,
+    padding_mask_crop: Annotated[
+        int | None,
+        Form(
+            ge=0,
+            le=MAX_PADDING_MASK_CROP,
+            description="As /v1/generate's (an extension): inpaint only the masked region and lay it back into "
+            "the image, whose size the outputs then have. Needs a mask (or an image with transparent pixels).",
+        ),
+    ] = None,
 ) -> ImagesResponse:
     image = _one_file_each(await request.form())
     key = idempotency_key(request)
@@ -213,7 +223,11 @@ async def edit_image(
     marker = "uploaded"
     fields = dict(prompt=prompt, n=n, strength=strength, output_format=output_format, image=marker)
     fields["output_compression"] = output_compression
-    params = _params(served, settings, size, **fields, mask=marker if mask is not None else None)
+    # Without a mask part, whether the image is its own mask (dall-e-2's rule) is known once it is read: the
+    # crop is checked with the inpaint's fields then.
+    crop = {"padding_mask_crop": padding_mask_crop}
+    first = fields | crop if mask is not None else fields
+    params = _params(served, settings, size, **first, mask=marker if mask is not None else None)
     with _wait_slot(request, tenant.name):  # before the inputs are stored: a refusal leaves none
         image_bytes = await _upload(image, "image", settings)
         mask_bytes = await _upload(mask, "mask", settings) if mask is not None else None
@@ -221,10 +235,10 @@ async def edit_image(
         if key:  # the request's fields and its files' bytes
             hashed = {"route": "edits", "prompt": prompt, "model": model, "n": n, "size": size}
             hashed["output_format"] = output_format
-            if (
-                output_compression is not None
-            ):  # (left out otherwise: keys of earlier releases keep their digest)
-                hashed["output_compression"] = output_compression
+            # Extensions are hashed only when given, so keys of earlier releases keep their digest.
+            for name, value in (("output_compression", output_compression), *crop.items()):
+                if value is not None:
+                    hashed[name] = value
             hashed |= {"response_format": response_format, "strength": strength}
             for name, data in (("image", image_bytes), ("mask", mask_bytes)):
                 hashed[name] = None if data is None else hashlib.sha256(data).hexdigest()
@@ -242,7 +256,16 @@ async def edit_image(
         )
         if mask is None and params.mask is not None:  # so it is an inpaint: its task and default strength
             refs = {"image": params.image, "mask": params.mask}
-            params = _params(served, settings, size, **fields, mask=marker).model_copy(update=refs)
+            params = _params(served, settings, size, **fields, **crop, mask=marker).model_copy(update=refs)
+        elif mask is None and padding_mask_crop is not None:  # an opaque image: an image-to-image has no mask
+            await drop_unused_inputs(store, params, None)
+            metrics.JOBS_REJECTED.labels("invalid").inc()
+            raise FieldError(
+                "padding_mask_crop",
+                "padding_mask_crop_without_mask",
+                "padding_mask_crop crops around an inpainting mask: give a mask, or an image with transparent "
+                "pixels",
+            )
         job, unknown = None, None
         try:
             job = await _submit(store, params, key, digest, tenant)
