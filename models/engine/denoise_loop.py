@@ -23,6 +23,8 @@ denoise program, with classifier-free guidance, per-row step noise and a host ca
 - `after_step(latents, i) -> latents` (optional, traced): a per-step hook after the scheduler's step and
   before the callback (4-channel inpainting puts the known region back here).
 - `preview(steps_done, latents) -> bool` (optional, traced): live previews, models/engine/previews.py.
+- `step_end(latents, i, t) -> (latents, go)` (optional, traced): diffusers' callback_on_step_end, after
+  `after_step` (models/engine/step_end.py); go False stops the loop (its interrupt, or an error).
 - `step_cache` (optional): a step cache's slot (models/engine/step_cache.py); its state rides in the carry and
   the loop also returns how many steps it skipped.
 """
@@ -87,6 +89,7 @@ def denoise_loop(
     stop=None,
     after_step: Callable | None = None,
     step_cache=None,
+    step_end: Callable | None = None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
     [B]; guidance [B]; rescale [B] or None (`guide`). Returns (latents, steps_done): steps_done <
@@ -111,6 +114,9 @@ def denoise_loop(
         latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key)
         if after_step is not None:
             latents = after_step(latents, i)
+        more = True
+        if step_end is not None:
+            latents, more = step_end(latents, i, jnp.asarray(schedule.timesteps)[i])
         latents = constrain(latents)
         # The callback takes one element of the new latents so it runs after the step, not beside it; the
         # loop condition waits for its answer, so steps report in order without an ordered effect (whose
@@ -118,6 +124,7 @@ def denoise_loop(
         go = io_callback(
             on_step, jax.ShapeDtypeStruct((), jnp.bool_), i + 1 - start, latents.ravel()[0], ordered=False
         )
+        go = go & more
         if preview is not None:  # live previews (models/engine/previews.py): pixels leave only when due
             go = go & preview(i + 1 - start, latents)
         return i + 1, go, latents, sched_state, cache_state

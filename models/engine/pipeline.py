@@ -22,7 +22,8 @@ What the serving side reads (workers/runner.py relies on nothing else):
     warm_up(buckets, batch_sizes,    compile every program those shapes need, with and without CFG
             num_frames=)
     __call__(prompt, negative_prompt=, seed=, num_images_per_prompt=, latents=, output_type=, callback=,
-             return_dict=, **row_fields, **batch_fields) -> PipelineOutput (`images`; video: also `frames`)
+             callback_on_step_end=, return_dict=, **row_fields, **batch_fields) -> PipelineOutput (`images`;
+             video: also `frames`); callback_on_step_end is diffusers' (step_end.py)
     compilations                     programs compiled so far (each also logged with its shapes and seconds)
     tasks                            what inputs it takes: ("text-to-image",), with image inputs also
                                      "image-to-image", "inpaint" (video: "text-to-video", "image-to-video");
@@ -138,6 +139,7 @@ from meshserve.models.engine.programs import CompiledPrograms, compiler_options
 from meshserve.models.engine.prompt_embeds import GivenEmbeds
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, per_row_pairs, row_keys, row_seeds
 from meshserve.models.engine.step_cache import CacheSlot, parse_cache
+from meshserve.models.engine.step_end import StepEndHook, check_step_end
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
@@ -294,6 +296,8 @@ class DiffusionPipeline:
     model_id: str = ""
     # An LRU of text-encoder outputs (models/engine/prompt_cache.py) when set; a serving pool sets one.
     prompt_cache = None
+    # diffusers' interrupt flag: a callback_on_step_end sets it to end the loop (models/engine/step_end.py).
+    _interrupt: bool = False
     # The text encoders a LoRA file may adapt (their Linears join the adapter table; docs/lora.md): the
     # family's CLIP encoders. Others' keys (T5, umT5) are refused at registration.
     lora_text_encoders: tuple[str, ...] = ()
@@ -345,6 +349,7 @@ class DiffusionPipeline:
             convs=lora_convs,
         )
         self.step_reporter = StepReporter()
+        self.step_end = StepEndHook(self.latents_axes)  # diffusers' callback_on_step_end: step_end.py
         # The VAE's dtype when the pool sets one (float32 | bfloat16), else the family's default (vae_dtype_for).
         self.vae_dtype_override = None if vae_dtype is None else jnp.dtype(vae_dtype)
         self.previews = LatentPreviews(self)  # live previews: models/engine/previews.py
@@ -678,6 +683,11 @@ class DiffusionPipeline:
             strength = self.default_strength(task)
         return (task, strength, *key)
 
+    @property
+    def interrupt(self) -> bool:
+        """diffusers' `interrupt`: set (as `_interrupt`) by a callback_on_step_end to end the call's loop."""
+        return self._interrupt
+
     def compiled_batch_size(self, rows: int, data: int = 1) -> int:
         return batch_bucket(rows, data) if self.pads_batches else rows
 
@@ -797,6 +807,8 @@ class DiffusionPipeline:
         scheduler: str | None = None,
         output_type: str | None = None,
         callback: Callable[[int, int], bool | None] | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] | None = None,
         return_dict: bool = True,
         preview_every: int | Sequence[int] | None = None,
         preview_callback: PreviewCallback | None = None,
@@ -814,6 +826,9 @@ class DiffusionPipeline:
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
         converted to uint8 on the device (workers/encoding.to_uint8's rounding), "pil" PIL
         images (video: a list of frames per row). `callback(step, total)` after every step; False cancels.
+        diffusers' `callback_on_step_end(pipe, i, t, callback_kwargs)` after every step, with the latents in
+        diffusers' layout; it may return new latents, and `pipe._interrupt = True` ends the loop there
+        (models/engine/step_end.py; a variant of the denoise program, compiled once).
         `cache`: {"method", "threshold" (optional)}, a step cache (models/engine/step_cache.py; the methods and
         default thresholds are limits["cache"]); the output's `cached_steps` says how many steps it skipped.
         `prompt_cache_scope`: one for all prompts or one per prompt, part of the prompt cache's keys (a
@@ -908,6 +923,7 @@ class DiffusionPipeline:
         except LimitError as e:
             raise PipelineError(str(e)) from None
         cache = parse_cache(cache, self.cache_methods)
+        step_end_names = check_step_end(callback_on_step_end, callback_on_step_end_tensor_inputs)
         output_type = output_type or self.default_output_type
         check_padding_mask_crop(padding_mask_crop, task, latent_image is not None, output_type)
         if output_type not in OUTPUT_TYPES:
@@ -1065,6 +1081,8 @@ class DiffusionPipeline:
         static = {"scheduler": sched, "do_cfg": do_cfg, "shape": shape}
         if cache is not None:
             static["cache"] = cache.method
+        if callback_on_step_end is not None:
+            static["step_end"] = True
         inputs = (
             schedule,
             init,
@@ -1078,7 +1096,8 @@ class DiffusionPipeline:
         state = self._states[self.denoiser_name]
         if lora_rows is not None:  # the adapter table rides with the weights: fixed shapes, not in the key
             state = (state, self.lora.tables())
-        with self.previews.listening(preview_callback, steps):
+        step_end = self.step_end.listening(self, callback_on_step_end, step_end_names, start)
+        with self.previews.listening(preview_callback, steps), step_end:
             latents, *skipped = self.run_denoise(
                 steps, callback, lambda: self.programs.run("denoise", self._denoise, static, state, *inputs)
             )
@@ -1204,6 +1223,7 @@ class DiffusionPipeline:
         do_cfg,
         shape,
         cache: str | None = None,
+        step_end: bool = False,
     ):
         """init: {"latents": given latents in the loop's layout or None (drawn from each row's key), "start":
         [] int32 first step, "stop": [] int32 the step it stops before (denoising_end), with image inputs
@@ -1260,6 +1280,7 @@ class DiffusionPipeline:
                 step_cache=None
                 if cache is None
                 else CacheSlot(cache, init["cache_threshold"], cfg_rows if do_cfg else None),
+                step_end=self.step_end.in_loop() if step_end else None,
             )
 
     # ---------------------------------------------------------------------------------------------
@@ -1331,7 +1352,10 @@ class DiffusionPipeline:
             done = int(done)
         finally:
             self.step_reporter.listener = None
-        if done < total:
+        if self.step_end.error is not None:  # callback_on_step_end raised: its error, not a cancel
+            error, self.step_end.error = self.step_end.error, None
+            raise error
+        if done < total and not self.step_end.interrupted:  # diffusers' interrupt decodes what it has
             raise GenerationCancelled(f"stopped after {done} of {total} steps")
         return latents, *extra
 
