@@ -15,6 +15,7 @@ import pytest
 from meshserve.models import PipelineError, load_pipeline
 from meshserve.models.engine.seeds import key_data, row_keys, step_keys
 from tests.fixtures.diffusers_noise import same_noise as patch_noise
+from tests.fixtures.tiny_sdxl import diffusers_sdxl
 
 H, W = 64, 48
 PROMPTS = ["a photo of a cat", "a red car"]
@@ -28,12 +29,10 @@ def ours(tiny_sdxl_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_sdxl_path):
-    import torch
-    from diffusers import LCMScheduler, StableDiffusionXLPipeline
+    from diffusers import LCMScheduler
 
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
+    pipe = diffusers_sdxl(tiny_sdxl_path)
     pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
     return pipe
 
 

@@ -20,6 +20,7 @@ from tests.fixtures.tiny_lora import (
     write_kohya_lora,
     write_kohya_stems,
 )
+from tests.fixtures.tiny_sdxl import diffusers_sdxl
 
 H, W = 32, 48
 # The SDXL pools hold only these layers (lora_targets): the attention projections, as diffusers' SDXL DreamBooth
@@ -52,11 +53,7 @@ def reference_with(pipe, names, scales):
 @pytest.fixture(scope="module")
 def sdxl(tiny_sdxl_path, tmp_path_factory):
     """(ours, diffusers' pipeline, adapter files): adapters a (rank 4), b (rank 8), and a's kohya file."""
-    import torch
-    from diffusers import StableDiffusionXLPipeline
-
-    ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
-    ref.set_progress_bar_config(disable=True)
+    ref = diffusers_sdxl(tiny_sdxl_path)
     folder = tmp_path_factory.mktemp("sdxl_loras")
     fa = random_factors(ref.unet, SDXL_TEST_TARGETS, rank=4, seed=1)
     fb = random_factors(ref.unet, SDXL_TEST_TARGETS, rank=8, seed=2)

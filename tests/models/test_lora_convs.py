@@ -17,6 +17,7 @@ from tests.fixtures.tiny_lora import (
     write_diffusers_lora,
     write_kohya_lora,
 )
+from tests.fixtures.tiny_sdxl import diffusers_sdxl
 from tests.models.test_lora import PROMPT, _run_sdxl, _sdxl_latents, loras, max_abs, reference_with
 
 CONVS = r"(resnets\.\d+\.(conv1|conv2|conv_shortcut)|(down|up)samplers\.0\.conv|conv_in|conv_out)$"
@@ -28,11 +29,7 @@ TARGETS = f"({CONVS}|{LINEARS})"
 def convs(tiny_sdxl_path, tmp_path_factory):
     """(ours with lora_convs, diffusers' pipeline, files): "c" (PEFT, rank 4: convs and attn1.to_q), "d" (PEFT,
     rank 2, convs), "k" (kohya, rank 4, convs, alpha 2)."""
-    import torch
-    from diffusers import StableDiffusionXLPipeline
-
-    ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
-    ref.set_progress_bar_config(disable=True)
+    ref = diffusers_sdxl(tiny_sdxl_path)
     folder = tmp_path_factory.mktemp("conv_loras")
     fc = {**random_conv_factors(ref.unet, CONVS, 4, 1), **random_factors(ref.unet, LINEARS, 4, 2)}
     files = {

@@ -22,6 +22,7 @@ from tests.fixtures.tiny_lora import (
     random_factors,
     write_kohya_parts,
 )
+from tests.fixtures.tiny_sdxl import diffusers_sdxl
 from tests.models.test_lora import SDXL_TEST_TARGETS, loras, max_abs, reference_with
 
 H, W, STEPS = 32, 48, 2
@@ -61,11 +62,7 @@ def sdxl(tiny_sdxl_path, tmp_path_factory):
     """(ours, diffusers' pipeline): adapters d (UNet + both CLIPs, saved by diffusers' save_lora_weights with
     its metadata: text_encoder at lora_alpha 8 = 2 x rank), t (both CLIPs only), k (kohya lora_unet_ +
     lora_te1_ + lora_te2_, alpha 2)."""
-    import torch
-    from diffusers import StableDiffusionXLPipeline
-
-    ref = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
-    ref.set_progress_bar_config(disable=True)
+    ref = diffusers_sdxl(tiny_sdxl_path)
     folder = tmp_path_factory.mktemp("sdxl_te_loras")
 
     def factors(seed, rank=4):

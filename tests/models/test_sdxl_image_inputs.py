@@ -14,6 +14,7 @@ import pytest
 
 from meshserve.models import PipelineError, load_pipeline
 from tests.fixtures.diffusers_noise import same_noise as patch_noise
+from tests.fixtures.tiny_sdxl import diffusers_sdxl
 
 H, W = 64, 48  # non-square; latents 32 x 24
 PROMPTS = ["a photo of a cat", "a red car"]
@@ -62,12 +63,7 @@ def ours(tiny_sdxl_path):
 
 @pytest.fixture(scope="module")
 def base_reference(tiny_sdxl_path):
-    import torch
-    from diffusers import StableDiffusionXLPipeline
-
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_sdxl(tiny_sdxl_path)
 
 
 @pytest.fixture(scope="module")

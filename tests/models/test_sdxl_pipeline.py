@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import GenerationCancelled, PipelineError, load_pipeline
+from tests.fixtures.tiny_sdxl import diffusers_sdxl
 
 H, W = 64, 48  # non-square on purpose
 
@@ -15,12 +16,7 @@ def ours(tiny_sdxl_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_sdxl_path):
-    import torch
-    from diffusers import StableDiffusionXLPipeline
-
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl_path), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_sdxl(tiny_sdxl_path)
 
 
 def _diffusers_scheduler(pipe, name):
