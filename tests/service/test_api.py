@@ -144,7 +144,11 @@ async def test_cancel_queued_job(api):
     worker.start()  # the pool meets the canceled entry and skips it
     later = (await client.post("/v1/generate", json={"model": "toy", "prompt": "y"})).json()
     assert (await wait_status(client, later["id"], {"succeeded"}))["status"] == "succeeded"
-    await asyncio.sleep(0.05)  # complete() has returned to the worker
+    # The job reads succeeded once its end is committed, a moment before the worker notes it (a fixed 50 ms wait
+    # raced a loaded machine's scheduling; tests/service/test_redis_restart.py failed that way).
+    deadline = time.monotonic() + 10
+    while not worker.finished and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     assert worker.finished == [later["id"]]
     assert (await client.get(f"/v1/jobs/{job['id']}")).json()["status"] == "canceled"
     events = parse_sse((await client.get(f"/v1/jobs/{job['id']}/events")).text)
