@@ -39,7 +39,12 @@ TENSOR_INPUTS = ("latents",)
 
 
 def check_step_end(callback, tensor_inputs: Sequence[str] | None) -> tuple[str, ...]:
-    """The call's callback_on_step_end and its tensor inputs (default: the latents) -> the names to hand it."""
+    """The call's callback_on_step_end and its tensor inputs -> the names to hand it. Without a list, a callback
+    object's own `tensor_inputs` (diffusers' PipelineCallback classes declare theirs), else the latents."""
+    if tensor_inputs is None and callback is not None:
+        tensor_inputs = getattr(callback, "tensor_inputs", None)
+        if tensor_inputs is not None:
+            tensor_inputs = list(tensor_inputs)
     names = tuple(TENSOR_INPUTS if tensor_inputs is None else tensor_inputs)
     if isinstance(tensor_inputs, str) or not all(isinstance(k, str) for k in names):
         raise PipelineError("callback_on_step_end_tensor_inputs must be a list of names, e.g. ['latents']")

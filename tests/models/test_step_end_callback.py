@@ -159,6 +159,12 @@ def test_refusals_name_the_argument_and_a_callbacks_error_is_the_calls(ours):
         with pytest.raises(PipelineError, match=match):
             ours(PROMPTS, **kw, **bad)
 
+    from diffusers.callbacks import SDXLCFGCutoffCallback
+
+    # diffusers' own callback objects declare what they read: this one the embeddings, refused by name
+    with pytest.raises(PipelineError, match="add_text_embeds"):
+        ours(PROMPTS, callback_on_step_end=SDXLCFGCutoffCallback(cutoff_step_ratio=0.4), **kw)
+
     def wrong_shape(pipe, i, t, kwargs):
         return {"latents": kwargs["latents"][:1]}
 
