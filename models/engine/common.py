@@ -96,3 +96,21 @@ def per_prompt(value, prompts: int, name: str = "negative_prompt") -> list:
     if not all(v is None or isinstance(v, str) for v in values):
         raise PipelineError(f"{name} must be a string, None, or a list of strings / None")
     return values
+
+
+def lora_scale(attention_kwargs, name: str) -> float:
+    """diffusers' per-call attention kwargs (SDXL's `cross_attention_kwargs`, Flux's `joint_attention_kwargs`,
+    Wan's `attention_kwargs`: `name`) -> the LoRA scale they carry: "scale" multiplies every adapter's weight,
+    in the denoiser and the text encoders (diffusers' scale_lora_layers), 1 when absent. Their other keys feed
+    attention processors this package does not have (IP-Adapter masks...): refused by name."""
+    if attention_kwargs is None:
+        return 1.0
+    if not isinstance(attention_kwargs, dict):
+        raise PipelineError(f"{name} must be a dict, e.g. {{'scale': 0.5}}")
+    other = sorted(k for k in attention_kwargs if k != "scale")
+    if other:
+        raise PipelineError(f"{name}: only 'scale' (the LoRA scale) is taken, not {other}")
+    scale = attention_kwargs.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float | np.number) or not np.isfinite(scale):
+        raise PipelineError(f"{name}['scale'] must be a finite number, got {scale!r}")
+    return float(scale)

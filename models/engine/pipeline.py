@@ -125,6 +125,7 @@ from meshserve.models.engine.common import (
     PipelineError,
     PipelineOutput,
     UnsupportedArgument,
+    lora_scale,
     per_prompt,
     per_prompt_ints,
     second_texts,
@@ -298,6 +299,9 @@ class DiffusionPipeline:
     prompt_cache = None
     # diffusers' interrupt flag: a callback_on_step_end sets it to end the loop (models/engine/step_end.py).
     _interrupt: bool = False
+    # The name of the family's diffusers pipelines' per-call attention kwargs, whose "scale" scales the LoRA
+    # adapters (common.lora_scale); None: the family takes none.
+    attention_kwargs_name: str | None = None
     # The text encoders a LoRA file may adapt (their Linears join the adapter table; docs/lora.md): the
     # family's CLIP encoders. Others' keys (T5, umT5) are refused at registration.
     lora_text_encoders: tuple[str, ...] = ()
@@ -836,13 +840,16 @@ class DiffusionPipeline:
         The family's batch fields (num_frames, max_sequence_length) are keyword arguments too, and so are
         diffusers' `prompt_embeds` and its kin (`embeds_names`, with `negative_` ones) in place of the texts
         (models/engine/prompt_embeds.py); video families take `num_videos_per_prompt` as diffusers' name for
-        num_images_per_prompt. Any other name is an UnsupportedArgument."""
+        num_images_per_prompt, and the family's diffusers attention kwargs (`attention_kwargs_name`: SDXL's
+        cross_attention_kwargs...) with a "scale" that multiplies every LoRA scale of the call, as diffusers'
+        does. Any other name is an UnsupportedArgument."""
         own = set(self.row_fields) | set(self.batch_fields) | set(self.text_fields) | set(self.pair_fields)
         own |= set(self.image_fields) | set(self.schedule_fields)
         own |= {"denoising_end", "denoising_start"} if self.denoising_split else set()
         # diffusers' video pipelines name n `num_videos_per_prompt`
         own |= {"num_videos_per_prompt"} if "frames" in self.limits else set()
         own |= GivenEmbeds.names(self)  # prompt_embeds and its kin (models/engine/prompt_embeds.py)
+        own |= {self.attention_kwargs_name} - {None}  # cross_attention_kwargs={"scale": ...} (LoRA)
         own -= _COMMON_ARGUMENTS
         if not self.second_prompt:
             options |= {
@@ -861,6 +868,7 @@ class DiffusionPipeline:
         denoising_end = options.pop("denoising_end", None)
         denoising_start = options.pop("denoising_start", None)
         videos = options.pop("num_videos_per_prompt", None)
+        adapter_scale = lora_scale(options.pop(self.attention_kwargs_name, None), self.attention_kwargs_name)
         if videos is not None:
             if num_images_per_prompt not in (1, videos):
                 raise PipelineError(
@@ -1000,7 +1008,7 @@ class DiffusionPipeline:
         steps = stop - start  # the steps this call runs (and reports)
         seeds = row_seeds(seed, len(prompts), n)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
-        lora_rows = self.lora.rows(loras, len(prompts), n)
+        lora_rows = self.lora.rows(loras, len(prompts), n, adapter_scale)
         # Text-encoder adapters per prompt [P, K], or None (no row's adapters touch the text encoders: the
         # plain text program, and the prompt cache when set).
         text_lora = self.lora.text_rows(loras, lora_rows, len(prompts), n)

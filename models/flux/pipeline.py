@@ -80,6 +80,7 @@ def unpack_latents(x, h: int, w: int):
 
 class FluxPipeline(DiffusionPipeline):
     family = "flux"
+    attention_kwargs_name = "joint_attention_kwargs"  # its "scale" scales the LoRA adapters
     row_fields = ("guidance_scale", "true_cfg_scale")
     batch_fields = (*DiffusionPipeline.batch_fields, "max_sequence_length")
     cfg_field = "true_cfg_scale"

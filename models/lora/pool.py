@@ -325,9 +325,10 @@ class AdapterPool:
 
     # --- a call's rows
 
-    def rows(self, loras, prompts: int, n: int):
+    def rows(self, loras, prompts: int, n: int, lora_scale: float = 1.0):
         """`loras` (None; a list of {"name", "scale"} for every row; or one such list per prompt or per output
-        row; or ZERO_SCALES) -> (index [B, K] int32, scale [B, K] float32), or None when no row has an adapter."""
+        row; or ZERO_SCALES) -> (index [B, K] int32, scale [B, K] float32), or None when no row has an adapter.
+        `lora_scale` multiplies every adapter's scale (diffusers' attention kwargs' "scale": lora_scale())."""
         if loras is None:
             return None
         if loras is ZERO_SCALES:
@@ -376,12 +377,13 @@ class AdapterPool:
                 if name not in self._slots:
                     raise UnknownAdapter(f"no LoRA named {name!r}; loaded: {self.names}")
                 try:
-                    s = float(s)
+                    s = float(s) * lora_scale
                 except (TypeError, ValueError):
                     raise PipelineError(f"loras: scale of {name!r} must be a number, got {s!r}") from None
                 if not (np.isfinite(s) and self.scale_min <= s <= self.scale_max):
+                    times = f" (x the call's lora scale {lora_scale})" if lora_scale != 1.0 else ""
                     raise PipelineError(
-                        f"loras: scale of {name!r} must be in [{self.scale_min}, {self.scale_max}], got {s}"
+                        f"loras: scale of {name!r}{times} must be in [{self.scale_min}, {self.scale_max}], got {s}"
                     )
                 index[row, k], scale[row, k] = self._slots[name], s
                 self._slots.move_to_end(name)

@@ -53,6 +53,7 @@ _ENCODERS = ("text_encoder", "text_encoder_2")
 
 class StableDiffusionXLPipeline(DiffusionPipeline):
     family = "sdxl"
+    attention_kwargs_name = "cross_attention_kwargs"  # its "scale" scales the LoRA adapters
     denoiser_name = "unet"
     lora_text_encoders = _ENCODERS  # both CLIPs take LoRA factors (docs/lora.md)
     # diffusers' guidance_rescale (rescale_noise_cfg after the CFG combine; 0: off), one value per row.

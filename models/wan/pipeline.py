@@ -83,6 +83,7 @@ class _Fp32Latents:
 
 class WanPipeline(DiffusionPipeline):
     family = "wan"
+    attention_kwargs_name = "attention_kwargs"  # its "scale" scales the LoRA adapters
     task = "text-to-video"
     batch_fields = (
         "width",

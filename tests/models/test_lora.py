@@ -401,6 +401,20 @@ def test_flux_matches_diffusers(flux, names, scales):
         assert ours.compilations == compiled
 
 
+def test_flux_joint_attention_kwargs_scale_is_diffusers_lora_scale(flux):
+    import torch
+
+    ours, ref, _ = flux
+    latents = _flux_latents()
+    reference_with(ref, ("a", "b"), (0.5, -1.2))
+    expected = _run_flux(ref, torch.from_numpy(latents), joint_attention_kwargs={"scale": 0.5})
+    got = _run_flux(
+        ours, latents, loras=loras(("a", "b"), (0.5, -1.2)), joint_attention_kwargs={"scale": 0.5}
+    )
+    assert max_abs(got, expected) <= 1e-3
+    assert max_abs(got, _run_flux(ours, latents, loras=loras(("a", "b"), (0.25, -0.6)))) <= 1e-6
+
+
 def test_flux_kohya_linear1_splits_like_its_diffusers_conversion(flux, tmp_path):
     """A single block's fused linear1 (q, k, v, proj_mlp): diffusers' converter hard-codes FLUX.1's widths, so
     the tiny model checks it against the same adapter written as diffusers keys (shared down, split up)."""

@@ -147,6 +147,32 @@ def test_sdxl_matches_diffusers(sdxl, names, scales):
     assert max_abs(got, _run(ours, PROMPT, latents)) > 2e-2
 
 
+def test_sdxl_cross_attention_kwargs_scale_is_diffusers_lora_scale(sdxl):
+    """diffusers' `cross_attention_kwargs={"scale": s}` multiplies every adapter's weight, in the UNet and in
+    both text encoders: equal to diffusers' call with it, and to ours with the scales multiplied."""
+    import torch
+
+    ours, ref = sdxl
+    latents, names, scales = _latents(), ("d", "t"), (0.5, -1.0)
+    reference_with(ref, names, scales)
+    expected = _run(ref, PROMPT, torch.from_numpy(latents), cross_attention_kwargs={"scale": 0.6})
+    got = _run(ours, PROMPT, latents, loras=loras(names, scales), cross_attention_kwargs={"scale": 0.6})
+    err = max_abs(got, expected)
+    assert err <= 1e-3, f"max abs pixel difference {err:.2e}"
+    assert max_abs(got, _run(ours, PROMPT, latents, loras=loras(names, [0.3, -0.6]))) <= 1e-6
+    assert max_abs(got, _run(ours, PROMPT, latents, loras=loras(names, scales))) > 2e-2
+    for bad, match in (
+        ({"scale": "x"}, "finite number"),
+        ({"scale": 0.5, "ip_adapter_masks": None}, "only 'scale'"),
+        (0.5, "must be a dict"),
+        ({"scale": 10.0}, "lora scale 10.0"),  # 0.5 x 10 is past the pool's scale range
+    ):
+        with pytest.raises(PipelineError, match=match):
+            _run(ours, PROMPT, latents, loras=loras(names, scales), cross_attention_kwargs=bad)
+    with pytest.raises(TypeError, match="joint_attention_kwargs"):  # Flux's name, not SDXL's
+        _run(ours, PROMPT, latents, joint_attention_kwargs={"scale": 0.5})
+
+
 def test_sdxl_rows_carry_their_own_text_adapters_and_switching_compiles_nothing(sdxl):
     ours, _ = sdxl
     rows = [loras(["d"], [0.7]), loras(["t", "k"], [1.0, -0.4]), []]
