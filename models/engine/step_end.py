@@ -9,12 +9,15 @@ the latents and may replace them, or interrupt the call.
 
     pipe(prompt, callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])
 
-As in diffusers' loops: `i` counts the steps this call runs from 0 (an image-to-image call's first step is 0,
-whatever its strength), `t` is that step's timestep (a numpy scalar), and the callback runs after the scheduler's
-step and, for a 4-channel inpaint, after the known region is laid back. `pipe._interrupt = True` ends the loop
-after this step and the call decodes the latents it has (diffusers' `interrupt`: the remaining steps are
-skipped); it is reset when a call starts. Only "latents" can be read: the other names diffusers' pipelines
-offer (prompt_embeds, add_time_ids...) are inputs of the compiled program, not values it can hand back per step.
+The latents handed over are a writable copy: changed in place, they are what the loop goes on from, as with
+diffusers' tensors; returned latents take their place. As in diffusers' loops: `i` counts the steps this call
+runs from 0 (an image-to-image call's first step is 0, whatever its strength), `t` is that step's timestep (a
+numpy scalar), and the callback runs after the scheduler's step and, for a 4-channel inpaint, after the known
+region is laid back. `pipe._interrupt = True` ends the loop after this step and the call decodes the latents it
+has (diffusers' `interrupt`: the remaining steps are skipped); it is reset when a call starts. Only "latents"
+can be read: the other names diffusers' pipelines offer (prompt_embeds, add_time_ids...) are inputs of the
+compiled program, not values it can hand back per step (a callback object's own `tensor_inputs`, as diffusers'
+PipelineCallback classes declare them, are checked the same way).
 
 How it runs: the denoise program gets an io_callback after each step that takes the latents to the host and
 returns the callback's (or the same) latents, and a flag that stops the loop. It is a variant of the program
@@ -96,26 +99,24 @@ class StepEndHook:
         if self.callback is None or self.error is not None:
             return latents, np.bool_(False)
         try:
-            view = np.asarray(latents)
-            if self.latents_axes is not None:
-                view = np.transpose(view, self.latents_axes)
+            # A writable copy: as with diffusers' tensors, what the callback changes in place is what the loop
+            # goes on from (unless it returns other latents).
+            view = np.array(np.transpose(latents, self.latents_axes or tuple(range(np.ndim(latents)))))
             kwargs = {"latents": view} if "latents" in self.names else {}
             out = self.callback(self.pipe, int(i) - self.start, np.asarray(t), kwargs)
             if out is not None and not isinstance(out, dict):
                 raise PipelineError(
                     f"callback_on_step_end must return a dict or None, got {type(out).__name__}"
                 )
-            given = (out or {}).get("latents")
-            if given is not None:
-                given = np.asarray(given)
-                if given.shape != view.shape:
-                    raise PipelineError(
-                        f"callback_on_step_end returned latents of shape {list(given.shape)}; they must keep "
-                        f"the shape they were given, {list(view.shape)}"
-                    )
-                if self.latents_axes is not None:
-                    given = np.transpose(given, np.argsort(self.latents_axes))
-                latents = np.ascontiguousarray(given).astype(latents.dtype)
+            given = np.asarray((out or {}).get("latents", view))
+            if given.shape != view.shape:
+                raise PipelineError(
+                    f"callback_on_step_end returned latents of shape {list(given.shape)}; they must keep the "
+                    f"shape they were given, {list(view.shape)}"
+                )
+            if self.latents_axes is not None:
+                given = np.transpose(given, np.argsort(self.latents_axes))
+            latents = np.ascontiguousarray(given).astype(latents.dtype)
             if getattr(self.pipe, "_interrupt", False):
                 self.interrupted = True
                 return latents, np.bool_(False)

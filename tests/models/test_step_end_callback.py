@@ -179,6 +179,15 @@ def test_refusals_name_the_argument_and_a_callbacks_error_is_the_calls(ours):
         ours(PROMPTS, callback_on_step_end=lambda *a: 3, **kw)
     with pytest.raises(ValueError, match="the user's own error"):
         ours(PROMPTS, callback_on_step_end=raises, **kw)
+
+    # Latents changed in place are what the loop goes on from, as diffusers' tensors are.
+    def in_place(pipe, i, t, kwargs):
+        if i == 1:
+            kwargs["latents"] *= 0.9
+
+    scaled = ours(PROMPTS, latents=_noise(), callback_on_step_end=recorder([]), **kw).images
+    changed = ours(PROMPTS, latents=_noise(), callback_on_step_end=in_place, **kw).images
+    assert float(np.abs(np.asarray(changed) - np.asarray(scaled)).max()) <= 1e-6
     # The pipeline is fine afterwards.
     assert np.asarray(ours(PROMPTS, callback_on_step_end=lambda *a: None, **kw).images).shape == (2, H, W, 3)
 
