@@ -96,8 +96,10 @@ class StepEndHook:
     def __call__(self, i, t, latents):
         """On the host, after step i of the loop (its absolute index): the callback on diffusers' layout, its
         latents back in the loop's. An error stops the loop and is raised by the call (not by XLA's runtime)."""
-        if self.callback is None or self.error is not None:
+        if self.error is not None:
             return latents, np.bool_(False)
+        if self.callback is None:  # a program of this variant run without a listener: it just goes on
+            return latents, np.bool_(True)
         try:
             # A writable copy: as with diffusers' tensors, what the callback changes in place is what the loop
             # goes on from (unless it returns other latents).
