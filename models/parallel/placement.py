@@ -39,8 +39,11 @@ from meshserve.models.parallel.mesh import (
     validate_weight_sharding,
 )
 
-# Logical parameter axes that are tensor parallel: attention heads and MLP hidden units. A weight split on
-# them must split exactly (LayoutError otherwise): the attention and MLP code relies on whole heads per device.
+# Logical parameter axes that are tensor parallel: attention heads and MLP hidden units. Heads must split
+# exactly (LayoutError otherwise: a layout whose tensor axis leaves a model's heads whole is a mistake to say, not
+# to hide). MLP hidden units that do not divide stay whole on every device: each unit is computed on its own,
+# so that is correct, only less parallel; it is the small text encoders of test checkpoints that have them
+# (transformers' tiny T5 configs: d_ff 37), never a real model's.
 TENSOR_PARALLEL = ("heads", "mlp")
 # The logical axis of a weight's FSDP-sharded dimension (the model width: channels, hidden size). Mapped to the
 # pool's shard_over axes; a dimension that does not divide their product falls back to the largest subset of
@@ -96,7 +99,9 @@ class Placement:
             if logical
             else ()
         )
-        if logical in TENSOR_PARALLEL:
+        if logical == "mlp":
+            axes = tuple(a for a in axes if size % self.mesh.shape[a] == 0)
+        elif logical in TENSOR_PARALLEL:
             for axis in axes:
                 if size % self.mesh.shape[axis]:
                     raise LayoutError(

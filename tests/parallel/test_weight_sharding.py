@@ -107,6 +107,11 @@ def test_tensor_and_fsdp_combine_and_small_dims_fall_back():
     assert placement.param_spec(UNET_RULES, "conv_out.weight", (3, 3, 320, 6)) == P(None, None, None, "data")
     assert placement.param_spec(UNET_RULES, "conv_out.weight", (3, 3, 320, 3)) == P(None, None, None, None)
     assert placement.param_spec(UNET_RULES, "conv_norm_out.weight", (320,)) == P()
+    # MLP units that do not split over tensor stay whole (37: transformers' tiny T5 configs' d_ff); heads that
+    # do not are still an error, not a silent fallback.
+    assert placement.param_spec(
+        UNET_RULES, "mid_block.attentions.0.transformer_blocks.0.ff.net.2.weight", (37, 64)
+    ) == P(None, ("data", "context"))
     # Heads that do not split over tensor are still an error, not a silent fallback.
     with pytest.raises(LayoutError, match="does not split over tensor=2"):
         placement.param_spec(UNET_RULES, q, (1280, 5))
