@@ -27,7 +27,9 @@ models.loading's generic rules):
   (the [B, S, heads * head_dim] projection, before the head split); self-attention rotates q and k with the
   3-axis RoPE. Image-to-video (config added_kv_proj_dim): the cross-attention's normalised queries also attend
   to the image tokens through add_k_proj (then norm_added_k) / add_v_proj, and the two results are summed
-  before to_out.
+  before to_out. A config with image_dim but no added_kv_proj_dim (diffusers' own I2V test model) puts the
+  image tokens in front of the text and the cross-attention attends to both through to_k / to_v, as
+  diffusers' forward concatenates them and its processor splits them off only for added K/V.
 - Output head: (scale_shift_table + temb) chunks are (shift, scale) in that order, LayerNorm, proj_out,
   unpatchify back to [B, F, H, W, out_channels].
 
@@ -161,8 +163,8 @@ class WanTransformer3DConfig:
     @classmethod
     def from_config(cls, config: dict) -> WanTransformer3DConfig:
         """From a diffusers config.json; `_`-prefixed metadata is ignored, any other unknown field raises, and
-        so does what this model does not implement (image_dim without added_kv_proj_dim or the reverse; a
-        pos_embed_seq_len without image_dim)."""
+        so does what this model does not implement (added_kv_proj_dim without image_dim: added K/V with no
+        image tokens to project; a pos_embed_seq_len without image_dim)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in config if not k.startswith("_") and k not in names)
         if unknown:
@@ -176,10 +178,10 @@ class WanTransformer3DConfig:
                 f"WanTransformer3DModel config sets pos_embed_seq_len={out.pos_embed_seq_len} (first-last-frame "
                 "image-to-video's image position embedding) without image_dim"
             )
-        if (out.image_dim is None) != (out.added_kv_proj_dim is None):
+        if out.image_dim is None and out.added_kv_proj_dim is not None:
             raise ValueError(
-                f"WanTransformer3DModel config sets image_dim={out.image_dim} and added_kv_proj_dim="
-                f"{out.added_kv_proj_dim}: image-to-video needs both (text-to-video neither)"
+                f"WanTransformer3DModel config sets added_kv_proj_dim={out.added_kv_proj_dim} without image_dim: "
+                "the added K/V project image tokens, which need the image embedder"
             )
         if out.added_kv_proj_dim is not None and out.added_kv_proj_dim != out.inner_dim:
             raise ValueError(
@@ -203,8 +205,13 @@ class WanTransformer3DConfig:
 
     @property
     def image_to_video(self) -> bool:
-        """Whether the model takes CLIP image states (Wan 2.1 I2V: image_dim and added K/V projections)."""
+        """Whether the model takes CLIP image states (Wan 2.1 I2V: image_dim, with added K/V projections)."""
         return self.image_dim is not None
+
+    @property
+    def image_in_context(self) -> bool:
+        """Image tokens without added K/V: they join the text in front as the cross-attention's context."""
+        return self.image_dim is not None and self.added_kv_proj_dim is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -599,6 +606,8 @@ class WanTransformer3DModel(nnx.Module):
             timestep, encoder_hidden_states.astype(dtype), None if image is None else image.astype(dtype)
         )
         timestep_proj = timestep_proj.reshape(b, 6, -1)
+        if c.image_in_context:  # diffusers: concat([image, text]) as the context (the module docstring)
+            context, image = jnp.concatenate([image, context], axis=1), None
         first_block = block_at(self.blocks, 0)
 
         def all_blocks(x):

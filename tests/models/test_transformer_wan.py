@@ -284,9 +284,11 @@ def test_config_rejects_unknown_and_image_to_video_fields(wan_folder):
     assert config.patch_size == (1, 2, 2) and config.inner_dim == 64
     with pytest.raises(ValueError, match="unsupported fields"):
         WanTransformer3DConfig.from_config({**raw, "window_size": [-1, -1]})
-    for field, value in (("image_dim", 1280), ("added_kv_proj_dim", 5120), ("pos_embed_seq_len", 514)):
-        with pytest.raises(ValueError, match="image-to-video"):
+    for field, value in (("added_kv_proj_dim", 5120), ("pos_embed_seq_len", 514)):
+        with pytest.raises(ValueError, match="without image_dim"):
             WanTransformer3DConfig.from_config({**raw, field: value})
+    # image_dim alone: image tokens in the text's context (diffusers' I2V test model; tests/models/test_wan_i2v.py)
+    assert WanTransformer3DConfig.from_config({**raw, "image_dim": 1280}).image_in_context
 
 
 # --------------------------------------------------------------------------------------------------

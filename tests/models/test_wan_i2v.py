@@ -18,6 +18,7 @@ import torch
 from flax import nnx
 
 from meshserve.models.checkpoints.loading import abstract_module, load_weights, torch_key
+from meshserve.models.components.block_stack import block_at
 from meshserve.models.components.clip_vision import CLIPVisionConfig, CLIPVisionModelWithProjection
 from meshserve.models.parallel.mesh import MeshSizes, make_mesh
 from meshserve.models.parallel.placement import Placement
@@ -138,6 +139,42 @@ def test_i2v_transformer_equals_diffusers(i2v_transformer_folder):
     assert rel_err(blank, want.numpy()) > 1e-2
 
 
+def test_image_tokens_without_added_kv_join_the_text_as_diffusers(tmp_path):
+    """A config with image_dim and no added_kv_proj_dim (diffusers' own WanImageToVideoPipeline test model):
+    diffusers' forward puts the embedded image tokens in front of the text and its cross-attention attends to
+    both through to_k / to_v. fp32 <= 1e-4; the image tokens matter (zeroed, the output moves)."""
+    from diffusers import WanTransformer3DModel as TorchWan
+
+    from tests.fixtures.tiny_wan_i2v import build_tiny_wan_i2v_transformer
+
+    folder = build_tiny_wan_i2v_transformer(tmp_path / "in_context", added_kv=False)
+    reference = TorchWan.from_pretrained(str(folder)).eval()
+    inputs = make_inputs()
+    with torch.no_grad():
+        want = reference(
+            hidden_states=torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3),
+            timestep=torch.from_numpy(inputs["timestep"]),
+            encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
+            encoder_hidden_states_image=torch.from_numpy(inputs["encoder_hidden_states_image"]),
+        ).sample.permute(0, 2, 3, 4, 1)
+    model = load_wan_transformer(folder)
+    assert model.config.image_in_context and block_at(model.blocks, 0).attn2.add_k_proj is None
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, image):
+        x, t = jnp.asarray(inputs["hidden_states"]), jnp.asarray(inputs["timestep"], jnp.int32)
+        rope = model.rope(FRAMES, HEIGHT, WIDTH)
+        return nnx.merge(graphdef, state)(x, t, jnp.asarray(inputs["encoder_hidden_states"]), rope, image)
+
+    got = forward(state, jnp.asarray(inputs["encoder_hidden_states_image"]))
+    err = rel_err(got, want.numpy())
+    log.info("Wan I2V transformer, image tokens in the context, fp32: max rel err %.2e", err)
+    assert err <= 1e-4
+    blank = forward(state, jnp.zeros_like(inputs["encoder_hidden_states_image"]))
+    assert rel_err(blank, want.numpy()) > 1e-2
+
+
 def test_first_last_frame_transformer_equals_diffusers(tmp_path):
     """Wan 2.1 FLF2V's transformer: its image embedder adds a learned position embedding over both frames' CLIP
     states. diffusers takes them as [2B, 257, D] (image, last image, image, ...) and views them [B, 514, D];
@@ -201,8 +238,9 @@ def test_config_rejects_what_i2v_does_not_implement():
         WanTransformer3DConfig.from_config(
             {**WAN_I2V_14B, "pos_embed_seq_len": 514, "image_dim": None, "added_kv_proj_dim": None}
         )
-    with pytest.raises(ValueError, match="needs both"):
-        WanTransformer3DConfig.from_config({**WAN_I2V_14B, "added_kv_proj_dim": None})
+    assert WanTransformer3DConfig.from_config({**WAN_I2V_14B, "added_kv_proj_dim": None}).image_in_context
+    with pytest.raises(ValueError, match="added_kv_proj_dim=5120 without image_dim"):
+        WanTransformer3DConfig.from_config({**WAN_I2V_14B, "image_dim": None})
     with pytest.raises(ValueError, match="must be the model's inner dim 5120"):
         WanTransformer3DConfig.from_config({**WAN_I2V_14B, "added_kv_proj_dim": 4096})
 
