@@ -101,6 +101,32 @@ def make_inputs(batch: int = 2, seed: int = 0) -> dict:
     )
 
 
+def diffusers_forward(reference, inputs: dict, image: np.ndarray) -> torch.Tensor:
+    """diffusers' WanTransformer3DModel on `inputs` (ours, channels-last) and the CLIP states `image` -> its
+    output, channels-last."""
+    with torch.no_grad():
+        return reference(
+            hidden_states=torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3),
+            timestep=torch.from_numpy(inputs["timestep"]),
+            encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
+            encoder_hidden_states_image=torch.from_numpy(image),
+        ).sample.permute(0, 2, 3, 4, 1)
+
+
+def our_forward(model, inputs: dict):
+    """`forward(state, image)`: our transformer `model` (its state given, so a changed parameter can be
+    passed) on `inputs` and the CLIP states `image`, jitted."""
+    graphdef = nnx.graphdef(model)
+
+    @jax.jit
+    def forward(state, image):
+        x, t = jnp.asarray(inputs["hidden_states"]), jnp.asarray(inputs["timestep"], jnp.int32)
+        rope = model.rope(FRAMES, HEIGHT, WIDTH)
+        return nnx.merge(graphdef, state)(x, t, jnp.asarray(inputs["encoder_hidden_states"]), rope, image)
+
+    return forward
+
+
 def test_i2v_transformer_equals_diffusers(i2v_transformer_folder):
     """The I2V transformer (image embedder, added K/V on the image tokens, 12 input channels) equals diffusers'
     on the same weights, fp32 <= 1e-4; without the image branch the output differs (the test can fail)."""
@@ -108,13 +134,7 @@ def test_i2v_transformer_equals_diffusers(i2v_transformer_folder):
 
     reference = TorchWan.from_pretrained(str(i2v_transformer_folder)).eval()
     inputs = make_inputs()
-    with torch.no_grad():
-        want = reference(
-            hidden_states=torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3),
-            timestep=torch.from_numpy(inputs["timestep"]),
-            encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
-            encoder_hidden_states_image=torch.from_numpy(inputs["encoder_hidden_states_image"]),
-        ).sample.permute(0, 2, 3, 4, 1)
+    want = diffusers_forward(reference, inputs, inputs["encoder_hidden_states_image"])
 
     model = load_wan_transformer(i2v_transformer_folder)
     assert model.config.image_to_video and model.condition_embedder.image_embedder is not None
@@ -150,22 +170,10 @@ def test_image_tokens_without_added_kv_join_the_text_as_diffusers(tmp_path):
     folder = build_tiny_wan_i2v_transformer(tmp_path / "in_context", added_kv=False)
     reference = TorchWan.from_pretrained(str(folder)).eval()
     inputs = make_inputs()
-    with torch.no_grad():
-        want = reference(
-            hidden_states=torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3),
-            timestep=torch.from_numpy(inputs["timestep"]),
-            encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
-            encoder_hidden_states_image=torch.from_numpy(inputs["encoder_hidden_states_image"]),
-        ).sample.permute(0, 2, 3, 4, 1)
+    want = diffusers_forward(reference, inputs, inputs["encoder_hidden_states_image"])
     model = load_wan_transformer(folder)
     assert model.config.image_in_context and block_at(model.blocks, 0).attn2.add_k_proj is None
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, image):
-        x, t = jnp.asarray(inputs["hidden_states"]), jnp.asarray(inputs["timestep"], jnp.int32)
-        rope = model.rope(FRAMES, HEIGHT, WIDTH)
-        return nnx.merge(graphdef, state)(x, t, jnp.asarray(inputs["encoder_hidden_states"]), rope, image)
+    state, forward = nnx.state(model), our_forward(model, inputs)
 
     got = forward(state, jnp.asarray(inputs["encoder_hidden_states_image"]))
     err = rel_err(got, want.numpy())
@@ -187,21 +195,9 @@ def test_first_last_frame_transformer_equals_diffusers(tmp_path):
     reference = TorchWan.from_pretrained(str(folder)).eval()
     inputs = make_inputs()
     both = np.random.RandomState(7).randn(2, 2 * S_IMG, I2V_TRANSFORMER["image_dim"]).astype(np.float32)
-    with torch.no_grad():
-        want = reference(
-            hidden_states=torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3),
-            timestep=torch.from_numpy(inputs["timestep"]),
-            encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
-            encoder_hidden_states_image=torch.from_numpy(both.reshape(4, S_IMG, -1)),
-        ).sample.permute(0, 2, 3, 4, 1)
+    want = diffusers_forward(reference, inputs, both.reshape(4, S_IMG, -1))
     model = load_wan_transformer(folder)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, image):
-        x, t = jnp.asarray(inputs["hidden_states"]), jnp.asarray(inputs["timestep"], jnp.int32)
-        rope = model.rope(FRAMES, HEIGHT, WIDTH)
-        return nnx.merge(graphdef, state)(x, t, jnp.asarray(inputs["encoder_hidden_states"]), rope, image)
+    state, forward = nnx.state(model), our_forward(model, inputs)
 
     got = forward(state, jnp.asarray(both))
     err = rel_err(got, want.numpy())
