@@ -18,10 +18,11 @@ from tests.xla_level import SERVING_LEVEL
 # The issue's bar: the shape's colour and the background's in >= 90 % of pictures, the shape in >= 70 % (of a
 # clip: its middle frame), and a clip's motion between its first and last frames in >= 80 %.
 COLOUR_BAR, SHAPE_BAR, DIRECTION_BAR = 0.9, 0.7, 0.8
-SEEDS = (0, 1)  # 2 x 24 held-out captions
-# bf16 and the cfg2 x context2 layout are held to the same bars on seed 0 alone (24 pictures), which keeps a
-# minute out of the suite; `python -m meshserve.training.evaluate --seeds 2 --dtype bfloat16` gives both seeds.
-ONE_SEED = (0,)
+# Each evaluation holds 24 pictures (the 24 held-out captions) to the bars: fp32 on seed 1, bf16 and the cfg2 x
+# context2 layout on seed 0, so both seeds of the docs' figures are drawn. fp32 on both seeds (48 pictures)
+# cost the suite about a minute more on a 2-core VM; `python -m meshserve.training.evaluate --seeds 2` (with
+# `--dtype bfloat16`) gives both seeds of each.
+FP32_SEED, ONE_SEED = (1,), (0,)
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def _check(result, shipped):
 @MODELS
 def test_held_out_captions_fp32(shipped):
     pipe = load_pipeline(shipped.model_id, xla_options=shipped.xla_options)
-    result, images = evaluate(pipe, SEEDS, **shipped.prompted)
+    result, images = evaluate(pipe, FP32_SEED, **shipped.prompted)
     _check(result, shipped)
     assert len({im.tobytes() for im in images}) == len(images)  # no two prompts or seeds drew the same
 

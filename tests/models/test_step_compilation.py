@@ -64,8 +64,8 @@ def test_new_step_count_compiles_nothing(tiny_sdxl_path, counter, scheduler, rec
     assert [t for _, t in seen] == [3] * 3 + [5] * 5 + [7] * 7  # the callback hears the real count
 
 
-# Two programs held equal to 1e-6: compiled with serving's fusion emitters (tests/xla_level.py; the suite's older
-# ones put them 4.4e-4 apart at zero terminal SNR).
+# Compiled with serving's fusion emitters (tests/xla_level.py): the suite's older ones put it 4.4e-4 away from
+# the exact loop at zero terminal SNR.
 @partial(jax.jit, static_argnums=0, compiler_options=SERVING_EMITTERS)
 def run_padded_loop(scheduler, schedule, latents, noises):
     """test_schedulers' run_loop on a padded schedule: a while_loop whose trip count is the traced
@@ -104,8 +104,19 @@ PADDED_CASES = [
 def test_padded_schedule_runs_as_the_exact_one(sdxl_config, case):  # noqa: F811
     from tests.models.test_schedulers import run_loop
 
-    run_loop = jax.jit(run_loop.__wrapped__, static_argnums=0, compiler_options=SERVING_EMITTERS)
     ours, _ = build(sdxl_config, case)
+    # The exact loop op by op, where it rounds close enough to the padded program: compiled, its three step
+    # counts were three programs a case, two thirds of this test's 73 s (39 s op by op; 2026-12-01, a 2-core
+    # Zen 4 EPYC). Op by op against one fused program the loops differ by 1.9e-5 at most (DPM-Solver++ on a
+    # clipped cosine schedule, 16 steps), 2e-6 for most cases; a step of the wrong order or a padded sigma read
+    # is 1e-3 or more. At zero terminal SNR the last step divides by a vanishing alpha and amplifies roundings
+    # (8.9e-4 op by op at 1 step): there the exact loop is a program too, compiled as the padded one.
+    zero_snr = {**case[1], **case[2]}.get("rescale_betas_zero_snr", False)
+    exact_loop = (
+        jax.jit(run_loop.__wrapped__, static_argnums=0, compiler_options=SERVING_EMITTERS)
+        if zero_snr
+        else jax.disable_jit()(run_loop.__wrapped__)
+    )
     rng = np.random.default_rng(0)
     latents = jnp.asarray(rng.standard_normal(SHAPE).astype(np.float32))
     for steps in (1, 5, 16):
@@ -113,12 +124,12 @@ def test_padded_schedule_runs_as_the_exact_one(sdxl_config, case):  # noqa: F811
             continue
         noises = jnp.asarray(rng.standard_normal((40, *SHAPE)).astype(np.float32))
         schedule = ours.schedule(steps)
-        exact = run_loop(ours, schedule, latents, noises[: schedule.num_steps])
+        exact = exact_loop(ours, schedule, latents, noises[: schedule.num_steps])
         padded = run_padded_loop(ours, pad_schedule(schedule, 40), latents, noises)
         # PNDM's 1-step transfer from t = 999 scales the sample by sqrt(alpha_bar_prev / alpha_bar_t) ~ 15 and
-        # cancels most of it with the noise term: the two programs' roundings (fused differently) differ by
-        # 2.4e-6 there.
-        assert rel_err(padded, exact) <= (1e-5 if case[0] == "pndm" else 1e-6), steps
+        # cancels most of it with the noise term: two programs' roundings (fused differently) differ by 2.4e-6.
+        compiled_bound = 1e-5 if case[0] == "pndm" else 1e-6
+        assert rel_err(padded, exact) <= (compiled_bound if zero_snr else 1e-4), steps
 
 
 def test_compiled_programs_are_counted_logged_and_bounded(caplog):
