@@ -20,8 +20,8 @@ from tests.xla_level import SERVING_LEVEL
 COLOUR_BAR, SHAPE_BAR, DIRECTION_BAR = 0.9, 0.7, 0.8
 # Each evaluation holds 24 pictures (the 24 held-out captions) to the bars: fp32 on seed 1, bf16 and the cfg2 x
 # context2 layout on seed 0, so both seeds of the docs' figures are drawn. fp32 on both seeds (48 pictures)
-# cost the suite about a minute more on a 2-core VM; `python -m meshserve.training.evaluate --seeds 2` (with
-# `--dtype bfloat16`) gives both seeds of each.
+# cost the suite 30-40 test-seconds more on a 2-core VM (bench/README.md, "The test suite's time");
+# `python -m meshserve.training.evaluate --seeds 2` (with `--dtype bfloat16`) gives both seeds of each.
 FP32_SEED, ONE_SEED = (1,), (0,)
 
 
