@@ -141,6 +141,7 @@ from meshserve.models.engine.prompt_embeds import GivenEmbeds
 from meshserve.models.engine.seeds import initial_noise, key_data, per_row, per_row_pairs, row_keys, row_seeds
 from meshserve.models.engine.step_cache import CacheSlot, parse_cache
 from meshserve.models.engine.step_end import StepEndHook, check_step_end
+from meshserve.models.engine.torch_generator import draw_noise, generator_seeds
 from meshserve.models.lora.apply import adapters_from
 from meshserve.models.lora.apply import bind as lora_bind
 from meshserve.models.lora.pool import ZERO_SCALES, AdapterPool
@@ -802,6 +803,7 @@ class DiffusionPipeline:
         num_inference_steps: int | None = None,
         guidance_scale: float | Sequence[float] | None = None,
         seed: int | Sequence[int] | None = None,
+        generator=None,
         latents=None,
         image=None,
         mask_image=None,
@@ -824,7 +826,11 @@ class DiffusionPipeline:
         """Generates images (or videos). Per row (one value, one per prompt or one per output row): seed (one
         int, or one per prompt: that prompt's images take it, it + 1, ...) and the family's row fields
         (guidance_scale; Flux: true_cfg_scale); negative_prompt: one for all or one per prompt (None: that
-        prompt has none). `prompt_2` / `negative_prompt_2` (families with
+        prompt has none). `generator`: instead of seed, diffusers' torch.Generator on the CPU (or one per output
+        row), which draws the starting noise as diffusers' `randn_tensor` does and advances as it would
+        (models/engine/torch_generator.py; not for image-to-image and inpaint from a picture, where diffusers
+        also samples the VAE posterior with it); a stochastic scheduler's step noise stays the engine's own, seeded
+        from the generator's next word. `prompt_2` / `negative_prompt_2` (families with
         `second_prompt`): the second text encoder's texts, one for all or one per prompt, each defaulting to
         the first encoder's (None: that prompt's). `latents` and output_type "latent" use diffusers' layout
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
@@ -1006,12 +1012,20 @@ class DiffusionPipeline:
         if denoising_end is not None:
             stop = start + end_steps(denoising_end, timesteps[start:], self.scheduler_config)
         steps = stop - start  # the steps this call runs (and reports)
-        seeds = row_seeds(seed, len(prompts), n)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
         lora_rows = self.lora.rows(loras, len(prompts), n, adapter_scale)
         # Text-encoder adapters per prompt [P, K], or None (no row's adapters touch the text encoders: the
         # plain text program, and the prompt cache when set).
         text_lora = self.lora.text_rows(loras, lora_rows, len(prompts), n)
+        if generator is None:
+            seeds = row_seeds(seed, len(prompts), n)
+        else:  # diffusers' torch.Generator: it draws the starting noise (torch_generator.py)
+            from_picture = latent_image is None and task in ("image-to-image", "inpaint")
+            adds_noise = denoising_start is None  # (diffusers adds none to a denoising_start call's image)
+            latents = self._generator_noise(
+                generator, seed, latents, shape, len(prompts) * n, task, from_picture, adds_noise
+            )
+            seeds = generator_seeds(generator, len(prompts) * n)
         if latents is not None:
             latents = self.put_batch(self._loop_latents(latents, len(seeds), shape))
         timings = {}
@@ -1152,6 +1166,26 @@ class DiffusionPipeline:
     def _decode_uint8(self, vae_state, latents, *, shape, uint8: bool = True):
         """Traced: the family's decode, then [0, 1] -> uint8 on the device (device_uint8)."""
         return device_uint8(self.decode(vae_state, latents, shape=shape))
+
+    def _generator_noise(
+        self, generator, seed, latents, shape, rows: int, task: str, from_picture, adds_noise
+    ):
+        """diffusers' `generator=`: the starting noise it draws, in diffusers' layout (as `latents=`), unless
+        the call gives latents or adds no noise (denoising_start)."""
+        if seed is not None:
+            raise PipelineError("give seed or generator, not both (the generator draws the starting noise)")
+        if from_picture:
+            raise PipelineError(
+                f"generator reproduces diffusers' noise for text-to-image, text-to-video and image-to-video, not "
+                f"for {task} from a picture (diffusers first samples the image's VAE posterior with it, this "
+                "engine takes the posterior's mode): give seed=, or the noise as latents="
+            )
+        if latents is not None or not adds_noise:
+            return latents
+        bf16 = np.dtype(self.latent_dtype) == np.dtype(jnp.bfloat16)
+        drawn = draw_noise(generator, (rows, shape[-1], *shape[:-1]), bfloat16=bf16)  # channels first
+        loop = np.asarray(self.pack(np.moveaxis(drawn, 1, -1)))
+        return loop if self.latents_axes is None else np.transpose(loop, self.latents_axes)
 
     def _loop_latents(self, latents, batch: int, shape: tuple[int, ...], name: str = "latents") -> np.ndarray:
         """Given latents in diffusers' layout (the argument `name`) -> the loop's layout, checked against the
