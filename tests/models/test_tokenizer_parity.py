@@ -68,6 +68,7 @@ PROMPTS = [
     "mIxEd CaSe WoRdS",
     "\n",
     "tab\tseparated\tvalues",
+    "control\x00nul \x07bell \x1b[31mansi\x1b[0m del\x7f \ufffdreplacement\x85next\u2028line",
 ]
 CLIP_LENGTHS = [None, 12]  # None: model_max_length (77)
 T5_LENGTHS = [8, 32, 512]
