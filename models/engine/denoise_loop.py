@@ -90,9 +90,11 @@ def denoise_loop(
     after_step: Callable | None = None,
     step_cache=None,
     step_end: Callable | None = None,
+    step_noise=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
-    [B]; guidance [B]; rescale [B] or None (`guide`). Returns (latents, steps_done): steps_done <
+    [B]; guidance [B]; rescale [B] or None (`guide`); step_noise [B, calls, ...] or None: a stochastic step's
+    noise at each call, given (diffusers' generator draws, replayed) instead of drawn from the keys. Returns (latents, steps_done): steps_done <
     min(schedule.num_steps, stop) - start when on_step stopped the loop; with `step_cache`, (latents,
     steps_done, steps_skipped)."""
     num_steps = schedule.num_steps
@@ -111,7 +113,8 @@ def denoise_loop(
         if do_cfg:
             out = guide(out, guidance, rescale)
         key = step_keys(keys, i) if scheduler.stochastic else None
-        latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key)
+        noise = None if step_noise is None else jax.lax.dynamic_index_in_dim(step_noise, i, 1, keepdims=False)
+        latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key, noise=noise)
         if after_step is not None:
             latents = after_step(latents, i)
         more = True

@@ -281,6 +281,9 @@ class DiffusionPipeline:
     # The scheduler classes a folder's scheduler_config.json may name (None: any this package implements).
     scheduler_classes: tuple[str, ...] | None = None
     latents_axes: tuple[int, ...] | None = None  # None: the loop's layout is diffusers'
+    # Whether diffusers' pipeline passes its generator to the scheduler's step (SDXL's does; Flux's and Wan's
+    # stochastic steps draw from torch's global generator): a `generator=` call then replays those draws too.
+    generator_in_steps: bool = False
     latents_layout: str = ""
     default_output_type: str = "pil"
     # Images: pad a batch to a power of two, which bounds a pool to log2(max_batch) + 1 programs per bucket.
@@ -829,8 +832,9 @@ class DiffusionPipeline:
         prompt has none). `generator`: instead of seed, diffusers' torch.Generator on the CPU (or one per output
         row), which draws the starting noise as diffusers' `randn_tensor` does and advances as it would
         (models/engine/torch_generator.py; not for image-to-image and inpaint from a picture, where diffusers
-        also samples the VAE posterior with it); a stochastic scheduler's step noise stays the engine's own, seeded
-        from the generator's next word. `prompt_2` / `negative_prompt_2` (families with
+        also samples the VAE posterior with it); where the family's diffusers pipeline passes it to the scheduler's
+        step (`generator_in_steps`: SDXL) the step's draws are replayed from it too (the scheduler's
+        `generator_draws`), else a stochastic step's noise is the engine's, seeded from the generator's next word. `prompt_2` / `negative_prompt_2` (families with
         `second_prompt`): the second text encoder's texts, one for all or one per prompt, each defaulting to
         the first encoder's (None: that prompt's). `latents` and output_type "latent" use diffusers' layout
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
@@ -972,6 +976,7 @@ class DiffusionPipeline:
         sched, schedule, steps = self.schedule(
             settings["scheduler"], settings["num_inference_steps"], shape, **custom
         )
+        calls = steps  # the schedule's model calls (a split or a strength runs some of them)
         start, full_strength, pixels, mask_pixels, crops = 0, False, None, None, None
         check_order(denoising_start, denoising_end)
         # A split's cut-offs read the schedule's timesteps (one copy to the host, only for such a call).
@@ -1017,6 +1022,9 @@ class DiffusionPipeline:
         # Text-encoder adapters per prompt [P, K], or None (no row's adapters touch the text encoders: the
         # plain text program, and the prompt cache when set).
         text_lora = self.lora.text_rows(loras, lora_rows, len(prompts), n)
+        step_noise = (
+            None  # with a generator, the draws diffusers' step makes from it, replayed [B, calls, ...]
+        )
         if generator is None:
             seeds = row_seeds(seed, len(prompts), n)
         else:  # diffusers' torch.Generator: it draws the starting noise (torch_generator.py)
@@ -1025,6 +1033,10 @@ class DiffusionPipeline:
             latents = self._generator_noise(
                 generator, seed, latents, shape, len(prompts) * n, task, from_picture, adds_noise
             )
+            if self.generator_in_steps:
+                eta = float(custom.get("eta", getattr(sched, "eta", 0.0)))
+                draws = sched.generator_draws(schedule, start, stop, calls, eta)
+                step_noise = self._generator_step_noise(generator, draws, schedule, shape, len(prompts) * n)
             seeds = generator_seeds(generator, len(prompts) * n)
         if latents is not None:
             latents = self.put_batch(self._loop_latents(latents, len(seeds), shape))
@@ -1088,6 +1100,8 @@ class DiffusionPipeline:
             jax.block_until_ready(image_inputs)
             timings["image_encode"] = time.perf_counter() - t0
         init = {"latents": latents, "start": self.put_replicated(np.int32(start))}
+        if step_noise is not None:
+            init["step_noise"] = self.put_batch(step_noise)
         init["stop"] = self.put_replicated(np.int32(stop))
         if cache is not None:  # the threshold is an input: a new one compiles nothing
             init["cache_threshold"] = self.put_replicated(np.float32(cache.threshold))
@@ -1186,6 +1200,21 @@ class DiffusionPipeline:
         drawn = draw_noise(generator, (rows, shape[-1], *shape[:-1]), bfloat16=bf16)  # channels first
         loop = np.asarray(self.pack(np.moveaxis(drawn, 1, -1)))
         return loop if self.latents_axes is None else np.transpose(loop, self.latents_axes)
+
+    def _generator_step_noise(self, generator, draws, schedule, shape, rows: int) -> np.ndarray | None:
+        """The noise diffusers' stochastic step draws from the generator at the calls `draws`, in order, each
+        in the loop's layout at its call -> [B, calls (padded), ...] (zeros where nothing is drawn), or None."""
+        if not draws:
+            return None
+        bf16 = np.dtype(self.latent_dtype) == np.dtype(jnp.bfloat16)
+        noise = None
+        for i in draws:
+            drawn = draw_noise(generator, (rows, shape[-1], *shape[:-1]), bfloat16=bf16)
+            loop = np.asarray(self.pack(np.moveaxis(drawn, 1, -1)), np.float32)
+            if noise is None:
+                noise = np.zeros((rows, np.shape(schedule.timesteps)[0], *loop.shape[1:]), np.float32)
+            noise[:, i] = loop
+        return noise
 
     def _loop_latents(self, latents, batch: int, shape: tuple[int, ...], name: str = "latents") -> np.ndarray:
         """Given latents in diffusers' layout (the argument `name`) -> the loop's layout, checked against the
@@ -1323,6 +1352,7 @@ class DiffusionPipeline:
                 if cache is None
                 else CacheSlot(cache, init["cache_threshold"], cfg_rows if do_cfg else None),
                 step_end=self.step_end.in_loop() if step_end else None,
+                step_noise=init.get("step_noise"),
             )
 
     # ---------------------------------------------------------------------------------------------

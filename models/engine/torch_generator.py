@@ -11,7 +11,8 @@ float32 one rounded where the size is a multiple of 16 (torch 2.13; its tail dif
 The generator is read and advanced through its state bytes (`get_state` / `set_state`, a uint8 tensor that
 numpy views without a copy), so runtime code never imports torch and a generator reused over calls draws what
 diffusers' would. Against `torch.randn`: at most 2.4e-7 apart (torch's vectorised log / sin / cos round
-differently), tests/models/test_torch_generator.py.
+differently), tests/models/test_torch_generator.py. The same draws replay a stochastic step's noise where
+diffusers' pipeline hands the step its generator (SDXL's), at the calls the scheduler's `generator_draws` names.
 """
 
 from __future__ import annotations

@@ -187,6 +187,13 @@ class NoiseScheduler:
         timesteps' length; the second-order methods call it twice for all steps but the last)."""
         return self.order * num_inference_steps - (self.order - 1)
 
+    def generator_draws(self, schedule, start: int, stop: int, total: int, eta: float) -> list[int]:
+        """The model calls among start..stop - 1 (of `total` in the schedule; `eta`: the call's, where the
+        scheduler takes one) at which diffusers' `step` draws its noise from the pipeline's generator, in order
+        (a call given diffusers' `generator=` replays those draws: models/engine/torch_generator.py): every
+        call of a stochastic scheduler, unless it says otherwise."""
+        return list(range(start, stop)) if self.stochastic else []
+
     def max_steps_within(self, calls: int) -> int:
         """The most steps whose model calls fit `calls` trips of a loop (the inverse of `model_calls`)."""
         return (calls + self.order - 1) // self.order

@@ -95,6 +95,9 @@ class DDIMScheduler(NoiseScheduler):
             eta=f32(eta),
         )
 
+    def generator_draws(self, schedule, start, stop, total, eta):
+        return list(range(start, stop)) if eta > 0 else []  # diffusers draws only when eta > 0
+
     def step(self, schedule: DDIMSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """One DDIM step; returns (prev_sample in sample's dtype, state). The added noise (weighted by the
         schedule's eta) is `noise` when given, else jax.random.normal(key, sample.shape)."""

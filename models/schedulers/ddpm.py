@@ -116,6 +116,11 @@ class DDPMScheduler(NoiseScheduler):
             init_noise_sigma=f32(1.0),
         )
 
+    def generator_draws(self, schedule, start, stop, total, eta):
+        # diffusers draws where t > 0
+        timesteps = np.asarray(schedule.timesteps)
+        return [i for i in range(start, stop) if timesteps[i] > 0]
+
     def step(self, schedule: DDPMSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """One DDPM step; returns (prev_sample in sample's dtype, state). The added noise is `noise` when given,
         else jax.random.normal(key, sample.shape), weighted by the schedule's noise_std (0 at timestep 0)."""

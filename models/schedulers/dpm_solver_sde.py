@@ -78,6 +78,10 @@ class DPMSolverSDEScheduler(KDiffusionScheduler):
         """(the sample the step started from, stage 1's standard normal), float32."""
         return jnp.zeros(sample.shape, jnp.float32), jnp.zeros(sample.shape, jnp.float32)
 
+    def generator_draws(self, schedule, start, stop, total, eta):
+        # diffusers' noise comes from its Brownian tree (its own seed), never from the pipeline's generator
+        return []
+
     def step(self, schedule: SigmaSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """Stage 1 of a step at even i, stage 2 at odd i; returns (prev_sample in sample's dtype, state). The
         standard normal of this call is `noise` when given (stage 2: z of the module docstring), else drawn from

@@ -89,6 +89,10 @@ class KDPM2AncestralDiscreteScheduler(KDiffusionScheduler):
         """The sample the step started from, float32."""
         return jnp.zeros(sample.shape, jnp.float32)
 
+    def generator_draws(self, schedule, start, stop, total, eta):
+        # diffusers draws on a step's second call only (odd calls; the last step has one call)
+        return [i for i in range(start, stop) if i % 2 == 1]
+
     def step(self, schedule: KDPM2AncestralSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """Stage 1 at even i (an Euler move to the midpoint), stage 2 at odd i (the step to sigma_down with the
         midpoint's slope, plus noise x sigma_up: `noise` when given, else drawn from `key`); returns

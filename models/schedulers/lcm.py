@@ -140,6 +140,10 @@ class LCMScheduler(NoiseScheduler):
             init_noise_sigma=f32(1.0),
         )
 
+    def generator_draws(self, schedule, start, stop, total, eta):
+        # diffusers draws on every step but the schedule's last
+        return [i for i in range(start, stop) if i != total - 1]
+
     def step(self, schedule: LCMSchedule, state, model_output, sample, i, key=None, *, noise=None):
         """One LCM step; returns (prev_sample in sample's dtype, state). The fresh noise of every step but the
         last is `noise` when given (standard normal, sample's shape), else jax.random.normal(key, ...)."""

@@ -56,6 +56,10 @@ class TCDScheduler(LCMScheduler):
     def scheduler_arguments(self) -> dict:
         return {**super().scheduler_arguments(), "eta": True}
 
+    def generator_draws(self, schedule, start, stop, total, eta):
+        # diffusers draws as LCM does, and only when eta (gamma) > 0
+        return super().generator_draws(schedule, start, stop, total, eta) if eta > 0 else []
+
     def schedule(self, num_inference_steps: int, *, timesteps=None, eta: float | None = None) -> TCDSchedule:
         eta = self.eta if eta is None else float(eta)
         if not 0 <= eta <= 1:

@@ -55,6 +55,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
     family = "sdxl"
     attention_kwargs_name = "cross_attention_kwargs"  # its "scale" scales the LoRA adapters
     denoiser_name = "unet"
+    generator_in_steps = True  # diffusers' SDXL pipelines pass their generator to the scheduler's step
     lora_text_encoders = _ENCODERS  # both CLIPs take LoRA factors (docs/lora.md)
     # diffusers' guidance_rescale (rescale_noise_cfg after the CFG combine; 0: off), one value per row.
     row_fields = ("guidance_scale", "guidance_rescale")

@@ -1,7 +1,9 @@
 """diffusers' `generator=`: torch's CPU normal draws reproduced with numpy (models/engine/torch_generator.py),
-the starting noise of each family laid out as diffusers' `prepare_latents` lays it, and a whole SDXL pipeline
-given the same generators as diffusers' (so the same pictures, call after call)."""
+the starting noise of each family laid out as diffusers' `prepare_latents` lays it, the calls at which each
+stochastic scheduler's diffusers step draws from the generator (`generator_draws`), and a whole SDXL pipeline
+given the same generators as diffusers' (so the same pictures, call after call, stochastic samplers too)."""
 
+import json
 import types
 
 import numpy as np
@@ -9,7 +11,9 @@ import pytest
 
 from meshserve.models import PipelineError, load_pipeline
 from meshserve.models.engine.torch_generator import draw_noise, generator_seeds
-from tests.fixtures.tiny_sdxl import diffusers_sdxl
+from meshserve.models.schedulers import make_scheduler
+from tests.fixtures.tiny_sdxl import SCHEDULER, diffusers_sdxl
+from tests.models.test_schedulers import SHAPE, build, case_id, ref_loop, ref_step_kwargs, rel_err, run_loop
 
 
 def _torch_generator(seed):
@@ -158,3 +162,77 @@ def test_sdxl_generator_rules(sdxl):
     with pytest.raises(PipelineError, match="2 generators for 3 output rows"):
         sdxl(["a", "b", "c"], generator=[g, _torch_generator(1)], height=H, width=W)
     assert bool((g.get_state() == state).all())  # a refused call draws nothing
+
+
+# Stochastic schedulers and when diffusers' step draws from the generator: every call (Euler a, DPM++ 2M SDE),
+# only with eta > 0 (DDIM; TCD as LCM), where t > 0 (DDPM: linspace spacing ends at t = 0), all but the last
+# step (LCM), a step's second call (DPM2 a).
+DRAW_CASES = [
+    ("euler_ancestral", {}, {}),
+    ("dpmpp_2m_sde_karras", {}, {}),
+    ("ddim", dict(clip_sample=False), dict(eta=0.7)),
+    ("ddim", {}, {}),
+    ("ddpm", dict(timestep_spacing="linspace", clip_sample=False), {}),
+    ("lcm", {}, {}),
+    ("tcd", {}, dict(eta=0.3)),
+    ("tcd", {}, {}),
+    ("dpm2_ancestral", {}, {}),
+]
+
+
+@pytest.mark.parametrize("case", DRAW_CASES, ids=case_id)
+def test_generator_draws_replay_diffusers_steps(sdxl_config, case):
+    """diffusers' loop with a generator against ours fed that generator's draws at `generator_draws`' calls:
+    the same samples, and both generators left in the same state (as many draws, no more)."""
+    import torch
+
+    ours, ref = build(sdxl_config, case)
+    steps = 4
+    schedule = ours.schedule(steps)
+    calls = int(schedule.timesteps.shape[0])
+    latents = np.random.default_rng(1).standard_normal(SHAPE).astype(np.float32)
+    theirs, mine = _torch_generator(5), _torch_generator(5)
+    expected = ref_loop(ref, steps, latents, {**ref_step_kwargs(ours, 0), "generator": theirs})
+    noises = np.zeros((calls, *SHAPE), np.float32)
+    draws = ours.generator_draws(schedule, 0, calls, calls, getattr(ours, "eta", 0.0))
+    for i in draws:
+        noises[i] = draw_noise(mine, SHAPE)
+    assert rel_err(run_loop(ours, schedule, latents, noises), expected) <= 1e-4
+    assert torch.equal(mine.get_state(), theirs.get_state()), (len(draws), calls)
+
+
+@pytest.fixture(scope="module")
+def sdxl_config(tmp_path_factory) -> dict:
+    """The tiny SDXL scheduler_config.json as diffusers saves it (test_schedulers.py's)."""
+    import diffusers
+
+    folder = tmp_path_factory.mktemp("scheduler")
+    diffusers.EulerDiscreteScheduler(**SCHEDULER).save_config(str(folder))
+    return json.loads((folder / "scheduler_config.json").read_text())
+
+
+def test_brownian_and_deterministic_schedulers_draw_nothing_from_the_generator(sdxl_config):
+    for name in ("dpmpp_sde", "euler", "dpmpp_2m", "heun"):
+        sched = make_scheduler(name, sdxl_config)
+        schedule = sched.schedule(4)
+        assert sched.generator_draws(schedule, 0, 7, 7, 0.0) == [], name
+
+
+@pytest.mark.parametrize("scheduler", ["euler_ancestral", "dpm2_ancestral"])
+def test_sdxl_stochastic_samplers_with_a_generator_are_diffusers(sdxl, tiny_sdxl_path, scheduler):
+    """The starting noise and every step's draw from the same generator as diffusers' pipeline (DPM2 a: on a
+    step's second UNet call)."""
+    import diffusers
+
+    reference = diffusers_sdxl(tiny_sdxl_path)
+    cls = {
+        "euler_ancestral": "EulerAncestralDiscreteScheduler",
+        "dpm2_ancestral": "KDPM2AncestralDiscreteScheduler",
+    }
+    reference.scheduler = getattr(diffusers, cls[scheduler]).from_config(reference.scheduler.config)
+    kw = {"height": H, "width": W, "num_inference_steps": 3, "guidance_scale": 5.0, "output_type": "np"}
+    ours_gen, their_gen = _torch_generator(8), _torch_generator(8)
+    expected = reference(["a photo of a cat", "a red car"], generator=their_gen, **kw).images
+    out = sdxl(["a photo of a cat", "a red car"], generator=ours_gen, scheduler=scheduler, **kw)
+    assert np.abs(out.images - expected).max() <= 1e-3
+    assert bool((ours_gen.get_state() == their_gen.get_state()).all())
