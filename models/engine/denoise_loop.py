@@ -93,7 +93,7 @@ def denoise_loop(
     step_noise=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
-    [B]; guidance [B]; rescale [B] or None (`guide`); step_noise [B, calls, ...] or None: a stochastic step's
+    [B]; guidance [B] (or a function of the step's timestep -> [B]); rescale [B] or None (`guide`); step_noise [B, calls, ...] or None: a stochastic step's
     noise at each call, given (diffusers' generator draws, replayed) instead of drawn from the keys. Returns (latents, steps_done): steps_done <
     min(schedule.num_steps, stop) - start when on_step stopped the loop; with `step_cache`, (latents,
     steps_done, steps_skipped)."""
@@ -111,7 +111,7 @@ def denoise_loop(
         else:
             out, cache_state = step_cache.step(model, x, t, cache_state)
         if do_cfg:
-            out = guide(out, guidance, rescale)
+            out = guide(out, guidance(t) if callable(guidance) else guidance, rescale)
         key = step_keys(keys, i) if scheduler.stochastic else None
         noise = None if step_noise is None else jax.lax.dynamic_index_in_dim(step_noise, i, 1, keepdims=False)
         latents, sched_state = scheduler.step(schedule, sched_state, out, latents, i, key, noise=noise)

@@ -240,6 +240,9 @@ class DiffusionPipeline:
     # A row field applied to the CFG combine of the rows that run CFG (denoise_loop.guide): diffusers'
     # guidance_rescale on SDXL. Per-row data, so any value runs the program every other value runs.
     rescale_field: str | None = None
+    # Row fields that, left out, take another row field's values (Wan 2.2's guidance_scale_2: guidance_scale's, as
+    # diffusers' WanPipeline does).
+    row_field_fallbacks: Mapping[str, str] = {}
     # Step cache methods (models/engine/step_cache.py) -> their default thresholds; a family whose denoiser
     # routes its blocks through step_cache.after_first_block declares "first_block", through before_blocks
     # "teacache".
@@ -949,6 +952,9 @@ class DiffusionPipeline:
         prompts, n = to_list(prompt, "prompt"), int(num_images_per_prompt)
         rows = {}
         for name in self.row_fields:
+            if given.get(name) is None and name in self.row_field_fallbacks:
+                rows[name] = list(rows[self.row_field_fallbacks[name]])
+                continue
             value = d[name] if given.get(name) is None else given[name]
             rows[name] = per_row(value, len(prompts), n, name, float)
             if not np.all(np.isfinite(rows[name])):
@@ -1339,7 +1345,7 @@ class DiffusionPipeline:
                 schedule,
                 latents,
                 keys,
-                rows[self.cfg_field],
+                self.step_guidance(rows),
                 do_cfg=do_cfg,
                 rescale=None if self.rescale_field is None else rows[self.rescale_field],
                 on_step=self.step_reporter,
@@ -1357,6 +1363,11 @@ class DiffusionPipeline:
 
     # ---------------------------------------------------------------------------------------------
     # Shared host machinery
+
+    def step_guidance(self, rows):
+        """Traced: the CFG scales of the loop, [B], or a function of the step's timestep -> [B] (Wan 2.2's
+        two experts: guidance_scale_2 below the boundary)."""
+        return rows[self.cfg_field]
 
     def make_scheduler(self, name: str | None):
         return make_scheduler(name, self.scheduler_config)

@@ -14,7 +14,9 @@ engine's pipeline (models/engine/pipeline.py) and denoising loop. What is Wan's 
   larger spatial dimension over the other axes (`decode_sharding`).
 - The frame count is a shape (a batch field); a padded row would be a whole extra video, so batches are not
   padded. The output is diffusers' too: `frames` (also `images`).
-- Wan 2.2's two-expert folders (`transformer_2` switched in below `boundary_ratio`) are refused at load.
+- Wan 2.2's two-expert folders (A14B: `transformer_2` switched in below `boundary_ratio`, with diffusers'
+  `guidance_scale_2`) run both experts as one denoiser (models/wan/two_experts.py); TI2V's `expand_timesteps`
+  is refused at load.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -49,6 +52,7 @@ from meshserve.models.wan.autoencoder_kl_wan import load_autoencoder_kl_wan
 from meshserve.models.wan.text import WAN_MAX_SEQUENCE_LENGTH, encode_wan_prompts, tokenize_wan_prompts
 from meshserve.models.wan.transformer_wan import SHARDING_RULES as WAN_RULES
 from meshserve.models.wan.transformer_wan import load_wan_transformer, wan_rope
+from meshserve.models.wan.two_experts import load_wan_experts
 
 __all__ = ["WanPipeline", "decode_sharding"]
 
@@ -76,8 +80,8 @@ class _Fp32Latents:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def step(self, schedule, state, model_output, sample, i, key=None):
-        prev, state = self.inner.step(schedule, state, model_output, sample, i, key)
+    def step(self, schedule, state, model_output, sample, i, key=None, *, noise=None):
+        prev, state = self.inner.step(schedule, state, model_output, sample, i, key, noise=noise)
         return prev.astype(sample.dtype), state
 
 
@@ -107,15 +111,22 @@ class WanPipeline(DiffusionPipeline):
     latents_axes = (0, 4, 1, 2, 3)
     latents_layout = "[B, C, T, h, w]"
     default_output_type = "np"  # diffusers' WanPipeline's
+    # Wan 2.2's two experts (two_experts.py): the timestep at and above which `transformer` runs, else None.
+    boundary_timestep: float | None = None
 
     def load(self, folder: Path) -> dict:
-        experts = two_experts(read_json(folder / "model_index.json"))
-        if experts:
-            # diffusers' WanPipeline runs transformer_2 for the steps below boundary_ratio x 1000: with one
-            # transformer the video would silently differ.
+        index = read_json(folder / "model_index.json")
+        experts = two_experts(index)
+        if index.get("expand_timesteps"):
             raise CheckpointError(
-                f"{folder}: model_index.json sets {experts} (Wan 2.2's two-expert model): not supported; "
-                "Wan 2.1 is"
+                f"{folder}: model_index.json sets expand_timesteps (Wan 2.2's TI2V model, per-token timesteps): "
+                "not supported; Wan 2.1 and Wan 2.2's two-expert text-to-video are"
+            )
+        if experts and sorted(experts) != ["boundary_ratio", "transformer_2"]:
+            # diffusers would switch to a missing transformer_2 (or never switch) mid-loop.
+            raise CheckpointError(
+                f"{folder}: model_index.json sets {experts} (Wan 2.2's two-expert model) without the other of "
+                "transformer_2 and boundary_ratio"
             )
         if not is_flow_config(self.scheduler_config):
             # A beta-schedule UniPC or DPM-Solver config would sample a velocity model as a noise predictor.
@@ -131,9 +142,12 @@ class WanPipeline(DiffusionPipeline):
         self.folder_defaults = folder_serving_defaults(folder)
         self.tokenizer = load_t5_tokenizer(folder / "tokenizer")
         text_encoder = self.load_module(load_t5_encoder, folder / "text_encoder", T5_RULES)
-        transformer = self.load_module(
-            load_wan_transformer, folder / "transformer", WAN_RULES, attention=self.attention
-        )
+        loader = load_wan_transformer
+        if experts:  # Wan 2.2 A14B: both experts as one denoiser (two_experts.py)
+            boundary = float(index["boundary_ratio"]) * self.scheduler_config.get("num_train_timesteps", 1000)
+            loader = partial(load_wan_experts, boundary=boundary)
+            self.enable_two_experts(boundary)
+        transformer = self.load_module(loader, folder / "transformer", WAN_RULES, attention=self.attention)
         if transformer.config.image_to_video != (self.task == "image-to-video"):
             raise CheckpointError(
                 f"{folder / 'transformer'}: an image-to-video transformer (image_dim) in a {type(self).__name__} "
@@ -142,7 +156,10 @@ class WanPipeline(DiffusionPipeline):
                 else f"{folder / 'transformer'}: no image_dim: a text-to-video transformer, which "
                 f"{type(self).__name__} cannot condition on an image"
             )
-        self.validate_heads({transformer.config.num_attention_heads})
+        self.validate_heads(
+            {transformer.config.num_attention_heads}
+            | ({transformer.transformer_2.config.num_attention_heads} if experts else set())
+        )
         # fp32 whatever the pipeline dtype: diffusers' Wan examples load the VAE in fp32, and it runs once per
         # video, not once per step (a bf16 3D VAE is not measured here, so a pool cannot ask for it).
         if self.vae_dtype_override not in (None, jnp.dtype(jnp.float32)):
@@ -161,6 +178,27 @@ class WanPipeline(DiffusionPipeline):
         self.transformer_config, self.vae_config = transformer.config, vae.config
         self._check_geometry(folder)
         return {"text_encoder": text_encoder, "transformer": transformer, "vae": vae}
+
+    def enable_two_experts(self, boundary: float) -> None:
+        """Wan 2.2's two experts: diffusers' guidance_scale_2 (the low-noise steps' CFG scale, guidance_scale's
+        when left out) becomes a row field; the step caches and LoRA, made for one transformer, are refused."""
+        self.row_fields = (*self.row_fields, "guidance_scale_2")
+        self.row_field_fallbacks = {"guidance_scale_2": "guidance_scale"}
+        self.cache_methods = {}
+        self.boundary_timestep = boundary
+
+    def step_guidance(self, rows):
+        if self.boundary_timestep is None:
+            return rows[self.cfg_field]
+        boundary, high, low = self.boundary_timestep, rows["guidance_scale"], rows["guidance_scale_2"]
+        return lambda t: jnp.where(t >= boundary, high, low)
+
+    def load_lora(self, name: str, source) -> dict:
+        if self.boundary_timestep is not None:
+            raise PipelineError(
+                "LoRA on Wan 2.2's two experts is not supported (adapters here bind one transformer)"
+            )
+        return super().load_lora(name, source)
 
     @property
     def transformer_in_channels(self) -> int:

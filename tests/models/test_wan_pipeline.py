@@ -356,8 +356,8 @@ def test_a_temporal_patch_serves_whole_patches_and_matches_diffusers(tiny_wan_pa
 
 
 def test_folder_readings_diffusers_shares(tiny_wan_path, tmp_path):
-    """A Wan 2.2 two-expert folder (transformer_2 below boundary_ratio) is refused: one transformer would
-    silently make another video. A folder whose own scheduler is Euler reads no flow_shift (diffusers'
+    """A folder with boundary_ratio but no transformer_2 (half of Wan 2.2's two-expert layout, which
+    test_wan_two_experts.py runs) is refused: one transformer would silently make another video. A folder whose own scheduler is Euler reads no flow_shift (diffusers'
     FlowMatchEulerDiscreteScheduler has no such key: shift 1), while Euler asked for on a UniPC folder
     takes the folder's flow_shift as its shift."""
     import json

@@ -1,0 +1,119 @@
+"""Wan 2.2's two experts (A14B: `transformer` for the steps at t >= boundary_ratio x 1000, `transformer_2` below,
+with diffusers' guidance_scale_2) against diffusers' WanPipeline on a tiny two-expert folder written by
+diffusers, on one device and on a cfg2 x context2 layout with the weights split; and what it refuses.
+
+The tiny UniPC schedule of 4 steps is [999, 900, 750, 500]: at boundary_ratio 0.8 two steps run each expert.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from meshserve.models import PipelineError, load_pipeline
+from meshserve.models.attention import AttentionSettings
+from tests.fixtures.tiny_wan import build_tiny_wan22
+
+H, W, F, STEPS = 48, 80, 9, 4
+PROMPTS = ["a cat", "the dog and the cat"]
+
+
+def latents_for(batch: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((batch, 4, 3, 6, 10)).astype(np.float32)
+
+
+def call(pipe, **kw):
+    kw = {"height": H, "width": W, "num_frames": F, "num_inference_steps": STEPS, "output_type": "np", **kw}
+    kw.setdefault("latents", latents_for(2))
+    return pipe(PROMPTS, negative_prompt=["blurry", ""], **kw)
+
+
+@pytest.fixture(scope="module")
+def wan22_path(tiny_wan_path, tmp_path_factory):
+    return build_tiny_wan22(tmp_path_factory.mktemp("wan22"), tiny_wan_path)
+
+
+@pytest.fixture(scope="module")
+def ours(wan22_path):
+    return load_pipeline(wan22_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(wan22_path, tiny_wan_path):
+    """diffusers' videos: guidance_scale_2 given, left out (guidance_scale's), and the first expert alone."""
+    import torch
+    from diffusers import WanPipeline
+
+    def run(folder, **kw):
+        pipe = WanPipeline.from_pretrained(str(folder), dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            return call(pipe, latents=torch.from_numpy(latents_for(2)), **kw).frames
+
+    return {
+        "two_scales": run(wan22_path, guidance_scale=5.0, guidance_scale_2=2.0),
+        "one_scale": run(wan22_path, guidance_scale=4.0),
+        "first_expert_alone": run(tiny_wan_path, guidance_scale=4.0),
+    }
+
+
+def test_two_experts_match_diffusers(ours, expected):
+    assert ours.boundary_timestep == 800.0
+    two = call(ours, guidance_scale=5.0, guidance_scale_2=2.0).images
+    one = call(ours, guidance_scale=4.0).images
+    assert np.abs(two - expected["two_scales"]).max() <= 1e-3
+    assert np.abs(one - expected["one_scale"]).max() <= 1e-3
+    # Both experts and both scales count: neither the first expert alone nor one scale for all steps is it (the
+    # low-noise steps' scale moves this tiny model's frames by 1.7e-3, against parity errors of about 3e-6).
+    assert np.abs(one - expected["first_expert_alone"]).max() > 1e-2
+    assert np.abs(call(ours, guidance_scale=5.0).images - two).max() > 5e-4
+
+
+def test_a_layout_with_split_weights_matches_one_device(wan22_path, ours):
+    """cfg2 x context2 x data2 (Ulysses), both experts' weights stored split 8 ways: the one-device video."""
+    pipe = load_pipeline(
+        wan22_path,
+        dtype="float32",
+        mesh={"data": 2, "cfg": 2, "context": 2},
+        devices=list(range(8)),
+        attention=AttentionSettings(context_strategy="ulysses"),
+        weights={"shard_over": ["data", "cfg", "context"]},
+    )
+    kw = {"guidance_scale": 5.0, "guidance_scale_2": 2.0, "output_type": "latent"}
+    assert np.abs(call(pipe, **kw).images - call(ours, **kw).images).max() <= 1e-4
+
+
+def test_what_two_experts_refuse(ours, wan22_path, tiny_wan_path, tmp_path):
+    with pytest.raises(PipelineError, match="cache"):
+        call(ours, cache={"method": "teacache"})
+    with pytest.raises(PipelineError, match="LoRA on Wan 2.2's two experts"):
+        ours.load_lora("ink", tmp_path / "none.safetensors")
+    with pytest.raises(PipelineError, match="unsupported argument .guidance_scale_2."):
+        load_pipeline(tiny_wan_path, dtype="float32")("a cat", guidance_scale_2=2.0)
+
+    from meshserve.models.registry import ModelFolderError
+
+    folder = tmp_path / "wan22"
+    shutil.copytree(wan22_path, folder)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({**index, "transformer_2": [None, None]}))
+    with pytest.raises(
+        ModelFolderError, match=r"\['boundary_ratio'\] \(Wan 2.2's two-expert model\) without"
+    ):
+        load_pipeline(folder, dtype="float32")
+    index_path.write_text(json.dumps({**index, "expand_timesteps": True}))
+    with pytest.raises(ModelFolderError, match="expand_timesteps"):
+        load_pipeline(folder, dtype="float32")
+
+
+def test_int8_quantizes_both_experts(wan22_path, ours):
+    """Each expert's Linears take int8 weights with their own scales (a scale kept under the wrong expert's
+    path fails the load): the latents within int8's error of fp32 (1.4e-3 of their range when written)."""
+    pipe = load_pipeline(wan22_path, dtype="float32", quantize="int8")
+    kw = {"guidance_scale": 5.0, "guidance_scale_2": 2.0, "output_type": "latent"}
+    got, fp32 = call(pipe, **kw).images, call(ours, **kw).images
+    assert 0 < np.abs(got - fp32).max() <= 1e-2 * np.abs(fp32).max()
