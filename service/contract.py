@@ -106,6 +106,9 @@ class ModelDefaults(_Frozen):
     true_cfg_scale: float | None = None
     # Present (SDXL: 0.0, i.e. off) only for a model that takes diffusers' guidance_rescale, as true_cfg_scale.
     guidance_rescale: float | None = None
+    # Present (the model's guidance_scale) only for Wan 2.2's two experts: diffusers' guidance_scale_2, the CFG
+    # scale of the low-noise expert's steps; a request leaving it out takes its own guidance_scale (diffusers').
+    guidance_scale_2: float | None = None
     # Present (6.0 and 2.5) only for a model with diffusers' aesthetic score in its time ids (the SDXL refiner).
     aesthetic_score: float | None = None
     negative_aesthetic_score: float | None = None
@@ -118,6 +121,7 @@ class ModelDefaults(_Frozen):
         for name in (
             "true_cfg_scale",
             "guidance_rescale",
+            "guidance_scale_2",
             "aesthetic_score",
             "negative_aesthetic_score",
             "fps",
@@ -330,6 +334,7 @@ class JobParams(_Frozen):
     guidance_scale: float
     true_cfg_scale: float | None = None  # the model's true-CFG scale (None: the model has none)
     guidance_rescale: float | None = None  # SDXL's CFG rescale (None: the model has none)
+    guidance_scale_2: float | None = None  # Wan 2.2's low-noise CFG scale (None: the model has one expert)
     aesthetic_score: float | None = None  # the SDXL refiner's (None: the model has none)
     negative_aesthetic_score: float | None = None
     fps: int | None = None  # video models: the outputs' frame rate (None: an image model)

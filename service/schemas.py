@@ -303,6 +303,15 @@ class GenerateRequest(_TextRequest):
         "guidance_scale > 1. Only models whose `defaults` list `guidance_rescale` take it; for any other model "
         "it is a 422.",
     )
+    guidance_scale_2: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        allow_inf_nan=False,
+        description="diffusers' guidance_scale_2 (Wan 2.2's two-expert models): the CFG scale of the steps the "
+        "low-noise expert runs (left out: the request's guidance_scale, as diffusers). Only models whose "
+        "`defaults` list `guidance_scale_2` take it; for any other model it is a 422.",
+    )
     aesthetic_score: float | None = Field(
         None,
         ge=0,

@@ -362,7 +362,10 @@ class PipelineRunner(Runner):
         for req in batch:
             for name, values in rows.items():
                 value = getattr(req.params, name)
-                if value is None and name in self.pipe.row_fields:  # a job admitted on a card without it
+                # A job admitted on a card without the field: the model's default, or, for a field that
+                # falls back to another (Wan 2.2's guidance_scale_2), None: the pipeline takes that row's.
+                fallback = name in getattr(self.pipe, "row_field_fallbacks", {})
+                if value is None and name in self.pipe.row_fields and not fallback:
                     value = self.pipe.defaults[name]
                 values += [value] * req.params.n
             seeds += req.seeds()

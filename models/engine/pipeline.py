@@ -952,11 +952,14 @@ class DiffusionPipeline:
         prompts, n = to_list(prompt, "prompt"), int(num_images_per_prompt)
         rows = {}
         for name in self.row_fields:
-            if given.get(name) is None and name in self.row_field_fallbacks:
-                rows[name] = list(rows[self.row_field_fallbacks[name]])
-                continue
-            value = d[name] if given.get(name) is None else given[name]
-            rows[name] = per_row(value, len(prompts), n, name, float)
+            if name in self.row_field_fallbacks:  # left out (or None in a row): that row's other field
+                fallback = rows[self.row_field_fallbacks[name]]
+                value = [None] * len(fallback) if given.get(name) is None else given[name]
+                value = per_row(value, len(prompts), n, name, lambda v: v)
+                rows[name] = [f if v is None else float(v) for v, f in zip(value, fallback, strict=True)]
+            else:
+                value = d[name] if given.get(name) is None else given[name]
+                rows[name] = per_row(value, len(prompts), n, name, float)
             if not np.all(np.isfinite(rows[name])):
                 raise PipelineError(f"{name} must be a finite number")
         negatives = per_prompt(negative_prompt, len(prompts))

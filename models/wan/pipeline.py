@@ -273,7 +273,14 @@ class WanPipeline(DiffusionPipeline):
             "guidance_scale": DEFAULT_GUIDANCE,
             "fps": FPS,
             **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
-        }
+        } | self._expert_defaults()
+
+    def _expert_defaults(self) -> dict:
+        """Two experts publish guidance_scale_2 (the API then takes it; a call leaving it out takes its own
+        guidance_scale, `row_field_fallbacks`)."""
+        if self.boundary_timestep is None:
+            return {}
+        return {"guidance_scale_2": self.folder_defaults.get("guidance_scale_2", DEFAULT_GUIDANCE)}
 
     @property
     def limits(self) -> dict:

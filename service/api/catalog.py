@@ -273,6 +273,21 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
             "not_supported",
             f"{info.id} ({info.family}) takes no guidance_rescale; it must be left out",
         )
+    guidance = req.guidance_scale if req.guidance_scale is not None else d.guidance_scale
+    if req.guidance_scale_2 is not None and d.guidance_scale_2 is None:
+        raise FieldError(
+            "guidance_scale_2",
+            "not_supported",
+            f"{info.id} ({info.family}) has one denoiser; guidance_scale_2 (Wan 2.2's two experts) must be left out",
+        )
+    # diffusers: guidance_scale_2 left out is the call's guidance_scale (not the model's default).
+    guidance_2 = (
+        None
+        if d.guidance_scale_2 is None
+        else req.guidance_scale_2
+        if req.guidance_scale_2 is not None
+        else guidance
+    )
     scores = {}
     for name in ("aesthetic_score", "negative_aesthetic_score"):
         if getattr(req, name) is not None and getattr(d, name) is None:
@@ -321,7 +336,8 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         sigmas=req.sigmas,
         timesteps=req.timesteps,
         eta=req.eta or None,  # 0 is diffusers' default: the same job as none
-        guidance_scale=req.guidance_scale if req.guidance_scale is not None else d.guidance_scale,
+        guidance_scale=guidance,
+        guidance_scale_2=guidance_2,
         true_cfg_scale=true_cfg,
         guidance_rescale=rescale,
         fps=None if lim.frames is None else (req.fps if req.fps is not None else d.fps or DEFAULT_FPS),

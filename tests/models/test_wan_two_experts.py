@@ -69,7 +69,11 @@ def test_two_experts_match_diffusers(ours, expected):
     # Both experts and both scales count: neither the first expert alone nor one scale for all steps is it (the
     # low-noise steps' scale moves this tiny model's frames by 1.7e-3, against parity errors of about 3e-6).
     assert np.abs(one - expected["first_expert_alone"]).max() > 1e-2
-    assert np.abs(call(ours, guidance_scale=5.0).images - two).max() > 5e-4
+    same = call(ours, guidance_scale=5.0).images
+    assert np.abs(same - two).max() > 5e-4
+    # Per row, None is the row's guidance_scale (how the serving side passes a job without it).
+    mixed = call(ours, guidance_scale=5.0, guidance_scale_2=[None, 2.0]).images
+    assert np.abs(mixed[0] - same[0]).max() <= 1e-5 and np.abs(mixed[1] - two[1]).max() <= 1e-5
 
 
 def test_a_layout_with_split_weights_matches_one_device(wan22_path, ours):

@@ -226,6 +226,17 @@ def test_a_row_field_a_job_does_not_carry_takes_the_pipelines_default():
     assert call["guidance_rescale"] == [0.7, 0.0]
 
 
+def test_a_row_field_that_falls_back_goes_as_none_where_a_job_has_none():
+    """Wan 2.2's guidance_scale_2 falls back to the row's own guidance_scale (diffusers'), not to the model's
+    default: a job without it (admitted before the card had it) passes None, which the pipeline resolves."""
+    pipe = _contract_pipeline(row_fields=("guidance_scale", "guidance_scale_2"))
+    pipe.row_field_fallbacks = {"guidance_scale_2": "guidance_scale"}
+    a = _req("a").params.model_copy(update={"guidance_scale_2": 2.0})
+    _pipeline_runner(pipe).run([RunRequest("a", a), _req("b")])
+    (call,) = pipe.calls
+    assert call["guidance_scale_2"] == [2.0, None]
+
+
 def test_a_job_with_more_images_than_max_batch_runs_in_parts():
     """max_batch bounds one call's rows (the device memory the pool is sized for), also for one job's n: a
     job of 5 images on a pool of max_batch 2 runs as calls of 2, 2 and 1 rows (warmed-up sizes) with the
