@@ -50,6 +50,11 @@ What a family declares (class attributes) and implements (its stages); everythin
                                      for it (Flux's true CFG); a row runs CFG when that scale is > 1 (and
                                      `guided_by_cfg`: an LCM UNet takes its guidance as an input instead)
     rescale_field                    a row field that rescales the CFG combine (SDXL's guidance_rescale), or None
+    row_field_fallbacks              row fields that, left out or None, take another's values (Wan 2.2's
+                                     guidance_scale_2: guidance_scale's); step_guidance(rows) (traced) the
+                                     loop's CFG scales, or a function of the timestep (two experts)
+    generator_in_steps               diffusers' pipeline hands its `generator` to the scheduler's step (SDXL):
+                                     a `generator=` call replays those draws too (torch_generator.py)
     latents_axes, latents_layout     the loop's latents -> diffusers' layout (`latents=`, output "latent")
     load(folder) -> modules          read the weights (`load_module`), by name: text encoders, denoiser, "vae"
     tokenize(texts, settings)        host: token arrays [T, L] for the text encoders
