@@ -103,6 +103,13 @@ def _generate(args: argparse.Namespace) -> int:
             if "guidance_rescale" not in pipe.row_fields:
                 raise UsageError(f"--guidance-rescale: the {pipe.family} model takes none; leave it out")
             settings["guidance_rescale"] = args.guidance_rescale
+        if args.guidance_scale_2 is not None:
+            if "guidance_scale_2" not in pipe.row_fields:
+                raise UsageError(
+                    f"--guidance-scale-2: the {pipe.family} model has one denoiser (Wan 2.2's two experts take "
+                    "it); leave it out"
+                )
+            settings["guidance_scale_2"] = args.guidance_scale_2
         for flag, name in (("--prompt-2", "prompt_2"), ("--negative-prompt-2", "negative_prompt_2")):
             if getattr(args, name) is not None:
                 if not pipe.second_prompt:
@@ -417,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="SDXL: diffusers' guidance_rescale, 0 (off) to 1 (acts with --guidance-scale > 1)",
+    )
+    gen.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        help="Wan 2.2's two experts: the low-noise expert's CFG scale (default: --guidance-scale, as diffusers)",
     )
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument(

@@ -110,6 +110,7 @@ _LOADED: dict = {}  # test_generate_errors_are_one_clear_line's pipelines, by lo
         (lambda p: ["--height", "60"], "multiple of 8"),
         (lambda p: ["--steps", "0"], "at least 1"),
         (lambda p: ["--true-cfg-scale", "2"], "the sdxl model has no true CFG"),
+        (lambda p: ["--guidance-scale-2", "2"], "--guidance-scale-2: the sdxl model has one denoiser"),
         (
             lambda p: ["--model", "tiny-wan", "-o", str(p / "o.mp4"), "--prompt-2", "x"],
             "--prompt-2: the wan model has one text encoder",
