@@ -840,10 +840,10 @@ class DiffusionPipeline:
         prompt has none). `generator`: instead of seed, diffusers' torch.Generator on the CPU (or one per output
         row), which draws the starting noise as diffusers' `randn_tensor` does and advances as it would
         (models/engine/torch_generator.py; not for image-to-image and inpaint from a picture, where diffusers
-        also samples the VAE posterior with it); where the family's diffusers pipeline passes it to the scheduler's
-        step (`generator_in_steps`: SDXL) the step's draws are replayed from it too (the scheduler's
-        `generator_draws`), else a stochastic step's noise is the engine's, seeded from the generator's next word. `prompt_2` / `negative_prompt_2` (families with
-        `second_prompt`): the second text encoder's texts, one for all or one per prompt, each defaulting to
+        also samples the VAE posterior with it); where the family's diffusers pipeline passes it to the
+        scheduler's step (`generator_in_steps`: SDXL) the step's draws are replayed from it too (the
+        scheduler's `generator_draws`), else a stochastic step's noise is the engine's, seeded from the
+        generator's next word. `prompt_2` / `negative_prompt_2` (families with `second_prompt`): the second text encoder's texts, one for all or one per prompt, each defaulting to
         the first encoder's (None: that prompt's). `latents` and output_type "latent" use diffusers' layout
         (`latents_layout`); "np" gives [B, H, W, 3] (video [B, F, H, W, 3]) floats in [0, 1], "uint8" the same
         converted to uint8 on the device (workers/encoding.to_uint8's rounding), "pil" PIL
@@ -1036,9 +1036,8 @@ class DiffusionPipeline:
         # Text-encoder adapters per prompt [P, K], or None (no row's adapters touch the text encoders: the
         # plain text program, and the prompt cache when set).
         text_lora = self.lora.text_rows(loras, lora_rows, len(prompts), n)
-        step_noise = (
-            None  # with a generator, the draws diffusers' step makes from it, replayed [B, calls, ...]
-        )
+        # With a generator: the draws diffusers' stochastic step makes from it, replayed [B, calls, ...].
+        step_noise = None
         if generator is None:
             seeds = row_seeds(seed, len(prompts), n)
         else:  # diffusers' torch.Generator: it draws the starting noise (torch_generator.py)
@@ -1210,9 +1209,7 @@ class DiffusionPipeline:
             )
         if latents is not None or not adds_noise:
             return latents
-        bf16 = np.dtype(self.latent_dtype) == np.dtype(jnp.bfloat16)
-        drawn = draw_noise(generator, (rows, shape[-1], *shape[:-1]), bfloat16=bf16)  # channels first
-        loop = np.asarray(self.pack(np.moveaxis(drawn, 1, -1)))
+        loop = self._drawn_in_loop_layout(generator, shape, rows)
         return loop if self.latents_axes is None else np.transpose(loop, self.latents_axes)
 
     def _generator_step_noise(self, generator, draws, schedule, shape, rows: int) -> np.ndarray | None:
@@ -1220,15 +1217,20 @@ class DiffusionPipeline:
         in the loop's layout at its call -> [B, calls (padded), ...] (zeros where nothing is drawn), or None."""
         if not draws:
             return None
-        bf16 = np.dtype(self.latent_dtype) == np.dtype(jnp.bfloat16)
         noise = None
         for i in draws:
-            drawn = draw_noise(generator, (rows, shape[-1], *shape[:-1]), bfloat16=bf16)
-            loop = np.asarray(self.pack(np.moveaxis(drawn, 1, -1)), np.float32)
+            loop = self._drawn_in_loop_layout(generator, shape, rows)
             if noise is None:
                 noise = np.zeros((rows, np.shape(schedule.timesteps)[0], *loop.shape[1:]), np.float32)
             noise[:, i] = loop
         return noise
+
+    def _drawn_in_loop_layout(self, generator, shape, rows: int) -> np.ndarray:
+        """One `randn_tensor` of diffusers' latents shape [B, C, ...] from the generator (bf16 pipelines: bf16
+        values, as diffusers draws them there), in the loop's layout."""
+        bf16 = np.dtype(self.latent_dtype) == np.dtype(jnp.bfloat16)
+        drawn = draw_noise(generator, (rows, shape[-1], *shape[:-1]), bfloat16=bf16)
+        return np.asarray(self.pack(np.moveaxis(drawn, 1, -1)), np.float32)
 
     def _loop_latents(self, latents, batch: int, shape: tuple[int, ...], name: str = "latents") -> np.ndarray:
         """Given latents in diffusers' layout (the argument `name`) -> the loop's layout, checked against the
