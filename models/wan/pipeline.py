@@ -148,13 +148,16 @@ class WanPipeline(DiffusionPipeline):
             loader = partial(load_wan_experts, boundary=boundary)
             self.enable_two_experts(boundary)
         transformer = self.load_module(loader, folder / "transformer", WAN_RULES, attention=self.attention)
-        if transformer.config.image_to_video != (self.task == "image-to-video"):
+        # Wan 2.1's image-to-video transformer takes CLIP image tokens (image_dim); Wan 2.2's two image-to-video
+        # experts take the image as the latent condition alone (diffusers encodes no image for them).
+        image_tokens = self.task == "image-to-video" and not experts
+        if transformer.config.image_to_video != image_tokens:
             raise CheckpointError(
                 f"{folder / 'transformer'}: an image-to-video transformer (image_dim) in a {type(self).__name__} "
                 "folder; its model_index.json should name WanImageToVideoPipeline"
                 if transformer.config.image_to_video
                 else f"{folder / 'transformer'}: no image_dim: a text-to-video transformer, which "
-                f"{type(self).__name__} cannot condition on an image"
+                f"{type(self).__name__} cannot condition on an image (Wan 2.1; Wan 2.2's two experts take none)"
             )
         self.validate_heads(
             {transformer.config.num_attention_heads}

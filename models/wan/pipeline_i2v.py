@@ -29,8 +29,11 @@ limits); the frame count, size and steps follow the same limits.
 
 A folder is image-to-video when its model_index.json names WanImageToVideoPipeline: image_encoder/ (CLIP vision,
 CLIPVisionModel or ...WithProjection), image_processor/ (preprocessor_config.json) and a transformer with
-image_dim / added_kv_proj_dim whose in_channels are 2 z_dim + the VAE's temporal factor. Wan 2.2's I2V folders
-(transformer_2 and boundary_ratio, or expand_timesteps) are refused with the reason.
+image_dim / added_kv_proj_dim whose in_channels are 2 z_dim + the VAE's temporal factor. Wan 2.2's I2V-A14B
+folders (transformer_2 and boundary_ratio: two experts, models/wan/two_experts.py) have no image encoder and
+transformers without image_dim: the image enters as the condition alone (diffusers encodes no image for them),
+so `image_tokens` is False; first-last-frame is Wan 2.1's (pos_embed_seq_len) only. TI2V (expand_timesteps) is
+refused with the reason.
 
 Deliberate differences from diffusers, none of which changes a number of what both accept:
 - diffusers' attention processor takes the image tokens to be the first `S - 512` rows of one context, so its
@@ -65,18 +68,21 @@ class WanImageToVideoPipeline(WanPipeline):
     task = "image-to-video"
     image_fields = ("last_image",)  # first-last-frame-to-video's last frame (models with pos_embed_seq_len)
 
+    # Whether the transformer takes the image's CLIP tokens (Wan 2.1); Wan 2.2's two experts take the latent
+    # condition alone, as diffusers' pipeline runs them (no image encoder).
+    image_tokens: bool = True
+    first_last: bool = False
+
     def load(self, folder: Path) -> dict:
-        index = read_json(folder / "model_index.json")
-        wan22 = two_experts(index) + (["expand_timesteps"] if index.get("expand_timesteps") else [])
-        if wan22:
-            raise CheckpointError(
-                f"{folder}: model_index.json sets {wan22} (Wan 2.2's two-expert or TI2V image-to-video): not "
-                "supported; Wan 2.1 image-to-video is"
-            )
-        for part in ("image_encoder", "image_processor"):
-            if not (folder / part).is_dir():
-                raise CheckpointError(f"{folder}: no {part}/ (a Wan 2.1 image-to-video folder has one)")
-        modules = super().load(folder)  # text encoder, transformer (checked: image_dim), VAE
+        self.image_tokens = not two_experts(read_json(folder / "model_index.json"))
+        if self.image_tokens:
+            for part in ("image_encoder", "image_processor"):
+                if not (folder / part).is_dir():
+                    raise CheckpointError(f"{folder}: no {part}/ (a Wan 2.1 image-to-video folder has one)")
+        # text encoder, transformer (Wan 2.1: checked for image_dim; Wan 2.2: the two experts), VAE
+        modules = super().load(folder)
+        if not self.image_tokens:
+            return modules
         self.image_processor = CLIPImagePreprocessor.from_folder(folder / "image_processor")
         # fp32 whatever the pipeline dtype, as diffusers' Wan I2V example loads it: it runs once per video.
         image_encoder = self.load_module(
@@ -141,7 +147,9 @@ class WanImageToVideoPipeline(WanPipeline):
 
     @property
     def image_encode_states(self) -> dict:
-        """The image_encode program's modules: the VAE (the condition) and the CLIP vision encoder."""
+        """The image_encode program's modules: the VAE (the condition) and the CLIP vision encoder (Wan 2.1)."""
+        if not self.image_tokens:
+            return {"vae": self._states["vae"]}
         return {"vae": self._states["vae"], "image_encoder": self._states["image_encoder"]}
 
     def warm_up_inputs(self, width: int, height: int) -> dict:
@@ -176,9 +184,10 @@ class WanImageToVideoPipeline(WanPipeline):
                 pixels[prefix + "video"] = image_rows(
                     value, prompts, n, name, preprocess_image, height, width
                 )
-                pixels[prefix + "clip"] = image_rows(
-                    value, prompts, n, name, self._clip_pixels, height, width
-                )
+                if self.image_tokens:
+                    pixels[prefix + "clip"] = image_rows(
+                        value, prompts, n, name, self._clip_pixels, height, width
+                    )
         return pixels, None
 
     def _clip_pixels(self, image, height: int, width: int, name: str) -> np.ndarray:
@@ -215,6 +224,8 @@ class WanImageToVideoPipeline(WanPipeline):
         inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
         latents = (latents.astype(jnp.float32) - jnp.asarray(cfg.latents_mean, jnp.float32)) * inv_std
         mask = jnp.zeros((*latents.shape[:4], self.temporal_factor), jnp.float32).at[:, 0].set(1.0)
+        if not self.image_tokens:  # Wan 2.2's experts: the condition alone
+            return {"condition": self.constrain(jnp.concatenate([mask, latents], axis=-1))}
         encoder = self.merged("image_encoder", states["image_encoder"])
         embeds = encoder(pixels["clip"]).hidden_states[-2].astype(self.dtype)
         if last is not None:
@@ -235,8 +246,10 @@ class WanImageToVideoPipeline(WanPipeline):
         if image is None:
             raise PipelineError("Wan image-to-video needs an image")
         embeds = embeds.astype(self.dtype)
-        image_embeds = image["image_embeds"].astype(self.dtype)
-        if do_cfg:  # the same image states for each row's unconditional and conditional halves
+        image_embeds = image.get("image_embeds")  # None: Wan 2.2's experts take no image tokens
+        if image_embeds is not None:
+            image_embeds = image_embeds.astype(self.dtype)
+        if do_cfg and image_embeds is not None:  # the same image states for each row's two halves
             image_embeds = interleave(image_embeds, image_embeds)
 
         def model(x, t):  # x: the latents with the condition after them (the engine's with_condition)

@@ -121,3 +121,52 @@ def test_int8_quantizes_both_experts(wan22_path, ours):
     kw = {"guidance_scale": 5.0, "guidance_scale_2": 2.0, "output_type": "latent"}
     got, fp32 = call(pipe, **kw).images, call(ours, **kw).images
     assert 0 < np.abs(got - fp32).max() <= 1e-2 * np.abs(fp32).max()
+
+
+def test_image_to_video_experts_match_diffusers(tiny_wan_path, tmp_path_factory, monkeypatch):
+    """Wan 2.2 I2V-A14B's layout (two experts taking the noise, the mask and the first frame's latents, no CLIP
+    image tokens, no image encoder): a batch of two images, CFG with guidance_scale_2 on one row, none on the
+    other, against diffusers' WanImageToVideoPipeline per image. Its 2-step schedule [999, 750] at
+    boundary_ratio 0.9 runs one step on each expert."""
+    import diffusers.pipelines.wan.pipeline_wan as t2v
+    import diffusers.pipelines.wan.pipeline_wan_i2v as i2v_module
+    import torch
+    from diffusers import WanImageToVideoPipeline
+
+    from tests.fixtures.tiny_wan_i2v import build_tiny_wan22_i2v
+    from tests.models.test_wan_i2v import NOISE, PIPE, two_images
+
+    monkeypatch.setattr(i2v_module, "basic_clean", t2v.basic_clean)  # no ftfy here (test_wan_i2v.py)
+    path = build_tiny_wan22_i2v(tmp_path_factory.mktemp("wan22_i2v"), tiny_wan_path)
+    reference = WanImageToVideoPipeline.from_pretrained(str(path), torch_dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    ours = load_pipeline(path, dtype="float32")
+    assert ours.tasks == ("image-to-video",) and not ours.image_tokens
+    images, prompts = two_images(), ["a cat", "the dog and the cat"]
+    noise = np.random.default_rng(0).standard_normal((2, *NOISE)).astype(np.float32)
+    rows = [
+        {"guidance_scale": 4.0, "guidance_scale_2": 2.0, "negative_prompt": "blurry"},
+        {"guidance_scale": 1.0},
+    ]
+    got = ours(
+        prompts,
+        image=images,
+        negative_prompt=["blurry", None],
+        guidance_scale=[4.0, 1.0],
+        guidance_scale_2=[2.0, None],
+        latents=noise,
+        **PIPE,
+    ).images
+    for row, kw in enumerate(rows):
+        with torch.no_grad():
+            want = reference(
+                image=images[row],
+                prompt=prompts[row],
+                latents=torch.from_numpy(noise[row : row + 1]),
+                output_type="np",
+                **PIPE,
+                **kw,
+            ).frames
+        assert want.std() > 1e-2 and np.abs(got[row : row + 1] - want).max() <= 1e-3, row
+    with pytest.raises(PipelineError, match="not a first-last-frame model"):
+        ours(prompts[0], image=images[0], last_image=images[1], **PIPE)
