@@ -140,9 +140,7 @@ LAYOUTS = {
 def flux_module(units: int, settings: AttentionSettings, scan: bool = True):
     """scan: the blocks stacked (models/components/block_stack.py), as a pipeline holds them by default."""
     cfg = FluxTransformer2DConfig(**dict(FLUX_DEV, num_layers=units, num_single_layers=2 * units))
-    module = abstract_module(
-        lambda r: FluxTransformer2DModel(cfg, settings=settings, dtype=jnp.bfloat16, rngs=r)
-    )
+    module = abstract_module(FluxTransformer2DModel, cfg, settings=settings, dtype=jnp.bfloat16)
     return stack_blocks(module) if scan else module
 
 
@@ -151,12 +149,12 @@ def other_modules():
     VAE in fp32 (models/flux/pipeline.py decodes in fp32 whatever the pipeline dtype)."""
     t5 = T5Config(**T5_XXL)
     bf16 = jnp.bfloat16
-    yield "T5-XXL", abstract_module(lambda r: T5EncoderModel(t5, dtype=bf16, rngs=r)), T5_RULES, bf16
+    yield "T5-XXL", abstract_module(T5EncoderModel, t5, dtype=bf16), T5_RULES, bf16
     clip = CLIPTextConfig.from_config(CLIP_L)
-    yield "CLIP-L", abstract_module(lambda r: CLIPTextModel(clip, dtype=bf16, rngs=r)), CLIP_RULES, bf16
+    yield "CLIP-L", abstract_module(CLIPTextModel, clip, dtype=bf16), CLIP_RULES, bf16
     vae = AutoencoderKLConfig.from_config(FLUX_VAE)
     f32 = jnp.float32
-    yield "VAE", abstract_module(lambda r: AutoencoderKL(vae, dtype=f32, rngs=r)), VAE_RULES, f32
+    yield "VAE", abstract_module(AutoencoderKL, vae, dtype=f32), VAE_RULES, f32
 
 
 def compile_denoise(*args, **kwargs):

@@ -5,6 +5,7 @@
     python bench/wan_memory.py --from-json a.json b.json --write-docs   # tables from both, into docs/wan.md
     python bench/wan_memory.py --model 1.3b --layouts 1 --sizes 480p,720p,352x640   # Wan2.1-T2V-1.3B, 1 device
     python bench/wan_memory.py --layers 1,2 --layouts context8-fsdp --sizes 480p     # quick, extrapolated
+    python bench/wan_memory.py --model a14b --sizes 480p,720p --write-docs   # Wan2.2-T2V-A14B's two experts
 
 Nothing here needs a checkpoint or runs a model: the transformer is built shapes-only (models.loading.
 abstract_module) from Wan2.1-T2V-14B's transformer config (dim 5120 = 40 heads x 128, 40 blocks, ffn 13824,
@@ -97,6 +98,7 @@ from meshserve.models.wan.autoencoder_kl_wan import SHARDING_RULES as VAE_RULES 
 from meshserve.models.wan.autoencoder_kl_wan import AutoencoderKLWan, AutoencoderKLWanConfig  # noqa: E402
 from meshserve.models.wan.transformer_wan import SHARDING_RULES as WAN_RULES  # noqa: E402
 from meshserve.models.wan.transformer_wan import WanTransformer3DConfig, WanTransformer3DModel  # noqa: E402
+from meshserve.models.wan.two_experts import WanExperts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "wan.md"
@@ -123,7 +125,14 @@ UMT5_XXL = dict(
 )  # fmt: skip
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json: 12 heads x 128, 30 blocks, ffn 8960.
 WAN_1_3B = dict(WAN_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
-MODELS = {"14b": ("Wan2.1-T2V-14B", WAN_14B), "1.3b": ("Wan2.1-T2V-1.3B", WAN_1_3B)}
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of Wan2.1-T2V-14B's config (transformer, transformer_2),
+# switched at boundary_ratio 0.875 (models/wan/two_experts.py): both resident, one runs per step.
+MODELS = {
+    "14b": ("Wan2.1-T2V-14B", WAN_14B),
+    "1.3b": ("Wan2.1-T2V-1.3B", WAN_1_3B),
+    "a14b": ("Wan2.2-T2V-A14B (two 14B experts)", dict(WAN_14B, experts=2)),
+}
+A14B_BOUNDARY = 875.0  # boundary_ratio 0.875 x 1000 training timesteps
 TEXT = 512
 GUIDANCE = 5.0
 # (latent frames, latent rows, latent columns) of 81 frames at the two sizes (VAE: x4 in time, x8 in space).
@@ -154,12 +163,17 @@ LAYOUTS = {
 
 
 def wan_module(base: dict, layers: int, settings: AttentionSettings, scan: bool = True):
-    """scan: the blocks stacked (models/components/block_stack.py), as a pipeline holds them by default."""
+    """scan: the blocks stacked (models/components/block_stack.py), as a pipeline holds them by default. A base
+    with `experts: 2` (Wan 2.2 A14B) is two such transformers as the pipeline holds them (WanExperts)."""
+    base = dict(base)
+    experts = base.pop("experts", 1)
     cfg = WanTransformer3DConfig(**dict(base, num_layers=layers))
-    module = abstract_module(
-        lambda r: WanTransformer3DModel(cfg, settings=settings, dtype=jnp.bfloat16, rngs=r)
-    )
-    return stack_blocks(module) if scan else module
+
+    def one():
+        module = abstract_module(WanTransformer3DModel, cfg, settings=settings, dtype=jnp.bfloat16)
+        return stack_blocks(module) if scan else module
+
+    return one() if experts == 1 else WanExperts(one(), one(), A14B_BOUNDARY)
 
 
 def compile_denoise(*args, **kwargs):
@@ -297,9 +311,9 @@ def at_rest(base: dict, name: str) -> dict:
     _, state = placed_state(module, WAN_RULES, placement, jnp.bfloat16)
     out["transformer"] = state_bytes(state)
     t5 = T5Config(**UMT5_XXL)
-    enc = abstract_module(lambda r: T5EncoderModel(t5, dtype=jnp.bfloat16, rngs=r))
+    enc = abstract_module(T5EncoderModel, t5, dtype=jnp.bfloat16)
     out["UMT5-XXL"] = state_bytes(placed_state(enc, T5_RULES, placement, jnp.bfloat16)[1])
-    vae = abstract_module(lambda r: AutoencoderKLWan(AutoencoderKLWanConfig(), dtype=jnp.float32, rngs=r))
+    vae = abstract_module(AutoencoderKLWan, AutoencoderKLWanConfig(), dtype=jnp.float32)
     out["VAE"] = state_bytes(placed_state(vae, VAE_RULES, placement, jnp.float32)[1])
     return out
 
@@ -395,7 +409,9 @@ def main():
     parser.add_argument(
         "--layers", help="block counts to compile: default the model's (40 or 30), or two to extrapolate from"
     )
-    parser.add_argument("--model", choices=sorted(MODELS), default="14b", help="Wan 2.1 T2V 14B or 1.3B")
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="14b", help="Wan 2.1 T2V 14B or 1.3B, Wan 2.2 T2V A14B"
+    )
     parser.add_argument("--default-scheduler", action="store_true", help="XLA:CPU's default scheduler")
     parser.add_argument("--json", type=Path, help="also write the raw measurements here")
     parser.add_argument(

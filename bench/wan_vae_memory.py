@@ -51,7 +51,7 @@ def parse_mesh(name: str) -> dict[str, int]:
 
 def measure(height: int, width: int, latent_frames: int, dtype=jnp.float32, mesh: str = "1") -> dict:
     cfg = AutoencoderKLWanConfig()  # diffusers' defaults = the Wan 2.1 VAE
-    model = abstract_module(lambda rngs: AutoencoderKLWan(cfg, dtype=dtype, rngs=rngs))
+    model = abstract_module(AutoencoderKLWan, cfg, dtype=dtype)
     graphdef, state = nnx.split(model)
     f = cfg.spatial_compression
     shape = (1, latent_frames, height // f, width // f, cfg.z_dim)

@@ -93,7 +93,7 @@ def modules():
     unet_cfg = UNet2DConditionConfig.from_config(SDXL_UNET)
     yield (
         "UNet",
-        abstract_module(lambda r: UNet2DConditionModel(unet_cfg, dtype=bf16, rngs=r)),
+        abstract_module(UNet2DConditionModel, unet_cfg, dtype=bf16),
         UNET_RULES,
         bf16,
     )
@@ -103,9 +103,9 @@ def modules():
         ("CLIP-bigG", CLIP_BIG_G, CLIPTextModelWithProjection),
     ):
         cfg = CLIPTextConfig.from_config(raw)
-        yield name, abstract_module(lambda r, c=cfg, k=cls: k(c, dtype=bf16, rngs=r)), CLIP_RULES, bf16
+        yield name, abstract_module(cls, cfg, dtype=bf16), CLIP_RULES, bf16
     vae_cfg = AutoencoderKLConfig.from_config(SDXL_VAE)
-    yield "VAE", abstract_module(lambda r: AutoencoderKL(vae_cfg, rngs=r)), VAE_RULES, jnp.float32
+    yield "VAE", abstract_module(AutoencoderKL, vae_cfg), VAE_RULES, jnp.float32
 
 
 def placed_state(
