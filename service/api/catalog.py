@@ -257,44 +257,23 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         )
     except LimitError as e:
         raise FieldError(e.field, e.rule, str(e)) from None
-    # A model takes a true-CFG scale only when its published defaults have one (Flux); any other refuses it.
-    true_cfg = req.true_cfg_scale if req.true_cfg_scale is not None else d.true_cfg_scale
-    if req.true_cfg_scale is not None and d.true_cfg_scale is None:
-        raise FieldError(
-            "true_cfg_scale",
-            "not_supported",
-            f"{info.id} ({info.family}) has no true CFG; true_cfg_scale must be left out "
-            "(guidance_scale is its guidance)",
-        )
-    rescale = req.guidance_rescale if req.guidance_rescale is not None else d.guidance_rescale
-    if req.guidance_rescale is not None and d.guidance_rescale is None:
-        raise FieldError(
-            "guidance_rescale",
-            "not_supported",
-            f"{info.id} ({info.family}) takes no guidance_rescale; it must be left out",
-        )
-    guidance = req.guidance_scale if req.guidance_scale is not None else d.guidance_scale
-    if req.guidance_scale_2 is not None and d.guidance_scale_2 is None:
-        raise FieldError(
-            "guidance_scale_2",
-            "not_supported",
-            f"{info.id} ({info.family}) has one denoiser; guidance_scale_2 (Wan 2.2's two experts) must be left out",
-        )
-    # diffusers: guidance_scale_2 left out is the call's guidance_scale (not the model's default).
-    guidance_2 = (
-        None
-        if d.guidance_scale_2 is None
-        else req.guidance_scale_2
-        if req.guidance_scale_2 is not None
-        else guidance
-    )
-    scores = {}
-    for name in ("aesthetic_score", "negative_aesthetic_score"):
+    # Fields a model takes only when its published defaults list them (Flux's true CFG, SDXL's guidance_rescale,
+    # Wan 2.2's guidance_scale_2, the SDXL refiner's aesthetic scores); any other model refuses them.
+    published = {
+        "true_cfg_scale": "has no true CFG; true_cfg_scale must be left out (guidance_scale is its guidance)",
+        "guidance_rescale": "takes no guidance_rescale; it must be left out",
+        "guidance_scale_2": "has one denoiser; guidance_scale_2 (Wan 2.2's two experts) must be left out",
+        "aesthetic_score": "takes no aesthetic_score; leave it out",
+        "negative_aesthetic_score": "takes no negative_aesthetic_score; leave it out",
+    }
+    given = {}
+    for name, refusal in published.items():
         if getattr(req, name) is not None and getattr(d, name) is None:
-            raise FieldError(
-                name, "not_supported", f"{info.id} ({info.family}) takes no {name}; leave it out"
-            )
-        scores[name] = getattr(req, name) if getattr(req, name) is not None else getattr(d, name)
+            raise FieldError(name, "not_supported", f"{info.id} ({info.family}) {refusal}")
+        given[name] = getattr(req, name) if getattr(req, name) is not None else getattr(d, name)
+    guidance = req.guidance_scale if req.guidance_scale is not None else d.guidance_scale
+    if req.guidance_scale_2 is None and d.guidance_scale_2 is not None:
+        given["guidance_scale_2"] = guidance  # diffusers: left out, it is the call's guidance_scale
     for name in ("prompt_2", "negative_prompt_2"):
         if getattr(req, name) is not None and not lim.prompt_2:
             raise FieldError(
@@ -328,7 +307,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         negative_prompt_2=req.negative_prompt_2 or None,
         clip_skip=req.clip_skip,
         **micro,
-        **scores,
+        **given,
         width=width,
         height=height,
         num_frames=frames,
@@ -337,9 +316,6 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         timesteps=req.timesteps,
         eta=req.eta or None,  # 0 is diffusers' default: the same job as none
         guidance_scale=guidance,
-        guidance_scale_2=guidance_2,
-        true_cfg_scale=true_cfg,
-        guidance_rescale=rescale,
         fps=None if lim.frames is None else (req.fps if req.fps is not None else d.fps or DEFAULT_FPS),
         scheduler=req.scheduler,
         seed=req.seed if req.seed is not None else secrets.randbelow(MAX_SEED + 1),
