@@ -93,8 +93,9 @@ def denoise_loop(
     step_noise=None,
 ):
     """latents [B, ...] (already scaled by the scheduler's init_noise_sigma, or noised to step `start`); keys
-    [B]; guidance [B] (or a function of the step's timestep -> [B]); rescale [B] or None (`guide`); step_noise [B, calls, ...] or None: a stochastic step's
-    noise at each call, given (diffusers' generator draws, replayed) instead of drawn from the keys. Returns (latents, steps_done): steps_done <
+    [B]; guidance [B], or a function of the step's timestep -> [B]; rescale [B] or None (`guide`); step_noise
+    [B, calls, ...] or None: a stochastic step's noise at each call, given (diffusers' generator draws,
+    replayed) instead of drawn from the keys. Returns (latents, steps_done): steps_done <
     min(schedule.num_steps, stop) - start when on_step stopped the loop; with `step_cache`, (latents,
     steps_done, steps_skipped)."""
     num_steps = schedule.num_steps

@@ -120,7 +120,7 @@ class WanPipeline(DiffusionPipeline):
         if index.get("expand_timesteps"):
             raise CheckpointError(
                 f"{folder}: model_index.json sets expand_timesteps (Wan 2.2's TI2V model, per-token timesteps): "
-                "not supported; Wan 2.1 and Wan 2.2's two-expert text-to-video are"
+                "not supported; Wan 2.1 and Wan 2.2's two-expert models are"
             )
         if experts and sorted(experts) != ["boundary_ratio", "transformer_2"]:
             # diffusers would switch to a missing transformer_2 (or never switch) mid-loop.
@@ -269,21 +269,19 @@ class WanPipeline(DiffusionPipeline):
     @property
     def defaults(self) -> dict:
         small = self._small
-        return {
+        defaults = {
             "width": SMALL_WIDTH if small else DEFAULT_WIDTH,
             "height": SMALL_HEIGHT if small else DEFAULT_HEIGHT,
             "num_inference_steps": SMALL_STEPS if small else DEFAULT_STEPS,
             "guidance_scale": DEFAULT_GUIDANCE,
             "fps": FPS,
             **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
-        } | self._expert_defaults()
-
-    def _expert_defaults(self) -> dict:
-        """Two experts publish guidance_scale_2 (the API then takes it; a call leaving it out takes its own
-        guidance_scale, `row_field_fallbacks`)."""
-        if self.boundary_timestep is None:
-            return {}
-        return {"guidance_scale_2": self.folder_defaults.get("guidance_scale_2", DEFAULT_GUIDANCE)}
+        }
+        if self.boundary_timestep is not None:
+            # Published so the API takes it; a call leaving it out takes its own guidance_scale
+            # (`row_field_fallbacks`), so the default is guidance_scale's.
+            defaults["guidance_scale_2"] = defaults["guidance_scale"]
+        return defaults
 
     @property
     def limits(self) -> dict:

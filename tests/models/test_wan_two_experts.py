@@ -62,6 +62,7 @@ def expected(wan22_path, tiny_wan_path):
 
 def test_two_experts_match_diffusers(ours, expected):
     assert ours.boundary_timestep == 800.0
+    assert ours.defaults["guidance_scale_2"] == ours.defaults["guidance_scale"]  # published: the API takes it
     two = call(ours, guidance_scale=5.0, guidance_scale_2=2.0).images
     one = call(ours, guidance_scale=4.0).images
     assert np.abs(two - expected["two_scales"]).max() <= 1e-3
