@@ -234,6 +234,13 @@ class AdapterPool:
     def _is_text(self, target: str) -> bool:
         return target.split(".", 1)[0] in self.pipe.lora_text_encoders
 
+    def _in_part(self, target: str, prefix: str) -> str | None:
+        """A layer's name inside the denoiser part `prefix` ("transformer_2."), text encoders' as they are;
+        None for another part's layer."""
+        if self._is_text(target):
+            return target
+        return target[len(prefix) :] if target.startswith(prefix) else None
+
     @property
     def has_text_targets(self) -> bool:
         if not hasattr(self, "_has_text"):  # asked per call: computed once
@@ -257,10 +264,20 @@ class AdapterPool:
 
     # --- loading
 
-    def load(self, name: str, source) -> dict:
+    def load(self, name: str, source, *, into: str | None = None) -> dict:
+        """`into`: the part of the denoiser the adapter's denoiser keys belong under (Wan 2.2's two experts,
+        "transformer" or "transformer_2": a file names one transformer's layers, diffusers'
+        `load_into_transformer_2` picks which); None: the denoiser itself."""
         if not isinstance(name, str) or not name:
             raise PipelineError("a LoRA needs a non-empty name")
         writes, shapes = self._layers()
+        targets, refused = shapes, self._refused
+        if into is not None:  # the file's names are the part's own: read against them, then put back under it
+            prefix = f"{into}."
+            if not any(k.startswith(prefix) for k in shapes):
+                raise PipelineError(f"LoRA {name!r}: the denoiser has no part {into!r}")
+            targets = {self._in_part(k, prefix): v for k, v in shapes.items() if self._in_part(k, prefix)}
+            refused = {self._in_part(k, prefix): v for k, v in refused.items() if self._in_part(k, prefix)}
         unet = getattr(self.pipe, "unet_config", None)  # SDXL: SGM-named kohya keys need its block layout
         layout = None
         if unet is not None:
@@ -269,11 +286,13 @@ class AdapterPool:
         factors = read_adapter(
             source,
             family=self.pipe.family,
-            targets=shapes,
+            targets=targets,
             text_encoders=self.pipe.lora_text_encoders,
             unet_layout=layout,
-            refused=self._refused,
+            refused=refused,
         )
+        if into is not None:
+            factors = {k if self._is_text(k) else f"{into}.{k}": v for k, v in factors.items()}
         rank = max(a.shape[1] for a, _ in factors.values())
         if rank > self.max_rank:
             raise AdapterFormatError(

@@ -184,7 +184,7 @@ class WanPipeline(DiffusionPipeline):
 
     def enable_two_experts(self, boundary: float) -> None:
         """Wan 2.2's two experts: diffusers' guidance_scale_2 (the low-noise steps' CFG scale, guidance_scale's
-        when left out) becomes a row field; the step caches and LoRA, made for one transformer, are refused."""
+        when left out) becomes a row field; the step caches, made for one transformer, are refused."""
         self.row_fields = (*self.row_fields, "guidance_scale_2")
         self.row_field_fallbacks = {"guidance_scale_2": "guidance_scale"}
         self.cache_methods = {}
@@ -196,12 +196,19 @@ class WanPipeline(DiffusionPipeline):
         boundary, high, low = self.boundary_timestep, rows["guidance_scale"], rows["guidance_scale_2"]
         return lambda t: jnp.where(t >= boundary, high, low)
 
-    def load_lora(self, name: str, source) -> dict:
-        if self.boundary_timestep is not None:
-            raise PipelineError(
-                "LoRA on Wan 2.2's two experts is not supported (adapters here bind one transformer)"
-            )
-        return super().load_lora(name, source)
+    def load_lora(self, name: str, source, load_into_transformer_2: bool = False) -> dict:
+        """Wan 2.2's two experts, as diffusers' WanLoraLoaderMixin: an adapter file names one transformer's
+        layers, `transformer`'s unless load_into_transformer_2 (a high- and a low-noise adapter, e.g. a
+        distillation's, are two adapters, each given per request as any other)."""
+        if self.boundary_timestep is None:
+            if load_into_transformer_2:
+                raise PipelineError(
+                    "load_into_transformer_2: this model has one transformer (Wan 2.2's two experts)"
+                )
+            return super().load_lora(name, source)
+        return self.lora.load(
+            name, source, into="transformer_2" if load_into_transformer_2 else "transformer"
+        )
 
     @property
     def transformer_in_channels(self) -> int:

@@ -94,10 +94,11 @@ def test_a_layout_with_split_weights_matches_one_device(wan22_path, ours):
 def test_what_two_experts_refuse(ours, wan22_path, tiny_wan_path, tmp_path):
     with pytest.raises(PipelineError, match="cache"):
         call(ours, cache={"method": "teacache"})
-    with pytest.raises(PipelineError, match="LoRA on Wan 2.2's two experts"):
-        ours.load_lora("ink", tmp_path / "none.safetensors")
+    one_transformer = load_pipeline(tiny_wan_path, dtype="float32")
     with pytest.raises(PipelineError, match="unsupported argument .guidance_scale_2."):
-        load_pipeline(tiny_wan_path, dtype="float32")("a cat", guidance_scale_2=2.0)
+        one_transformer("a cat", guidance_scale_2=2.0)
+    with pytest.raises(PipelineError, match="load_into_transformer_2: this model has one transformer"):
+        one_transformer.load_lora("ink", tmp_path / "none.safetensors", load_into_transformer_2=True)
 
     from meshserve.models.registry import ModelFolderError
 
@@ -171,3 +172,45 @@ def test_image_to_video_experts_match_diffusers(tiny_wan_path, tmp_path_factory,
         assert want.std() > 1e-2 and np.abs(got[row : row + 1] - want).max() <= 1e-3, row
     with pytest.raises(PipelineError, match="not a first-last-frame model"):
         ours(prompts[0], image=images[0], last_image=images[1], **PIPE)
+
+
+def test_a_lora_per_expert_matches_diffusers(wan22_path, tmp_path):
+    """A high-noise adapter loaded into `transformer` and a low-noise one into `transformer_2` (diffusers'
+    load_into_transformer_2), given per request at their scales, together or alone: diffusers' latents after 4
+    CFG steps (two per expert) with the same adapters set."""
+    import torch
+    from diffusers import WanPipeline
+
+    from tests.fixtures.tiny_lora import random_factors, write_diffusers_lora
+    from tests.models.test_lora import WAN_TARGETS, loras, reference_with
+
+    ref = WanPipeline.from_pretrained(str(wan22_path), dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    files = {
+        name: write_diffusers_lora(
+            tmp_path / f"{name}.safetensors",
+            random_factors(model, WAN_TARGETS, rank=4, seed=seed),
+            prefix="transformer",
+        )
+        for name, model, seed in (("high", ref.transformer, 1), ("low", ref.transformer_2, 2))
+    }
+    ref.load_lora_weights(str(files["high"]), adapter_name="high")
+    ref.load_lora_weights(str(files["low"]), adapter_name="low", load_into_transformer_2=True)
+    ours = load_pipeline(
+        wan22_path, dtype="float32", max_loras=2, max_lora_rank=4, lora_budget_mb=4, lora_targets=WAN_TARGETS
+    )
+    high = ours.load_lora("high", files["high"])
+    low = ours.load_lora("low", files["low"], load_into_transformer_2=True)
+    assert {t.split(".", 1)[0] for t in high["targets"]} == {"transformer"}
+    assert {t.split(".", 1)[0] for t in low["targets"]} == {"transformer_2"}
+    latents = latents_for(1)
+    kw = {"height": H, "width": W, "num_frames": F, "num_inference_steps": STEPS, "guidance_scale": 5.0}
+    kw |= {"negative_prompt": "blurry", "output_type": "latent"}
+    for names, scales in ((["high", "low"], [0.7, 0.9]), (["low"], [1.0])):
+        reference_with(ref, names, scales)
+        with torch.no_grad():
+            expected = ref("a cat", latents=torch.from_numpy(latents), **kw).frames.float().numpy()
+        got = ours("a cat", latents=latents, loras=loras(names, scales), **kw).images
+        assert np.abs(got - expected).max() <= 1e-4, names
+    plain = ours("a cat", latents=latents, **kw).images
+    assert np.abs(got - plain).max() > 1e-2  # the low-noise adapter alone moves the latents
