@@ -468,12 +468,9 @@ class DiffusionPipeline:
     # ---------------------------------------------------------------------------------------------
     # LoRA adapters (docs/lora.md; models/lora/): registered once, then picked per row by name
 
-    def load_lora(self, name: str, source, **options) -> dict:
+    def load_lora(self, name: str, source) -> dict:
         """Registers an adapter (a .safetensors file or folder, or a Hub id) under `name` onto the pool's
-        devices, evicting the least recently used one when the table is full -> {name, rank, targets, bytes}.
-        `options`: the family's (Wan 2.2's two experts: diffusers' load_into_transformer_2)."""
-        if options:
-            raise UnsupportedArgument(f"load_lora: unsupported arguments {sorted(options)}")
+        devices, evicting the least recently used one when the table is full -> {name, rank, targets, bytes}."""
         return self.lora.load(name, source)
 
     def unload_lora(self, name: str) -> None:

@@ -234,12 +234,14 @@ class AdapterPool:
     def _is_text(self, target: str) -> bool:
         return target.split(".", 1)[0] in self.pipe.lora_text_encoders
 
-    def _in_part(self, target: str, prefix: str) -> str | None:
-        """A layer's name inside the denoiser part `prefix` ("transformer_2."), text encoders' as they are;
-        None for another part's layer."""
-        if self._is_text(target):
-            return target
-        return target[len(prefix) :] if target.startswith(prefix) else None
+    def _in_part(self, by_layer: dict, prefix: str) -> dict:
+        """{layer: value} -> the layers of the denoiser part `prefix` ("transformer_2."), named inside it, and
+        the text encoders' as they are; another part's layers left out."""
+        return {
+            k if self._is_text(k) else k.removeprefix(prefix): v
+            for k, v in by_layer.items()
+            if self._is_text(k) or k.startswith(prefix)
+        }
 
     @property
     def has_text_targets(self) -> bool:
@@ -276,8 +278,7 @@ class AdapterPool:
             prefix = f"{into}."
             if not any(k.startswith(prefix) for k in shapes):
                 raise PipelineError(f"LoRA {name!r}: the denoiser has no part {into!r}")
-            targets = {self._in_part(k, prefix): v for k, v in shapes.items() if self._in_part(k, prefix)}
-            refused = {self._in_part(k, prefix): v for k, v in refused.items() if self._in_part(k, prefix)}
+            targets, refused = self._in_part(shapes, prefix), self._in_part(refused, prefix)
         unet = getattr(self.pipe, "unet_config", None)  # SDXL: SGM-named kohya keys need its block layout
         layout = None
         if unet is not None:
