@@ -193,6 +193,25 @@ class LoraLimits(_Frozen):
     max_rank: int
     scale_min: float
     scale_max: float
+    # Present (true) only for Wan 2.2's two experts: an adapter may be added into `transformer_2`, the
+    # low-noise expert (diffusers' `load_lora_weights(..., load_into_transformer_2=True)`); left out otherwise.
+    load_into_transformer_2: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent_fields(self, handler):
+        data = handler(self)
+        if self.load_into_transformer_2 is None:
+            data.pop("load_into_transformer_2", None)
+        return data
+
+
+class LoraSpec(_Frozen):
+    """Where an adapter comes from (service/lora_sources.py's rules) and which part of the denoiser it adapts:
+    `transformer` (or the model's one denoiser), or Wan 2.2's low-noise expert `transformer_2` when
+    `load_into_transformer_2` (diffusers' argument). pools.yaml may write a bare source for the first."""
+
+    source: str
+    load_into_transformer_2: bool = False
 
 
 class AdapterInfo(_Frozen):
@@ -201,10 +220,15 @@ class AdapterInfo(_Frozen):
 
     name: str
     source: str
+    load_into_transformer_2: bool = False
     origin: Literal["config", "api"] = "config"
     rank: int | None = None
     bytes: int | None = None
     error: str | None = None
+
+    @property
+    def spec(self) -> LoraSpec:
+        return LoraSpec(source=self.source, load_into_transformer_2=self.load_into_transformer_2)
 
 
 class LoraRef(_Frozen):

@@ -623,6 +623,13 @@ class LoraCreate(_TextRequest):
         description="A file or folder under the LoRA root (`MESHSERVE_LORA_ROOT`; relative to it, or absolute "
         "inside it) or a Hub id `owner/name[/file.safetensors]`; never a URL.",
     )
+    load_into_transformer_2: bool = Field(
+        False,
+        strict=True,
+        description="diffusers' argument for Wan 2.2's two experts: the file adapts `transformer_2`, the "
+        "low-noise expert, instead of `transformer` (a model whose `limits.loras` lists "
+        "`load_into_transformer_2`; for any other model it is a 422).",
+    )
 
     @field_validator("model")
     @classmethod
@@ -646,6 +653,7 @@ class LoraEntry(BaseModel):
     model: str
     name: str
     source: str
+    load_into_transformer_2: bool = Field(False, description="It adapts Wan 2.2's low-noise `transformer_2`.")
     origin: Literal["config", "api"]
     rank: int | None = None
     bytes: int | None = None

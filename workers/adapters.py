@@ -2,9 +2,9 @@
 `POST /v1/loras`), where each came from, and which are resident on the devices now.
 
     adapters = Adapters(runner, model="tiny-sdxl", root="/loras")
-    adapters.add("style", "style.safetensors", origin="config")   # pool thread; errors are kept, not raised
+    adapters.add("style", LoraSpec(source="style.safetensors"), origin="config")  # pool thread; errors kept
     fetched = adapters.fetch("owner/ink")                          # any thread: a Hub file into the local cache
-    adapters.add("ink", "owner/ink", origin="api", fetched=fetched)  # then only the device part, on the pool thread
+    adapters.add("ink", LoraSpec(source="owner/ink"), origin="api", fetched=fetched)  # the device part, pool thread
     adapters.ensure([["style"], []])                               # pool thread, before a batch runs
     adapters.published()                                           # -> [AdapterInfo]: the registry entry
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from meshserve.service.contract import AdapterInfo
+from meshserve.service.contract import AdapterInfo, LoraSpec
 from meshserve.service.lora_sources import LoraSource, LoraSourceError, resolve_source
 from meshserve.workers import metrics
 
@@ -57,31 +57,31 @@ class Adapters:
             return e
 
     def add(
-        self, name: str, source: str, *, origin: str, fetched: LoraSource | Exception | None = None
+        self, name: str, spec: LoraSpec, *, origin: str, fetched: LoraSource | Exception | None = None
     ) -> AdapterInfo:
-        """Load the adapter (`fetched`: what `fetch(source)` returned, when it ran beforehand off the pool
+        """Load the adapter (`fetched`: what `fetch(spec.source)` returned, when it ran beforehand off the pool
         thread); a refused source or a file that does not fit is recorded as the entry's `error` (the registry
         shows it; requests may not name it). The local file is what a later reload reads."""
         self.remove(name)
+        source, expert = spec.source, spec.load_into_transformer_2
+        described = dict(name=name, source=source, load_into_transformer_2=expert, origin=origin)
         try:
             resolved = self.fetch(source) if fetched is None else fetched
             if isinstance(resolved, Exception):
                 raise resolved
             before = set(self.runner.resident_loras())
-            loaded = self.runner.load_lora(name, resolved)
+            loaded = self.runner.load_lora(name, resolved, load_into_transformer_2=expert)
         except (LoraSourceError, LoraLoadError) as e:
             log.warning("model %s: LoRA %r from %r not loaded: %s", self.model, name, source, e)
-            entry = AdapterInfo(name=name, source=source, origin=origin, error=str(e))
+            entry = AdapterInfo(**described, error=str(e))
         except Exception as e:  # the engine's (device memory...): reported the same way, the pool goes on
             log.exception("model %s: LoRA %r from %r failed to load", self.model, name, source)
-            entry = AdapterInfo(name=name, source=source, origin=origin, error=f"{type(e).__name__}: {e}")
+            entry = AdapterInfo(**described, error=f"{type(e).__name__}: {e}")
         else:
             self._count_load("register", before, name)
             self._sources[name] = resolved
             self._first_adapter_warm_up()
-            entry = AdapterInfo(
-                name=name, source=source, origin=origin, rank=loaded.get("rank"), bytes=loaded.get("bytes")
-            )
+            entry = AdapterInfo(**described, rank=loaded.get("rank"), bytes=loaded.get("bytes"))
         self._entries[name] = entry
         return entry
 
@@ -102,8 +102,8 @@ class Adapters:
     def published(self) -> list[AdapterInfo]:
         return list(self._entries.values())
 
-    def by_origin(self, origin: str) -> dict[str, str]:
-        return {n: e.source for n, e in self._entries.items() if e.origin == origin}
+    def by_origin(self, origin: str) -> dict[str, LoraSpec]:
+        return {n: e.spec for n, e in self._entries.items() if e.origin == origin}
 
     # -- before a batch (pool thread) ------------------------------------------------------------------------
 
@@ -131,8 +131,9 @@ class Adapters:
             if source is None:  # removed since the API admitted the job: the runner fails the job
                 continue
             before = set(self.runner.resident_loras())
+            expert = self._entries[name].load_into_transformer_2  # the part it was registered into
             try:
-                self.runner.load_lora(name, source)
+                self.runner.load_lora(name, source, load_into_transformer_2=expert)
             except LoraLoadError as e:  # its file changed or went away since it was registered
                 from meshserve.workers.runner import InvalidRequest  # runner imports this module
 

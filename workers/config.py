@@ -47,6 +47,7 @@ from meshserve.models.parallel.layout_spec import (
     parse_device_slice,
     validate_weight_sharding,
 )
+from meshserve.service.contract import LoraSpec
 from meshserve.service.lora_sources import NAME_PATTERN, check_form
 
 
@@ -68,15 +69,28 @@ class ModelSpec(_Strict):
     # (`lora_root`, else MESHSERVE_LORA_ROOT) or a Hub id owner/name[/file.safetensors]; never a URL. Every
     # pool of the model loads them at start, before its warm-up (all pools of a model read one stream, so all
     # hold the same adapters). Checked here for their form, at start against the root (service/lora_sources.py).
-    loras: dict[str, str] = Field(default_factory=dict)
+    # Wan 2.2's two experts: `name: {source: ..., load_into_transformer_2: true}` adapts the low-noise expert.
+    loras: dict[str, LoraSpec] = Field(default_factory=dict)
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _bare_sources(cls, loras: Any) -> Any:
+        if not isinstance(loras, Mapping):
+            return loras  # pydantic says what is wrong
+        for name, declared in loras.items():
+            if isinstance(declared, Mapping) and (unknown := set(declared) - set(LoraSpec.model_fields)):
+                raise ValueError(
+                    f"LoRA {name!r}: unknown keys {sorted(unknown)}; it takes {list(LoraSpec.model_fields)}"
+                )
+        return {name: {"source": d} if isinstance(d, str) else d for name, d in loras.items()}
 
     @field_validator("loras")
     @classmethod
-    def _lora_sources_written_right(cls, loras: dict[str, str]) -> dict[str, str]:
-        for name, source in loras.items():
+    def _lora_sources_written_right(cls, loras: dict[str, LoraSpec]) -> dict[str, LoraSpec]:
+        for name, declared in loras.items():
             if not re.match(NAME_PATTERN, name):
                 raise ValueError(f"LoRA name {name!r} must match {NAME_PATTERN}")
-            check_form(source)
+            check_form(declared.source)
         return loras
 
 

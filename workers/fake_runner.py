@@ -44,6 +44,7 @@ class FakeRunner(Runner):
         crash_marker: str | None = "FAKE_CRASH",
         reject_marker: str | None = "FAKE_REJECT",
         lora_slots: int = 0,
+        lora_experts: bool = False,
         fetch_seconds: float = 0.0,
         **_ignored,
     ):
@@ -56,6 +57,8 @@ class FakeRunner(Runner):
         self.fetch_seconds = fetch_seconds  # what fetching an adapter's file takes (a slow Hub download)
         self.takes_loras = lora_slots > 0
         self._resident: OrderedDict[str, int] = OrderedDict()
+        # `lora_experts`: two experts, as Wan 2.2's; the adapters loaded into the second, reloads included.
+        self.lora_experts, self.into_transformer_2 = lora_experts, set()
         self.calls: deque[list[str]] = deque(
             maxlen=1000
         )  # job ids of recent run() calls, for in-process tests
@@ -67,9 +70,14 @@ class FakeRunner(Runner):
         time.sleep(self.fetch_seconds)
         return source
 
-    def load_lora(self, name: str, source: LoraSource) -> dict:
+    def load_lora(self, name: str, source: LoraSource, *, load_into_transformer_2: bool = False) -> dict:
         if source.kind != "path" or not os.path.exists(source.value):
             raise LoraLoadError(f"the fake runner loads LoRA files only; {source.value} is not one")
+        if load_into_transformer_2 and not self.lora_experts:
+            raise LoraLoadError("load_into_transformer_2: the fake runner has one denoiser")
+        self.into_transformer_2.discard(name)
+        if load_into_transformer_2:
+            self.into_transformer_2.add(name)
         self._resident.pop(name, None)
         if len(self._resident) >= self.slots:
             self._resident.popitem(last=False)
@@ -108,7 +116,13 @@ class FakeRunner(Runner):
                 max_steps=100,
                 max_n=self.max_n,
                 schedulers=["euler", "ddim"],
-                loras=LoraLimits(max_per_request=2, max_rank=64, scale_min=-4.0, scale_max=4.0)
+                loras=LoraLimits(
+                    max_per_request=2,
+                    max_rank=64,
+                    scale_min=-4.0,
+                    scale_max=4.0,
+                    load_into_transformer_2=self.lora_experts or None,
+                )
                 if self.takes_loras
                 else None,
             ),

@@ -25,7 +25,7 @@ import time
 from redis.exceptions import RedisError
 
 from meshserve.limits import LimitError, check_request
-from meshserve.service.contract import ModelInfo, PoolInfo
+from meshserve.service.contract import LoraSpec, ModelInfo, PoolInfo
 from meshserve.service.lora_requests import LoraRequests
 from meshserve.service.settings import Settings
 from meshserve.service.store import Store
@@ -247,10 +247,10 @@ def _declared_adapters(
             raise ValueError(f"pool {cfg.name!r}: {name}'s runner takes no LoRA adapters; remove its `loras`")
         return None
     runner.adapters = Adapters(runner, model=name, root=root, allow_hub=allow_hub)
-    for lora, source in spec.loras.items():
-        entry = runner.adapters.add(lora, source, origin="config")
+    for lora, declared in spec.loras.items():
+        entry = runner.adapters.add(lora, declared, origin="config")
         if entry.error is not None:
-            raise ValueError(f"pool {cfg.name!r}: {name}'s LoRA {lora!r} ({source}): {entry.error}")
+            raise ValueError(f"pool {cfg.name!r}: {name}'s LoRA {lora!r} ({declared.source}): {entry.error}")
     return runner.adapters
 
 
@@ -411,7 +411,7 @@ class Pool:
                     if target != current:
                         # Files first, beside the jobs: a Hub download of tens of seconds held every batch when
                         # it ran on the pool thread. Then the device part there, between batches.
-                        changed = {n: src for n, src in target.items() if current.get(n) != src}
+                        changed = {n: s.source for n, s in target.items() if current.get(n) != s}
                         fetched = await asyncio.to_thread(_fetch_loras, runner.adapters, changed)
                         await self.thread.submit(_apply_loras, runner.adapters, target, fetched)
                         await self._publish_adapters(model, runner.adapters)
@@ -467,13 +467,13 @@ def _fetch_loras(adapters: Adapters, sources: dict[str, str]) -> dict:
     return {name: adapters.fetch(source) for name, source in sources.items()}
 
 
-def _apply_loras(adapters: Adapters, target: dict[str, str], fetched: dict) -> None:
-    """Make a model's run-time adapters those of `target` (name -> source), their files `fetched` (name ->
+def _apply_loras(adapters: Adapters, target: dict[str, LoraSpec], fetched: dict) -> None:
+    """Make a model's run-time adapters those of `target` (name -> spec), their files `fetched` (name ->
     `Adapters.fetch`'s answer); on the pool thread. A name that pools.yaml declares is never replaced from the
     API (the API refuses it; this is the pool's own guard)."""
     current, declared = adapters.by_origin("api"), adapters.by_origin("config")
     for name in current.keys() - target.keys():
         adapters.remove(name)
-    for name, source in target.items():
-        if current.get(name) != source and name not in declared:
-            adapters.add(name, source, origin="api", fetched=fetched.get(name))
+    for name, spec in target.items():
+        if current.get(name) != spec and name not in declared:
+            adapters.add(name, spec, origin="api", fetched=fetched.get(name))

@@ -165,8 +165,9 @@ class Runner(ABC):
         batch)."""
         return source
 
-    def load_lora(self, name: str, source: LoraSource) -> dict:
-        """Load an adapter onto the devices -> {"rank", "bytes", ...}; LoraLoadError when it cannot."""
+    def load_lora(self, name: str, source: LoraSource, *, load_into_transformer_2: bool = False) -> dict:
+        """Load an adapter onto the devices -> {"rank", "bytes", ...}; LoraLoadError when it cannot.
+        `load_into_transformer_2`: into Wan 2.2's low-noise expert (diffusers' argument)."""
         raise LoraLoadError(f"{self.name} takes no LoRA adapters")
 
     def unload_lora(self, name: str) -> None:  # noqa: B027 - only runners that take adapters hold any
@@ -248,11 +249,18 @@ class PipelineRunner(Runner):
         except PipelineError as e:
             raise LoraLoadError(str(e)) from e
 
-    def load_lora(self, name: str, source: LoraSource) -> dict:
+    def load_lora(self, name: str, source: LoraSource, *, load_into_transformer_2: bool = False) -> dict:
         from meshserve.models import PipelineError
 
+        # Only Wan 2.2's two experts take the argument (as diffusers' loader mixins: the others have no such
+        # parameter); their limits say so.
+        expert = {"load_into_transformer_2": True} if load_into_transformer_2 else {}
+        if expert and not (self.pipe.limits.get("loras") or {}).get("load_into_transformer_2"):
+            raise LoraLoadError(
+                f"load_into_transformer_2: {self.name} has no transformer_2 (Wan 2.2's experts)"
+            )
         try:
-            return self.pipe.load_lora(name, self.fetch_lora(source).value)
+            return self.pipe.load_lora(name, self.fetch_lora(source).value, **expert)
         except PipelineError as e:
             raise LoraLoadError(str(e)) from e
 

@@ -314,6 +314,8 @@ class WanPipeline(DiffusionPipeline):
             "default": d.get("num_frames", small if self._small else self._conforming_frames(DEFAULT_FRAMES)),
         }
         limits["loras"] = self.lora.limits
+        if self.boundary_timestep is not None:  # an adapter may go into either expert (load_lora)
+            limits["loras"] = {**limits["loras"], "load_into_transformer_2": True}
         limits["cache"] = self.cache_limits()
         return limits
 

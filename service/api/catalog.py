@@ -135,6 +135,8 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
                         "max_rank": min(x.max_rank for x in lora_limits),
                         "scale_min": max(x.scale_min for x in lora_limits),
                         "scale_max": min(x.scale_max for x in lora_limits),
+                        "load_into_transformer_2": all(x.load_into_transformer_2 for x in lora_limits)
+                        or None,
                     }
                 )
             }

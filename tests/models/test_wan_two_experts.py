@@ -214,3 +214,37 @@ def test_a_lora_per_expert_matches_diffusers(wan22_path, tmp_path):
         assert np.abs(got - expected).max() <= 1e-4, names
     plain = ours("a cat", latents=latents, **kw).images
     assert np.abs(got - plain).max() > 1e-2  # the low-noise adapter alone moves the latents
+
+
+def test_a_served_adapter_goes_into_the_expert_it_was_registered_for(wan22_path, tmp_path):
+    """The pool's path (workers/adapters.py over PipelineRunner): an adapter registered with
+    load_into_transformer_2 adapts transformer_2's layers, and again when it is loaded back after an eviction;
+    the model's LoRA limits publish the argument."""
+    from diffusers import WanTransformer3DModel
+
+    from meshserve.service.contract import LoraSpec
+    from meshserve.workers.adapters import Adapters
+    from meshserve.workers.runner import PipelineRunner
+    from tests.fixtures.tiny_lora import random_factors, write_diffusers_lora
+    from tests.models.test_lora import WAN_TARGETS
+
+    lora = dict(max_loras=2, max_lora_rank=4, lora_budget_mb=4, lora_targets=WAN_TARGETS)
+    runner = PipelineRunner("wan22", str(wan22_path), "float32", None, None, **lora)
+    runner.load()
+    assert runner.info().limits.loras.load_into_transformer_2 is True
+    model = WanTransformer3DModel.from_pretrained(str(wan22_path / "transformer_2"))
+    factors = random_factors(model, WAN_TARGETS, rank=4, seed=1)
+    write_diffusers_lora(tmp_path / "a.safetensors", factors, prefix="transformer")
+    adapters = Adapters(runner, model="wan22", root=str(tmp_path))
+
+    def parts(name):
+        return {t.split(".", 1)[0] for t in runner.pipe.lora._info[name]["targets"]}
+
+    low = LoraSpec(source="a.safetensors", load_into_transformer_2=True)
+    assert adapters.add("low", low, origin="config").error is None
+    assert parts("low") == {"transformer_2"}
+    assert adapters.add("high", LoraSpec(source="a.safetensors"), origin="config").error is None
+    assert parts("high") == {"transformer"}
+    runner.unload_lora("low")  # off the devices as an eviction leaves it: still registered
+    adapters.ensure([["low"]])
+    assert "low" in runner.resident_loras() and parts("low") == {"transformer_2"}

@@ -307,6 +307,21 @@ def test_pools_warm_up_every_batch_size_up_to_max_batch():
         PoolConfig(name="p", models=["m"], warm_up_steps=0)
 
 
+def test_only_a_model_with_two_experts_takes_load_into_transformer_2(tmp_path):
+    """A one-denoiser pipeline's load_lora has no such argument (diffusers' SDXL and Flux mixins neither): the
+    runner refuses it as a load error, which the registry shows, instead of a TypeError."""
+    from meshserve.service.lora_sources import LoraSource
+    from meshserve.workers.adapters import LoraLoadError
+
+    pipe = _contract_pipeline()
+    pipe.load_lora = lambda name, source: {"name": name, "rank": 4, "bytes": 1}
+    runner = _pipeline_runner(pipe)
+    source = LoraSource("path", str(tmp_path / "a.safetensors"))
+    with pytest.raises(LoraLoadError, match="load_into_transformer_2: m has no transformer_2"):
+        runner.load_lora("a", source, load_into_transformer_2=True)
+    assert runner.load_lora("a", source)["rank"] == 4
+
+
 def test_only_pipeline_errors_are_the_jobs_fault():
     """An engine bug that raises ValueError (a layout, a trace, a shape) must stay a worker fault (retried,
     then dead-lettered), not become InvalidRequest. Before the fix the runner caught every ValueError."""

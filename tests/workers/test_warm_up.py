@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from meshserve.service.contract import LoraSpec
 from meshserve.workers.config import ModelSpec, PoolConfig
 
 
@@ -99,9 +100,9 @@ def test_the_first_adapter_added_at_run_time_compiles_the_lora_programs(tmp_path
     runners, _ = load_runners(pool, specs, lora_root=str(tmp_path))
     runner = runners["toy"]
     runner.warm_up = lambda *args, **kwargs: calls.append((args, kwargs)) or 0.0
-    runner.adapters.add("ink", "ink.safetensors", origin="api")
+    runner.adapters.add("ink", LoraSpec(source="ink.safetensors"), origin="api")
     assert calls == [(([(32, 32)], [1], None), {"tasks": ["text-to-image"]})]
-    runner.adapters.add("oil", "oil.safetensors", origin="api")
+    runner.adapters.add("oil", LoraSpec(source="oil.safetensors"), origin="api")
     assert len(calls) == 1
     assert [a.name for a in runner.adapters.published()] == ["ink", "oil"]
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from meshserve.service.api.catalog import common_adapters
 from meshserve.service.api.deps import CatalogDep, SettingsDep, StoreDep, current_tenant
 from meshserve.service.api.errors import ApiError, FieldError
-from meshserve.service.contract import AdapterInfo, PoolInfo
+from meshserve.service.contract import AdapterInfo, LoraSpec, PoolInfo
 from meshserve.service.lora_requests import LoraRequests
 from meshserve.service.lora_sources import LoraSourceError, resolve_source
 from meshserve.service.schemas import ErrorResponse, LoraCreate, LoraEntry, LoraList, LoraPoolState
@@ -62,11 +62,11 @@ def _pools_of(model: str, pools: list[PoolInfo]) -> list[tuple[PoolInfo, dict[st
     ]
 
 
-def _entry(model: str, name: str, source: str, held, usable: set[str]) -> LoraEntry:
+def _entry(model: str, name: str, spec: LoraSpec, held, usable: set[str]) -> LoraEntry:
     states, origin, rank, nbytes = [], "api", None, None
     for pool, adapters in held:
         a = adapters.get(name)
-        if a is None or a.source != source:
+        if a is None or a.spec != spec:
             states.append(LoraPoolState(pool=pool.name, status="pending"))
             continue
         origin = a.origin
@@ -76,7 +76,8 @@ def _entry(model: str, name: str, source: str, held, usable: set[str]) -> LoraEn
     return LoraEntry(
         model=model,
         name=name,
-        source=source,
+        source=spec.source,
+        load_into_transformer_2=spec.load_into_transformer_2,
         origin=origin,
         rank=rank,
         bytes=nbytes,
@@ -101,12 +102,10 @@ async def list_loras(store: StoreDep) -> LoraList:
         # What pools.yaml declares, and what is asked for now. An adapter added at run time that is no longer
         # asked for (deleted, or rejected by a pool) is on its way out: pools drop it at their next look, and
         # listing it meanwhile showed a rejected adapter as pending for ~40 s (an audit's finding).
-        sources = {
-            a.name: a.source for _, adapters in held for a in adapters.values() if a.origin == "config"
-        }
-        sources.update(await wanted.get(model))
+        specs = {a.name: a.spec for _, adapters in held for a in adapters.values() if a.origin == "config"}
+        specs.update(await wanted.get(model))
         usable = _usable(model, pools)
-        data += [_entry(model, n, src, held, usable) for n, src in sorted(sources.items())]
+        data += [_entry(model, n, spec, held, usable) for n, spec in sorted(specs.items())]
     return LoraList(data=data)
 
 
@@ -118,7 +117,14 @@ async def list_loras(store: StoreDep) -> LoraList:
     summary="Add a LoRA adapter to a model's pools (admin)",
 )
 async def add_lora(body: LoraCreate, store: StoreDep, catalog: CatalogDep, settings: SettingsDep) -> Response:
-    await catalog.resolve(body.model)  # 404 listing the served models, 503 when none is ready
+    served = await catalog.resolve(body.model)  # 404 listing the served models, 503 when none is ready
+    lora_limits = served.info.limits.loras
+    if body.load_into_transformer_2 and not (lora_limits and lora_limits.load_into_transformer_2):
+        raise FieldError(
+            "load_into_transformer_2",
+            "not_supported",
+            f"{body.model} has no transformer_2 (Wan 2.2's two experts): leave load_into_transformer_2 out",
+        )
     try:
         resolve_source(
             body.source, root=settings.lora_root, allow_hub=settings.lora_allow_hub, must_exist=False
@@ -134,13 +140,14 @@ async def add_lora(body: LoraCreate, store: StoreDep, catalog: CatalogDep, setti
                 f"{body.model}'s adapter {body.name!r} is declared in pools.yaml; change it there",
                 "name",
             )
+    spec = LoraSpec(source=body.source, load_into_transformer_2=body.load_into_transformer_2)
     wanted = LoraRequests(store)
-    await wanted.put(body.model, body.name, body.source)
+    await wanted.put(body.model, body.name, spec)
     deadline = time.monotonic() + settings.lora_wait_s
     while True:
         pools = await store.list_pools()
         held = _pools_of(body.model, pools)
-        entry = _entry(body.model, body.name, body.source, held, _usable(body.model, pools))
+        entry = _entry(body.model, body.name, spec, held, _usable(body.model, pools))
         failed = [s for s in entry.pools if s.status == "failed"]
         if failed:
             await wanted.delete(body.model, body.name)
