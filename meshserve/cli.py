@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--last-image",
         default=None,
-        help="a Wan 2.1 first-last-frame (FLF2V) folder: the video's last frame (--image is the first)",
+        help="the video's last frame (--image is the first): Wan 2.1 FLF2V needs one, Wan 2.2 I2V takes one",
     )
     gen.add_argument(
         "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"

@@ -280,8 +280,10 @@ class ModelLimits(_Frozen):
     # Whether the model takes SDXL's micro-conditioning (original_size, crops_coords_top_left, target_size and
     # their negatives); False: the API refuses them (422 not_supported).
     micro_conditioning: bool = False
-    # A first-last-frame video model (Wan 2.1 FLF2V): it takes, and needs, `last_image` besides `image`.
+    # A video model that takes `last_image` besides `image`: Wan 2.1 FLF2V needs it; Wan 2.2's image-to-video
+    # experts take it or not (`last_image_optional`).
     last_image: bool = False
+    last_image_optional: bool = False
     # diffusers' custom sigmas / timesteps and DDIM's eta, by scheduler name ("default": the model's own
     # scheduler, when a request names none); a scheduler left out takes none of them (422 not_supported).
     scheduler_arguments: dict[str, SchedulerArguments] = Field(default_factory=dict)

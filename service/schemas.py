@@ -371,8 +371,9 @@ class GenerateRequest(_TextRequest):
     last_image: str | None = Field(
         None,
         min_length=1,
-        description="A first-last-frame video model's last frame (Wan 2.1 FLF2V: `limits.last_image` true), in "
-        "the same forms as `image`, which is the first; such a model needs both, any other answers 422.",
+        description="The video's last frame, in the same forms as `image`, which is the first, for a model whose "
+        "`limits.last_image` is true: a first-last-frame model (Wan 2.1 FLF2V) needs both; Wan 2.2's image-to-video "
+        "experts (`limits.last_image_optional`) take it or not; any other model answers 422.",
     )
     strength: float | None = Field(
         None,

@@ -73,7 +73,7 @@ class RunRequest:
     params: JobParams
     image: Any = None  # PIL RGB image
     mask: Any = None  # PIL L image, the image's size: white repaints
-    last_image: Any = None  # PIL RGB image: a first-last-frame video's last frame
+    last_image: Any = None  # PIL RGB image: the video's last frame (Wan 2.1 FLF2V, Wan 2.2's I2V experts)
     missing: str | None = None
     tenant: str | None = None  # who submitted it: the scope of its texts in the pool's prompt cache
     # A part of a job too big for one batch (`row_parts`): the index of its first output in the job.
@@ -278,7 +278,6 @@ class PipelineRunner(Runner):
 
     def info(self) -> ModelInfo:
         limits = dict(self.pipe.limits, prompt_2=self.pipe.second_prompt)
-        limits["last_image"] = bool(getattr(self.pipe, "first_last", False))  # Wan 2.1 FLF2V
         # The formats this worker can write (an mp4 needs PyAV): a request for another is refused by the API.
         limits["output_formats"] = [f for f in output_formats(limits) if can_encode(f)]
         if limits.get("strength"):  # so that the API refuses a strength that would run no step (422)

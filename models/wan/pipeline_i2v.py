@@ -32,8 +32,11 @@ CLIPVisionModel or ...WithProjection), image_processor/ (preprocessor_config.jso
 image_dim / added_kv_proj_dim whose in_channels are 2 z_dim + the VAE's temporal factor. Wan 2.2's I2V-A14B
 folders (transformer_2 and boundary_ratio: two experts, models/wan/two_experts.py) have no image encoder and
 transformers without image_dim: the image enters as the condition alone (diffusers encodes no image for them),
-so `image_tokens` is False; first-last-frame is Wan 2.1's (pos_embed_seq_len) only. TI2V (expand_timesteps) is
-refused with the reason.
+so `image_tokens` is False. They take a `last_image` too, optionally, as diffusers' pipeline does for them: it
+enters the condition alone (the video [image, 0, ..., 0, last image], the mask's last-frame bit). One
+image_encode program serves both: without a last image the last frame is zeros, as diffusers' condition video
+has there, and a per-row flag leaves the mask's bit off, so a pool warms up one program, not two. TI2V
+(expand_timesteps) is refused with the reason.
 
 Deliberate differences from diffusers, none of which changes a number of what both accept:
 - diffusers' attention processor takes the image tokens to be the first `S - 512` rows of one context, so its
@@ -66,12 +69,18 @@ __all__ = ["WanImageToVideoPipeline"]
 
 class WanImageToVideoPipeline(WanPipeline):
     task = "image-to-video"
-    image_fields = ("last_image",)  # first-last-frame-to-video's last frame (models with pos_embed_seq_len)
+    image_fields = ("last_image",)  # the video's last frame (first-last-frame models; Wan 2.2's two experts)
 
     # Whether the transformer takes the image's CLIP tokens (Wan 2.1); Wan 2.2's two experts take the latent
     # condition alone, as diffusers' pipeline runs them (no image encoder).
     image_tokens: bool = True
+    # A first-last-frame model (Wan 2.1 FLF2V: pos_embed_seq_len): it needs last_image.
     first_last: bool = False
+
+    @property
+    def takes_last_image(self) -> bool:
+        """FLF2V needs a last frame; Wan 2.2's two experts take one or none (the condition alone)."""
+        return self.first_last or not self.image_tokens
 
     def load(self, folder: Path) -> dict:
         self.image_tokens = not two_experts(read_json(folder / "model_index.json"))
@@ -140,7 +149,8 @@ class WanImageToVideoPipeline(WanPipeline):
     @property
     def limits(self) -> dict:
         # WanPipeline's (sizes, frames, steps, text length), for the one task an image is required for.
-        return {**super().limits, "tasks": [self.task]}
+        limits = {**super().limits, "tasks": [self.task], "last_image": self.takes_last_image}
+        return limits | {"last_image_optional": self.takes_last_image and not self.first_last}
 
     # ----------------------------------------------------------------------------------------------
     # The image inputs
@@ -168,12 +178,12 @@ class WanImageToVideoPipeline(WanPipeline):
                 f"{self.model_id or self.family} is a first-last-frame model: it needs last_image= (the last "
                 "frame) besides image="
             )
-        if not self.first_last and last_image is not None:
+        if not self.takes_last_image and last_image is not None:
             raise PipelineError(
                 f"last_image: {self.model_id or self.family} is not a first-last-frame model (its transformer "
                 "has no pos_embed_seq_len); it takes image= alone"
             )
-        if self.first_last and settings["num_frames"] < 2:
+        if last_image is not None and settings["num_frames"] < 2:
             raise PipelineError(
                 "num_frames: a first-last-frame video needs more than one frame (the first and the last): 5 at least"
             )
@@ -188,6 +198,10 @@ class WanImageToVideoPipeline(WanPipeline):
                     pixels[prefix + "clip"] = image_rows(
                         value, prompts, n, name, self._clip_pixels, height, width
                     )
+        if not self.image_tokens and settings["num_frames"] > 1:  # one program with a last frame or without
+            rows = len(pixels["video"])
+            pixels.setdefault("last_video", np.zeros_like(pixels["video"]))
+            pixels["has_last"] = np.full((rows,), float(last_image is not None), np.float32)
         return pixels, None
 
     def _clip_pixels(self, image, height: int, width: int, name: str) -> np.ndarray:
@@ -210,8 +224,9 @@ class WanImageToVideoPipeline(WanPipeline):
 
     def image_inputs(self, states, pixels, mask, *, shape, task):
         """Traced (the image_encode program): {"video": [B, H, W, 3] in [-1, 1], "clip": [B, 224, 224, 3]} (and
-        first-last-frame's "last_video", "last_clip") -> {"condition": [B, T, h, w, tf + z] fp32, "image_embeds":
-        [B, 257 (first-last: 514), image_dim] in the model dtype}."""
+        first-last-frame's "last_video", "last_clip"; Wan 2.2's "last_video" and "has_last" [B] of {0, 1}) ->
+        {"condition": [B, T, h, w, tf + z] fp32, "image_embeds": [B, 257 (first-last: 514), image_dim] in the
+        model dtype; none for Wan 2.2}."""
         b, height, width, _ = pixels["video"].shape
         frames = (shape[0] - 1) * self.temporal_factor + 1
         image = pixels["video"].astype(jnp.float32)[:, None]
@@ -224,14 +239,16 @@ class WanImageToVideoPipeline(WanPipeline):
         inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
         latents = (latents.astype(jnp.float32) - jnp.asarray(cfg.latents_mean, jnp.float32)) * inv_std
         mask = jnp.zeros((*latents.shape[:4], self.temporal_factor), jnp.float32).at[:, 0].set(1.0)
+        if last is not None:
+            # diffusers' mask keeps the last frame too: the last latent frame's last channel (the frame it ends
+            # with); Wan 2.2's rows without a last image leave it off.
+            kept = pixels["has_last"][:, None, None] if "has_last" in pixels else 1.0
+            mask = mask.at[:, -1, ..., -1].set(kept)
         if not self.image_tokens:  # Wan 2.2's experts: the condition alone
             return {"condition": self.constrain(jnp.concatenate([mask, latents], axis=-1))}
         encoder = self.merged("image_encoder", states["image_encoder"])
         embeds = encoder(pixels["clip"]).hidden_states[-2].astype(self.dtype)
-        if last is not None:
-            # diffusers' mask keeps the last frame too: the last latent frame's last channel (the frame it ends
-            # with); the image states are both images' CLIP states, the first image's first.
-            mask = mask.at[:, -1, ..., -1].set(1.0)
+        if last is not None:  # the image states are both images' CLIP states, the first image's first
             last_embeds = encoder(pixels["last_clip"]).hidden_states[-2].astype(self.dtype)
             embeds = jnp.concatenate([embeds, last_embeds], axis=1)
         return {

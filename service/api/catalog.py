@@ -151,6 +151,7 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
             # Pools of one model should agree; a mix (a misconfiguration) takes no last_image, so a job with one
             # never reaches a pool that drops it.
             "last_image": all(info.limits.last_image for info in infos),
+            "last_image_optional": all(info.limits.last_image_optional for info in infos),
             "max_clip_skip": None if None in skips else min(skips),
             # A scheduler's custom schedules where every pool takes them by the same rules.
             "scheduler_arguments": {
@@ -396,7 +397,7 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
         raise FieldError(
             field, "task_not_supported", f"{info.id} does not take {task} ({field} given); it takes {tasks}"
         )
-    if lim.last_image and req.last_image is None:
+    if lim.last_image and not lim.last_image_optional and req.last_image is None:
         raise FieldError(
             "last_image",
             "missing",

@@ -128,8 +128,8 @@ def test_int8_quantizes_both_experts(wan22_path, ours):
 def test_image_to_video_experts_match_diffusers(tiny_wan_path, tmp_path_factory, monkeypatch):
     """Wan 2.2 I2V-A14B's layout (two experts taking the noise, the mask and the first frame's latents, no CLIP
     image tokens, no image encoder): a batch of two images, CFG with guidance_scale_2 on one row, none on the
-    other, against diffusers' WanImageToVideoPipeline per image. Its 2-step schedule [999, 750] at
-    boundary_ratio 0.9 runs one step on each expert."""
+    other, against diffusers' WanImageToVideoPipeline per image, without and with a last frame. Its 2-step
+    schedule [999, 750] at boundary_ratio 0.9 runs one step on each expert."""
     import diffusers.pipelines.wan.pipeline_wan as t2v
     import diffusers.pipelines.wan.pipeline_wan_i2v as i2v_module
     import torch
@@ -170,8 +170,37 @@ def test_image_to_video_experts_match_diffusers(tiny_wan_path, tmp_path_factory,
                 **kw,
             ).frames
         assert want.std() > 1e-2 and np.abs(got[row : row + 1] - want).max() <= 1e-3, row
-    with pytest.raises(PipelineError, match="not a first-last-frame model"):
-        ours(prompts[0], image=images[0], last_image=images[1], **PIPE)
+
+    # A last frame (diffusers' last_image: the condition video ends with it, the mask keeps its frame), per row,
+    # by the same program as without one: nothing compiles.
+    assert ours.limits["last_image"] and ours.limits["last_image_optional"]
+    compiled = ours.compilations
+    got_last = ours(
+        prompts,
+        image=images,
+        last_image=images[::-1],
+        negative_prompt=["blurry", None],
+        guidance_scale=[4.0, 1.0],
+        guidance_scale_2=[2.0, None],
+        latents=noise,
+        **PIPE,
+    ).images
+    assert ours.compilations == compiled
+    for row, kw in enumerate(rows):
+        with torch.no_grad():
+            want = reference(
+                image=images[row],
+                last_image=images[1 - row],
+                prompt=prompts[row],
+                latents=torch.from_numpy(noise[row : row + 1]),
+                output_type="np",
+                **PIPE,
+                **kw,
+            ).frames
+        assert np.abs(got_last[row : row + 1] - want).max() <= 1e-3, row
+        assert np.abs(got_last[row : row + 1] - got[row : row + 1]).max() > 1e-2, row  # the last frame counts
+    with pytest.raises(PipelineError, match="more than one frame"):
+        ours(prompts[0], image=images[0], last_image=images[1], **{**PIPE, "num_frames": 1})
 
 
 def test_a_lora_per_expert_matches_diffusers(wan22_path, tmp_path):
