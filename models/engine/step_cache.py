@@ -50,6 +50,10 @@ method a hook is the plain model:
   conv_in, the signal's conv and the head: on the embedded tiny SDXL this is what reaches the 1.5x target,
   where `deep_features` (which still runs the full-resolution first down and last up blocks) cannot
   (docs/step-cache.md).
+
+A denoiser whose parts take turns by step (Wan 2.2's two experts) routes them through `take_turns(index,
+parts, *args)`: each part keeps a cache state of its own, so a part compares its features only with its own
+(the other expert's are no reference for it) and its first step always computes.
 """
 
 from __future__ import annotations
@@ -176,7 +180,52 @@ def _activate(slot: CacheSlot):
 
 def skipped_steps(state) -> jax.Array:
     """[B] int32, the steps the cache skipped for each output row, from the loop's final cache state."""
+    if isinstance(state, PartStates):
+        return sum(skipped_steps(part) for part in state.parts)
     return state[3]
+
+
+@jax.tree_util.register_pytree_node_class
+class PartStates:
+    """The cache states of a denoiser's parts that take turns (`take_turns`), one per part."""
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+
+    def tree_flatten(self):
+        return self.parts, None
+
+    @classmethod
+    def tree_unflatten(cls, _, parts):
+        return cls(parts)
+
+
+def take_turns(index, parts: list[Callable], *args):
+    """parts[index](*args), `index` a traced int (one program, one part runs per step); under an active cache,
+    each part with its own state (module docstring)."""
+    slot = _ACTIVE.get()
+    if slot is None:
+        return jax.lax.switch(index, parts, *args)
+    if slot.state is None:  # init_state's abstract trace: every part's state shapes
+        states = []
+        for part in parts:
+            out = part(*args)
+            states.append(slot.new_state)
+        slot.new_state = PartStates(states)
+        return out
+    states = slot.state.parts
+
+    def turn(i):
+        def run(*args):  # the hook reads this part's state and leaves its next one; the others carry over
+            slot.state, slot.new_state = states[i], None
+            out = parts[i](*args)
+            return out, PartStates([slot.new_state if j == i else s for j, s in enumerate(states)])
+
+        return run
+
+    out, new = jax.lax.switch(index, [turn(i) for i in range(len(parts))], *args)
+    slot.state, slot.new_state = PartStates(states), new
+    return out
 
 
 def _slot_for(method: str) -> CacheSlot | None:

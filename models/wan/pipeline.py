@@ -184,10 +184,9 @@ class WanPipeline(DiffusionPipeline):
 
     def enable_two_experts(self, boundary: float) -> None:
         """Wan 2.2's two experts: diffusers' guidance_scale_2 (the low-noise steps' CFG scale, guidance_scale's
-        when left out) becomes a row field; the step caches, made for one transformer, are refused."""
+        when left out) becomes a row field; a step cache keeps a state per expert (models/wan/two_experts.py)."""
         self.row_fields = (*self.row_fields, "guidance_scale_2")
         self.row_field_fallbacks = {"guidance_scale_2": "guidance_scale"}
-        self.cache_methods = {}
         self.boundary_timestep = boundary
 
     def step_guidance(self, rows):

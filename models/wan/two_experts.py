@@ -4,17 +4,18 @@ diffusers' WanPipeline with `transformer_2` and `boundary_ratio` (Wan2.2-T2V-A14
 steps whose timestep t >= boundary_ratio x num_train_timesteps and `transformer_2` for the rest, each step's CFG
 scale guidance_scale or guidance_scale_2 the same way. Here both are the children of one module, so the engine
 loads, splits, shards, quantizes and scans them as it does one denoiser, and the compiled loop picks the expert
-per step with `lax.cond` on the traced timestep (one program; each step runs one expert).
+per step with `lax.switch` on the traced timestep (one program; each step runs one expert).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from meshserve.models.checkpoints.loading import CheckpointError
+from meshserve.models.engine.step_cache import take_turns
 from meshserve.models.wan.transformer_wan import load_wan_transformer
 
 
@@ -27,11 +28,10 @@ class WanExperts(nnx.Module):
         self.config = transformer.config
 
     def __call__(self, x, t, *args):
-        return jax.lax.cond(
-            t[0] >= self.boundary,
-            lambda: self.transformer(x, t, *args),
-            lambda: self.transformer_2(x, t, *args),
-        )
+        # A step cache keeps a state per expert (take_turns): the high-noise expert's features are no reference
+        # for the low-noise one's first step, which therefore computes.
+        low = (t[0] < self.boundary).astype(jnp.int32)
+        return take_turns(low, [self.transformer, self.transformer_2], x, t, *args)
 
 
 def load_wan_experts(folder: Path, *, boundary: float, place=None, **kwargs) -> WanExperts:

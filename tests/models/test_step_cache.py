@@ -22,6 +22,8 @@ from meshserve.models.engine.step_cache import (
     before_blocks,
     deep_features,
     parse_cache,
+    skipped_steps,
+    take_turns,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -66,6 +68,31 @@ def test_the_rule_computes_first_then_skips_while_the_first_residual_holds():
     np.testing.assert_allclose(out3, _rest(first3), rtol=1e-6)
     assert state3[3].tolist() == [1] * 2
     np.testing.assert_allclose(state3[0], first3 - x_in, rtol=1e-6)
+
+
+def test_parts_that_take_turns_keep_their_own_state():
+    """Wan 2.2's two experts: part A for t >= 0.5, part B below, each with its own state. B's first block moves
+    its input exactly as A's did, so under one state B's first step would reuse A's tail; under its own it
+    computes, then skips (threshold 1)."""
+
+    def part(scale):
+        return lambda x: after_first_block(x, x + 0.5, lambda first: scale * first)
+
+    def model(x, t):
+        return take_turns((t < 0.5).astype(jnp.int32), [part(3.0), part(5.0)], x)
+
+    x = jnp.ones((2, 4, 3))
+    slot = CacheSlot("first_block", jnp.float32(1.0))
+    state = slot.init_state(model, x, jnp.float32(1.0))
+    outs = []
+    for t in (0.9, 0.7, 0.3, 0.1):
+        out, state = slot.step(model, x, jnp.float32(t), state)
+        outs.append(out)
+    np.testing.assert_allclose(outs[0], 3.0 * (x + 0.5))  # A computes
+    np.testing.assert_allclose(outs[1], outs[0])  # A skips: its own tail
+    np.testing.assert_allclose(outs[2], 5.0 * (x + 0.5))  # B's first step computes
+    np.testing.assert_allclose(outs[3], outs[2])  # B skips: its own tail
+    assert skipped_steps(state).tolist() == [2, 2]  # both parts' skips, per row
 
 
 def test_deep_features_reuse_the_deep_output_itself():

@@ -78,7 +78,8 @@ def test_two_experts_match_diffusers(ours, expected):
 
 
 def test_a_layout_with_split_weights_matches_one_device(wan22_path, ours):
-    """cfg2 x context2 x data2 (Ulysses), both experts' weights stored split 8 ways: the one-device video."""
+    """cfg2 x context2 x data2 (Ulysses), both experts' weights stored split 8 ways: the one-device video, with
+    a step cache too (each expert's state, the one device's decisions)."""
     pipe = load_pipeline(
         wan22_path,
         dtype="float32",
@@ -89,11 +90,32 @@ def test_a_layout_with_split_weights_matches_one_device(wan22_path, ours):
     )
     kw = {"guidance_scale": 5.0, "guidance_scale_2": 2.0, "output_type": "latent"}
     assert np.abs(call(pipe, **kw).images - call(ours, **kw).images).max() <= 1e-4
+    kw["cache"] = {"method": "teacache", "threshold": 0.1}
+    split, single = call(pipe, **kw), call(ours, **kw)
+    assert split.cached_steps == single.cached_steps == [1, 1]
+    assert np.abs(split.images - single.images).max() <= 1e-4
+
+
+@pytest.mark.parametrize("method", ["first_block", "teacache"])
+def test_a_step_cache_keeps_a_state_per_expert(ours, method):
+    """Threshold 0 is the uncached program; at threshold 1 each expert's first step computes (the other
+    expert's features are no reference for it) and, for the first-block rule, its second one skips: 2 of the
+    4 steps per row, where one state for both would skip 3."""
+    kw = {"guidance_scale": 5.0, "guidance_scale_2": 2.0, "output_type": "latent"}
+    plain = call(ours, **kw).images
+    exact = call(ours, cache={"method": method, "threshold": 0.0}, **kw)
+    assert exact.cached_steps == [0, 0] and np.abs(exact.images - plain).max() <= 1e-5
+    compiled = ours.compilations
+    lazy = call(ours, cache={"method": method, "threshold": 1.0}, **kw)
+    assert ours.compilations == compiled
+    if method == "first_block":
+        assert lazy.cached_steps == [2, 2]
+    else:
+        assert all(0 < skipped <= 2 for skipped in lazy.cached_steps), lazy.cached_steps
+    assert np.abs(lazy.images - plain).max() > 1e-4
 
 
 def test_what_two_experts_refuse(ours, wan22_path, tiny_wan_path, tmp_path):
-    with pytest.raises(PipelineError, match="cache"):
-        call(ours, cache={"method": "teacache"})
     one_transformer = load_pipeline(tiny_wan_path, dtype="float32")
     with pytest.raises(PipelineError, match="unsupported argument .guidance_scale_2."):
         one_transformer("a cat", guidance_scale_2=2.0)
