@@ -1,4 +1,5 @@
-"""AutoencoderKLWan (the Wan 2.1 causal 3D video VAE) in Flax NNX, equal to diffusers' on the same weights.
+"""AutoencoderKLWan (the Wan 2.1 and Wan 2.2 causal 3D video VAEs) in Flax NNX, equal to diffusers' on the same
+weights.
 
 Public I/O is channel-last video, [B, T, H, W, C], unlike diffusers' [B, C, T, H, W]:
 
@@ -29,8 +30,15 @@ WanResample, WanResidualBlock, WanAttentionBlock, WanMidBlock, WanUpBlock, WanEn
 checkpoint keys map by models/checkpoints/loading.py's rules (Conv3d [O, I, t, h, w] -> [t, h, w, I, O]) plus two
 renames in `diffusers_to_ours`: each `resample` is diffusers' nn.Sequential (zero pad or upsample, conv) whose
 conv is `resample.1`, ours the conv itself; WanRMS_norm's `gamma` [C, 1, 1(, 1)] is stored as [C].
-Only the Wan 2.1 form is built: the Wan 2.2 options (is_residual, patch_size) and attention outside the mid
-blocks (attn_scales, which diffusers' encoder cannot run either) are rejected.
+The Wan 2.2 VAE (TI2V-5B's: z_dim 48, 16x spatial compression) is the same network with two options, both built:
+- `patch_size` p: the video enters the encoder as p x p patches folded into channels (3 -> 12 for p = 2) and
+  leaves the decoder unfolded (diffusers' `patchify` / `unpatchify`, whose channel order is kept);
+- `is_residual`: each encoder level is one WanResidualDownBlock (its resnets and downsampler, plus a shortcut
+  that averages space-time neighbourhoods into the output channels, AvgDown3D), each decoder level a
+  WanResidualUpBlock (resnets, an upsampler keeping the channels, plus a shortcut that duplicates channels into
+  space-time neighbourhoods, DupUp3D, dropping the frames the first chunk does not make). The shortcuts have
+  no weights.
+Attention outside the mid blocks (attn_scales, which diffusers' encoder cannot run either) is rejected.
 """
 
 from __future__ import annotations
@@ -114,10 +122,8 @@ class AutoencoderKLWanConfig:
             v = config[f.name]
             values[f.name] = tuple(v) if isinstance(v, list) else v
         cfg = cls(**values)
-        if cfg.is_residual or cfg.patch_size not in (None, 1):
-            raise ValueError(
-                "AutoencoderKLWan: the Wan 2.2 form (is_residual, patch_size) is not implemented"
-            )
+        if cfg.patch_size is not None and cfg.patch_size < 1:
+            raise ValueError(f"AutoencoderKLWan: patch_size must be >= 1, got {cfg.patch_size}")
         if cfg.attn_scales:
             raise ValueError(
                 "AutoencoderKLWan: attn_scales must be empty (diffusers' encoder cannot run attention "
@@ -140,7 +146,11 @@ class AutoencoderKLWanConfig:
 
     @property
     def spatial_compression(self) -> int:
-        return 2 ** (len(self.dim_mult) - 1)
+        return 2 ** (len(self.dim_mult) - 1) * self.patch
+
+    @property
+    def patch(self) -> int:
+        return self.patch_size or 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,16 +422,127 @@ class WanUpBlock(nnx.Module):
         return x
 
 
+def avg_down_3d(x, out_channels: int, factor_t: int, factor_s: int):
+    """diffusers' AvgDown3D, channel-last: x [B, T, H, W, C] (T padded in front with zeros to a multiple of
+    factor_t) -> [B, T / ft, H / fs, W / fs, out]: each output channel the mean of a group of the (C, ft, fs,
+    fs) neighbourhood values, grouped in diffusers' (channel, t, h, w) order."""
+    b, t, h, w, c = x.shape
+    pad = (factor_t - t % factor_t) % factor_t
+    x = jnp.pad(x, ((0, 0), (pad, 0), (0, 0), (0, 0), (0, 0)))
+    t = (t + pad) // factor_t
+    x = x.reshape(b, t, factor_t, h // factor_s, factor_s, w // factor_s, factor_s, c)
+    x = x.transpose(0, 1, 3, 5, 7, 2, 4, 6)  # [B, T', H', W', C, ft, fs, fs]
+    group = c * factor_t * factor_s * factor_s // out_channels
+    return x.reshape(b, t, h // factor_s, w // factor_s, out_channels, group).mean(axis=-1)
+
+
+def dup_up_3d(x, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool = False):
+    """diffusers' DupUp3D, channel-last: x [B, T, H, W, C] -> [B, T ft, H fs, W fs, out], each input channel
+    repeated into (out channel, t, h, w) neighbourhood positions in diffusers' order; the first chunk keeps
+    only its last ft-th frames (its main path makes one frame)."""
+    b, t, h, w, c = x.shape
+    repeats = out_channels * factor_t * factor_s * factor_s // c
+    x = jnp.repeat(x, repeats, axis=-1).reshape(b, t, h, w, out_channels, factor_t, factor_s, factor_s)
+    x = x.transpose(0, 1, 5, 2, 6, 3, 7, 4)  # [B, T, ft, H, fs, W, fs, out]
+    x = x.reshape(b, t * factor_t, h * factor_s, w * factor_s, out_channels)
+    return x[:, factor_t - 1 :] if first_chunk else x
+
+
+class WanResidualDownBlock(nnx.Module):
+    """Wan 2.2's encoder level: resnets, then a downsampler (not at the last level), plus the input averaged
+    down to the output's shape (avg_down_3d)."""
+
+    def __init__(self, in_dim, out_dim, *, num_res_blocks, temperal_downsample, down_flag, dtype, rngs):
+        self.out_dim = out_dim
+        self.factor_t, self.factor_s = (2 if temperal_downsample else 1), (2 if down_flag else 1)
+        self.resnets = nnx.List(
+            [
+                WanResidualBlock(in_dim if i == 0 else out_dim, out_dim, dtype=dtype, rngs=rngs)
+                for i in range(num_res_blocks)
+            ]
+        )
+        mode = "downsample3d" if temperal_downsample else "downsample2d"
+        self.downsampler = WanResample(out_dim, mode, dtype=dtype, rngs=rngs) if down_flag else None
+
+    def __call__(self, x, cache: FeatureCache, first_chunk: bool = False):
+        shortcut = avg_down_3d(x, self.out_dim, self.factor_t, self.factor_s)
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.downsampler is not None:
+            x = self.downsampler(x, cache, first_chunk)
+        return x + shortcut
+
+
+class WanResidualUpBlock(nnx.Module):
+    """Wan 2.2's decoder level: num_res_blocks + 1 resnets, then an upsampler keeping the channels (not at the
+    last level), plus the input duplicated up to the output's shape (dup_up_3d)."""
+
+    def __init__(self, in_dim, out_dim, *, num_res_blocks, temperal_upsample, up_flag, dtype, rngs):
+        self.out_dim, self.up_flag = out_dim, up_flag
+        self.factor_t = 2 if temperal_upsample else 1
+        self.resnets = nnx.List(
+            [
+                WanResidualBlock(in_dim if i == 0 else out_dim, out_dim, dtype=dtype, rngs=rngs)
+                for i in range(num_res_blocks + 1)
+            ]
+        )
+        mode = "upsample3d" if temperal_upsample else "upsample2d"
+        self.upsampler = (
+            WanResample(out_dim, mode, upsample_out_dim=out_dim, dtype=dtype, rngs=rngs) if up_flag else None
+        )
+
+    def __call__(self, x, cache: FeatureCache, first_chunk: bool = False):
+        shortcut = dup_up_3d(x, self.out_dim, self.factor_t, 2, first_chunk) if self.up_flag else None
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.upsampler is not None:
+            x = self.upsampler(x, cache, first_chunk)
+        return x if shortcut is None else x + shortcut
+
+
+def patchify(x, p: int):
+    """diffusers' patchify, channel-last: [B, T, H, W, C] -> [B, T, H / p, W / p, C p p], channel c p p + the
+    patch's (w, h) offset (diffusers' order: w before h)."""
+    if p == 1:
+        return x
+    b, t, h, w, c = x.shape
+    x = x.reshape(b, t, h // p, p, w // p, p, c).transpose(0, 1, 2, 4, 6, 5, 3)
+    return x.reshape(b, t, h // p, w // p, c * p * p)
+
+
+def unpatchify(x, p: int):
+    """The inverse of `patchify`: [B, T, H, W, C p p] -> [B, T, H p, W p, C]."""
+    if p == 1:
+        return x
+    b, t, h, w, cpp = x.shape
+    x = x.reshape(b, t, h, w, cpp // (p * p), p, p).transpose(0, 1, 2, 6, 3, 5, 4)
+    return x.reshape(b, t, h * p, w * p, cpp // (p * p))
+
+
 class WanEncoder3d(nnx.Module):
     def __init__(self, cfg: AutoencoderKLWanConfig, *, settings: AttentionSettings, dtype, rngs: nnx.Rngs):
         dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
         self.conv_in = WanCausalConv3d(cfg.in_channels, dims[0], 3, padding=1, dtype=dtype, rngs=rngs)
         blocks: list[nnx.Module] = []
         for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            last = i == len(cfg.dim_mult) - 1
+            if cfg.is_residual:
+                blocks.append(
+                    WanResidualDownBlock(
+                        in_dim,
+                        out_dim,
+                        num_res_blocks=cfg.num_res_blocks,
+                        temperal_downsample=not last and cfg.temperal_downsample[i],
+                        down_flag=not last,
+                        dtype=dtype,
+                        rngs=rngs,
+                    )
+                )
+                continue
             for _ in range(cfg.num_res_blocks):
                 blocks.append(WanResidualBlock(in_dim, out_dim, dtype=dtype, rngs=rngs))
                 in_dim = out_dim
-            if i != len(cfg.dim_mult) - 1:
+            if not last:
                 mode = "downsample3d" if cfg.temperal_downsample[i] else "downsample2d"
                 blocks.append(WanResample(out_dim, mode, dtype=dtype, rngs=rngs))
         self.down_blocks = nnx.List(blocks)
@@ -447,10 +568,24 @@ class WanDecoder3d(nnx.Module):
         self.mid_block = WanMidBlock(dims[0], settings=settings, dtype=dtype, rngs=rngs)
         blocks = []
         for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            last = i == len(cfg.dim_mult) - 1
+            if cfg.is_residual:  # its upsamplers keep the channels
+                blocks.append(
+                    WanResidualUpBlock(
+                        in_dim,
+                        out_dim,
+                        num_res_blocks=cfg.num_res_blocks,
+                        temperal_upsample=not last and temperal_upsample[i],
+                        up_flag=not last,
+                        dtype=dtype,
+                        rngs=rngs,
+                    )
+                )
+                continue
             if i > 0:
                 in_dim //= 2  # the previous block's upsampler halved the channels
             mode = None
-            if i != len(cfg.dim_mult) - 1:
+            if not last:
                 mode = "upsample3d" if temperal_upsample[i] else "upsample2d"
             blocks.append(
                 WanUpBlock(
@@ -508,6 +643,7 @@ class AutoencoderKLWan(nnx.Module):
 
         The first frame alone, then chunks of 4 frames in a lax.scan carrying the feature cache.
         """
+        x = patchify(x, self.config.patch)
         b, frames, h, w, c = x.shape
         if (frames - 1) % _ENCODE_CHUNK:
             # diffusers silently drops the frames past the last whole chunk; a caller that passes them
@@ -555,7 +691,7 @@ class AutoencoderKLWan(nnx.Module):
             _, rest = lax.scan(body, cache.updated, xs, unroll=self.unroll_chunks)  # [T - 1, B, 4, H, W, out]
             rest = rest.swapaxes(0, 1).reshape(b, -1, *rest.shape[3:])
             out = jnp.concatenate([out, rest], axis=1)
-        return cache.constrain(jnp.clip(out, -1.0, 1.0))
+        return cache.constrain(jnp.clip(unpatchify(out, self.config.patch), -1.0, 1.0))
 
 
 def diffusers_to_ours(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
