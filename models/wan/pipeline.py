@@ -15,8 +15,9 @@ engine's pipeline (models/engine/pipeline.py) and denoising loop. What is Wan's 
 - The frame count is a shape (a batch field); a padded row would be a whole extra video, so batches are not
   padded. The output is diffusers' too: `frames` (also `images`).
 - Wan 2.2's two-expert folders (A14B: `transformer_2` switched in below `boundary_ratio`, with diffusers'
-  `guidance_scale_2`) run both experts as one denoiser (models/wan/two_experts.py); TI2V's `expand_timesteps`
-  is refused at load.
+  `guidance_scale_2`) run both experts as one denoiser (models/wan/two_experts.py); TI2V-5B's folders
+  (`expand_timesteps`, the Wan 2.2 VAE: 16x in space, 48 latent channels) run text-to-video, whose per-token
+  timesteps are all the step's; their image-to-video is refused at load.
 """
 
 from __future__ import annotations
@@ -61,10 +62,13 @@ DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_FRAMES, DEFAULT_STEPS, DEFAULT_GUIDANCE =
 FPS = 16
 # Wan 2.1 was trained on videos of up to 81 frames; diffusers accepts more, which nothing here has tested.
 MAX_FRAMES = 81
+# Wan 2.2's TI2V-5B: 720p videos of 121 frames at 24 fps (its model card's setting).
+TI2V_FPS, TI2V_MAX_FRAMES = 24, 121
 # A model whose RoPE tables (rope_max_seq_len positions per axis) cannot address diffusers' default grid
 # (480x832 -> 30 x 52 patches; real checkpoints have 1024 positions, the tiny test models 32) is a test model:
-# it defaults to this small video (2 x 3 patches, 2 latent frames) and 4 steps, so warm-up stays cheap.
-SMALL_HEIGHT, SMALL_WIDTH, SMALL_FRAMES, SMALL_STEPS = 32, 48, 5, 4
+# it defaults to this small video (2 x 3 patches: 32 x 48 with Wan 2.1's VAE, 2 latent frames) and 4 steps, so
+# warm-up stays cheap.
+SMALL_PATCHES, SMALL_FRAMES, SMALL_STEPS = (2, 3), 5, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +117,21 @@ class WanPipeline(DiffusionPipeline):
     default_output_type = "np"  # diffusers' WanPipeline's
     # Wan 2.2's two experts (two_experts.py): the timestep at and above which `transformer` runs, else None.
     boundary_timestep: float | None = None
+    # Wan 2.2's TI2V-5B (text-to-video here): diffusers gives the transformer one timestep per token, all equal
+    # for text-to-video, which is the per-video timestep's arithmetic, so the loop is Wan 2.1's.
+    expand_timesteps: bool = False
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
         experts = two_experts(index)
-        if index.get("expand_timesteps"):
+        self.expand_timesteps = bool(index.get("expand_timesteps"))
+        if self.expand_timesteps and (self.task != "text-to-video" or experts):
+            # Its image-to-video conditions the first latent frame through per-token timesteps (t = 0 there),
+            # which the transformer here does not take.
             raise CheckpointError(
-                f"{folder}: model_index.json sets expand_timesteps (Wan 2.2's TI2V model, per-token timesteps): "
-                "not supported; Wan 2.1 and Wan 2.2's two-expert models are"
+                f"{folder}: model_index.json sets expand_timesteps (Wan 2.2's TI2V model) in a "
+                f"{type(self).__name__}{' with two experts' if experts else ''}: only its text-to-video "
+                "(WanPipeline) is supported"
             )
         if experts and sorted(experts) != ["boundary_ratio", "transformer_2"]:
             # diffusers would switch to a missing transformer_2 (or never switch) mid-loop.
@@ -241,6 +252,10 @@ class WanPipeline(DiffusionPipeline):
         return int(self.vae_config.scale_factor_spatial or 8)
 
     @property
+    def max_frames(self) -> int:
+        return TI2V_MAX_FRAMES if self.expand_timesteps else MAX_FRAMES
+
+    @property
     def size_multiple(self) -> int:
         # The VAE's factor x the patch (diffusers' h_multiple_of / w_multiple_of; 16 for Wan 2.1).
         _, ph, pw = self.transformer_config.patch_size
@@ -276,11 +291,11 @@ class WanPipeline(DiffusionPipeline):
     def defaults(self) -> dict:
         small = self._small
         defaults = {
-            "width": SMALL_WIDTH if small else DEFAULT_WIDTH,
-            "height": SMALL_HEIGHT if small else DEFAULT_HEIGHT,
+            "width": SMALL_PATCHES[1] * self.size_multiple if small else DEFAULT_WIDTH,
+            "height": SMALL_PATCHES[0] * self.size_multiple if small else DEFAULT_HEIGHT,
             "num_inference_steps": SMALL_STEPS if small else DEFAULT_STEPS,
             "guidance_scale": DEFAULT_GUIDANCE,
-            "fps": FPS,
+            "fps": TI2V_FPS if self.expand_timesteps else FPS,
             **self.folder_defaults,  # what the model was made to be served with (meshserve.json)
         }
         if self.boundary_timestep is not None:
@@ -307,7 +322,7 @@ class WanPipeline(DiffusionPipeline):
         limits["frames"] = {
             "min_frames": offset,
             # The RoPE tables address rope positions of pt latent frames each.
-            "max_frames": self._conforming_frames(min(MAX_FRAMES, (rope * pt - 1) * tf + 1)),
+            "max_frames": self._conforming_frames(min(self.max_frames, (rope * pt - 1) * tf + 1)),
             "step": step,
             "offset": offset,
             "default": d.get("num_frames", small if self._small else self._conforming_frames(DEFAULT_FRAMES)),

@@ -83,7 +83,9 @@ class WanImageToVideoPipeline(WanPipeline):
         return self.first_last or not self.image_tokens
 
     def load(self, folder: Path) -> dict:
-        self.image_tokens = not two_experts(read_json(folder / "model_index.json"))
+        index = read_json(folder / "model_index.json")
+        # Wan 2.2's experts and TI2V-5B (expand_timesteps, refused by WanPipeline.load) encode no image
+        self.image_tokens = not two_experts(index) and not index.get("expand_timesteps")
         if self.image_tokens:
             for part in ("image_encoder", "image_processor"):
                 if not (folder / part).is_dir():
