@@ -66,7 +66,10 @@ Parallelism:
 
 Wan 2.1 first-last-frame-to-video (FLF2V): `pos_embed_seq_len` adds a learned position embedding to the image
 states, which are then both frames' CLIP states one after the other ([B, 2 x 257, image_dim]; diffusers views
-its [2B, 257, D] stack as that). Not covered: Wan 2.2's per-token timesteps (timestep [B, S]). Fused q/k/v
+its [2B, 257, D] stack as that). Wan 2.2 TI2V's per-token timesteps (diffusers' timestep [B, S]) in the one form
+its image-to-video uses them: the first latent frame's tokens at `first_frame_timestep` (0: the image), the
+others at `timestep`; each token's modulation is its timestep's, picked per token from the two (the same
+arithmetic as diffusers' per-token embedding, without a [B, S, 6, dim] table). Fused q/k/v
 projections are a runtime option in diffusers; checkpoints store them apart. diffusers builds the RMSNorm q/k norms whatever `qk_norm`
 says (0.42.1), and so does this model.
 """
@@ -77,6 +80,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +99,25 @@ from meshserve.models.components.block_stack import block_at, run_blocks
 from meshserve.models.components.layers import LayerNorm, TimestepEmbedding, linear, timestep_embedding
 from meshserve.models.engine.step_cache import after_first_block, before_blocks
 from meshserve.models.flux.transformer_flux import GELU, RMSNorm, apply_rope, layer_norm
+
+
+class FirstFrameTimesteps(NamedTuple):
+    """The modulation inputs of per-token timesteps (Wan 2.2 TI2V's image-to-video): `rest` [B, ...] for most
+    tokens, `first` [B, ...] for the first latent frame's, `mask` [1, S, 1] True at those."""
+
+    rest: jax.Array
+    first: jax.Array
+    mask: jax.Array
+
+
+def per_token(table, timestep_proj, parts: int, axis: int = 1):
+    """`table + timestep_proj` split into `parts` chunks along `axis`, fp32: [B, 1, dim] each, or, with
+    FirstFrameTimesteps, [B, S, dim] each (the first frame's tokens take the first frame's)."""
+    if not isinstance(timestep_proj, FirstFrameTimesteps):
+        return jnp.split(table + timestep_proj.astype(jnp.float32), parts, axis=axis)
+    rest = jnp.split(table + timestep_proj.rest.astype(jnp.float32), parts, axis=axis)
+    first = jnp.split(table + timestep_proj.first.astype(jnp.float32), parts, axis=axis)
+    return [jnp.where(timestep_proj.mask, f, r) for r, f in zip(rest, first, strict=True)]
 
 # Parameter path regex (checkpoint names) -> logical axes, in NNX layout ([in, out] for a Linear, [pt, ph, pw,
 # in, out] for the patch embedding). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the
@@ -395,14 +418,18 @@ class WanTimeTextImageEmbedding(nnx.Module):
     def __call__(self, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """-> (temb [B, dim], timestep_proj [B, 6 dim], text [B, S_txt, dim], image [B, S_img, dim] or None),
         all in `dtype`."""
+        image = None
+        if encoder_hidden_states_image is not None:
+            image = self.image_embedder(encoder_hidden_states_image)
+        return *self.time(timestep), self.text_embedder(encoder_hidden_states), image
+
+    def time(self, timestep):
+        """timestep [B] -> (temb [B, dim], timestep_proj [B, 6 dim]) in `dtype`."""
         sinusoids = timestep_embedding(
             jnp.asarray(timestep), self.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0
         )
         temb = self.time_embedder(sinusoids).astype(self.dtype)
-        image = None
-        if encoder_hidden_states_image is not None:
-            image = self.image_embedder(encoder_hidden_states_image)
-        return temb, self.time_proj(_silu(temb)), self.text_embedder(encoder_hidden_states), image
+        return temb, self.time_proj(_silu(temb))
 
 
 class WanFeedForward(nnx.Module):
@@ -513,14 +540,14 @@ class WanTransformerBlock(nnx.Module):
     def modulated_input(self, x, timestep_proj):
         """(norm1(x) shifted and scaled by the timestep, in x's dtype; the fp32 gate of self-attention and the
         feed-forward's shift, scale and gate): what the block's self-attention sees."""
-        modulation = self.scale_shift_table[...] + timestep_proj.astype(jnp.float32)  # [B, 6, dim] fp32
-        shift, scale, gate, c_shift, c_scale, c_gate = jnp.split(modulation, 6, axis=1)
+        # [B, 1, dim] fp32 each ([B, S, dim] with per-token timesteps)
+        shift, scale, gate, c_shift, c_scale, c_gate = per_token(self.scale_shift_table[...], timestep_proj, 6)
         h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + scale) + shift).astype(x.dtype)
         return h, gate, c_shift, c_scale, c_gate
 
     def __call__(self, x, context, timestep_proj, rope, image=None):
-        """x [B, S, dim], context [B, S_txt, dim], timestep_proj [B, 6, dim], image [B, S_img, dim] or None
-        -> [B, S, dim] (x's dtype)."""
+        """x [B, S, dim], context [B, S_txt, dim], timestep_proj [B, 6, dim] (or FirstFrameTimesteps of them),
+        image [B, S_img, dim] or None -> [B, S, dim] (x's dtype)."""
         dtype = x.dtype
         h, gate, c_shift, c_scale, c_gate = self.modulated_input(x, timestep_proj)
         x = (x.astype(jnp.float32) + self.attn1(h, rope=rope).astype(jnp.float32) * gate).astype(dtype)
@@ -579,11 +606,18 @@ class WanTransformer3DModel(nnx.Module):
         )
 
     def __call__(
-        self, hidden_states, timestep, encoder_hidden_states, rope, encoder_hidden_states_image=None
+        self,
+        hidden_states,
+        timestep,
+        encoder_hidden_states,
+        rope,
+        encoder_hidden_states_image=None,
+        first_frame_timestep=None,
     ):
         """hidden_states [B, F, H, W, in_channels], timestep [B], encoder_hidden_states [B, S_txt, text_dim],
         rope (cos, sin) [tokens, head_dim] fp32 (`rope(F, H, W)`), encoder_hidden_states_image
-        [B, S_img, image_dim] (image-to-video models only: the CLIP penultimate states) -> [B, F, H, W,
+        [B, S_img, image_dim] (image-to-video models only: the CLIP penultimate states), first_frame_timestep
+        [B] (Wan 2.2 TI2V's image-to-video: the first latent frame's tokens' timestep) -> [B, F, H, W,
         out_channels] in hidden_states' dtype."""
         c, dtype = self.config, self.dtype
         b, frames, height, width, channels = hidden_states.shape
@@ -606,6 +640,13 @@ class WanTransformer3DModel(nnx.Module):
             timestep, encoder_hidden_states.astype(dtype), None if image is None else image.astype(dtype)
         )
         timestep_proj = timestep_proj.reshape(b, 6, -1)
+        if first_frame_timestep is not None:
+            if c.patch_size[0] != 1:  # diffusers' mask is per latent frame: one token frame per latent frame
+                raise ValueError("first_frame_timestep needs a temporal patch of 1")
+            temb_first, proj_first = self.condition_embedder.time(first_frame_timestep)
+            mask = (jnp.arange(math.prod(grid)) < grid[1] * grid[2])[None, :, None]  # [1, S, 1]
+            temb = FirstFrameTimesteps(temb[:, None], temb_first[:, None], mask)
+            timestep_proj = FirstFrameTimesteps(timestep_proj, proj_first.reshape(b, 6, -1), mask)
         if c.image_in_context:  # diffusers: concat([image, text]) as the context (the module docstring)
             context, image = jnp.concatenate([image, context], axis=1), None
         first_block = block_at(self.blocks, 0)
@@ -623,7 +664,9 @@ class WanTransformer3DModel(nnx.Module):
         x = before_blocks(x, first_block.modulated_input(x, timestep_proj)[0], all_blocks)
 
         # Output head: the chunks are (shift, scale), fp32 (the fp32 table promotes temb).
-        shift, scale = jnp.split(self.scale_shift_table[...] + temb[:, None].astype(jnp.float32), 2, axis=1)
+        if not isinstance(temb, FirstFrameTimesteps):
+            temb = temb[:, None]
+        shift, scale = per_token(self.scale_shift_table[...], temb, 2)
         x = (layer_norm(x.astype(jnp.float32), c.eps) * (1 + scale) + shift).astype(dtype)
         x = self.proj_out(x)  # [B, tokens, pt * ph * pw * out]
 

@@ -187,6 +187,58 @@ def test_wan_transformer_matches_diffusers(wan_folder, torch_model):
     assert len(forward.traces) == 2  # int32 and float32 timesteps
 
 
+def test_first_frame_timesteps_match_diffusers_per_token_timesteps(wan_folder, torch_model):
+    """Wan 2.2 TI2V's image-to-video: diffusers' timestep [B, S] with the first latent frame's tokens at 0 and
+    the rest at t, against ours with first_frame_timestep 0 (one compile); and on a cfg2 x context2 layout
+    (Ulysses: the tokens split, the first frame's on one device), the one device's output."""
+    model = load_wan_transformer(wan_folder)
+    inputs = make_inputs()
+    first_tokens = (HEIGHT // 2) * (WIDTH // 2)
+    tokens = FRAMES * first_tokens
+    per_token = np.repeat(inputs["timestep"][:, None], tokens, axis=1)
+    per_token[:, :first_tokens] = 0
+    x = torch.from_numpy(inputs["hidden_states"]).permute(0, 4, 1, 2, 3)
+    with torch.no_grad():
+        expected = (
+            torch_model(
+                hidden_states=x,
+                timestep=torch.from_numpy(per_token),
+                encoder_hidden_states=torch.from_numpy(inputs["encoder_hidden_states"]),
+            )
+            .sample.permute(0, 2, 3, 4, 1)
+            .numpy()
+        )
+
+    def run(model):
+        graphdef, state = nnx.split(model)
+        forward = jax.jit(
+            lambda state, x, t, ctx, rope: nnx.merge(graphdef, state)(
+                x, t, ctx, rope, None, jnp.zeros_like(t)
+            )
+        )
+        return forward(
+            state,
+            jnp.asarray(inputs["hidden_states"]),
+            jnp.asarray(inputs["timestep"], jnp.int32),
+            jnp.asarray(inputs["encoder_hidden_states"]),
+            model.rope(FRAMES, HEIGHT, WIDTH),
+        )
+
+    out = run(model)
+    err = rel_err(out, expected)
+    log.info("Wan fp32 first-frame timesteps: rel err %.2e", err)
+    assert err <= 1e-4
+    assert rel_err(out, jitted(model)(inputs)) > 1e-3  # the first frame's timestep matters
+
+    sizes = MeshSizes(cfg=2, context=2)
+    mesh = make_mesh(sizes, jax.devices()[:4])
+    settings = AttentionSettings(mesh=mesh, context_strategy="ulysses")
+    split = load_wan_transformer(
+        wan_folder, settings=settings, place=Placement(mesh, sizes, ()).placer(SHARDING_RULES)
+    )
+    assert rel_err(run(split), out) <= 1e-4
+
+
 def test_a_temporal_patch_matches_diffusers(tmp_path):
     """patch_size (3, 2, 2), a tiny-wan trial's (docs/embedded-model.md): three latent frames a token
     (3 x 6 x 10 -> 1 x 3 x 5 tokens), fp32, against diffusers' Conv3d patch embedding and its unpatchify."""
