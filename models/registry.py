@@ -35,6 +35,9 @@ _FAMILIES = {
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
     "WanImageToVideoPipeline": ("wan", "meshserve.models.wan.pipeline_i2v", "WanImageToVideoPipeline"),
 }
+# Wan 2.2's TI2V-5B folders (model_index.json's expand_timesteps) are diffusers' WanPipeline and
+# WanImageToVideoPipeline at once: one pipeline takes both tasks.
+_TI2V = ("wan", "meshserve.models.wan.pipeline_ti2v", "WanTI2VPipeline")
 # The VAE decodes in either (fp16 overflows SDXL's VAE: diffusers upcasts it).
 _VAE_DTYPES = ("float32", "fp32", "bfloat16", "bf16")
 _DTYPES = {
@@ -146,8 +149,11 @@ def load_pipeline(
         path = resolve_model_path(path, revision=revision, variant=variant)
     path = Path(path).expanduser()
     detect_family(path)
-    class_name = read_json(path / "model_index.json")["_class_name"]
-    _, module_name, cls_name = _FAMILIES[class_name]
+    index = read_json(path / "model_index.json")
+    family = _FAMILIES[index["_class_name"]]
+    if family[0] == "wan" and index.get("expand_timesteps"):
+        family = _TI2V
+    _, module_name, cls_name = family
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise PipelineError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")

@@ -624,6 +624,13 @@ class DiffusionPipeline:
             inputs["mask"] = latent_mask
         return inputs
 
+    def after_step(self, image, scheduler, schedule, noise, stop):
+        """Traced: what runs after each scheduler step of a call with image inputs, (latents, i) -> latents, or
+        None. 4-channel inpainting puts the known region back (image_inputs.blend_known)."""
+        if "mask" not in image:
+            return None
+        return lambda x, i: blend_known(scheduler, schedule, x, image, noise, i, stop)
+
     def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict):
         """Host: the call's images (and masks) -> [B, H, W, 3] (and [B, H, W, 1]) at the call's size."""
         height, width = settings["height"], settings["width"]
@@ -1339,11 +1346,7 @@ class DiffusionPipeline:
                     latents = self.constrain(noised.astype(self.latent_dtype))
                 else:  # the image conditions the model only (image-to-video): the loop starts from noise
                     latents = self.constrain((noise * sigma).astype(self.latent_dtype))
-                if "mask" in image:
-
-                    def after_step(x, i):
-                        return blend_known(scheduler, schedule, x, image, noise, i, init["stop"])
-
+                after_step = self.after_step(image, scheduler, schedule, noise, init["stop"])
                 model = self.denoiser(state, cond, rows, extras, shape=shape, do_cfg=do_cfg, image=image)
                 if "condition" in image:
                     model = with_condition(model, image["condition"], do_cfg)

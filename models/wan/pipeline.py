@@ -16,8 +16,9 @@ engine's pipeline (models/engine/pipeline.py) and denoising loop. What is Wan's 
   padded. The output is diffusers' too: `frames` (also `images`).
 - Wan 2.2's two-expert folders (A14B: `transformer_2` switched in below `boundary_ratio`, with diffusers'
   `guidance_scale_2`) run both experts as one denoiser (models/wan/two_experts.py); TI2V-5B's folders
-  (`expand_timesteps`, the Wan 2.2 VAE: 16x in space, 48 latent channels) run text-to-video, whose per-token
-  timesteps are all the step's; their image-to-video is refused at load.
+  (`expand_timesteps`, the Wan 2.2 VAE: 16x in space, 48 latent channels) load as WanTI2VPipeline
+  (models/wan/pipeline_ti2v.py: this text-to-video, whose per-token timesteps are all the step's, and its
+  image-to-video).
 """
 
 from __future__ import annotations
@@ -126,12 +127,12 @@ class WanPipeline(DiffusionPipeline):
         experts = two_experts(index)
         self.expand_timesteps = bool(index.get("expand_timesteps"))
         if self.expand_timesteps and (self.task != "text-to-video" or experts):
-            # Its image-to-video conditions the first latent frame through per-token timesteps (t = 0 there),
-            # which the transformer here does not take.
+            # load_pipeline loads TI2V folders as WanTI2VPipeline (both tasks); a direct load of another class,
+            # or a TI2V folder with two experts (no such model), is refused.
             raise CheckpointError(
                 f"{folder}: model_index.json sets expand_timesteps (Wan 2.2's TI2V model) in a "
-                f"{type(self).__name__}{' with two experts' if experts else ''}: only its text-to-video "
-                "(WanPipeline) is supported"
+                f"{type(self).__name__}{' with two experts' if experts else ''}: TI2V folders load as "
+                "WanTI2VPipeline (load_pipeline picks it)"
             )
         if experts and sorted(experts) != ["boundary_ratio", "transformer_2"]:
             # diffusers would switch to a missing transformer_2 (or never switch) mid-loop.

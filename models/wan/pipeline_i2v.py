@@ -36,7 +36,7 @@ so `image_tokens` is False. They take a `last_image` too, optionally, as diffuse
 enters the condition alone (the video [image, 0, ..., 0, last image], the mask's last-frame bit). One
 image_encode program serves both: without a last image the last frame is zeros, as diffusers' condition video
 has there, and a per-row flag leaves the mask's bit off, so a pool warms up one program, not two. TI2V
-(expand_timesteps) is refused with the reason.
+folders (expand_timesteps) load as models/wan/pipeline_ti2v.py's pipeline, not this one.
 
 Deliberate differences from diffusers, none of which changes a number of what both accept:
 - diffusers' attention processor takes the image tokens to be the first `S - 512` rows of one context, so its
@@ -84,7 +84,7 @@ class WanImageToVideoPipeline(WanPipeline):
 
     def load(self, folder: Path) -> dict:
         index = read_json(folder / "model_index.json")
-        # Wan 2.2's experts and TI2V-5B (expand_timesteps, refused by WanPipeline.load) encode no image
+        # Wan 2.2's experts encode no image; nor does TI2V-5B (expand_timesteps: WanPipeline.load refuses it here)
         self.image_tokens = not two_experts(index) and not index.get("expand_timesteps")
         if self.image_tokens:
             for part in ("image_encoder", "image_processor"):

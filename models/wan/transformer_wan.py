@@ -119,6 +119,7 @@ def per_token(table, timestep_proj, parts: int, axis: int = 1):
     first = jnp.split(table + timestep_proj.first.astype(jnp.float32), parts, axis=axis)
     return [jnp.where(timestep_proj.mask, f, r) for r, f in zip(rest, first, strict=True)]
 
+
 # Parameter path regex (checkpoint names) -> logical axes, in NNX layout ([in, out] for a Linear, [pt, ph, pw,
 # in, out] for the patch embedding). models.parallel.placement maps "heads"/"mlp" to `tensor` and "embed" to the
 # FSDP axes. Sizes quoted are Wan 2.1 1.3B's (dim 1536, 12 heads of 128, ffn 8960; 1.42 B parameters) and 14B's
@@ -541,7 +542,9 @@ class WanTransformerBlock(nnx.Module):
         """(norm1(x) shifted and scaled by the timestep, in x's dtype; the fp32 gate of self-attention and the
         feed-forward's shift, scale and gate): what the block's self-attention sees."""
         # [B, 1, dim] fp32 each ([B, S, dim] with per-token timesteps)
-        shift, scale, gate, c_shift, c_scale, c_gate = per_token(self.scale_shift_table[...], timestep_proj, 6)
+        shift, scale, gate, c_shift, c_scale, c_gate = per_token(
+            self.scale_shift_table[...], timestep_proj, 6
+        )
         h = (layer_norm(x.astype(jnp.float32), self.eps) * (1 + scale) + shift).astype(x.dtype)
         return h, gate, c_shift, c_scale, c_gate
 

@@ -1,6 +1,6 @@
 """Wan 2.2's TI2V-5B layout (`expand_timesteps`, the Wan 2.2 VAE: residual levels, 2 x 2 patches, 16x in space)
-as text-to-video against diffusers' WanPipeline on a tiny folder diffusers wrote: frames and latents, CFG and
-without; its serving defaults; its image-to-video refused with the reason.
+as text-to-video against diffusers' WanPipeline and as image-to-video against its WanImageToVideoPipeline, on a
+tiny folder diffusers wrote: frames and latents, CFG and without; its serving defaults.
 
 diffusers gives the transformer one timestep per token (`mask * t`, the mask all ones for text-to-video); the
 engine gives it the step's timestep, whose arithmetic per token is the same: the parity below is that claim's
@@ -8,15 +8,12 @@ test. The measured errors are logged (`--log-cli-level=INFO`)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 
 import numpy as np
 import pytest
 
-from meshserve.models import load_pipeline
-from meshserve.models.registry import ModelFolderError
+from meshserve.models import PipelineError, load_pipeline
 from tests.fixtures.tiny_wan import build_tiny_wan22_ti2v
 
 log = logging.getLogger(__name__)
@@ -79,16 +76,96 @@ def test_text_to_video_matches_diffusers(ours, reference, output_type):
 def test_serving_defaults_and_limits(ours):
     assert ours.defaults["fps"] == 24
     limits = ours.limits
+    assert limits["tasks"] == ["text-to-video", "image-to-video"]
     assert limits["frames"]["max_frames"] == 121 and limits["frames"]["step"] == 4
     # 16x VAE x 2 x 2 patches: sizes in steps of 32
     assert ours.size_multiple == 32
 
 
-def test_its_image_to_video_is_refused_with_the_reason(ti2v_path, tmp_path):
-    folder = tmp_path / "ti2v_i2v"
-    shutil.copytree(ti2v_path, folder)
-    index_path = folder / "model_index.json"
-    index = json.loads(index_path.read_text())
-    index_path.write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
-    with pytest.raises(ModelFolderError, match="expand_timesteps.*only its text-to-video"):
-        load_pipeline(folder, dtype="float32")
+def test_image_to_video_matches_diffusers(ours, ti2v_path, monkeypatch):
+    """diffusers' WanImageToVideoPipeline on the same folder (expand_timesteps: the image encoded alone as the
+    first latent frame, its tokens at timestep 0, put back at the end), per image, against a batch of two
+    images: frames and latents; one row with CFG and one without. A second call with other images compiles
+    nothing."""
+    import diffusers.pipelines.wan.pipeline_wan as t2v
+    import diffusers.pipelines.wan.pipeline_wan_i2v as i2v_module
+    import torch
+    from diffusers import WanImageToVideoPipeline
+
+    from tests.models.test_wan_i2v import two_images
+
+    monkeypatch.setattr(i2v_module, "basic_clean", t2v.basic_clean)  # no ftfy here (test_wan_i2v.py)
+    reference = WanImageToVideoPipeline.from_pretrained(str(ti2v_path), dtype=torch.float32)
+    reference.set_progress_bar_config(disable=True)
+    assert reference.config.expand_timesteps
+    images = two_images()
+    latents = np.random.default_rng(1).standard_normal((2, *LATENT)).astype(np.float32)
+    rows = [{"guidance_scale": 5.0, "negative_prompt": "blurry"}, {"guidance_scale": 1.0}]
+    kw = dict(height=H, width=W, num_frames=F, num_inference_steps=3)
+    outputs = {}
+    for output_type in ("np", "latent"):
+        got = ours(
+            PROMPTS,
+            image=images,
+            negative_prompt=["blurry", None],
+            guidance_scale=[5.0, 1.0],
+            latents=latents,
+            output_type=output_type,
+            **kw,
+        ).images
+        for row, args in enumerate(rows):
+            with torch.no_grad():
+                want = reference(
+                    image=images[row],
+                    prompt=PROMPTS[row],
+                    latents=torch.from_numpy(latents[row : row + 1]),
+                    output_type=output_type,
+                    **kw,
+                    **args,
+                ).frames
+            want = want.float().numpy() if output_type == "latent" else want
+            err = float(np.abs(got[row : row + 1] - want).max())
+            log.info("TI2V image-to-video %s, row %d: max abs %.2e", output_type, row, err)
+            assert err <= 1e-3 * (float(np.abs(want).max()) if output_type == "latent" else 1.0), (
+                output_type,
+                row,
+            )
+        outputs[output_type] = got
+    plain = ours(PROMPTS, negative_prompt=["blurry", None], guidance_scale=[5.0, 1.0], latents=latents, **kw)
+    assert np.abs(plain.images - outputs["np"]).max() > 1e-2  # the image counts
+    compiled = ours.compilations
+    ours(
+        PROMPTS,
+        image=images[::-1],
+        negative_prompt=["blurry", None],
+        guidance_scale=[5.0, 1.0],
+        latents=latents,
+        **kw,
+    )
+    assert ours.compilations == compiled
+    with pytest.raises(PipelineError, match="last_image|unsupported argument"):
+        ours(PROMPTS[0], image=images[0], last_image=images[1], **kw)
+
+
+def test_image_to_video_on_a_layout_matches_one_device(ours, ti2v_path):
+    """cfg2 x context2 (Ulysses; the first frame's tokens on one device of the context pair), the weights split
+    over both: the one device's latents."""
+    from meshserve.models.attention import AttentionSettings
+    from tests.models.test_wan_i2v import two_images
+
+    split = load_pipeline(
+        ti2v_path,
+        dtype="float32",
+        mesh={"cfg": 2, "context": 2},
+        devices=list(range(4)),
+        attention=AttentionSettings(context_strategy="ulysses"),
+        weights={"shard_over": ["cfg", "context"]},
+    )
+    latents = np.random.default_rng(2).standard_normal((2, *LATENT)).astype(np.float32)
+    kw = dict(
+        image=two_images(), height=H, width=W, num_frames=F, num_inference_steps=3, output_type="latent"
+    )
+    kw |= {"negative_prompt": ["blurry", None], "guidance_scale": [5.0, 1.0], "latents": latents}
+    err = float(np.abs(split(PROMPTS, **kw).images - ours(PROMPTS, **kw).images).max())
+    log.info("TI2V image-to-video cfg2 x context2: max abs %.2e of one device's latents", err)
+    assert err <= 1e-4
