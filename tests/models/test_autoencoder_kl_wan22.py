@@ -24,42 +24,19 @@ from meshserve.models.wan.autoencoder_kl_wan import (
     patchify,
     unpatchify,
 )
+from tests.fixtures.tiny_wan import WAN22_VAE, tiny_wan_vae
 from tests.models.test_autoencoder_kl_wan import channels_first, channels_last, jitted, rel_err
 
 log = logging.getLogger(__name__)
 
-TINY = dict(
-    base_dim=8,
-    decoder_base_dim=12,
-    z_dim=4,
-    dim_mult=[1, 2, 2, 2],
-    num_res_blocks=1,
-    attn_scales=[],
-    temperal_downsample=[False, True, True],
-    is_residual=True,
-    patch_size=2,
-    in_channels=12,
-    out_channels=12,
-    scale_factor_spatial=16,
-    latents_mean=[0.0] * 4,
-    latents_std=[1.0] * 4,
-)
 H, W = 3, 5  # latent size; the video is 16x: 48 x 80
 
 
 @pytest.fixture(scope="module")
 def wan22_vae(tmp_path_factory):
-    """(folder, diffusers model) of a tiny random Wan 2.2 VAE, every parameter randomised."""
-    from diffusers import AutoencoderKLWan as Reference
-
-    torch.manual_seed(0)
-    ref = Reference(**TINY).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("gamma"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.05 * torch.randn_like(p))
+    """(folder, diffusers model) of a tiny random Wan 2.2 VAE (tests/fixtures/tiny_wan.py's WAN22_VAE: every
+    level residual, 2 x 2 patches, 16x in space)."""
+    ref = tiny_wan_vae(0, WAN22_VAE)
     folder = tmp_path_factory.mktemp("wan22_vae")
     ref.save_pretrained(str(folder))
     return folder, ref
@@ -124,7 +101,7 @@ def test_later_frames_depend_on_earlier_ones_only(ours):
 
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json, the fields that shape the network (its 48 latents_mean/std
 # values are statistics, not shapes: zeros and ones here).
-WAN22_VAE = {
+TI2V_5B_VAE = {
     "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
     "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0, "is_residual": True,
     "patch_size": 2, "in_channels": 12, "out_channels": 12, "scale_factor_spatial": 16,
@@ -137,11 +114,11 @@ def test_wan22_vae_config_builds_diffusers_parameter_tree():
     sharding rules cover every conv kernel, and the compression is 4x in time, 16x in space."""
     from diffusers import AutoencoderKLWan as Reference
 
-    cfg = AutoencoderKLWanConfig.from_config(WAN22_VAE)
+    cfg = AutoencoderKLWanConfig.from_config(TI2V_5B_VAE)
     assert (cfg.temporal_compression, cfg.spatial_compression) == (4, 16)
     model = abstract_module(AutoencoderKLWan, cfg)
     with torch.device("meta"):
-        ref = Reference(**WAN22_VAE)
+        ref = Reference(**TI2V_5B_VAE)
     expected = {}
     for key, value in ref.state_dict().items():
         zeros = np.broadcast_to(np.int8(0), value.shape)
