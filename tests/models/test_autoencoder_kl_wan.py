@@ -192,15 +192,15 @@ WAN21_VAE = {
 }  # fmt: skip
 
 
-def test_wan21_vae_config_builds_diffusers_parameter_tree():
-    """At the real Wan 2.1 VAE size (shapes only; diffusers on the meta device): every key and shape maps,
-    and the sharding rules cover every conv kernel."""
+def assert_real_config_maps(config: dict, name: str) -> AutoencoderKLWanConfig:
+    """At a real VAE's size (shapes only; diffusers on the meta device): every key and shape maps, and the
+    sharding rules cover every conv kernel."""
     from diffusers import AutoencoderKLWan as Reference
 
-    cfg = AutoencoderKLWanConfig.from_config(WAN21_VAE)
+    cfg = AutoencoderKLWanConfig.from_config(config)
     model = abstract_module(AutoencoderKLWan, cfg)
     with torch.device("meta"):
-        ref = Reference(**WAN21_VAE)
+        ref = Reference(**config)
     expected = {}
     for key, value in ref.state_dict().items():
         zeros = np.broadcast_to(np.int8(0), value.shape)  # zero-strided: no memory
@@ -211,7 +211,12 @@ def test_wan21_vae_config_builds_diffusers_parameter_tree():
     assert {k: v for k, v in got.items() if v != expected[k]} == {}
     params = sum(int(np.prod(s)) for s in got.values())
     assert params == sum(p.numel() for p in ref.parameters())
-    log.info("Wan 2.1 VAE: %d parameters", params)
+    log.info("%s: %d parameters", name, params)
     for key, shape in got.items():
         if key.endswith(".weight"):
             assert any(re.search(p, key) and len(axes) == len(shape) for p, axes in SHARDING_RULES), key
+    return cfg
+
+
+def test_wan21_vae_config_builds_diffusers_parameter_tree():
+    assert_real_config_maps(WAN21_VAE, "Wan 2.1 VAE")

@@ -65,6 +65,42 @@ def video_pool(model: str, folder) -> WorkerConfig:
     )
 
 
+def served_jobs(model: str, folder, pipe, bodies: list[dict], monkeypatch, buckets=None):
+    """A worker pool on `folder` serving `pipe` (its warm-up skipped) and the API: each body POSTed to
+    /v1/generate in turn and waited for (it must succeed) -> (the model card, [job], [output bytes],
+    [pipe.compilations after each job]). `buckets`: the pool's sizes ([(width, height)]; None: the default)."""
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    monkeypatch.setattr(pipe, "warm_up", lambda *a, **kw: 0.0)
+
+    async def main():
+        settings = make_settings(lease_s=60.0, pool_cache_s=0)
+        config = video_pool(model, folder)
+        if buckets is not None:
+            config.pools[0] = config.pools[0].model_copy(update={"buckets": buckets})
+        worker = Worker(config, settings)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(worker.ready.wait(), 600)
+            async with api_client(settings) as (client, _):
+                card = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}[model]
+                jobs, outputs, compiled = [], [], []
+                for body in bodies:
+                    r = await client.post("/v1/generate", json=body)
+                    assert r.status_code == 202, r.text
+                    job = await job_when_ended(client, r.json()["id"])
+                    assert job["status"] == "succeeded", job
+                    jobs.append(job)
+                    outputs.append((await client.get(f"/v1/jobs/{job['id']}/outputs/0")).content)
+                    compiled.append(pipe.compilations)
+                return card, jobs, outputs, compiled
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 120)
+            cleanup(settings)
+
+    return asyncio.run(main())
+
+
 def direct_video(pipe, params: dict, prompt: str, seed: int, **images) -> np.ndarray:
     """A served job's call made directly (the runner's arguments; `images`: one PIL image per argument), its
     frames through the same MP4 encoder: [F, H, W, 3] int."""

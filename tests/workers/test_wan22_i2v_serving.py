@@ -7,22 +7,17 @@ tests/workers/test_i2v_serving.py (the first job compiles)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
 from meshserve.models import load_pipeline
-from meshserve.workers.main import Worker
-from tests.service.conftest import api_client
-from tests.workers.helpers import cleanup, job_when_ended, make_settings
 from tests.workers.test_i2v_serving import (
     PROMPT,
     STEPS,
     data_url,
     direct_video,
     frames_of,
+    served_jobs,
     still,
-    video_pool,
 )
 
 MODEL = "tiny-wan22-i2v"
@@ -34,38 +29,15 @@ def test_a_last_frame_is_optional_and_compiles_nothing(tiny_wan_path, tmp_path_f
 
     folder = build_tiny_wan22_i2v(tmp_path_factory.mktemp("wan22_i2v"), tiny_wan_path)
     pipe = load_pipeline(folder)
-    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
-    monkeypatch.setattr(pipe, "warm_up", lambda *a, **kw: 0.0)
     first, last = still((220, 20, 20)), still((240, 240, 20))
-
-    async def main():
-        settings = make_settings(lease_s=60.0, pool_cache_s=0)
-        worker = Worker(video_pool(MODEL, folder), settings)
-        task = asyncio.create_task(worker.run())
-        try:
-            await asyncio.wait_for(worker.ready.wait(), 600)
-            async with api_client(settings) as (client, _):
-                card = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}[MODEL]
-                assert card["limits"]["last_image"] is card["limits"]["last_image_optional"] is True, card
-                base = {"model": MODEL, "prompt": PROMPT, "num_inference_steps": STEPS, "seed": SEED}
-                base |= {"image": data_url(first), "output_format": "mp4"}
-                served, compiled = [], []
-                for body in (base, {**base, "last_image": data_url(last)}):
-                    r = await client.post("/v1/generate", json=body)
-                    assert r.status_code == 202, r.text
-                    job = await job_when_ended(client, r.json()["id"])
-                    assert job["status"] == "succeeded", job
-                    out = await client.get(f"/v1/jobs/{job['id']}/outputs/0")
-                    served.append(frames_of(out.content).astype(int))
-                    compiled.append(pipe.compilations)
-                return job["params"], served, compiled
-        finally:
-            worker.stop()
-            await asyncio.wait_for(task, 120)
-            cleanup(settings)
-
-    p, (alone, with_last), compiled = asyncio.run(main())
+    base = {"model": MODEL, "prompt": PROMPT, "num_inference_steps": STEPS, "seed": SEED}
+    base |= {"image": data_url(first), "output_format": "mp4"}
+    bodies = [base, {**base, "last_image": data_url(last)}]
+    card, jobs, outputs, compiled = served_jobs(MODEL, folder, pipe, bodies, monkeypatch)
+    assert card["limits"]["last_image"] is card["limits"]["last_image_optional"] is True, card
     assert compiled[1] == compiled[0], compiled  # the job with a last frame ran the first job's programs
+    alone, with_last = (frames_of(mp4).astype(int) for mp4 in outputs)
+    p = jobs[-1]["params"]
     err_alone = np.abs(alone - direct_video(pipe, p, PROMPT, SEED, image=first)).max()
     err_last = np.abs(with_last - direct_video(pipe, p, PROMPT, SEED, image=first, last_image=last)).max()
     moved = np.abs(with_last - alone).mean()
