@@ -55,7 +55,8 @@ def lowered(program: str, placement, settings, scan: bool):
     if program == "flux":
         return flux.lower_denoise(flux.UNITS, placement, settings, 1, scan=scan)
     if program == "wan":
-        return wan.lower_denoise(wan.WAN_14B, 40, placement, settings, wan.SIZES["480p"][2], scan=scan)
+        latent = wan.video_size("480p", wan.WAN_14B)[2]
+        return wan.lower_denoise(wan.WAN_14B, 40, placement, settings, latent, scan=scan)
     if program == "t5":
         return flux.lower_t5(placement, 1, scan=scan)
     raise ValueError(f"unknown program {program!r}: flux, wan or t5")

@@ -80,7 +80,7 @@ def compile_denoise(name: str, placement, settings, quantize, activations):
             flux_memory.UNITS, placement, settings, 1, quantize=quantize, activations=activations
         )
     else:
-        _, _, latent = wan_memory.video_size("480p")
+        _, _, latent = wan_memory.video_size("480p", wan_memory.WAN_14B)
         layers = wan_memory.WAN_14B["num_layers"]
         lowered = wan_memory.lower_denoise(
             wan_memory.WAN_14B,

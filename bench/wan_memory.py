@@ -6,6 +6,7 @@
     python bench/wan_memory.py --model 1.3b --layouts 1 --sizes 480p,720p,352x640   # Wan2.1-T2V-1.3B, 1 device
     python bench/wan_memory.py --layers 1,2 --layouts context8-fsdp --sizes 480p     # quick, extrapolated
     python bench/wan_memory.py --model a14b --sizes 480p,720p --write-docs   # Wan2.2-T2V-A14B's two experts
+    python bench/wan_memory.py --model ti2v5b --sizes 480p,720p --write-docs # Wan2.2-TI2V-5B, 121 frames
 
 Nothing here needs a checkpoint or runs a model: the transformer is built shapes-only (models.loading.
 abstract_module) from Wan2.1-T2V-14B's transformer config (dim 5120 = 40 heads x 128, 40 blocks, ffn 13824,
@@ -127,27 +128,51 @@ UMT5_XXL = dict(
 WAN_1_3B = dict(WAN_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers: two transformers of Wan2.1-T2V-14B's config (transformer, transformer_2),
 # switched at boundary_ratio 0.875 (models/wan/two_experts.py): both resident, one runs per step.
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers: a 30-block transformer of 24 heads x 128 (dim 3072), ffn 14336, on 48 latent
+# channels; its vae/config.json (the Wan 2.2 VAE: 16x in space; its 48 latent statistics do not shape the
+# network); 121 frames (5 s at 24 fps), its 720p 704 x 1280 (sizes are multiples of 32).
+TI2V_5B_VAE = {
+    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True], "is_residual": True, "patch_size": 2, "in_channels": 12,
+    "out_channels": 12, "scale_factor_spatial": 16, "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48,
+}  # fmt: skip
+TI2V_5B = dict(
+    WAN_14B, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48,
+    video={"vae": TI2V_5B_VAE, "frames": 121, "sizes": {"480p": (480, 832), "720p": (704, 1280)}},
+)  # fmt: skip
 MODELS = {
     "14b": ("Wan2.1-T2V-14B", WAN_14B),
     "1.3b": ("Wan2.1-T2V-1.3B", WAN_1_3B),
     "a14b": ("Wan2.2-T2V-A14B (two 14B experts)", dict(WAN_14B, experts=2)),
+    "ti2v5b": ("Wan2.2-TI2V-5B", TI2V_5B),
 }
 A14B_BOUNDARY = 875.0  # boundary_ratio 0.875 x 1000 training timesteps
 TEXT = 512
 GUIDANCE = 5.0
-# (latent frames, latent rows, latent columns) of 81 frames at the two sizes (VAE: x4 in time, x8 in space).
-SIZES = {"480p": (480, 832, (21, 60, 104)), "720p": (720, 1280, (21, 90, 160))}
+# A model's video (its `video` entry, else Wan 2.1's): the VAE, the frame count and the named sizes.
+WAN21_VIDEO = {"vae": {}, "frames": 81, "sizes": {"480p": (480, 832), "720p": (720, 1280)}}
 
 
-def video_size(name: str) -> tuple[int, int, tuple[int, int, int]]:
-    """'480p', '720p' or 'HxW' (multiples of 16) -> (height, width, (latent frames, rows, columns)) at 81
-    frames."""
-    if name in SIZES:
-        return SIZES[name]
-    height, width = (int(v) for v in name.lower().split("x"))
-    if height % 16 or width % 16:
-        raise ValueError(f"{name}: height and width must be multiples of 16 (VAE factor 8 x patch 2)")
-    return height, width, (21, height // 8, width // 8)
+def video_of(base: dict) -> dict:
+    return base.get("video", WAN21_VIDEO)
+
+
+def vae_config(base: dict) -> AutoencoderKLWanConfig:
+    return AutoencoderKLWanConfig.from_config(video_of(base)["vae"])
+
+
+def video_size(name: str, base: dict) -> tuple[int, int, tuple[int, int, int]]:
+    """'480p', '720p' or 'HxW' (multiples of the VAE's factor x the patch's 2) -> (height, width, (latent
+    frames, rows, columns)) at the model's frame count (81; TI2V-5B 121)."""
+    video = video_of(base)
+    f = vae_config(base).spatial_compression
+    if name in video["sizes"]:
+        height, width = video["sizes"][name]
+    else:
+        height, width = (int(v) for v in name.lower().split("x"))
+    if height % (2 * f) or width % (2 * f):
+        raise ValueError(f"{name}: height and width must be multiples of {2 * f} (VAE factor {f} x patch 2)")
+    return height, width, ((video["frames"] - 1) // 4 + 1, height // f, width // f)
 
 
 # name -> (mesh sizes, shard_over). Context degree 1/2/4/8; with a cfg axis of 2 where the 8 devices allow.
@@ -167,6 +192,7 @@ def wan_module(base: dict, layers: int, settings: AttentionSettings, scan: bool 
     with `experts: 2` (Wan 2.2 A14B) is two such transformers as the pipeline holds them (WanExperts)."""
     base = dict(base)
     experts = base.pop("experts", 1)
+    base.pop("video", None)
     cfg = WanTransformer3DConfig(**dict(base, num_layers=layers))
 
     def one():
@@ -219,7 +245,7 @@ def lower_denoise(
         return jax.lax.while_loop(lambda c: c[0] < steps, body, (jnp.int32(0), latents))[1]
 
     args = (
-        batch_arg(placement, (1, frames, h, w, 16), jnp.float32),
+        batch_arg(placement, (1, frames, h, w, base["in_channels"]), jnp.float32),
         batch_arg(placement, (2, TEXT, 4096), jnp.bfloat16),
         tuple(jax.ShapeDtypeStruct((tokens, 128), jnp.float32, sharding=replicated) for _ in range(2)),
         jax.ShapeDtypeStruct((201,), jnp.float32, sharding=replicated),
@@ -254,7 +280,7 @@ def measure_cell(base: dict, name: str, size: str, layers: int) -> dict:
     sizes, shard_over = LAYOUTS[name]
     placement, settings = layout_placement(sizes, shard_over)
     t0 = time.perf_counter()
-    compiled = compile_denoise(base, layers, placement, settings, video_size(size)[2])
+    compiled = compile_denoise(base, layers, placement, settings, video_size(size, base)[2])
     mem = memory_parts(compiled)
     hlo = compiled.as_text()
     sent, sent16 = sent_per_step(hlo), sent_per_step(as_bf16(hlo))
@@ -272,19 +298,19 @@ def measure_cell(base: dict, name: str, size: str, layers: int) -> dict:
     return out
 
 
-def vae_decode_memory(size: str) -> dict:
+def vae_decode_memory(size: str, base: dict) -> dict:
     """The VAE decode of one 81-frame video (fp32, batch 1) by bench/wan_vae_memory.py, in a child process
     with XLA:CPU's default scheduler, on one device: an upper bound for every layout, since the pipeline
     splits the decode spatially over the pool's devices (`bench/wan_vae_memory.py --meshes` measures that;
     the tables here were not re-rendered with it). The memory-minimizing scheduler this script compiles the denoise step with gives the decode
     twice the temporaries (measured at 480x832: 15.60 GB against 7.26 GB), so the decode is measured apart."""
-    frames, h, w = video_size(size)[2]
+    height, width, (frames, _, _) = video_size(size, base)
     flags = os.environ.get("XLA_FLAGS", "").replace(
         "--xla_cpu_enable_concurrency_optimized_scheduler=false", ""
     )
     code = (
         f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from bench.wan_vae_memory import measure; "
-        f"print(json.dumps(measure({h * 8}, {w * 8}, {frames})))"
+        f"print(json.dumps(measure({height}, {width}, {frames}, vae={video_of(base)['vae']!r})))"
     )
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -313,7 +339,7 @@ def at_rest(base: dict, name: str) -> dict:
     t5 = T5Config(**UMT5_XXL)
     enc = abstract_module(T5EncoderModel, t5, dtype=jnp.bfloat16)
     out["UMT5-XXL"] = state_bytes(placed_state(enc, T5_RULES, placement, jnp.bfloat16)[1])
-    vae = abstract_module(AutoencoderKLWan, AutoencoderKLWanConfig(), dtype=jnp.float32)
+    vae = abstract_module(AutoencoderKLWan, vae_config(base), dtype=jnp.float32)
     out["VAE"] = state_bytes(placed_state(vae, VAE_RULES, placement, jnp.float32)[1])
     return out
 
@@ -330,7 +356,9 @@ def _layout_text(name: str) -> str:
     return layout_text(*LAYOUTS[name])
 
 
-def tables(results: dict, rest: dict, vae: dict, layer_points: list[int], layers: int) -> list[str]:
+def tables(
+    results: dict, rest: dict, vae: dict, layer_points: list[int], layers: int, frames: int
+) -> list[str]:
     fitted = layers not in layer_points
     out = [
         "Weights at rest, GB per device (bf16; the VAE fp32; from the placement, every component loaded):",
@@ -355,7 +383,7 @@ def tables(results: dict, rest: dict, vae: dict, layer_points: list[int], layers
     )
     out += [
         "",
-        f"One CFG denoise step (batch 2: negative + positive prompt), 81 frames, GB per device from "
+        f"One CFG denoise step (batch 2: negative + positive prompt), {frames} frames, GB per device from "
         f"`memory_analysis()`, {how}. args = the transformer's weights and the loop's inputs; temp = the "
         "step's temporaries (activations, gathered weights, attention) and output. VAE temp = the VAE decode's "
         "temporaries and output (fp32, batch 1; the same program on every device of any layout). Peak = all "
@@ -404,13 +432,16 @@ def main():
         "--layouts", default=",".join(LAYOUTS), help=f"comma separated, of {', '.join(LAYOUTS)}"
     )
     parser.add_argument(
-        "--sizes", default="480p,720p", help="comma separated: 480p, 720p or HxW (81 frames each)"
+        "--sizes", default="480p,720p", help="comma separated: 480p, 720p or HxW (the model's frame count)"
     )
     parser.add_argument(
         "--layers", help="block counts to compile: default the model's (40 or 30), or two to extrapolate from"
     )
     parser.add_argument(
-        "--model", choices=sorted(MODELS), default="14b", help="Wan 2.1 T2V 14B or 1.3B, Wan 2.2 T2V A14B"
+        "--model",
+        choices=sorted(MODELS),
+        default="14b",
+        help="Wan 2.1 T2V 14B or 1.3B, Wan 2.2 T2V A14B or TI2V 5B",
     )
     parser.add_argument("--default-scheduler", action="store_true", help="XLA:CPU's default scheduler")
     parser.add_argument("--json", type=Path, help="also write the raw measurements here")
@@ -428,12 +459,12 @@ def main():
     layer_points = sorted({int(n) for n in args.layers.split(",")}) if args.layers else None
     if unknown := set(names) - set(LAYOUTS):
         parser.error(f"unknown layouts {sorted(unknown)}")
+    title, base = MODELS[args.model]
     for size in sizes:
         try:
-            video_size(size)
+            video_size(size, base)
         except ValueError as e:
             parser.error(f"--sizes: {e}")
-    title, base = MODELS[args.model]
     layers = base["num_layers"]
     if args.layers is None:
         layer_points = [layers]
@@ -466,7 +497,7 @@ def main():
                     args.json.write_text(json.dumps({"cells": cells, "run": f"{started:%Y-%m-%d %H:%M} UTC"}))
     for size in sizes:
         if size not in vae:
-            vae[size] = vae_decode_memory(size)
+            vae[size] = vae_decode_memory(size, base)
     rest = {name: at_rest(base, name) for name in names}
     load = os.getloadavg()[0]
     if not runs:
@@ -480,7 +511,7 @@ def main():
             f"{title} shapes; {len(jax.devices())} host CPU devices, jax {jax.__version__}, XLA:CPU "
             f"{scheduler} scheduler; measured {'; '.join(runs)}. " + fits_rule(),
             "",
-            *tables(results, rest, vae, layer_points, layers),
+            *tables(results, rest, vae, layer_points, layers, video_of(base)["frames"]),
         ]
     )
     print(text)

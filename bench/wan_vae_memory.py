@@ -49,8 +49,11 @@ def parse_mesh(name: str) -> dict[str, int]:
     return sizes
 
 
-def measure(height: int, width: int, latent_frames: int, dtype=jnp.float32, mesh: str = "1") -> dict:
-    cfg = AutoencoderKLWanConfig()  # diffusers' defaults = the Wan 2.1 VAE
+def measure(
+    height: int, width: int, latent_frames: int, dtype=jnp.float32, mesh: str = "1", vae: dict | None = None
+) -> dict:
+    """`vae`: a vae/config.json's fields (None: diffusers' defaults, the Wan 2.1 VAE)."""
+    cfg = AutoencoderKLWanConfig.from_config(vae or {})
     model = abstract_module(AutoencoderKLWan, cfg, dtype=dtype)
     graphdef, state = nnx.split(model)
     f = cfg.spatial_compression
