@@ -299,7 +299,7 @@ def measure_cell(base: dict, name: str, size: str, layers: int) -> dict:
 
 
 def vae_decode_memory(size: str, base: dict) -> dict:
-    """The VAE decode of one 81-frame video (fp32, batch 1) by bench/wan_vae_memory.py, in a child process
+    """The VAE decode of one video (the model's frames; fp32, batch 1) by bench/wan_vae_memory.py, in a child process
     with XLA:CPU's default scheduler, on one device: an upper bound for every layout, since the pipeline
     splits the decode spatially over the pool's devices (`bench/wan_vae_memory.py --meshes` measures that;
     the tables here were not re-rendered with it). The memory-minimizing scheduler this script compiles the denoise step with gives the decode

@@ -392,6 +392,13 @@ class WanPipeline(DiffusionPipeline):
 
         return model
 
+    def normalized(self, latents):
+        """The VAE's latents as the loop holds them: diffusers' (z - latents_mean) * (1 / latents_std), per
+        channel, in fp32 (image-to-video's conditions; `decode` undoes it)."""
+        cfg = self.vae_config
+        inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
+        return (latents.astype(jnp.float32) - jnp.asarray(cfg.latents_mean, jnp.float32)) * inv_std
+
     def decode(self, vae_state, latents, *, shape):
         # Weights gathered whole (a no-op without shard_over): besides the usual reason, XLA's partitioner
         # computes a 3x3 conv wrongly when its kernel is split beside a spatially split input on a 2-D mesh

@@ -235,11 +235,7 @@ class WanImageToVideoPipeline(WanPipeline):
         last = pixels["last_video"].astype(jnp.float32)[:, None] if "last_video" in pixels else None
         zeros = jnp.zeros((b, frames - 1 - (last is not None), height, width, 3), jnp.float32)
         video = jnp.concatenate([image, zeros] + ([last] if last is not None else []), axis=1)
-        latents = self.merged("vae", states["vae"]).encode(video).mode()  # [B, T, h, w, z]
-        cfg = self.vae_config
-        # diffusers: (z - mean) * (1 / std), per channel, fp32.
-        inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
-        latents = (latents.astype(jnp.float32) - jnp.asarray(cfg.latents_mean, jnp.float32)) * inv_std
+        latents = self.normalized(self.merged("vae", states["vae"]).encode(video).mode())  # [B, T, h, w, z]
         mask = jnp.zeros((*latents.shape[:4], self.temporal_factor), jnp.float32).at[:, 0].set(1.0)
         if last is not None:
             # diffusers' mask keeps the last frame too: the last latent frame's last channel (the frame it ends

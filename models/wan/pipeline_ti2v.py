@@ -55,14 +55,10 @@ class WanTI2VPipeline(WanPipeline):
         """Traced (the image_encode program): pixels [B, H, W, 3] -> {"first_frame": [B, 1, h, w, z] fp32},
         the image's normalised latents."""
         latents = self.merged("vae", vae_state).encode(pixels.astype(jnp.float32)[:, None]).mode()
-        cfg = self.vae_config
-        inv_std = 1.0 / jnp.asarray(cfg.latents_std, jnp.float32)
-        latents = (latents.astype(jnp.float32) - jnp.asarray(cfg.latents_mean, jnp.float32)) * inv_std
-        return {"first_frame": self.constrain(latents)}
+        return {"first_frame": self.constrain(self.normalized(latents))}
 
     def after_step(self, image, scheduler, schedule, noise, stop):
-        first = image["first_frame"]
-        return lambda x, i: jnp.concatenate([first.astype(x.dtype), x[:, 1:]], axis=1)
+        return lambda x, i: with_first_frame(image["first_frame"], x)
 
     # ----------------------------------------------------------------------------------------------
     # The denoiser
@@ -76,9 +72,13 @@ class WanTI2VPipeline(WanPipeline):
             first = interleave(first, first)
 
         def model(x, t):
-            transformer, x = self.merged_per_step(state, x)
-            x = jnp.concatenate([first.astype(x.dtype), x[:, 1:]], axis=1)
+            transformer, x = self.merged_per_step(state, with_first_frame(first, x))
             t = jnp.broadcast_to(t, (x.shape[0],))
             return transformer(x.astype(self.dtype), t, embeds, rope, None, jnp.zeros_like(t))
 
         return model
+
+
+def with_first_frame(first, x):
+    """x [B, T, h, w, z] with its first latent frame replaced by `first` [B, 1, h, w, z]."""
+    return jnp.concatenate([first.astype(x.dtype), x[:, 1:]], axis=1)
