@@ -32,6 +32,7 @@ _FAMILIES = {
     "FluxPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxImg2ImgPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxInpaintPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
+    "FluxKontextPipeline": ("flux", "meshserve.models.flux.pipeline_kontext", "FluxKontextPipeline"),
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
     "WanImageToVideoPipeline": ("wan", "meshserve.models.wan.pipeline_i2v", "WanImageToVideoPipeline"),
 }

@@ -357,8 +357,9 @@ class GenerateRequest(_TextRequest):
         min_length=1,
         description="An input image: a data URL (`data:image/png;base64,...`) or an http(s) URL the API fetches "
         "(public addresses only). PNG, JPEG or WebP, one still frame, at most `max_image_bytes` and "
-        "`max_image_pixels`; resized to the job's width x height. With it the job is image-to-image, or "
-        "image-to-video for such a model (the model's `tasks` in /v1/models).",
+        "`max_image_pixels`; resized to the job's width x height. With it the job is image-to-image (an edit "
+        "with the image as context for a FLUX.1 Kontext model: no strength), or image-to-video for such a model "
+        "(the model's `tasks` in /v1/models).",
         examples=[EXAMPLE_IMAGE, "https://example.com/photo.jpg"],
     )
     mask: str | None = Field(

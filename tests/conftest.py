@@ -117,6 +117,14 @@ def tiny_flux_dev_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext_path(tmp_path_factory, tiny_flux_dev_path) -> Path:
+    """The tiny Flux-dev's components as a FLUX.1 Kontext folder (model_index.json: FluxKontextPipeline)."""
+    from tests.fixtures.tiny_flux import kontext_folder
+
+    return kontext_folder(tiny_flux_dev_path, tmp_path_factory.mktemp("tiny_flux_kontext"))
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_schnell_path(tmp_path_factory) -> Path:
     """A tiny random Flux.1-schnell-type diffusers folder (no guidance embedding, static shift)."""
     from tests.fixtures.tiny_flux import build_tiny_flux

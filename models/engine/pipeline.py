@@ -1048,7 +1048,8 @@ class DiffusionPipeline:
         if generator is None:
             seeds = row_seeds(seed, len(prompts), n)
         else:  # diffusers' torch.Generator: it draws the starting noise (torch_generator.py)
-            from_picture = latent_image is None and task in ("image-to-image", "inpaint")
+            # (a task with a strength starts from the picture; one without, from noise: Kontext, image-to-video)
+            from_picture = latent_image is None and strength is not None
             adds_noise = denoising_start is None  # (diffusers adds none to a denoising_start call's image)
             latents = self._generator_noise(
                 generator, seed, latents, shape, len(prompts) * n, task, from_picture, adds_noise
