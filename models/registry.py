@@ -33,6 +33,7 @@ _FAMILIES = {
     "FluxImg2ImgPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxInpaintPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxKontextPipeline": ("flux", "meshserve.models.flux.pipeline_kontext", "FluxKontextPipeline"),
+    "FluxFillPipeline": ("flux", "meshserve.models.flux.pipeline_fill", "FluxFillPipeline"),
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
     "WanImageToVideoPipeline": ("wan", "meshserve.models.wan.pipeline_i2v", "WanImageToVideoPipeline"),
 }

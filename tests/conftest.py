@@ -125,6 +125,14 @@ def tiny_flux_kontext_path(tmp_path_factory, tiny_flux_dev_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_fill_path(tmp_path_factory, tiny_flux_dev_path) -> Path:
+    """A tiny FLUX.1 Fill folder (FluxFillPipeline: a transformer taking the masked image and mask too)."""
+    from tests.fixtures.tiny_flux import build_tiny_flux_fill
+
+    return build_tiny_flux_fill(tmp_path_factory.mktemp("tiny_flux_fill"), tiny_flux_dev_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_schnell_path(tmp_path_factory) -> Path:
     """A tiny random Flux.1-schnell-type diffusers folder (no guidance embedding, static shift)."""
     from tests.fixtures.tiny_flux import build_tiny_flux

@@ -122,10 +122,12 @@ class FluxPipeline(DiffusionPipeline):
             attention=plain,
         )
         self.transformer_config, self.vae_config = transformer.config, vae.config
-        if self.transformer_config.in_channels != 4 * self.vae_config.latent_channels:
+        packed = 4 * self.vae_config.latent_channels
+        if self.transformer_config.in_channels != packed + self.condition_channels:
             raise CheckpointError(
                 f"{folder}: transformer in_channels {self.transformer_config.in_channels} is not 4 x the "
                 f"VAE's latent_channels {self.vae_config.latent_channels} (2x2 packing)"
+                + (f" + {self.condition_channels} condition channels" if self.condition_channels else "")
             )
         modules = {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2}
         return {**modules, "transformer": transformer, "vae": vae}
@@ -145,6 +147,12 @@ class FluxPipeline(DiffusionPipeline):
         if self.transformer_config.num_layers:
             return self.step_cache_methods
         return {k: v for k, v in self.step_cache_methods.items() if k != "first_block"}
+
+    @property
+    def condition_channels(self) -> int:
+        """Channels the transformer takes after the packed latents' every step: none here (FLUX.1 Fill's
+        masked image and mask: models/flux/pipeline_fill.py)."""
+        return 0
 
     @property
     def vae_scale_factor(self) -> int:

@@ -393,6 +393,8 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
     if task not in tasks:
         if req.image is None:
             raise FieldError("image", "missing", f"{info.id} needs an image: it takes {tasks}")
+        if task == "image-to-image" and "inpaint" in tasks:  # an inpainting model (a Fill or 9-channel one)
+            raise FieldError("mask", "missing", f"{info.id} inpaints: it needs a mask besides the image")
         field = "mask" if req.mask is not None else "image"
         raise FieldError(
             field, "task_not_supported", f"{info.id} does not take {task} ({field} given); it takes {tasks}"

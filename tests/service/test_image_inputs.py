@@ -59,6 +59,15 @@ TOY_I2I = TOY.model_copy(
         ),
     }
 )
+# An inpainting-only model (SDXL's 9-channel inpainting UNet, FLUX.1 Fill): an image needs a mask.
+TOY_FILL = TOY.model_copy(
+    update={
+        "id": "toy-fill",
+        "limits": TOY.limits.model_copy(
+            update={"tasks": ["inpaint"], "strength": StrengthLimits(defaults={"inpaint": 1.0})}
+        ),
+    }
+)
 MAX_PIXELS = 4096 * 4096
 
 
@@ -311,10 +320,11 @@ def test_the_declared_type_is_not_trusted():
 
 @pytest.fixture
 async def api_img(make_settings):
-    """The API with a fake worker serving toy (text only), toy-img (every image task) and toy-i2i."""
+    """The API with a fake worker serving toy (text only), toy-img (every image task), toy-i2i, toy-i2v and
+    toy-fill (inpaint only)."""
     settings = make_settings(max_image_bytes=2 << 20, max_image_pixels=1 << 20, image_fetch_timeout_s=2.0)
     async with api_client(settings) as (client, store):
-        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I, TOY_I2V))
+        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I, TOY_I2V, TOY_FILL))
         await worker.register()
         yield client, store, worker
         await worker.stop()
@@ -395,6 +405,8 @@ REFUSED_REQUESTS = [
     ({"model": "toy-i2v", "prompt": "p"}, "image", "missing"),
     (_bad(model="toy-i2v", strength=0.5), "strength", "not_supported"),
     (_bad(model="toy-i2v", mask=data_url(MASK)), "mask", "task_not_supported"),
+    ({"model": "toy-fill", "prompt": "p"}, "image", "missing"),
+    (_bad(model="toy-fill"), "mask", "missing"),  # an inpainting model: an image alone is not its task
     (_bad(image="http://127.0.0.1:6379/"), "image", "url_not_allowed"),
     (_bad(image="http://169.254.169.254/latest/meta-data/"), "image", "url_not_allowed"),
     (_bad(image="http://2130706433/a.png"), "image", "url_not_allowed"),
