@@ -34,6 +34,7 @@ _FAMILIES = {
     "FluxInpaintPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxKontextPipeline": ("flux", "meshserve.models.flux.pipeline_kontext", "FluxKontextPipeline"),
     "FluxFillPipeline": ("flux", "meshserve.models.flux.pipeline_fill", "FluxFillPipeline"),
+    "FluxControlPipeline": ("flux", "meshserve.models.flux.pipeline_control", "FluxControlPipeline"),
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
     "WanImageToVideoPipeline": ("wan", "meshserve.models.wan.pipeline_i2v", "WanImageToVideoPipeline"),
 }

@@ -133,6 +133,14 @@ def tiny_flux_fill_path(tmp_path_factory, tiny_flux_dev_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_control_path(tmp_path_factory, tiny_flux_dev_path) -> Path:
+    """A tiny FLUX.1 Canny/Depth folder (FluxControlPipeline: a transformer taking the control image too)."""
+    from tests.fixtures.tiny_flux import build_tiny_flux_control
+
+    return build_tiny_flux_control(tmp_path_factory.mktemp("tiny_flux_control"), tiny_flux_dev_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_schnell_path(tmp_path_factory) -> Path:
     """A tiny random Flux.1-schnell-type diffusers folder (no guidance embedding, static shift)."""
     from tests.fixtures.tiny_flux import build_tiny_flux

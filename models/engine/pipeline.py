@@ -11,7 +11,8 @@ What the serving side reads (workers/runner.py relies on nothing else):
     second_prompt                    whether __call__ takes prompt_2 / negative_prompt_2 (per prompt, like the
                                      prompts: the second text encoder's texts; SDXL, Flux)
     text_fields                      per-prompt integers __call__ takes for the text encoders (SDXL: clip_skip)
-    image_fields                     image arguments besides image= and mask_image= (Wan FLF2V: last_image)
+    image_fields                     image arguments besides image= and mask_image= (Wan FLF2V: last_image);
+    condition_fields                 those of them that condition every task (FLUX.1 Control: control_image)
     pair_fields                      per-row pairs __call__ takes for the denoiser (SDXL: the micro-conditioning)
     schedule_fields                  diffusers' custom schedules and scheduler arguments __call__ takes (SDXL:
                                      timesteps, sigmas, DDIM's eta; Flux: sigmas); limits["scheduler_arguments"]
@@ -277,6 +278,9 @@ class DiffusionPipeline:
     # Image arguments besides `image` and `mask_image` (Wan first-last-frame-to-video: last_image), one for all,
     # one per prompt or one per row like `image`; handed to `preprocess_images` as keywords (None: not given).
     image_fields: tuple[str, ...] = ()
+    # Image arguments that condition every task, so that a call with one and no `image=` still runs the
+    # image_encode program (FLUX.1 Canny/Depth: control_image); a subset of image_fields.
+    condition_fields: tuple[str, ...] = ()
     # diffusers' `denoising_end` and `denoising_start` (SDXL; models/engine/denoising_split.py): a call stops
     # before the schedule's end, leaving the last steps to another model (the refiner), whose image-to-image
     # call then takes those latents as `image=` and starts where the first stopped, without adding noise. The
@@ -889,6 +893,7 @@ class DiffusionPipeline:
         text_options = {name: options.pop(name, None) for name in self.text_fields}
         pairs = {name: options.pop(name, None) for name in self.pair_fields}
         images = {name: options.pop(name, None) for name in self.image_fields}
+        conditioned = any(images[name] is not None for name in self.condition_fields)
         custom = {name: options.pop(name) for name in self.schedule_fields if options.get(name) is not None}
         denoising_end = options.pop("denoising_end", None)
         denoising_start = options.pop("denoising_start", None)
@@ -1034,6 +1039,8 @@ class DiffusionPipeline:
                 )
             else:  # latents (a refiner's inpaint: its mask at their size)
                 mask_pixels = self.preprocess_masks(mask_image, len(prompts), n, settings)
+        elif conditioned:  # a condition image alone: the loop starts from noise
+            pixels, mask_pixels = self.preprocess_images(None, None, len(prompts), n, settings, **images)
         stop = steps  # the schedule's end, or where denoising_end cuts it
         if denoising_end is not None:
             stop = start + end_steps(denoising_end, timesteps[start:], self.scheduler_config)
@@ -1048,8 +1055,9 @@ class DiffusionPipeline:
         if generator is None:
             seeds = row_seeds(seed, len(prompts), n)
         else:  # diffusers' torch.Generator: it draws the starting noise (torch_generator.py)
-            # (a task with a strength starts from the picture; one without, from noise: Kontext, image-to-video)
-            from_picture = latent_image is None and strength is not None
+            # (a task with a strength starts from the picture; one without, from noise: Kontext, image-to-video;
+            # diffusers encodes a condition image with the generator's draws before the noise's)
+            from_picture = latent_image is None and (strength is not None or conditioned)
             adds_noise = denoising_start is None  # (diffusers adds none to a denoising_start call's image)
             latents = self._generator_noise(
                 generator, seed, latents, shape, len(prompts) * n, task, from_picture, adds_noise

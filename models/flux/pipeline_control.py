@@ -1,0 +1,72 @@
+"""FLUX.1 Canny and Depth: text-to-image steered by a control image the transformer takes every step.
+
+Mirrors diffusers' FluxControlPipeline (a folder whose model_index.json names it: FLUX.1-Canny-dev,
+FLUX.1-Depth-dev, whose transformer takes 128 channels, the packed latents' 64 and the control image's 64).
+The control image (an edge map, a depth map: made by the client, as diffusers takes it) is resized to the call's
+size, encoded to (z - shift) x scaling and packed like the latents; every step it follows the latents on the
+channel axis (the engine's condition, as FLUX.1 Fill's masked image). The loop starts from noise; everything
+else is Flux's text-to-image.
+
+- `control_image` is required: one for all prompts, one per prompt (each repeated over its
+  num_images_per_prompt images, diffusers' `repeat_interleave`; not tiled as `image=` is) or one per output
+  image.
+- The encoded control image is the posterior's mode, where diffusers samples it with the call's generator
+  (before it draws the noise): `generator=` is refused (give seed= or latents=).
+- diffusers' FluxControlPipeline takes no negative prompt; `negative_prompt` with `true_cfg_scale` > 1 runs
+  Flux's true CFG here, both passes with the control image (an extension).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshserve.models.components.image_processor import as_image_list, preprocess_image
+from meshserve.models.engine.common import PipelineError
+from meshserve.models.flux.pipeline import FluxPipeline
+
+__all__ = ["FluxControlPipeline"]
+
+
+class FluxControlPipeline(FluxPipeline):
+    image_fields = ("control_image",)
+    condition_fields = ("control_image",)
+
+    @property
+    def condition_channels(self) -> int:
+        return 4 * self.vae_config.latent_channels  # the packed control image's latents
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return ("text-to-image",)
+
+    @property
+    def limits(self) -> dict:
+        return {**super().limits, "control_image": True}
+
+    def __call__(self, prompt=None, *, control_image=None, **kwargs):
+        if control_image is None:
+            raise PipelineError(
+                f"control_image: {self.model_id or 'this FLUX.1 Control model'} needs one (an edge or depth "
+                "map at the output's aspect ratio)"
+            )
+        return super().__call__(prompt, control_image=control_image, **kwargs)
+
+    def warm_up_inputs(self, width: int, height: int) -> dict:
+        return {"control_image": np.zeros((height, width, 3), np.uint8)}  # its pixels are traced inputs
+
+    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
+        """Host: one control image per output row, [B, H, W, 3] in [-1, 1] at the call's size."""
+        items = as_image_list(control_image, "control_image")
+        if len(items) not in (1, prompts, prompts * n):
+            raise PipelineError(
+                f"control_image: expected one image, one per prompt ({prompts}) or one per output image "
+                f"({prompts * n}), got {len(items)}"
+            )
+        rows = np.repeat(np.arange(len(items)), prompts * n // len(items))  # p0, p0, p1, p1 (diffusers)
+        height, width = settings["height"], settings["width"]
+        processed = [preprocess_image(item, height, width, "control_image") for item in items]
+        return np.stack([processed[i] for i in rows]), None
+
+    def image_inputs(self, vae_state, pixels, mask, *, shape, task):
+        """Traced (the image_encode program): control pixels [B, H, W, 3] -> {"condition": packed latents}."""
+        return {"condition": self.encode_image(vae_state, pixels, shape=shape, task=task)}
