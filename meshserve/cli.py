@@ -279,9 +279,12 @@ def _cache_argument(spec: str | None) -> dict | None:
 
 
 def _image_inputs(args: argparse.Namespace) -> dict:
-    """--image / --mask / --strength / --padding-mask-crop as the pipeline's image, mask_image, strength and
-    padding_mask_crop, read under the API's decoding rules (service/image_inputs.py: PNG, JPEG or WebP, one
-    frame, EXIF orientation applied)."""
+    """--image / --mask / --strength / --padding-mask-crop (and --control-image) as the pipeline's image,
+    mask_image, strength and padding_mask_crop (and control_image), read under the API's decoding rules
+    (service/image_inputs.py: PNG, JPEG or WebP, one frame, EXIF orientation applied)."""
+    control = {}
+    if args.control_image is not None:
+        control["control_image"] = _read_image(args.control_image, "control-image")
     if args.image is None:
         for flag, value in (
             ("--mask", args.mask),
@@ -291,34 +294,35 @@ def _image_inputs(args: argparse.Namespace) -> dict:
         ):
             if value is not None:
                 raise UsageError(f"{flag} needs --image")
-        return {}
+        return control
     if args.strength is not None and not 0 < args.strength <= 1:
         raise UsageError(f"--strength must be in (0, 1], got {args.strength}")
     if args.padding_mask_crop is not None and (args.mask is None or args.padding_mask_crop < 0):
         raise UsageError(f"--padding-mask-crop needs --mask and pixels >= 0, got {args.padding_mask_crop}")
-    from meshserve.service.image_inputs import ImageInputError, decode_image  # PIL only
-
-    def read(path: str, field: str, **kw):
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise UsageError(f"--{field} {path}: {e.strerror or e}") from None
-        try:
-            return decode_image(data, field=f"--{field} {path}", max_pixels=8192 * 8192, **kw).image
-        except ImageInputError as e:
-            raise UsageError(e.message) from None
-
-    image = read(args.image, "image")
-    inputs = {"image": image}
+    image = _read_image(args.image, "image")
+    inputs = {"image": image, **control}
     if args.mask is not None:
-        inputs["mask_image"] = read(args.mask, "mask", mode="L", size=image.size)
+        inputs["mask_image"] = _read_image(args.mask, "mask", mode="L", size=image.size)
     if args.last_image is not None:
-        inputs["last_image"] = read(args.last_image, "last-image")
+        inputs["last_image"] = _read_image(args.last_image, "last-image")
     if args.strength is not None:
         inputs["strength"] = args.strength
     if args.padding_mask_crop is not None:
         inputs["padding_mask_crop"] = args.padding_mask_crop
     return inputs
+
+
+def _read_image(path: str, field: str, **kw):
+    from meshserve.service.image_inputs import ImageInputError, decode_image  # PIL only
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--{field} {path}: {e.strerror or e}") from None
+    try:
+        return decode_image(data, field=f"--{field} {path}", max_pixels=8192 * 8192, **kw).image
+    except ImageInputError as e:
+        raise UsageError(e.message) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -501,6 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--last-image",
         default=None,
         help="the video's last frame (--image is the first): Wan 2.1 FLF2V needs one, Wan 2.2 I2V takes one",
+    )
+    gen.add_argument(
+        "--control-image",
+        default=None,
+        help="a FLUX.1 Canny / Depth folder's control image (an edge or depth map; it needs one)",
     )
     gen.add_argument(
         "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"

@@ -284,6 +284,9 @@ class ModelLimits(_Frozen):
     # experts take it or not (`last_image_optional`).
     last_image: bool = False
     last_image_optional: bool = False
+    # A model steered by a control image it needs on every job (FLUX.1 Canny / Depth: `control_image`, an edge
+    # or depth map the client made); False: the API refuses the field (422 not_supported).
+    control_image: bool = False
     # diffusers' custom sigmas / timesteps and DDIM's eta, by scheduler name ("default": the model's own
     # scheduler, when a request names none); a scheduler left out takes none of them (422 not_supported).
     scheduler_arguments: dict[str, SchedulerArguments] = Field(default_factory=dict)
@@ -329,7 +332,7 @@ class PoolInfo(_Frozen):
 
 
 # The JobParams fields that name stored image inputs (service/input_store.py references).
-IMAGE_INPUT_FIELDS = ("image", "mask", "last_image")
+IMAGE_INPUT_FIELDS = ("image", "mask", "last_image", "control_image")
 
 
 class JobParams(_Frozen):
@@ -376,6 +379,7 @@ class JobParams(_Frozen):
     image: str | None = None
     mask: str | None = None
     last_image: str | None = None  # a first-last-frame video's last frame (the same kind of reference)
+    control_image: str | None = None  # a control model's edge or depth map (the same kind of reference)
     strength: float | None = None
     # Inpaint the mask's region only, this many pixels around it, laid back into the image (the outputs then have
     # the image's size; models/components/mask_crop.py).

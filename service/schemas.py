@@ -376,6 +376,13 @@ class GenerateRequest(_TextRequest):
         "`limits.last_image` is true: a first-last-frame model (Wan 2.1 FLF2V) needs both; Wan 2.2's image-to-video "
         "experts (`limits.last_image_optional`) take it or not; any other model answers 422.",
     )
+    control_image: str | None = Field(
+        None,
+        min_length=1,
+        description="A control image, in the same forms as `image` (an edge map for FLUX.1 Canny, a depth map for "
+        "FLUX.1 Depth, made by the client), resized to the job's width x height: required by a model whose "
+        "`limits.control_image` is true, refused (422) by any other. It steers text-to-image; no `image` needed.",
+    )
     strength: float | None = Field(
         None,
         gt=0,

@@ -269,6 +269,22 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
         assert Image.open(out).size == (32, 16)
 
 
+def test_generate_passes_a_control_image_without_an_image(tmp_path, monkeypatch):
+    """--control-image alone (a FLUX.1 Canny / Depth folder's edge or depth map) reaches the pipeline as
+    diffusers' control_image, decoded as RGB; no --image needed."""
+    from meshserve import cli
+
+    pipe = _RecordingPipe(False)
+    monkeypatch.setattr("meshserve.models.load_pipeline", lambda *a, **kw: pipe)
+    Image.new("L", (32, 16), 255).save(tmp_path / "edges.png")
+    out = tmp_path / "out.png"
+    args = ["generate", "--prompt", "a cat", "--control-image", str(tmp_path / "edges.png"), "-o", str(out)]
+    assert cli.main(args) == 0
+    (call,) = pipe.calls
+    assert call["control_image"].mode == "RGB" and call["control_image"].getpixel((0, 0)) == (255, 255, 255)
+    assert "image" not in call
+
+
 def test_generate_with_a_refiner_hands_the_base_latents_on(tmp_path, monkeypatch, capsys):
     """--refiner: the base stops at --denoising-end with its latents (diffusers' denoising_end, output
     "latent"), the refiner starts there from them (denoising_start) on the same schedule and seeds; the

@@ -354,7 +354,7 @@ def _inputs_of(request: RunRequest) -> dict:
     inputs: dict = {"missing": request.missing} if request.missing is not None else {}
     if request.tenant is not None:  # the prompt cache's scope: every process must key its rows alike
         inputs["tenant"] = request.tenant
-    for name in ("image", "mask", "last_image"):
+    for name in ("image", "mask", "last_image", "control_image"):
         image = getattr(request, name)
         if image is not None:
             buf = io.BytesIO()
@@ -368,7 +368,7 @@ def _inputs_from(inputs: Mapping) -> dict:
 
     out = {
         name: Image.open(io.BytesIO(base64.b64decode(inputs[name])))
-        for name in ("image", "mask", "last_image")
+        for name in ("image", "mask", "last_image", "control_image")
         if name in inputs
     }
     for image in out.values():

@@ -74,6 +74,7 @@ class RunRequest:
     image: Any = None  # PIL RGB image
     mask: Any = None  # PIL L image, the image's size: white repaints
     last_image: Any = None  # PIL RGB image: the video's last frame (Wan 2.1 FLF2V, Wan 2.2's I2V experts)
+    control_image: Any = None  # PIL RGB image: a control model's edge or depth map (FLUX.1 Canny / Depth)
     missing: str | None = None
     tenant: str | None = None  # who submitted it: the scope of its texts in the pool's prompt cache
     # A part of a job too big for one batch (`row_parts`): the index of its first output in the job.
@@ -466,19 +467,26 @@ def image_key(params: JobParams) -> tuple:
         params.image is not None,
         params.mask is not None,
         params.last_image is not None,
+        params.control_image is not None,
         params.strength,
         crop,
     )
 
 
+# A job's decoded image inputs and the pipeline's argument for each (diffusers' names).
+IMAGE_ARGUMENTS = (
+    ("image", "image"),
+    ("mask", "mask_image"),
+    ("last_image", "last_image"),
+    ("control_image", "control_image"),
+)
+
+
 def image_arguments(batch: Sequence[RunRequest], pad: int) -> dict:
     """The pipeline's image arguments for a batch (one task, one strength: `image_key`): one image (and mask)
     per output row in diffusers' names, the padding rows repeating the first."""
-    if batch[0].image is None:
-        return {}
-    images = [req.image for req in batch for _ in range(req.params.n)]
-    args = {"image": images + images[:1] * pad}
-    for name, arg in (("mask", "mask_image"), ("last_image", "last_image")):
+    args = {}
+    for name, arg in IMAGE_ARGUMENTS:
         if getattr(batch[0], name) is not None:
             rows = [getattr(req, name) for req in batch for _ in range(req.params.n)]
             args[arg] = rows + rows[:1] * pad
@@ -497,11 +505,11 @@ async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[R
     out = []
     for req in requests:
         p = req.params
-        if p.image is None:
+        if p.image is None and p.control_image is None:
             out.append(req)
             continue
         decoded = {}
-        for name, mode in (("image", "RGB"), ("mask", "L"), ("last_image", "RGB")):
+        for name, mode in (("image", "RGB"), ("mask", "L"), ("last_image", "RGB"), ("control_image", "RGB")):
             ref = getattr(p, name)
             if ref is None:
                 continue
@@ -521,7 +529,11 @@ async def read_inputs(requests: Sequence[RunRequest], store, settings) -> list[R
         if isinstance(decoded, str):
             out.append(dataclasses.replace(req, missing=decoded))
         else:
-            out.append(dataclasses.replace(req, **{"mask": None, "last_image": None, **decoded}))
+            out.append(
+                dataclasses.replace(
+                    req, **{"mask": None, "last_image": None, "control_image": None, **decoded}
+                )
+            )
     return out
 
 

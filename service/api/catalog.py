@@ -152,6 +152,8 @@ def common_sizes(infos: list[ModelInfo]) -> ModelInfo:
             # never reaches a pool that drops it.
             "last_image": all(info.limits.last_image for info in infos),
             "last_image_optional": all(info.limits.last_image_optional for info in infos),
+            # Required where it is taken: a mix would send jobs without one to a pool that needs it.
+            "control_image": all(info.limits.control_image for info in infos),
             "max_clip_skip": None if None in skips else min(skips),
             # A scheduler's custom schedules where every pool takes them by the same rules.
             "scheduler_arguments": {
@@ -371,6 +373,14 @@ def _image_task_strength(req: GenerateRequest, info: ModelInfo, steps: int) -> f
     """Check the image inputs against the model's tasks (422 naming the field); the strength the job runs with
     (the task's default when none was asked), None for a task without one."""
     tasks, lim = list(info.limits.tasks), info.limits
+    if req.control_image is not None and not lim.control_image:
+        raise FieldError("control_image", "not_supported", f"{info.id} is not a control model: it takes none")
+    if lim.control_image and req.control_image is None:
+        raise FieldError(
+            "control_image",
+            "missing",
+            f"{info.id} is a control model: it needs control_image (its edge or depth map)",
+        )
     if req.mask is not None and req.image is None:
         raise FieldError("mask", "mask_without_image", "mask needs an image to inpaint: give image too")
     if req.last_image is not None and not lim.last_image:

@@ -28,7 +28,7 @@ def _refused(e: ImageInputError) -> FieldError:
 async def read_image_fields(
     fields: dict[str, str | None], settings: Settings, hold: Callable[[int], bool] | None = None
 ) -> dict[str, bytes]:
-    """The bytes of a request's image fields by name (`image`, `mask`, `last_image`: data URLs, or http(s)
+    """The bytes of a request's image fields by name (`image`, `mask`, `last_image`, `control_image`: data URLs, or http(s)
     URLs fetched now; the fields given). `hold`: the
     request's own share of the process's buffered bytes (service/api/body_limit.py), for the bytes fetched: a
     hundred URLs that each sent 10 MB and held back their last byte took an API to 1.8 GB with nothing to bound
@@ -49,52 +49,50 @@ async def with_image_inputs(
     store: Store,
     settings: Settings,
     params: JobParams,
-    image: bytes,
+    image: bytes | None,
     mask: bytes | None,
     *,
     decode_slots: asyncio.Semaphore,
     mask_from_alpha: bool = False,
     alpha_as_mask: bool = False,
     last_image: bytes | None = None,
+    control_image: bytes | None = None,
 ) -> JobParams:
-    """Decode the image (and mask, or a first-last-frame video's last image), store the re-encoded PNGs and
-    return the params carrying their references. Decoding runs in a thread (a 4096 x 4096 JPEG takes a
-    second, which the event loop must not wait on), holding one of the process's `decode_slots` (settings.image_decode_slots says why).
+    """Decode the image (and mask, or a first-last-frame video's last image) and a control model's control image,
+    store the re-encoded PNGs and return the params carrying their references. Decoding runs in a thread (a
+    4096 x 4096 JPEG takes a second, which the event loop must not wait on), holding one of the process's
+    `decode_slots` (settings.image_decode_slots says why).
     `alpha_as_mask` (OpenAI's edits): without a mask, an image with transparent pixels is its own mask."""
+    decoded = {}
     try:
-        async with decode_slots:
-            decoded = await asyncio.to_thread(
-                decode_image, image, field="image", max_pixels=settings.max_image_pixels
-            )
-        decoded_mask = None
-        if mask is None and alpha_as_mask and decoded.transparent:
-            mask = image
-        if mask is not None:
-            async with decode_slots:
-                decoded_mask = await asyncio.to_thread(
-                    decode_image,
+        if image is not None:
+            decoded["image"] = await _decoded(decode_slots, image, field="image", settings=settings)
+            if mask is None and alpha_as_mask and decoded["image"].transparent:
+                mask = image
+            if mask is not None:
+                decoded["mask"] = await _decoded(
+                    decode_slots,
                     mask,
                     field="mask",
-                    max_pixels=settings.max_image_pixels,
+                    settings=settings,
                     mode="L",
-                    size=decoded.image.size,
+                    size=decoded["image"].image.size,
                     from_alpha=mask_from_alpha,
                 )
-        decoded_last = None
-        if last_image is not None:
-            async with decode_slots:
-                decoded_last = await asyncio.to_thread(
-                    decode_image, last_image, field="last_image", max_pixels=settings.max_image_pixels
-                )
+        for name, data in (("last_image", last_image), ("control_image", control_image)):
+            if data is not None:
+                decoded[name] = await _decoded(decode_slots, data, field=name, settings=settings)
     except ImageInputError as e:
         raise _refused(e) from None
     inputs = InputStore.of(store)
-    refs = {"image": await inputs.put(decoded.png)}
-    if decoded_mask is not None:
-        refs["mask"] = await inputs.put(decoded_mask.png)
-    if decoded_last is not None:
-        refs["last_image"] = await inputs.put(decoded_last.png)
-    return params.model_copy(update=refs)
+    return params.model_copy(update={name: await inputs.put(d.png) for name, d in decoded.items()})
+
+
+async def _decoded(decode_slots: asyncio.Semaphore, data: bytes, *, field: str, settings: Settings, **kw):
+    async with decode_slots:
+        return await asyncio.to_thread(
+            decode_image, data, field=field, max_pixels=settings.max_image_pixels, **kw
+        )
 
 
 async def drop_unused_inputs(store: Store, params: JobParams, job: Job | None) -> None:

@@ -68,6 +68,10 @@ TOY_FILL = TOY.model_copy(
         ),
     }
 )
+# A control model (FLUX.1 Canny / Depth): text-to-image that needs a control image.
+TOY_CONTROL = TOY.model_copy(
+    update={"id": "toy-control", "limits": TOY.limits.model_copy(update={"control_image": True})}
+)
 MAX_PIXELS = 4096 * 4096
 
 
@@ -321,10 +325,10 @@ def test_the_declared_type_is_not_trusted():
 @pytest.fixture
 async def api_img(make_settings):
     """The API with a fake worker serving toy (text only), toy-img (every image task), toy-i2i, toy-i2v and
-    toy-fill (inpaint only)."""
+    toy-fill (inpaint only) and toy-control (needs a control image)."""
     settings = make_settings(max_image_bytes=2 << 20, max_image_pixels=1 << 20, image_fetch_timeout_s=2.0)
     async with api_client(settings) as (client, store):
-        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I, TOY_I2V, TOY_FILL))
+        worker = FakeWorker(store, models=(TOY, TOY_IMG, TOY_I2I, TOY_I2V, TOY_FILL, TOY_CONTROL))
         await worker.register()
         yield client, store, worker
         await worker.stop()
@@ -368,6 +372,19 @@ async def test_an_image_job_carries_a_reference_not_bytes(api_img):
     assert r.json()["status"] == "succeeded" and r.json()["params"]["strength"] == 0.3
 
 
+async def test_a_control_image_job_carries_its_reference_and_runs(api_img):
+    client, store, worker = api_img
+    worker.start()
+    body = {"model": "toy-control", "prompt": "p", "control_image": data_url(PNG)}
+    r = await client.post("/v1/generate", json=body, headers={"Prefer": "wait=10"})
+    assert r.status_code in (200, 202), r.text
+    params = r.json()["params"]
+    assert params["image"] is None and params["strength"] is None
+    stored = await InputStore.of(store).get(params["control_image"])
+    assert Image.open(io.BytesIO(stored)).size == Image.open(io.BytesIO(PNG)).size
+    assert r.json()["status"] == "succeeded", r.json()
+
+
 def _bad(**fields):
     return {"model": "toy-img", "prompt": "p", "image": data_url(PNG), **fields}
 
@@ -407,6 +424,24 @@ REFUSED_REQUESTS = [
     (_bad(model="toy-i2v", mask=data_url(MASK)), "mask", "task_not_supported"),
     ({"model": "toy-fill", "prompt": "p"}, "image", "missing"),
     (_bad(model="toy-fill"), "mask", "missing"),  # an inpainting model: an image alone is not its task
+    (_bad(control_image=data_url(PNG)), "control_image", "not_supported"),
+    ({"model": "toy-control", "prompt": "p"}, "control_image", "missing"),
+    (
+        {"model": "toy-control", "prompt": "p", "control_image": "data:,x"},
+        "control_image",
+        "invalid_data_url",
+    ),
+    (
+        {"model": "toy-control", "prompt": "p", "control_image": data_url(b"x" * 99)},
+        "control_image",
+        "not_an_image",
+    ),
+    ({"model": "toy-control", "prompt": "p", "control_image": ""}, "control_image", "string_too_short"),
+    (
+        {"model": "toy-control", "prompt": "p", "control_image": "http://127.0.0.1:6379/"},
+        "control_image",
+        "url_not_allowed",
+    ),
     (_bad(image="http://127.0.0.1:6379/"), "image", "url_not_allowed"),
     (_bad(image="http://169.254.169.254/latest/meta-data/"), "image", "url_not_allowed"),
     (_bad(image="http://2130706433/a.png"), "image", "url_not_allowed"),

@@ -130,3 +130,29 @@ def test_fill_served_with_an_image_and_a_mask(tiny_flux_fill_path, monkeypatch):
     print(f"served vs direct: strength 1.0 {err}, 0.5 {err_half}")
     assert err <= 1 and err_half <= 1
     assert np.abs(filled - half).mean() > 1.0
+
+
+def test_control_served_with_its_control_image(tiny_flux_control_path, monkeypatch):
+    pipe = load_pipeline(tiny_flux_control_path)
+    edges = Image.new("RGB", (70, 50), (0, 0, 0))
+    ImageDraw.Draw(edges).rectangle((10, 8, 50, 40), outline=(255, 255, 255), width=2)
+    other = edges.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    body = {"prompt": "a window", "control_image": data_url(edges)}
+    card, jobs, (steered, flipped) = served(
+        "tiny-control",
+        pipe,
+        tiny_flux_control_path,
+        [body, {**body, "control_image": data_url(other)}],
+        [
+            ({"prompt": "a window"}, "control_image", "missing"),
+            ({**body, "image": data_url(edges)}, "image", "task_not_supported"),
+        ],
+        monkeypatch,
+    )
+    assert card["tasks"] == ["text-to-image"] and card["limits"]["control_image"] is True, card
+    assert jobs[0]["params"]["control_image"] is not None and jobs[0]["params"]["image"] is None
+    err = np.abs(steered - direct(pipe, jobs[0], control_image=edges)).max()
+    err_other = np.abs(flipped - direct(pipe, jobs[1], control_image=other)).max()
+    print(f"served vs direct: {err}, {err_other}")
+    assert err <= 1 and err_other <= 1
+    assert np.abs(steered - flipped).mean() > 0.5

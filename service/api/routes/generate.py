@@ -150,18 +150,20 @@ async def create_job(body: GenerateRequest, request: Request) -> Response:
     wait_s = prefer_wait(request.headers.getlist("prefer"), settings.max_wait_s)  # read before the job exists
     # Fields at their defaults left out: a retry that spells a default out is the same request.
     digest = request_hash(body.model_dump(mode="json", exclude_defaults=True)) if key else ""
-    if body.image is not None:  # fetched, decoded and stored now: a bad input is a 422, not a failed job
+    if body.image is not None or body.control_image is not None:
+        # fetched, decoded and stored now: a bad input is a 422, not a failed job
         hold = getattr(request.state, "hold_bytes", None)  # (service/api/body_limit.py)
         fields = {"image": body.image, "mask": body.mask, "last_image": body.last_image}
-        read = await read_image_fields(fields, settings, hold)
+        read = await read_image_fields({**fields, "control_image": body.control_image}, settings, hold)
         params = await with_image_inputs(
             store,
             settings,
             params,
-            read["image"],
+            read.get("image"),
             read.get("mask"),
             decode_slots=request.app.state.decode_slots,
             last_image=read.get("last_image"),
+            control_image=read.get("control_image"),
         )
     job, unknown = None, None
     try:
