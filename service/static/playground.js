@@ -104,7 +104,10 @@ function selectModel() {
   const takesImage = requestFields.has("image") && /image-to|inpaint|edit/.test(tasks);
   $("image-inputs").hidden = !takesImage;
   $("mask-row").hidden = !(takesImage && requestFields.has("mask") && /inpaint/.test(tasks));
-  $("strength-row").hidden = !(takesImage && requestFields.has("strength"));
+  // A model with no strength (FLUX.1 Kontext's edits) leaves the field out: the API would refuse one.
+  $("strength-row").hidden = !(takesImage && requestFields.has("strength") && l.strength);
+  // A control model (FLUX.1 Canny / Depth) needs its control image on every request.
+  $("control-row").hidden = !(requestFields.has("control_image") && l.control_image);
   const strength = l.strength; // {min (exclusive), max, defaults: {task: value}}: the placeholder is img2img's
   $("strength").max = strength ? strength.max : 1;
   $("strength").placeholder = strength && strength.defaults["image-to-image"] != null
@@ -162,6 +165,10 @@ async function requestBody() {
     const mask = $("mask-row").hidden ? null : await readDataUrl($("mask"));
     if (mask) body.mask = mask;
     if (!$("strength-row").hidden && numberOf("strength") !== undefined) body.strength = numberOf("strength");
+  }
+  if (!$("control-row").hidden) {
+    const control = await readDataUrl($("control-image"));
+    if (control) body.control_image = control;
   }
   if (!$("cache-row").hidden && $("cache-method").value) {
     body.cache = { method: $("cache-method").value };

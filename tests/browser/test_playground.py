@@ -425,6 +425,44 @@ def test_a_video_model_gets_a_frames_field_and_a_video(page, servers):
     assert page.get_attribute("video.output", "src").startswith("blob:")
 
 
+def test_a_control_model_sends_its_control_image_and_an_edit_model_no_strength(page, servers, tmp_path):
+    """Answered in the browser, as the video test: a FLUX.1 Canny card (limits.control_image) shows the control
+    image field and the request carries it as a data URL; a FLUX.1 Kontext card (image-to-image without a
+    strength) shows the image field without the strength, which the API would refuse."""
+    (card,) = httpx.get(servers["open"] + "/v1/models").json()["data"]
+    control = {
+        **card,
+        "id": "canny",
+        "tasks": ["text-to-image"],
+        "limits": {**card["limits"], "control_image": True},
+    }
+    kontext = {**card, "id": "kontext", "tasks": ["text-to-image", "image-to-image"]}
+    kontext["limits"] = {**card["limits"], "strength": None}
+    sent = []
+
+    def submit(route):
+        sent.append(route.request.post_data_json)
+        route.fulfill(status=422, json={"error": {"code": "caught", "message": "caught", "field": None}})
+
+    page.route(
+        "**/v1/models", lambda route: route.fulfill(json={"object": "list", "data": [control, kontext]})
+    )
+    page.route("**/v1/generate", submit)
+    _ready(page, servers["open"])
+    assert page.is_visible("#control-image") and page.is_hidden("#image-inputs")
+    edges = tmp_path / "edges.png"
+    Image.new("RGB", (64, 64), (0, 0, 0)).save(edges)
+    page.set_input_files("#control-image", str(edges))
+    page.fill("#prompt", README_PROMPT)
+    _generate(page)
+    assert (
+        sent[0]["control_image"] == "data:image/png;base64," + base64.b64encode(edges.read_bytes()).decode()
+    )
+    assert sent[0]["model"] == "canny" and "image" not in sent[0]
+    page.select_option("#model", "kontext")
+    assert page.is_visible("#image") and page.is_hidden("#strength-row") and page.is_hidden("#control-row")
+
+
 def test_with_keys_on_the_page_asks_for_one(page, servers):
     page.goto(servers["keys"] + "/playground")
     page.wait_for_selector("#key-box:not([hidden])")
