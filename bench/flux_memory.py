@@ -3,6 +3,7 @@
     python bench/flux_memory.py                    # every layout, prints the tables (2.4 min on 2 cores)
     python bench/flux_memory.py --layouts 1,tensor4 --units 2      # a subset at 2 of 19 units: quick
     python bench/flux_memory.py --write-docs       # and replaces the generated part of docs/flux.md
+    python bench/flux_memory.py --kontext --layouts 1,context4-fsdp   # FLUX.1 Kontext's denoise beside dev's
 
 Nothing here needs a checkpoint or runs a model: every module is built shapes-only (models.loading.
 abstract_module) from FLUX.1-dev's configs (transformer: 19 double + 38 single blocks of 24 heads x 128,
@@ -173,8 +174,12 @@ def lower_denoise(
     scan: bool = True,
     quantize: str | None = None,
     activations: str | None = None,
+    context: int = 0,
 ):
     """The transformer's denoise loop at 1024x1024 (`rows` = 1: CFG off, 2: true CFG), lowered.
+
+    context: FLUX.1 Kontext's image tokens after the latents' (models/flux/pipeline_kontext.py: 4096, an image
+    of the output's size), an input of the loop the transformer sees every step, its output cut to the latents.
 
     tie: without shard_over too, the weights pass an optimization barrier with the step's input (as
     `gather_weights_per_step` does with shard_over), so XLA:CPU cannot hoist its bf16 -> f32 weight converts
@@ -185,19 +190,22 @@ def lower_denoise(
     rules = quantized_rules(FLUX_RULES) if quantize else FLUX_RULES
     graph, state = placed_state(module, FLUX_RULES, placement, jnp.bfloat16, quantize, activations)
     bf16 = jnp.bfloat16
-    cos = np.zeros((TEXT + IMAGE, 128), np.float32)
+    cos = np.zeros((TEXT + IMAGE + context, 128), np.float32)
     replicated = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
 
-    def _denoise(state, latents, embeds, pooled, guidance, rope, sigmas, steps):
+    def _denoise(state, latents, embeds, pooled, guidance, rope, sigmas, steps, image):
         def body(carry):
             i, x = carry
-            rows_in = placement.constrain_batch(jnp.repeat(x, rows, axis=0))  # [neg0, pos0, ...] with CFG
+            tokens = jnp.concatenate([x, image], axis=1) if context else x
+            rows_in = placement.constrain_batch(
+                jnp.repeat(tokens, rows, axis=0)
+            )  # [neg0, pos0, ...] with CFG
             weights, rows_in = placement.gather_weights_per_step(state, rows_in, rules)
             if tie and not placement.shard_over:
                 weights, rows_in = jax.lax.optimization_barrier((weights, rows_in))
             model = placement.gather_blocks(nnx.merge(graph, weights), rules)
             t = jnp.broadcast_to(sigmas[i], (rows_in.shape[0],))
-            v = model(rows_in, embeds, pooled, t, rope, guidance).astype(jnp.float32)
+            v = model(rows_in, embeds, pooled, t, rope, guidance)[:, :IMAGE].astype(jnp.float32)
             v = placement.constrain_batch(v)
             if rows == 2:  # true CFG: neg + s (pos - neg)
                 v = v[0::2] + 3.5 * (v[1::2] - v[0::2])
@@ -214,6 +222,7 @@ def lower_denoise(
         tuple(jax.ShapeDtypeStruct(cos.shape, jnp.float32, sharding=replicated) for _ in range(2)),
         jax.ShapeDtypeStruct((201,), jnp.float32, sharding=replicated),
         jax.ShapeDtypeStruct((), jnp.int32),
+        batch_arg(placement, (1, max(context, 1), 64), bf16),
     )
     return jax.jit(_denoise).lower(state, *args)
 
@@ -275,6 +284,37 @@ def measure(name: str, units: int, engine: bool) -> dict:
             "denoise rows=1, as the engine", lambda: compile_denoise(units, placement, settings, 1, tie=False)
         )
     out["vae"] = timed("VAE decode", lambda: compile_vae(placement))
+    return out
+
+
+def kontext(names: list[str], units: int) -> list[str]:
+    """FLUX.1 Kontext's denoise program (the image as 4096 context tokens: 512 + 2 x 4096 in the joint sequence)
+    beside FLUX.1-dev's, per layout and CFG mode: its temporaries and the peak they make with the weights at
+    rest (the T5 and VAE stages are FLUX.1-dev's; the image's VAE encode is smaller than the decode)."""
+    out = [
+        "| layout | CFG | FLUX.1-dev denoise temp | Kontext denoise temp | Kontext peak | fits (of 16, 24, 40, 80 GB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        sizes, shard_over, cfg_modes = LAYOUTS[name]
+        placement, settings = layout_placement(sizes, shard_over)
+        at_rest = state_bytes(
+            placed_state(flux_module(units, settings), FLUX_RULES, placement, jnp.bfloat16)[1]
+        )[1]
+        for _, module, rules, dtype in other_modules():
+            at_rest += state_bytes(placed_state(module, rules, placement, dtype)[1])[1]
+        vae = memory_parts(compile_vae(placement))
+        for rows in cfg_modes:
+            plain = memory_parts(compile_denoise(units, placement, settings, rows))
+            edit = memory_parts(compile_denoise(units, placement, settings, rows, context=IMAGE))
+            t5 = memory_parts(compile_t5(placement, rows))
+            peak = at_rest + max(p["temporaries"] + p["output"] for p in (edit, t5, vae))
+            out.append(
+                f"| {layout_text(sizes, shard_over)} | {'true CFG' if rows == 2 else 'off'} | "
+                f"{plain['temporaries'] / GB:.2f} | {edit['temporaries'] / GB:.2f} | **{peak / GB:.2f}** | "
+                f"{fits(peak)} |"
+            )
+            print(out[-1], file=sys.stderr, flush=True)
     return out
 
 
@@ -353,11 +393,22 @@ def main():
         "each layout, so an interrupted run resumes",
     )
     parser.add_argument("--write-docs", action="store_true", help=f"replace the generated section of {DOCS}")
+    parser.add_argument(
+        "--kontext",
+        action="store_true",
+        help="only FLUX.1 Kontext's denoise program beside FLUX.1-dev's, per layout (a table; no docs written)",
+    )
     args = parser.parse_args()
     names = [n.strip() for n in args.layouts.split(",")]
     if unknown := set(names) - set(LAYOUTS):
         parser.error(f"unknown layouts {sorted(unknown)}")
     t0 = time.perf_counter()
+    if args.kontext:
+        table = kontext(names, args.units)
+        print(f"FLUX.1 Kontext at 1024x1024, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, jax "
+              f"{jax.__version__}, {time.perf_counter() - t0:.0f} s. " + fits_rule())  # fmt: skip
+        print("\n".join(table))
+        return
     engine = {n.strip() for n in args.engine.split(",")}
     scheduler = scheduler_name(args.default_scheduler)
     key = f"units={args.units} scheduler={scheduler} jax={jax.__version__}"
