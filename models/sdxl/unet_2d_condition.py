@@ -502,7 +502,11 @@ class CrossAttnUpBlock2D(UpBlock2D):
 # The model
 
 
-class UNet2DConditionModel(nnx.Module):
+class UNetEncoder(nnx.Module):
+    """The UNet's way down: conv_in, the time (and SDXL's text_time) embedding, the down blocks and the mid
+    block, in diffusers' attribute names. UNet2DConditionModel adds the way up; a ControlNet (models/sdxl/
+    controlnet.py) is this half with its own input and output convolutions."""
+
     def __init__(
         self,
         config: UNet2DConditionConfig,
@@ -517,7 +521,6 @@ class UNet2DConditionModel(nnx.Module):
         n = len(channels)
         layers = cfg.per_block("layers_per_block")
         depths = cfg.per_block("transformer_layers_per_block")
-        rev_depths = list(cfg.reverse_transformer_layers_per_block or reversed(depths))
         for name in (cfg.act_fn, cfg.time_embedding_act_fn, cfg.timestep_post_act):
             if name is not None:
                 get_activation(name)  # fail at construction on an unknown activation
@@ -541,9 +544,6 @@ class UNet2DConditionModel(nnx.Module):
             else None
         )
 
-        def level(i: int, output_scale_factor: float = 1.0, mid_block: bool = False) -> LevelArgs:
-            return LevelArgs(cfg, i, settings, jnp.dtype(dtype), rngs, output_scale_factor, mid_block)
-
         down = []
         for i, kind in enumerate(cfg.down_block_types):
             cross = kind == "CrossAttnDownBlock2D"
@@ -555,7 +555,7 @@ class UNet2DConditionModel(nnx.Module):
                     num_layers=layers[i],
                     add_downsample=i < n - 1,
                     downsample_padding=cfg.downsample_padding,
-                    args=level(i),
+                    args=self.level(i, settings, rngs),
                     transformer_layers=_per_layer(depths[i], layers[i]) if cross else None,
                 )
             )
@@ -565,34 +565,16 @@ class UNet2DConditionModel(nnx.Module):
             UNetMidBlock2DCrossAttn(
                 channels[-1],
                 transformer_layers=_per_layer(depths[-1], 1),
-                args=level(n - 1, cfg.mid_block_scale_factor, mid_block=True),
+                args=self.level(n - 1, settings, rngs, cfg.mid_block_scale_factor, mid_block=True),
             )
             if cfg.mid_block_type == "UNetMidBlock2DCrossAttn"
             else None
         )
 
-        rev = list(reversed(channels))
-        up = []
-        for i, kind in enumerate(cfg.up_block_types):
-            cross, j = kind == "CrossAttnUpBlock2D", n - 1 - i  # j: the level's index on the way down
-            block = CrossAttnUpBlock2D if cross else UpBlock2D
-            up.append(
-                block(
-                    rev[min(i + 1, n - 1)],
-                    rev[max(i - 1, 0)],
-                    rev[i],
-                    num_layers=layers[j] + 1,
-                    add_upsample=i < n - 1,
-                    args=level(j),
-                    transformer_layers=_per_layer(rev_depths[i], layers[j] + 1) if cross else None,
-                )
-            )
-        self.up_blocks = nnx.List(up)
-        self.num_upsamplers = n - 1
-
-        self.conv_norm_out = GroupNorm(channels[0], cfg.norm_num_groups, cfg.norm_eps, dtype=dtype, rngs=rngs)
-        k = cfg.conv_out_kernel
-        self.conv_out = conv2d(channels[0], cfg.out_channels, k, padding=(k - 1) // 2, dtype=dtype, rngs=rngs)
+    def level(
+        self, i: int, settings, rngs, output_scale_factor: float = 1.0, mid_block: bool = False
+    ) -> LevelArgs:
+        return LevelArgs(self.config, i, settings, self.dtype, rngs, output_scale_factor, mid_block)
 
     def _embed_time(self, timestep, batch: int, text_embeds, time_ids, timestep_cond=None):
         """The embedding every resnet receives: time (with an LCM UNet's guidance embedding, `timestep_cond`
@@ -616,12 +598,66 @@ class UNet2DConditionModel(nnx.Module):
             emb = get_activation(cfg.time_embedding_act_fn)(emb)
         return emb
 
+
+class UNet2DConditionModel(UNetEncoder):
+    def __init__(
+        self,
+        config: UNet2DConditionConfig,
+        *,
+        settings: AttentionSettings | None = None,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        super().__init__(config, settings=settings, dtype=dtype, rngs=rngs)
+        cfg, settings = config, settings or AttentionSettings()
+        channels = list(cfg.block_out_channels)
+        n = len(channels)
+        layers = cfg.per_block("layers_per_block")
+        rev_depths = list(
+            cfg.reverse_transformer_layers_per_block
+            or reversed(cfg.per_block("transformer_layers_per_block"))
+        )
+
+        rev = list(reversed(channels))
+        up = []
+        for i, kind in enumerate(cfg.up_block_types):
+            cross, j = kind == "CrossAttnUpBlock2D", n - 1 - i  # j: the level's index on the way down
+            block = CrossAttnUpBlock2D if cross else UpBlock2D
+            up.append(
+                block(
+                    rev[min(i + 1, n - 1)],
+                    rev[max(i - 1, 0)],
+                    rev[i],
+                    num_layers=layers[j] + 1,
+                    add_upsample=i < n - 1,
+                    args=self.level(j, settings, rngs),
+                    transformer_layers=_per_layer(rev_depths[i], layers[j] + 1) if cross else None,
+                )
+            )
+        self.up_blocks = nnx.List(up)
+        self.num_upsamplers = n - 1
+
+        self.conv_norm_out = GroupNorm(channels[0], cfg.norm_num_groups, cfg.norm_eps, dtype=dtype, rngs=rngs)
+        k = cfg.conv_out_kernel
+        self.conv_out = conv2d(channels[0], cfg.out_channels, k, padding=(k - 1) // 2, dtype=dtype, rngs=rngs)
+
     def __call__(
-        self, sample, timestep, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None
+        self,
+        sample,
+        timestep,
+        encoder_hidden_states,
+        text_embeds=None,
+        time_ids=None,
+        timestep_cond=None,
+        down_block_additional_residuals=None,
+        mid_block_additional_residual=None,
     ):
         """sample [B, H, W, C], timestep [B] or scalar, encoder_hidden_states [B, S, D], text_embeds [B, P],
         time_ids [B, 6], timestep_cond [B, time_cond_proj_dim] (an LCM UNet's guidance embedding) ->
-        [B, H, W, out_channels] in the dtype of `sample` (fp32 latents stay fp32)."""
+        [B, H, W, out_channels] in the dtype of `sample` (fp32 latents stay fp32). A ControlNet's outputs
+        (diffusers' names): one residual per skip, added to the skips once the way down has run, and one added
+        to the mid block's output."""
+        extra = list(down_block_additional_residuals or [])
         batch, height, width = sample.shape[:3]
         emb = self._embed_time(timestep, batch, text_embeds, time_ids, timestep_cond)
         context = encoder_hidden_states.astype(self.dtype)
@@ -635,9 +671,14 @@ class UNet2DConditionModel(nnx.Module):
         factor = 2**self.num_upsamplers
         odd_size = height % factor != 0 or width % factor != 0
 
+        def with_residuals(skips: list, start: int) -> list:  # a ControlNet's residuals for skips[start:]
+            if not extra:
+                return skips
+            return [s if i < start else s + extra[i].astype(s.dtype) for i, s in enumerate(skips)]
+
         def blocks(x):  # conv_in's output -> the output head's input
             first, first_skips = down[0](x, emb, context)
-            skips = [x, *first_skips]
+            skips = with_residuals([x, *first_skips], 0)
             # The last up block takes the shallowest skips (conv_in's and the first down block's resnets');
             # the first down block's downsampled output goes deeper.
             shallow, deep_skips = skips[: len(up[-1].resnets)], skips[len(up[-1].resnets) :]
@@ -646,9 +687,11 @@ class UNet2DConditionModel(nnx.Module):
                 skips = [*shallow, *deep_skips]
                 for block in down[1:]:
                     x, block_skips = block(x, emb, context)
-                    skips += block_skips
+                    skips = with_residuals(skips + list(block_skips), len(skips))
                 if self.mid_block is not None:
                     x = self.mid_block(x, emb, context)
+                if mid_block_additional_residual is not None:
+                    x = x + mid_block_additional_residual.astype(x.dtype)
                 for block in up[:-1]:
                     block_skips = skips[-len(block.resnets) :]
                     skips = skips[: -len(block.resnets)]
