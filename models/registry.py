@@ -29,6 +29,11 @@ _FAMILIES = {
         "meshserve.models.sdxl.pipeline",
         "StableDiffusionXLPipeline",
     ),
+    "StableDiffusionXLControlNetPipeline": (
+        "sdxl",
+        "meshserve.models.sdxl.pipeline_controlnet",
+        "StableDiffusionXLControlNetPipeline",
+    ),
     "FluxPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxImg2ImgPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxInpaintPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),

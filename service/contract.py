@@ -112,6 +112,8 @@ class ModelDefaults(_Frozen):
     # Present (6.0 and 2.5) only for a model with diffusers' aesthetic score in its time ids (the SDXL refiner).
     aesthetic_score: float | None = None
     negative_aesthetic_score: float | None = None
+    # Present (1.0) only for a model with a ControlNet (SDXL): how strongly its residuals steer the UNet.
+    controlnet_conditioning_scale: float | None = None
     # Video models: the frame rate their outputs are written at (Wan: 16); None for image models, left out.
     fps: int | None = None
 
@@ -124,6 +126,7 @@ class ModelDefaults(_Frozen):
             "guidance_scale_2",
             "aesthetic_score",
             "negative_aesthetic_score",
+            "controlnet_conditioning_scale",
             "fps",
         ):
             if getattr(self, name) is None:
@@ -366,6 +369,7 @@ class JobParams(_Frozen):
     guidance_scale_2: float | None = None  # Wan 2.2's low-noise CFG scale (None: the model has one expert)
     aesthetic_score: float | None = None  # the SDXL refiner's (None: the model has none)
     negative_aesthetic_score: float | None = None
+    controlnet_conditioning_scale: float | None = None  # a ControlNet's (None: the model has none)
     fps: int | None = None  # video models: the outputs' frame rate (None: an image model)
     scheduler: str | None = None
     seed: int

@@ -303,6 +303,15 @@ class GenerateRequest(_TextRequest):
         "guidance_scale > 1. Only models whose `defaults` list `guidance_rescale` take it; for any other model "
         "it is a 422.",
     )
+    controlnet_conditioning_scale: float | None = Field(
+        None,
+        ge=0,
+        le=10,
+        allow_inf_nan=False,
+        description="diffusers' controlnet_conditioning_scale: how strongly a ControlNet's residuals steer the UNet "
+        "(0: not at all; 1.0, the default). Only models whose `defaults` list it (SDXL with a ControlNet) take it; "
+        "for any other model it is a 422.",
+    )
     guidance_scale_2: float | None = Field(
         None,
         ge=0,

@@ -109,6 +109,14 @@ def tiny_sdxl_deep_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl_controlnet_path(tmp_path_factory, tiny_sdxl_path) -> Path:
+    """The tiny SDXL with a tiny ControlNet: a StableDiffusionXLControlNetPipeline folder diffusers wrote."""
+    from tests.fixtures.tiny_controlnet import build_tiny_sdxl_controlnet
+
+    return build_tiny_sdxl_controlnet(tmp_path_factory.mktemp("tiny_sdxl_controlnet"), tiny_sdxl_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_dev_path(tmp_path_factory) -> Path:
     """A tiny random Flux.1-dev-type diffusers folder (guidance embedding) written by diffusers' save_pretrained."""
     from tests.fixtures.tiny_flux import build_tiny_flux

@@ -342,9 +342,16 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         def model(x, t):
             unet, x = self.merged_per_step(state, x)
             t = jnp.broadcast_to(t, (x.shape[0],))
-            return unet(x, t, embeds, text_embeds=pooled, time_ids=time_ids, timestep_cond=timestep_cond)
+            added = {"text_embeds": pooled, "time_ids": time_ids}
+            residuals = self.unet_residuals(unet, x, t, embeds, added, rows, image, do_cfg)
+            return unet(x, t, embeds, **added, timestep_cond=timestep_cond, **residuals)
 
         return model
+
+    def unet_residuals(self, unet, x, t, embeds, added, rows, image, do_cfg) -> dict:
+        """Traced, every step: what the UNet adds to its skips and mid block (a ControlNet's residuals,
+        models/sdxl/pipeline_controlnet.py); none here."""
+        return {}
 
     @property
     def guided_by_cfg(self) -> bool:

@@ -270,6 +270,7 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         "guidance_scale_2": "has one denoiser; guidance_scale_2 (Wan 2.2's two experts) must be left out",
         "aesthetic_score": "takes no aesthetic_score; leave it out",
         "negative_aesthetic_score": "takes no negative_aesthetic_score; leave it out",
+        "controlnet_conditioning_scale": "has no ControlNet; controlnet_conditioning_scale must be left out",
     }
     given = {}
     for name, refusal in published.items():

@@ -425,6 +425,8 @@ REFUSED_REQUESTS = [
     ({"model": "toy-fill", "prompt": "p"}, "image", "missing"),
     (_bad(model="toy-fill"), "mask", "missing"),  # an inpainting model: an image alone is not its task
     (_bad(control_image=data_url(PNG)), "control_image", "not_supported"),
+    (_bad(controlnet_conditioning_scale=0.5), "controlnet_conditioning_scale", "not_supported"),
+    (_bad(controlnet_conditioning_scale=11), "controlnet_conditioning_scale", "less_than_equal"),
     ({"model": "toy-control", "prompt": "p"}, "control_image", "missing"),
     (
         {"model": "toy-control", "prompt": "p", "control_image": "data:,x"},

@@ -1,5 +1,6 @@
-"""FLUX.1 Kontext and FLUX.1 Fill served end to end: a worker pool on a tiny folder of each (diffusers'
-FluxKontextPipeline and FluxFillPipeline layouts), the API in-process over ASGI, one Redis. Each card lists the
+"""FLUX.1 Kontext, Fill and Canny/Depth and SDXL with a ControlNet served end to end: a worker pool on a tiny
+folder of each (diffusers' FluxKontextPipeline, FluxFillPipeline, FluxControlPipeline and
+StableDiffusionXLControlNetPipeline layouts), the API in-process over ASGI, one Redis. Each card lists the
 model's tasks and strength rule; a request the model does not take is a 422 naming the field, nothing queued;
 each job's PNG is the image a direct pipeline call with the same inputs and seed gives. The pools' warm-up is
 skipped (as in tests/workers/test_i2v_serving.py): the first jobs compile their programs."""
@@ -67,11 +68,13 @@ def served(model: str, pipe, folder, bodies: list[dict], refused: list[tuple[dic
 def direct(pipe, job: dict, **images) -> np.ndarray:
     """A served job's call made directly (the runner's arguments), as 8-bit pixels."""
     p = job["params"]
+    own = ("true_cfg_scale", "controlnet_conditioning_scale")
+    rows = {name: [p[name]] for name in own if name in pipe.row_fields}
     out = pipe(
         [p["prompt"]],
         negative_prompt=[None],
         guidance_scale=[p["guidance_scale"]],
-        true_cfg_scale=[p["true_cfg_scale"]],
+        **rows,
         seed=[SEED],
         height=HEIGHT,
         width=WIDTH,
@@ -156,3 +159,29 @@ def test_control_served_with_its_control_image(tiny_flux_control_path, monkeypat
     print(f"served vs direct: {err}, {err_other}")
     assert err <= 1 and err_other <= 1
     assert np.abs(steered - flipped).mean() > 0.5
+
+
+def test_sdxl_controlnet_served_with_its_control_image(tiny_sdxl_controlnet_path, monkeypatch):
+    pipe = load_pipeline(tiny_sdxl_controlnet_path)
+    edges = Image.new("RGB", (70, 50), (0, 0, 0))
+    ImageDraw.Draw(edges).ellipse((10, 8, 50, 40), outline=(255, 255, 255), width=2)
+    body = {"prompt": "a ring", "control_image": data_url(edges), "guidance_scale": 5.0}
+    card, jobs, (steered, weaker) = served(
+        "tiny-sdxl-controlnet",
+        pipe,
+        tiny_sdxl_controlnet_path,
+        [body, {**body, "controlnet_conditioning_scale": 0.3}],
+        [
+            ({"prompt": "a ring"}, "control_image", "missing"),
+            ({**body, "cache": {"method": "teacache"}}, "cache", "not_supported"),
+        ],
+        monkeypatch,
+    )
+    assert card["tasks"] == ["text-to-image"] and card["limits"]["control_image"] is True, card
+    assert card["defaults"]["controlnet_conditioning_scale"] == 1.0
+    assert [j["params"]["controlnet_conditioning_scale"] for j in jobs] == [1.0, 0.3]
+    err = np.abs(steered - direct(pipe, jobs[0], control_image=edges)).max()
+    err_weaker = np.abs(weaker - direct(pipe, jobs[1], control_image=edges)).max()
+    print(f"served vs direct: {err}, scale 0.3: {err_weaker}")
+    assert err <= 1 and err_weaker <= 1
+    assert np.abs(steered - weaker).mean() > 0.5

@@ -1,0 +1,125 @@
+"""SDXL with a ControlNet: text-to-image steered by a control image (an edge, depth or pose map).
+
+Mirrors diffusers' StableDiffusionXLControlNetPipeline with one ControlNetModel (a folder whose model_index.json
+names that pipeline, with a `controlnet/` component). Every step the ControlNet (models/sdxl/controlnet.py) reads
+the UNet's input, timestep, text states and micro-conditioning with the control image, and the UNet adds its
+residuals, times `controlnet_conditioning_scale`, to its skips and mid block. The ControlNet rides inside the
+denoiser's module (as `unet.controlnet`), so it is loaded, placed, split over the pool's mesh and gathered per
+step as the UNet is; the UNet's own parameter names are unchanged (LoRA adapters find their layers).
+
+- The control image: diffusers' argument `image` (this pipeline's name for it), or `control_image` (the
+  engine's and the API's name; also FLUX.1 Control's); one for all prompts, one per prompt (repeated over its
+  images, diffusers' repeat_interleave) or one per output image. Resized to the call's size as diffusers'
+  control image processor does (PIL: Lanczos; numpy: nearest), in [0, 1], not normalised. Without a height and
+  width the output takes the first control image's size (rounded down to the size multiple), as diffusers.
+- `controlnet_conditioning_scale`: per row here (one value, one per prompt or one per image; diffusers: one
+  per call), traced: a new value compiles nothing.
+- Not implemented (refused as unsupported arguments): `control_guidance_start` / `control_guidance_end` (the
+  ControlNet runs on every step, diffusers' default), `guess_mode`, several ControlNets (MultiControlNetModel),
+  the ControlNet img2img and inpaint pipelines; step caches (the ControlNet runs every step: a cached UNet step
+  would still pay for it).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshserve.models.checkpoints.loading import CheckpointError
+from meshserve.models.components.image_processor import as_image_list, image_size, preprocess_image
+from meshserve.models.engine.common import PipelineError
+from meshserve.models.engine.denoise_loop import interleave
+from meshserve.models.sdxl.controlnet import load_controlnet
+from meshserve.models.sdxl.pipeline import StableDiffusionXLPipeline
+from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
+
+__all__ = ["StableDiffusionXLControlNetPipeline"]
+
+
+class StableDiffusionXLControlNetPipeline(StableDiffusionXLPipeline):
+    row_fields = (*StableDiffusionXLPipeline.row_fields, "controlnet_conditioning_scale")
+    image_fields = ("control_image",)
+    condition_fields = ("control_image",)
+    cache_methods = {}
+
+    def load(self, folder):
+        modules = super().load(folder)
+        unet = modules["unet"]
+        controlnet = self.load_module(
+            load_controlnet, folder / "controlnet", UNET_RULES, attention=self.attention
+        )
+        a, b = unet.config, controlnet.config
+        if (a.block_out_channels, a.cross_attention_dim, a.addition_embed_type) != (
+            b.block_out_channels,
+            b.cross_attention_dim,
+            b.addition_embed_type,
+        ):
+            raise CheckpointError(
+                f"{folder / 'controlnet'}: its block_out_channels, cross_attention_dim or addition_embed_type "
+                "differ from the UNet's: not a ControlNet of this model"
+            )
+        factor = 2 ** (len(controlnet.controlnet_config.conditioning_embedding_out_channels) - 1)
+        if factor != self.vae_scale_factor:
+            raise CheckpointError(
+                f"{folder / 'controlnet'}: its conditioning embedding halves the control image "
+                f"{len(controlnet.controlnet_config.conditioning_embedding_out_channels) - 1} times, the VAE's "
+                f"factor is {self.vae_scale_factor}"
+            )
+        unet.controlnet = controlnet  # the denoiser's module: placed, split and gathered with the UNet
+        return modules
+
+    @property
+    def defaults(self) -> dict:
+        return {**super().defaults, "controlnet_conditioning_scale": 1.0, **self.folder_defaults}
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return ("text-to-image",)
+
+    @property
+    def limits(self) -> dict:
+        return {**super().limits, "control_image": True}
+
+    def __call__(self, prompt=None, *, image=None, control_image=None, height=None, width=None, **kwargs):
+        if (
+            control_image is None
+        ):  # diffusers' StableDiffusionXLControlNetPipeline calls the control image `image`
+            control_image, image = image, None
+        elif image is not None:
+            raise PipelineError(
+                "give the control image as image= (diffusers' name) or control_image=, not both"
+            )
+        if control_image is None:
+            raise PipelineError(
+                f"control_image: {self.model_id or 'this SDXL ControlNet model'} needs one (its control image: "
+                "diffusers' image= for this pipeline)"
+            )
+        if height is None and width is None:  # diffusers: the control image's own size
+            height, width = image_size(control_image, "control_image", self.limits["size_multiple"])
+        return super().__call__(prompt, control_image=control_image, height=height, width=width, **kwargs)
+
+    def warm_up_inputs(self, width: int, height: int) -> dict:
+        return {"control_image": np.zeros((height, width, 3), np.uint8)}  # its pixels are traced inputs
+
+    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
+        """Host: one control image per output row, [B, H, W, 3] in [0, 1] at the call's size."""
+        items = as_image_list(control_image, "control_image")
+        if len(items) not in (1, prompts, prompts * n):
+            raise PipelineError(
+                f"control_image: expected one image, one per prompt ({prompts}) or one per output image "
+                f"({prompts * n}), got {len(items)}"
+            )
+        rows = np.repeat(np.arange(len(items)), prompts * n // len(items))  # p0, p0, p1, p1 (diffusers)
+        height, width = settings["height"], settings["width"]
+        processed = [(preprocess_image(item, height, width, "control_image") + 1) / 2 for item in items]
+        return np.stack([processed[i] for i in rows]).astype(np.float32), None
+
+    def image_inputs(self, vae_state, pixels, mask, *, shape, task):
+        return {"control": pixels}
+
+    def unet_residuals(self, unet, x, t, embeds, added, rows, image, do_cfg) -> dict:
+        control, scale = image["control"], rows["controlnet_conditioning_scale"]
+        if do_cfg:  # both passes of a row: its control image and scale
+            control, scale = interleave(control, control), jnp.repeat(scale, 2)
+        down, mid = unet.controlnet(x, t, embeds, control, scale, **added)
+        return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}

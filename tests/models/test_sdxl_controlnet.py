@@ -1,0 +1,149 @@
+"""SDXL with a ControlNet against diffusers' StableDiffusionXLControlNetPipeline (the tiny SDXL and a tiny random
+ControlNet whose zero convolutions were given weights: tests/fixtures/tiny_controlnet.py), fp32, the same
+starting latents, two prompts with their own control images and negatives, CFG."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from meshserve.models import PipelineError, load_pipeline
+from meshserve.models.engine.common import UnsupportedArgument
+
+log = logging.getLogger(__name__)
+
+H, W = 48, 64  # latents 24 x 32
+PROMPTS = ["a house", "a tree on a hill"]
+NEGATIVE = ["blurry", "dark"]
+
+
+def _controls(seed: int, size=(W, H)) -> list:
+    """Two edge-map-like PIL pictures: white outlines on black, different."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        img = Image.new("RGB", size, (0, 0, 0))
+        draw = ImageDraw.Draw(img)
+        for _ in range(4):
+            x0, x1 = sorted(int(v) for v in rng.integers(0, size[0], 2))
+            y0, y1 = sorted(int(v) for v in rng.integers(0, size[1], 2))
+            draw.rectangle((x0, y0, x1, y1), outline=(255, 255, 255), width=2)
+        out.append(img)
+    return out
+
+
+def _latents(seed: int, rows: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 4, H // 2, W // 2)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_sdxl_controlnet_path):
+    return load_pipeline(tiny_sdxl_controlnet_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sdxl_controlnet_path):
+    from diffusers import StableDiffusionXLControlNetPipeline
+
+    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(
+        str(tiny_sdxl_controlnet_path), torch_dtype=torch.float32
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+KW = dict(negative_prompt=NEGATIVE, guidance_scale=5.0, num_inference_steps=3, output_type="np")
+
+
+def _check(got, expected, what):
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    err = float(np.abs(got - expected).max())
+    log.info("%s: max abs pixel difference from diffusers %.2e", what, err)
+    assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
+    assert expected.std() > 1e-3
+
+
+def test_controlnet_matches_diffusers_and_a_new_scale_compiles_nothing(ours, reference):
+    controls, latents = _controls(0), _latents(1)
+    kw = dict(KW, image=controls, controlnet_conditioning_scale=0.8)
+    expected = reference(PROMPTS, latents=torch.from_numpy(latents), **kw).images
+    got = ours(PROMPTS, latents=latents, **kw)  # no size: the control images' (diffusers' rule)
+    _check(got.images, expected, "SDXL ControlNet, CFG, scale 0.8")
+    compiled = ours.compilations
+    weaker = ours(PROMPTS, latents=latents, **{**kw, "controlnet_conditioning_scale": [0.8, 0.0]})
+    assert not weaker.compiled and ours.compilations == compiled
+    np.testing.assert_array_equal(weaker.images[0], got.images[0])  # per row: row 0 kept its scale
+    without = reference(
+        PROMPTS, latents=torch.from_numpy(latents), **{**kw, "controlnet_conditioning_scale": 0.0}
+    )
+    _check(weaker.images[1:], without.images[1:], "SDXL ControlNet, scale 0 on row 1")
+    moved = float(np.abs(got.images[1] - weaker.images[1]).max())
+    log.info("SDXL ControlNet: the control image moves row 1 by %.3f", moved)
+    assert moved > 5e-3
+
+
+def test_two_images_per_prompt_pair_as_diffusers(ours, reference):
+    """Prompt p's control image serves its two images (diffusers' repeat_interleave), given as control_image=."""
+    controls, latents = _controls(2), _latents(3, rows=4)
+    kw = dict(KW, num_images_per_prompt=2, height=H, width=W)
+    expected = reference(PROMPTS, image=controls, latents=torch.from_numpy(latents), **kw).images
+    got = ours(PROMPTS, control_image=controls, latents=latents, **kw).images
+    _check(got, expected, "SDXL ControlNet, 2 prompts x 2 images")
+
+
+def test_what_it_takes_and_refuses(ours):
+    assert ours.tasks == ("text-to-image",) and ours.limits["control_image"] is True
+    assert ours.limits["cache"] is None and ours.defaults["controlnet_conditioning_scale"] == 1.0
+    controls = _controls(4)
+    with pytest.raises(PipelineError, match="control_image"):
+        ours(PROMPTS, **KW)
+    with pytest.raises(PipelineError, match="not both"):
+        ours(PROMPTS, image=controls, control_image=controls, **KW)
+    with pytest.raises(UnsupportedArgument, match="guess_mode"):
+        ours(PROMPTS, image=controls, guess_mode=True, **KW)
+    with pytest.raises(PipelineError, match="cache"):
+        ours(PROMPTS, image=controls, cache={"method": "teacache"}, **KW)
+
+
+def test_controlnet_on_a_layout_matches_one_device(ours, tiny_sdxl_controlnet_path):
+    """cfg2 x context2, the weights (the UNet's and the ControlNet's) split over both."""
+    split = load_pipeline(
+        tiny_sdxl_controlnet_path,
+        dtype="float32",
+        mesh={"cfg": 2, "context": 2},
+        devices=list(range(4)),
+        weights={"shard_over": ["cfg", "context"]},
+    )
+    kw = dict(KW, control_image=_controls(5), latents=_latents(6), height=H, width=W, output_type="latent")
+    err = float(np.abs(split(PROMPTS, **kw).images - ours(PROMPTS, **kw).images).max())
+    log.info("SDXL ControlNet cfg2 x context2: max abs %.2e of one device's latents", err)
+    assert err <= 1e-4
+
+
+def test_a_unet_lora_matches_diffusers_with_the_controlnet(ours, tiny_sdxl_controlnet_path, tmp_path):
+    """The ControlNet rides inside the denoiser's module, the UNet's layer names unchanged: a UNet adapter finds
+    its layers (diffusers' load_lora_weights on its ControlNet pipeline as the reference)."""
+    from diffusers import StableDiffusionXLControlNetPipeline
+
+    from tests.fixtures.tiny_lora import random_factors, write_diffusers_lora
+
+    ref = StableDiffusionXLControlNetPipeline.from_pretrained(
+        str(tiny_sdxl_controlnet_path), torch_dtype=torch.float32
+    )
+    ref.set_progress_bar_config(disable=True)
+    factors = random_factors(ref.unet, r"attn[12]\.to_(q|v)$", rank=4, seed=7)
+    adapter = write_diffusers_lora(tmp_path / "a.safetensors", factors, prefix="unet")
+    ref.load_lora_weights(str(adapter))
+    ours.load_lora("a", adapter)
+    controls, latents = _controls(8), _latents(9)
+    kw = dict(KW, image=controls, height=H, width=W)
+    expected = ref(PROMPTS, latents=torch.from_numpy(latents), **kw).images
+    got = ours(PROMPTS, latents=latents, loras=[{"name": "a", "scale": 1.0}], **kw).images
+    _check(got, expected, "SDXL ControlNet with a UNet LoRA")
+    plain = ours(PROMPTS, latents=latents, **kw).images
+    assert float(np.abs(plain - got).max()) > 5e-3
