@@ -132,6 +132,22 @@ def image_rows(
     return np.stack([processed[i] for i in rows])
 
 
+def control_rows(
+    images, prompts: int, n: int, height: int, width: int, name: str = "control_image"
+) -> np.ndarray:
+    """A call's control images -> one per output row [prompts * n, H, W, 3] in [-1, 1]: one for all, one per
+    prompt repeated over its n images (diffusers' control pipelines' `repeat_interleave`: p0 i0, p0 i0, p1 i1,
+    p1 i1; not tiled as `image=` is, `tile_rows`), or one per output row."""
+    items = as_image_list(images, name)
+    if len(items) not in (1, prompts, prompts * n):
+        raise PipelineError(
+            f"{name}: expected one image, one per prompt ({prompts}) or one per output image ({prompts * n}), "
+            f"got {len(items)}"
+        )
+    processed = [preprocess_image(item, height, width, name) for item in items]
+    return np.stack([processed[i] for i in np.repeat(np.arange(len(items)), prompts * n // len(items))])
+
+
 def tile_rows(items: list, prompts: int, n: int, name: str) -> list:
     """A call's images (one for all, one per prompt or one per output row) -> one per output row, tiled over
     the n images per prompt as diffusers' image pipelines tile them (`torch.cat([image_latents] * n)`,

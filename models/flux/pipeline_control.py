@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshserve.models.components.image_processor import as_image_list, preprocess_image
+from meshserve.models.components.image_processor import control_rows
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.flux.pipeline import FluxPipeline
 
@@ -56,16 +56,7 @@ class FluxControlPipeline(FluxPipeline):
 
     def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
         """Host: one control image per output row, [B, H, W, 3] in [-1, 1] at the call's size."""
-        items = as_image_list(control_image, "control_image")
-        if len(items) not in (1, prompts, prompts * n):
-            raise PipelineError(
-                f"control_image: expected one image, one per prompt ({prompts}) or one per output image "
-                f"({prompts * n}), got {len(items)}"
-            )
-        rows = np.repeat(np.arange(len(items)), prompts * n // len(items))  # p0, p0, p1, p1 (diffusers)
-        height, width = settings["height"], settings["width"]
-        processed = [preprocess_image(item, height, width, "control_image") for item in items]
-        return np.stack([processed[i] for i in rows]), None
+        return control_rows(control_image, prompts, n, settings["height"], settings["width"]), None
 
     def image_inputs(self, vae_state, pixels, mask, *, shape, task):
         """Traced (the image_encode program): control pixels [B, H, W, 3] -> {"condition": packed latents}."""

@@ -28,8 +28,6 @@ __all__ = ["FluxFillPipeline"]
 
 
 class FluxFillPipeline(FluxPipeline):
-    inpaint_condition = True  # the condition rides with the latents (the engine's `with_condition`)
-
     @property
     def condition_channels(self) -> int:
         f = self.vae_scale_factor

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshserve.models.checkpoints.loading import CheckpointError
-from meshserve.models.components.image_processor import as_image_list, image_size, preprocess_image
+from meshserve.models.components.image_processor import control_rows, image_size
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.denoise_loop import interleave
 from meshserve.models.sdxl.controlnet import load_controlnet
@@ -102,17 +102,10 @@ class StableDiffusionXLControlNetPipeline(StableDiffusionXLPipeline):
         return {"control_image": np.zeros((height, width, 3), np.uint8)}  # its pixels are traced inputs
 
     def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
-        """Host: one control image per output row, [B, H, W, 3] in [0, 1] at the call's size."""
-        items = as_image_list(control_image, "control_image")
-        if len(items) not in (1, prompts, prompts * n):
-            raise PipelineError(
-                f"control_image: expected one image, one per prompt ({prompts}) or one per output image "
-                f"({prompts * n}), got {len(items)}"
-            )
-        rows = np.repeat(np.arange(len(items)), prompts * n // len(items))  # p0, p0, p1, p1 (diffusers)
-        height, width = settings["height"], settings["width"]
-        processed = [(preprocess_image(item, height, width, "control_image") + 1) / 2 for item in items]
-        return np.stack([processed[i] for i in rows]).astype(np.float32), None
+        """Host: one control image per output row, [B, H, W, 3] in [0, 1] at the call's size (diffusers' control
+        image processor does not normalise)."""
+        pixels = control_rows(control_image, prompts, n, settings["height"], settings["width"])
+        return ((pixels + 1) / 2).astype(np.float32), None
 
     def image_inputs(self, vae_state, pixels, mask, *, shape, task):
         return {"control": pixels}
