@@ -18,19 +18,14 @@ else is Flux's text-to-image.
 
 from __future__ import annotations
 
-import numpy as np
-
 from meshserve.models.components.image_processor import control_rows
-from meshserve.models.engine.common import PipelineError
+from meshserve.models.engine.control_image import ControlImageInput
 from meshserve.models.flux.pipeline import FluxPipeline
 
 __all__ = ["FluxControlPipeline"]
 
 
-class FluxControlPipeline(FluxPipeline):
-    image_fields = ("control_image",)
-    condition_fields = ("control_image",)
-
+class FluxControlPipeline(ControlImageInput, FluxPipeline):
     @property
     def condition_channels(self) -> int:
         return 4 * self.vae_config.latent_channels  # the packed control image's latents
@@ -38,21 +33,6 @@ class FluxControlPipeline(FluxPipeline):
     @property
     def tasks(self) -> tuple[str, ...]:
         return ("text-to-image",)
-
-    @property
-    def limits(self) -> dict:
-        return {**super().limits, "control_image": True}
-
-    def __call__(self, prompt=None, *, control_image=None, **kwargs):
-        if control_image is None:
-            raise PipelineError(
-                f"control_image: {self.model_id or 'this FLUX.1 Control model'} needs one (an edge or depth "
-                "map at the output's aspect ratio)"
-            )
-        return super().__call__(prompt, control_image=control_image, **kwargs)
-
-    def warm_up_inputs(self, width: int, height: int) -> dict:
-        return {"control_image": np.zeros((height, width, 3), np.uint8)}  # its pixels are traced inputs
 
     def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
         """Host: one control image per output row, [B, H, W, 3] in [-1, 1] at the call's size."""

@@ -28,6 +28,7 @@ import numpy as np
 from meshserve.models.checkpoints.loading import CheckpointError
 from meshserve.models.components.image_processor import control_rows, image_size
 from meshserve.models.engine.common import PipelineError
+from meshserve.models.engine.control_image import ControlImageInput
 from meshserve.models.engine.denoise_loop import interleave
 from meshserve.models.sdxl.controlnet import load_controlnet
 from meshserve.models.sdxl.pipeline import StableDiffusionXLPipeline
@@ -36,10 +37,8 @@ from meshserve.models.sdxl.unet_2d_condition import SHARDING_RULES as UNET_RULES
 __all__ = ["StableDiffusionXLControlNetPipeline"]
 
 
-class StableDiffusionXLControlNetPipeline(StableDiffusionXLPipeline):
+class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPipeline):
     row_fields = (*StableDiffusionXLPipeline.row_fields, "controlnet_conditioning_scale")
-    image_fields = ("control_image",)
-    condition_fields = ("control_image",)
     cache_methods = {}
 
     def load(self, folder):
@@ -76,30 +75,17 @@ class StableDiffusionXLControlNetPipeline(StableDiffusionXLPipeline):
     def tasks(self) -> tuple[str, ...]:
         return ("text-to-image",)
 
-    @property
-    def limits(self) -> dict:
-        return {**super().limits, "control_image": True}
-
     def __call__(self, prompt=None, *, image=None, control_image=None, height=None, width=None, **kwargs):
-        if (
-            control_image is None
-        ):  # diffusers' StableDiffusionXLControlNetPipeline calls the control image `image`
+        # diffusers' StableDiffusionXLControlNetPipeline calls the control image `image`
+        if control_image is None:
             control_image, image = image, None
         elif image is not None:
             raise PipelineError(
                 "give the control image as image= (diffusers' name) or control_image=, not both"
             )
-        if control_image is None:
-            raise PipelineError(
-                f"control_image: {self.model_id or 'this SDXL ControlNet model'} needs one (its control image: "
-                "diffusers' image= for this pipeline)"
-            )
-        if height is None and width is None:  # diffusers: the control image's own size
+        if control_image is not None and height is None and width is None:  # diffusers: its size
             height, width = image_size(control_image, "control_image", self.limits["size_multiple"])
         return super().__call__(prompt, control_image=control_image, height=height, width=width, **kwargs)
-
-    def warm_up_inputs(self, width: int, height: int) -> dict:
-        return {"control_image": np.zeros((height, width, 3), np.uint8)}  # its pixels are traced inputs
 
     def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
         """Host: one control image per output row, [B, H, W, 3] in [0, 1] at the call's size (diffusers' control

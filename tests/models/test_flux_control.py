@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from meshserve.models import PipelineError, load_pipeline
-from meshserve.models.flux.pipeline import pack_latents
 from tests.fixtures.diffusers_noise import same_noise as patch_noise
+from tests.fixtures.parity import check_pixels, diffusers_pipeline, flux_noise, layout_error
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ def _controls(seed: int) -> list:
     return out
 
 
-def _noise(seed: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """diffusers' unpacked noise [rows, 4, 18, 22] and ours, packed [rows, 99, 16]."""
-    noise = np.random.default_rng(seed).standard_normal((rows, 4, H // 2, W // 2)).astype(np.float32)
-    return noise, np.asarray(pack_latents(noise.transpose(0, 2, 3, 1)))
-
-
 @pytest.fixture
 def same_noise(monkeypatch):
     from diffusers.pipelines.flux import pipeline_flux_control
@@ -61,29 +55,16 @@ def ours(tiny_flux_control_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_flux_control_path):
-    import torch
-    from diffusers import FluxControlPipeline
-
-    pipe = FluxControlPipeline.from_pretrained(str(tiny_flux_control_path), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _check(got, expected, what):
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    err = float(np.abs(got - expected).max())
-    log.info("%s: max abs pixel difference from diffusers %.2e", what, err)
-    assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
-    assert expected.std() > 1e-3
+    return diffusers_pipeline("FluxControlPipeline", tiny_flux_control_path)
 
 
 def test_control_matches_diffusers_and_other_controls_compile_nothing(ours, reference, same_noise):
     controls = _controls(0)
-    same_noise["noise"], packed = _noise(1, 4)
+    same_noise["noise"], packed = flux_noise(1, 4, H, W)
     kw = dict(KW, control_image=controls, num_images_per_prompt=2, guidance_scale=3.5)
     expected = reference(PROMPTS, **kw).images
     got = ours(PROMPTS, latents=packed, **kw)
-    _check(got.images, expected, "FLUX.1 Control, 2 prompts x 2 images")
+    check_pixels(got.images, expected, "FLUX.1 Control, 2 prompts x 2 images")
     other = ours(PROMPTS, latents=packed, **{**kw, "control_image": _controls(2)})
     assert not other.compiled
     moved = float(np.abs(other.images - got.images).max())
@@ -118,15 +99,8 @@ def test_a_warmed_up_call_compiles_nothing(ours):
 
 def test_control_on_a_layout_matches_one_device(ours, tiny_flux_control_path):
     """cfg2 x context2 with true CFG (an extension: both passes see the control image), the weights split."""
-    split = load_pipeline(
-        tiny_flux_control_path,
-        dtype="float32",
-        mesh={"cfg": 2, "context": 2},
-        devices=list(range(4)),
-        weights={"shard_over": ["cfg", "context"]},
-    )
-    kw = dict(KW, control_image=_controls(5), latents=_noise(6, 2)[1], output_type="latent")
+    kw = dict(KW, control_image=_controls(5), latents=flux_noise(6, 2, H, W)[1])
     kw |= {"negative_prompt": ["blurry", None], "true_cfg_scale": 2.0}
-    err = float(np.abs(split(PROMPTS, **kw).images - ours(PROMPTS, **kw).images).max())
+    err = layout_error(ours, tiny_flux_control_path, {"cfg": 2, "context": 2}, PROMPTS, **kw)
     log.info("FLUX.1 Control cfg2 x context2: max abs %.2e of one device's latents", err)
     assert err <= 1e-4

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from meshserve.models import PipelineError, load_pipeline
-from meshserve.models.flux.pipeline import pack_latents
 from tests.fixtures.diffusers_noise import same_noise as patch_noise
+from tests.fixtures.parity import check_pixels, diffusers_pipeline, flux_noise, layout_error
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,6 @@ def _inputs(seed: int) -> tuple[list, list]:
     return images, [Image.fromarray(m.astype(np.uint8)) for m in (band, disc)]
 
 
-def _noise(seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """diffusers' unpacked noise [2, 4, 18, 22] and ours, packed [2, 99, 16]."""
-    noise = np.random.default_rng(seed).standard_normal((2, 4, H // 2, W // 2)).astype(np.float32)
-    return noise, np.asarray(pack_latents(noise.transpose(0, 2, 3, 1)))
-
-
 @pytest.fixture
 def same_noise(monkeypatch):
     from diffusers.pipelines.flux import pipeline_flux_fill
@@ -60,30 +54,17 @@ def ours(tiny_flux_fill_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_flux_fill_path):
-    import torch
-    from diffusers import FluxFillPipeline
-
-    pipe = FluxFillPipeline.from_pretrained(str(tiny_flux_fill_path), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _check(got, expected, what):
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    err = float(np.abs(got - expected).max())
-    log.info("%s: max abs pixel difference from diffusers %.2e", what, err)
-    assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
-    assert expected.std() > 1e-3
+    return diffusers_pipeline("FluxFillPipeline", tiny_flux_fill_path)
 
 
 @pytest.mark.parametrize("strength", [1.0, 0.75])
 def test_fill_matches_diffusers(ours, reference, same_noise, strength):
     images, masks = _inputs(0)
-    same_noise["noise"], packed = _noise(1)
+    same_noise["noise"], packed = flux_noise(1, 2, H, W)
     kw = dict(KW, image=images, mask_image=masks, strength=strength, guidance_scale=30.0)
     expected = reference(PROMPTS, **kw).images
     got = ours(PROMPTS, latents=packed, **kw)
-    _check(got.images, expected, f"FLUX.1 Fill, strength {strength}")
+    check_pixels(got.images, expected, f"FLUX.1 Fill, strength {strength}")
     if strength == 1.0:  # the masked image and the mask reach the model: other ones, another picture
         other_images, other_masks = _inputs(2)
         other = ours(PROMPTS, latents=packed, **{**kw, "image": other_images, "mask_image": other_masks})
@@ -109,15 +90,8 @@ def test_defaults_tasks_and_limits(ours):
 def test_fill_on_a_layout_matches_one_device(ours, tiny_flux_fill_path):
     """data2 x context2, the weights split over both: the two rows (and their conditions) over data, the
     joint [text, image] tokens over context."""
-    split = load_pipeline(
-        tiny_flux_fill_path,
-        dtype="float32",
-        mesh={"data": 2, "context": 2},
-        devices=list(range(4)),
-        weights={"shard_over": ["data", "context"]},
-    )
     images, masks = _inputs(4)
-    kw = dict(KW, image=images, mask_image=masks, latents=_noise(5)[1], output_type="latent")
-    err = float(np.abs(split(PROMPTS, **kw).images - ours(PROMPTS, **kw).images).max())
+    kw = dict(KW, image=images, mask_image=masks, latents=flux_noise(5, 2, H, W)[1])
+    err = layout_error(ours, tiny_flux_fill_path, {"data": 2, "context": 2}, PROMPTS, **kw)
     log.info("FLUX.1 Fill data2 x context2: max abs %.2e of one device's latents", err)
     assert err <= 1e-4

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from meshserve.models import PipelineError, load_pipeline
-from meshserve.models.flux.pipeline import pack_latents
+from tests.fixtures.parity import check_pixels, diffusers_pipeline, flux_noise, layout_error
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ def _pictures(seed: int) -> list:
     return out
 
 
-def _noise(seed: int) -> np.ndarray:
-    """Packed noise [2, 99, 16], as both pipelines take `latents=`."""
-    noise = np.random.default_rng(seed).standard_normal((2, H // 2, W // 2, 4)).astype(np.float32)
-    return np.asarray(pack_latents(noise))
-
-
 @pytest.fixture(scope="module")
 def ours(tiny_flux_kontext_path):
     return load_pipeline(tiny_flux_kontext_path, dtype="float32")
@@ -57,12 +51,7 @@ def ours(tiny_flux_kontext_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_flux_kontext_path):
-    import torch
-    from diffusers import FluxKontextPipeline
-
-    pipe = FluxKontextPipeline.from_pretrained(str(tiny_flux_kontext_path), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_pipeline("FluxKontextPipeline", tiny_flux_kontext_path)
 
 
 def _diffusers(reference, latents, **kw):
@@ -72,20 +61,12 @@ def _diffusers(reference, latents, **kw):
     return reference(prompt=PROMPTS, latents=latents, max_area=H * W, _auto_resize=False, **KW, **kw).images
 
 
-def _check(got, expected, what):
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    err = float(np.abs(got - expected).max())
-    log.info("%s: max abs pixel difference from diffusers %.2e", what, err)
-    assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
-    assert expected.std() > 1e-3
-
-
 def test_editing_matches_diffusers_and_other_images_compile_nothing(ours, reference):
-    pictures, latents = _pictures(0), _noise(1)
+    pictures, latents = _pictures(0), flux_noise(1, 2, H, W)[1]
     cfg = dict(negative_prompt=NEGATIVE, true_cfg_scale=2.0)
     expected = _diffusers(reference, latents, image=pictures, **cfg)
     got = ours(PROMPTS, image=pictures, latents=latents, **cfg, **KW).images
-    _check(got, expected, "Kontext editing, true CFG")
+    check_pixels(got, expected, "Kontext editing, true CFG")
     without_image = _diffusers(reference, latents, **cfg)
     moved = float(np.abs(expected - without_image).max())
     log.info("Kontext: the image moves the output by %.3f (max abs pixel)", moved)
@@ -94,16 +75,16 @@ def test_editing_matches_diffusers_and_other_images_compile_nothing(ours, refere
     compiled = ours.compilations
     other = ours(PROMPTS, image=_pictures(2), latents=latents, **KW).images  # no CFG: a program of its own
     expected = _diffusers(reference, latents, image=_pictures(2))
-    _check(other, expected, "Kontext editing, no true CFG")
+    check_pixels(other, expected, "Kontext editing, no true CFG")
     again = ours(PROMPTS, image=_pictures(3), latents=latents, **KW)
-    assert not again.compiled and ours.compilations == compiled + 2  # denoise without CFG, its decode...
+    assert not again.compiled and ours.compilations == compiled + 2  # `other`'s no-CFG text_encode, denoise
     assert not np.allclose(again.images, other)
 
 
 def test_text_to_image_matches_diffusers_without_an_image(ours, reference):
-    latents = _noise(4)
+    latents = flux_noise(4, 2, H, W)[1]
     expected = _diffusers(reference, latents)
-    _check(ours(PROMPTS, latents=latents, **KW).images, expected, "Kontext without an image")
+    check_pixels(ours(PROMPTS, latents=latents, **KW).images, expected, "Kontext without an image")
 
 
 def test_tasks_limits_and_what_it_refuses(ours):
@@ -121,16 +102,14 @@ def test_tasks_limits_and_what_it_refuses(ours):
 def test_editing_on_a_layout_matches_one_device(ours, tiny_flux_kontext_path):
     """cfg2 x context2, the weights split over both: the [text, latents, image] sequence's tokens over the
     context pair (padded), each row's two true-CFG passes over cfg."""
-    split = load_pipeline(
-        tiny_flux_kontext_path,
-        dtype="float32",
-        mesh={"cfg": 2, "context": 2},
-        devices=list(range(4)),
-        weights={"shard_over": ["cfg", "context"]},
+    kw = dict(
+        KW,
+        image=_pictures(6),
+        latents=flux_noise(7, 2, H, W)[1],
+        negative_prompt=NEGATIVE,
+        true_cfg_scale=2.0,
     )
-    kw = dict(KW, image=_pictures(6), latents=_noise(7), negative_prompt=NEGATIVE, true_cfg_scale=2.0)
-    kw["output_type"] = "latent"
-    err = float(np.abs(split(PROMPTS, **kw).images - ours(PROMPTS, **kw).images).max())
+    err = layout_error(ours, tiny_flux_kontext_path, {"cfg": 2, "context": 2}, PROMPTS, **kw)
     log.info("Kontext editing cfg2 x context2: max abs %.2e of one device's latents", err)
     assert err <= 1e-4
 

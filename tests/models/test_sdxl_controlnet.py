@@ -12,6 +12,7 @@ import torch
 
 from meshserve.models import PipelineError, load_pipeline
 from meshserve.models.engine.common import UnsupportedArgument
+from tests.fixtures.parity import check_pixels, diffusers_pipeline, layout_error
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +49,10 @@ def ours(tiny_sdxl_controlnet_path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_sdxl_controlnet_path):
-    from diffusers import StableDiffusionXLControlNetPipeline
-
-    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(
-        str(tiny_sdxl_controlnet_path), torch_dtype=torch.float32
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_pipeline("StableDiffusionXLControlNetPipeline", tiny_sdxl_controlnet_path)
 
 
 KW = dict(negative_prompt=NEGATIVE, guidance_scale=5.0, num_inference_steps=3, output_type="np")
-
-
-def _check(got, expected, what):
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    err = float(np.abs(got - expected).max())
-    log.info("%s: max abs pixel difference from diffusers %.2e", what, err)
-    assert err <= 1e-3, f"{what}: max abs pixel difference {err:.2e}"
-    assert expected.std() > 1e-3
 
 
 def test_controlnet_matches_diffusers_and_a_new_scale_compiles_nothing(ours, reference):
@@ -73,7 +60,7 @@ def test_controlnet_matches_diffusers_and_a_new_scale_compiles_nothing(ours, ref
     kw = dict(KW, image=controls, controlnet_conditioning_scale=0.8)
     expected = reference(PROMPTS, latents=torch.from_numpy(latents), **kw).images
     got = ours(PROMPTS, latents=latents, **kw)  # no size: the control images' (diffusers' rule)
-    _check(got.images, expected, "SDXL ControlNet, CFG, scale 0.8")
+    check_pixels(got.images, expected, "SDXL ControlNet, CFG, scale 0.8")
     compiled = ours.compilations
     weaker = ours(PROMPTS, latents=latents, **{**kw, "controlnet_conditioning_scale": [0.8, 0.0]})
     assert not weaker.compiled and ours.compilations == compiled
@@ -81,7 +68,7 @@ def test_controlnet_matches_diffusers_and_a_new_scale_compiles_nothing(ours, ref
     without = reference(
         PROMPTS, latents=torch.from_numpy(latents), **{**kw, "controlnet_conditioning_scale": 0.0}
     )
-    _check(weaker.images[1:], without.images[1:], "SDXL ControlNet, scale 0 on row 1")
+    check_pixels(weaker.images[1:], without.images[1:], "SDXL ControlNet, scale 0 on row 1")
     moved = float(np.abs(got.images[1] - weaker.images[1]).max())
     log.info("SDXL ControlNet: the control image moves row 1 by %.3f", moved)
     assert moved > 5e-3
@@ -93,7 +80,7 @@ def test_two_images_per_prompt_pair_as_diffusers(ours, reference):
     kw = dict(KW, num_images_per_prompt=2, height=H, width=W)
     expected = reference(PROMPTS, image=controls, latents=torch.from_numpy(latents), **kw).images
     got = ours(PROMPTS, control_image=controls, latents=latents, **kw).images
-    _check(got, expected, "SDXL ControlNet, 2 prompts x 2 images")
+    check_pixels(got, expected, "SDXL ControlNet, 2 prompts x 2 images")
 
 
 def test_what_it_takes_and_refuses(ours):
@@ -112,15 +99,8 @@ def test_what_it_takes_and_refuses(ours):
 
 def test_controlnet_on_a_layout_matches_one_device(ours, tiny_sdxl_controlnet_path):
     """cfg2 x context2, the weights (the UNet's and the ControlNet's) split over both."""
-    split = load_pipeline(
-        tiny_sdxl_controlnet_path,
-        dtype="float32",
-        mesh={"cfg": 2, "context": 2},
-        devices=list(range(4)),
-        weights={"shard_over": ["cfg", "context"]},
-    )
-    kw = dict(KW, control_image=_controls(5), latents=_latents(6), height=H, width=W, output_type="latent")
-    err = float(np.abs(split(PROMPTS, **kw).images - ours(PROMPTS, **kw).images).max())
+    kw = dict(KW, control_image=_controls(5), latents=_latents(6), height=H, width=W)
+    err = layout_error(ours, tiny_sdxl_controlnet_path, {"cfg": 2, "context": 2}, PROMPTS, **kw)
     log.info("SDXL ControlNet cfg2 x context2: max abs %.2e of one device's latents", err)
     assert err <= 1e-4
 
@@ -128,14 +108,10 @@ def test_controlnet_on_a_layout_matches_one_device(ours, tiny_sdxl_controlnet_pa
 def test_a_unet_lora_matches_diffusers_with_the_controlnet(ours, tiny_sdxl_controlnet_path, tmp_path):
     """The ControlNet rides inside the denoiser's module, the UNet's layer names unchanged: a UNet adapter finds
     its layers (diffusers' load_lora_weights on its ControlNet pipeline as the reference)."""
-    from diffusers import StableDiffusionXLControlNetPipeline
 
     from tests.fixtures.tiny_lora import random_factors, write_diffusers_lora
 
-    ref = StableDiffusionXLControlNetPipeline.from_pretrained(
-        str(tiny_sdxl_controlnet_path), torch_dtype=torch.float32
-    )
-    ref.set_progress_bar_config(disable=True)
+    ref = diffusers_pipeline("StableDiffusionXLControlNetPipeline", tiny_sdxl_controlnet_path)
     factors = random_factors(ref.unet, r"attn[12]\.to_(q|v)$", rank=4, seed=7)
     adapter = write_diffusers_lora(tmp_path / "a.safetensors", factors, prefix="unet")
     ref.load_lora_weights(str(adapter))
@@ -144,6 +120,6 @@ def test_a_unet_lora_matches_diffusers_with_the_controlnet(ours, tiny_sdxl_contr
     kw = dict(KW, image=controls, height=H, width=W)
     expected = ref(PROMPTS, latents=torch.from_numpy(latents), **kw).images
     got = ours(PROMPTS, latents=latents, loras=[{"name": "a", "scale": 1.0}], **kw).images
-    _check(got, expected, "SDXL ControlNet with a UNet LoRA")
+    check_pixels(got, expected, "SDXL ControlNet with a UNet LoRA")
     plain = ours(PROMPTS, latents=latents, **kw).images
     assert float(np.abs(plain - got).max()) > 5e-3
