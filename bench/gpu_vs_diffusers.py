@@ -815,7 +815,7 @@ def flux_denoiser(bench: Bench, spec: dict) -> None:
             def make_model(module, cond):  # models/flux/pipeline.py FluxPipeline.denoiser
                 emb, pooled, rope, guidance = cond
 
-                def model(x, t):
+                def model(x, t, i=None):  # i: the step (read by none of these)
                     timestep = jnp.broadcast_to(round_to(round_to(t, bf16) / 1000, bf16), (x.shape[0],))
                     return module(x, emb, pooled, timestep, rope, guidance)
 
@@ -928,7 +928,7 @@ def sdxl_denoiser(bench: Bench, spec: dict) -> None:
             def make_model(module, cond):  # models/sdxl/pipeline.py SDXLPipeline.denoiser
                 ctx, pooled, tids = cond
 
-                def model(x, t):
+                def model(x, t, i=None):  # i: the step (read by none of these)
                     return module(
                         x, jnp.broadcast_to(t, (x.shape[0],)), ctx, text_embeds=pooled, time_ids=tids
                     )
@@ -1015,7 +1015,7 @@ def wan_denoiser(bench: Bench, spec: dict, family: str = "wan") -> None:
     def make_model(module, cond):  # models/wan/pipeline.py WanPipeline.denoiser
         ctx, rope = cond
 
-        def model(x, t):
+        def model(x, t, i=None):  # i: the step (unused)
             return module(x.astype(bf16), jnp.broadcast_to(t, (x.shape[0],)), ctx, rope)
 
         return model

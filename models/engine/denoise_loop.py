@@ -3,8 +3,10 @@ denoise program, with classifier-free guidance, per-row step noise and a host ca
 
     latents = denoise_loop(model, scheduler, schedule, latents, keys, guidance, do_cfg=..., ...)
 
-- `model(x, t)`: the family's denoiser on the model batch x (latents [B, ...], or [2B, ...] with CFG) at the
-  schedule's timestep t (a [] scalar); it closes over its own conditioning (text embeddings, pooled vectors,
+- `model(x, t, i)`: the family's denoiser on the model batch x (latents [B, ...], or [2B, ...] with CFG) at the
+  schedule's timestep t (a [] scalar), step i of the schedule ([] int32: what a per-step setting such as a
+  ControlNet's control_guidance_start/end reads, where t would be ambiguous: a second-order scheduler's
+  timesteps repeat); it closes over its own conditioning (text embeddings, pooled vectors,
   Flux's guidance embedding...) and returns the prediction the scheduler expects, shaped like x.
 - CFG: the model batch is interleaved per sample, [u0, c0, u1, c1, ...], so with the batch split over
   (data, cfg) each sample's unconditional and conditional halves sit on the two sides of the `cfg` axis and
@@ -102,15 +104,15 @@ def denoise_loop(
 
     def model_input(latents, i):
         x = interleave(latents, latents) if do_cfg else latents
-        return constrain(scheduler.scale_model_input(schedule, x, i)), jnp.asarray(schedule.timesteps)[i]
+        return constrain(scheduler.scale_model_input(schedule, x, i)), jnp.asarray(schedule.timesteps)[i], i
 
     def body(carry):
         i, _, latents, sched_state, cache_state = carry
-        x, t = model_input(latents, i)
+        x, t, _ = model_input(latents, i)
         if step_cache is None:
-            out = model(x, t)
+            out = model(x, t, i)
         else:
-            out, cache_state = step_cache.step(model, x, t, cache_state)
+            out, cache_state = step_cache.step(model, x, t, i, cache_state)
         if do_cfg:
             out = guide(out, guidance(t) if callable(guidance) else guidance, rescale)
         key = step_keys(keys, i) if scheduler.stochastic else None

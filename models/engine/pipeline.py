@@ -53,7 +53,9 @@ What a family declares (class attributes) and implements (its stages); everythin
     rescale_field                    a row field that rescales the CFG combine (SDXL's guidance_rescale), or None
     row_field_fallbacks              row fields that, left out or None, take another's values (Wan 2.2's
                                      guidance_scale_2: guidance_scale's); step_guidance(rows) (traced) the
-                                     loop's CFG scales, or a function of the timestep (two experts)
+                                     loop's CFG scales, or a function of the timestep (two experts);
+                                     step_rows(rows, calls) (host) per-row values that depend on the
+                                     schedule's length (a ControlNet's window of steps)
     generator_in_steps               diffusers' pipeline hands its `generator` to the scheduler's step (SDXL):
                                      a `generator=` call replays those draws too (torch_generator.py)
     latents_axes, latents_layout     the loop's latents -> diffusers' layout (`latents=`, output "latent")
@@ -62,7 +64,7 @@ What a family declares (class attributes) and implements (its stages); everythin
     encode_prompt(states, *tokens)   traced: the conditioning (a pytree of [T, ...]), one row per text
     noise_shape(settings)            a row's initial noise, channels-last; `pack` (traced) makes it the loop's
                                      latents (Flux: 2x2 patches), `prepare_latents` scales it
-    denoiser(state, cond, rows,      traced: model(x, t) for the loop, closing over the conditioning, the
+    denoiser(state, cond, rows,      traced: model(x, t, i) for the loop, closing over the conditioning, the
              extras, shape=, do_cfg=) per-row fields and the extras (`denoise_extras`: RoPE tables...)
     decode(vae_state, latents,       traced: the VAE -> [B, (F,) H, W, 3] in [0, 1]
            shape=)
@@ -213,8 +215,8 @@ def positive_without_cfg(model: Callable, cfg_rows) -> Callable:
     """The model with each CFG-off row's negative prediction replaced by its positive one: the combine
     neg + s * (pos - neg) then returns the positive prediction exactly, what that row alone (no CFG) computes."""
 
-    def guided(x, t):
-        out = model(x, t)
+    def guided(x, t, i):
+        out = model(x, t, i)
         pairs = out.reshape(-1, 2, *out.shape[1:])
         keep = cfg_rows.reshape(-1, *([1] * (out.ndim - 1)))
         return interleave(jnp.where(keep, pairs[:, 0], pairs[:, 1]), pairs[:, 1])
@@ -228,8 +230,8 @@ def with_condition(model: Callable, condition, do_cfg: bool) -> Callable:
     if do_cfg:
         condition = interleave(condition, condition)
 
-    def conditioned(x, t):
-        return model(jnp.concatenate([x, condition.astype(x.dtype)], axis=-1), t)
+    def conditioned(x, t, i):
+        return model(jnp.concatenate([x, condition.astype(x.dtype)], axis=-1), t, i)
 
     return conditioned
 
@@ -1003,6 +1005,7 @@ class DiffusionPipeline:
             settings["scheduler"], settings["num_inference_steps"], shape, **custom
         )
         calls = steps  # the schedule's model calls (a split or a strength runs some of them)
+        rows |= self.step_rows(rows, calls)
         start, full_strength, pixels, mask_pixels, crops = 0, False, None, None, None
         check_order(denoising_start, denoising_end)
         # A split's cut-offs read the schedule's timesteps (one copy to the host, only for such a call).
@@ -1385,6 +1388,11 @@ class DiffusionPipeline:
 
     # ---------------------------------------------------------------------------------------------
     # Shared host machinery
+
+    def step_rows(self, rows: dict, calls: int) -> dict:
+        """Host: per-row values that depend on the schedule's length (`calls` model calls), added to the rows
+        (a ControlNet's window of steps); none here."""
+        return {}
 
     def step_guidance(self, rows):
         """Traced: the CFG scales of the loop, [B], or a function of the step's timestep -> [B] (Wan 2.2's

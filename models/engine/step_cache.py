@@ -143,13 +143,13 @@ class CacheSlot:
     def output_rows(self, model_batch: int) -> int:
         return model_batch // 2 if self.cfg_rows is not None else model_batch
 
-    def init_state(self, model: Callable, x, t):
-        """The state before the first step: zeros shaped by one abstract trace of `model(x, t)` (no compute)."""
+    def init_state(self, model: Callable, x, t, i):
+        """The state before the first step: zeros shaped by one abstract trace of `model(x, t, i)` (no compute)."""
 
         def probe():
             self.state = None
             with _activate(self):
-                model(x, t)
+                model(x, t, i)
             return self.new_state
 
         shapes = jax.eval_shape(probe)
@@ -158,11 +158,11 @@ class CacheSlot:
         self.state = self.new_state = None
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-    def step(self, model: Callable, x, t, state):
-        """model(x, t) with the cache's state in and out: (output, next state)."""
+    def step(self, model: Callable, x, t, i, state):
+        """model(x, t, i) with the cache's state in and out: (output, next state)."""
         self.state, self.new_state = state, None
         with _activate(self):
-            out = model(x, t)
+            out = model(x, t, i)
         if self.new_state is None:
             raise ValueError(f"the denoiser has no {self.method!r} step cache (its hook was never called)")
         new, self.state, self.new_state = self.new_state, None, None

@@ -258,7 +258,7 @@ class FluxPipeline(DiffusionPipeline):
         if self.guidance_embeds:
             g = jnp.repeat(rows["guidance_scale"], 2) if do_cfg else rows["guidance_scale"]
 
-        def model(x, t):
+        def model(x, t, i):
             transformer, x = self.merged_per_step(state, x)
             # diffusers: t.expand(B).to(latents.dtype) / 1000, in the latents' dtype.
             timestep = jnp.broadcast_to(round_to(round_to(t, dtype) / 1000, dtype), (x.shape[0],))

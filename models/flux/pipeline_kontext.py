@@ -86,8 +86,8 @@ class FluxKontextPipeline(FluxPipeline):
         if do_cfg:  # both passes of a row see its image
             context = interleave(context, context)
 
-        def in_context(x, t):
+        def in_context(x, t, i):
             tokens = x.shape[1]
-            return model(jnp.concatenate([x, context.astype(x.dtype)], axis=1), t)[:, :tokens]
+            return model(jnp.concatenate([x, context.astype(x.dtype)], axis=1), t, i)[:, :tokens]
 
         return in_context

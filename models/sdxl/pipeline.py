@@ -339,17 +339,17 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
                 self.dtype
             )
 
-        def model(x, t):
+        def model(x, t, i):
             unet, x = self.merged_per_step(state, x)
             t = jnp.broadcast_to(t, (x.shape[0],))
             added = {"text_embeds": pooled, "time_ids": time_ids}
-            residuals = self.unet_residuals(unet, x, t, embeds, added, rows, image, do_cfg)
+            residuals = self.unet_residuals(unet, x, t, i, embeds, added, rows, image, do_cfg)
             return unet(x, t, embeds, **added, timestep_cond=timestep_cond, **residuals)
 
         return model
 
-    def unet_residuals(self, unet, x, t, embeds, added, rows, image, do_cfg) -> dict:
-        """Traced, every step: what the UNet adds to its skips and mid block (a ControlNet's residuals,
+    def unet_residuals(self, unet, x, t, i, embeds, added, rows, image, do_cfg) -> dict:
+        """Traced, every step (i: the schedule's step): what the UNet adds to its skips and mid block (a ControlNet's residuals,
         models/sdxl/pipeline_controlnet.py); none here."""
         return {}
 

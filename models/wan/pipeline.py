@@ -385,7 +385,7 @@ class WanPipeline(DiffusionPipeline):
     def denoiser(self, state, embeds, rows, rope, *, shape, do_cfg):
         embeds = embeds.astype(self.dtype)
 
-        def model(x, t):
+        def model(x, t, i):
             transformer, x = self.merged_per_step(state, x)
             # diffusers: latents.to(transformer_dtype), t.expand(B) (UniPC's integer t, untouched).
             return transformer(x.astype(self.dtype), jnp.broadcast_to(t, (x.shape[0],)), embeds, rope)

@@ -267,7 +267,7 @@ class WanImageToVideoPipeline(WanPipeline):
         if do_cfg and image_embeds is not None:  # the same image states for each row's two halves
             image_embeds = interleave(image_embeds, image_embeds)
 
-        def model(x, t):  # x: the latents with the condition after them (the engine's with_condition)
+        def model(x, t, i):  # x: the latents with the condition after them (the engine's with_condition)
             transformer, x = self.merged_per_step(state, x)
             return transformer(
                 x.astype(self.dtype), jnp.broadcast_to(t, (x.shape[0],)), embeds, rope, image_embeds

@@ -71,7 +71,7 @@ class WanTI2VPipeline(WanPipeline):
         if do_cfg:  # both halves of a row see its image
             first = interleave(first, first)
 
-        def model(x, t):
+        def model(x, t, i):
             transformer, x = self.merged_per_step(state, with_first_frame(first, x))
             t = jnp.broadcast_to(t, (x.shape[0],))
             return transformer(x.astype(self.dtype), t, embeds, rope, None, jnp.zeros_like(t))

@@ -78,15 +78,15 @@ def test_parts_that_take_turns_keep_their_own_state():
     def part(scale):
         return lambda x: after_first_block(x, x + 0.5, lambda first: scale * first)
 
-    def model(x, t):
+    def model(x, t, i):
         return take_turns((t < 0.5).astype(jnp.int32), [part(3.0), part(5.0)], x)
 
     x = jnp.ones((2, 4, 3))
     slot = CacheSlot("first_block", jnp.float32(1.0))
-    state = slot.init_state(model, x, jnp.float32(1.0))
+    state = slot.init_state(model, x, jnp.float32(1.0), 0)
     outs = []
-    for t in (0.9, 0.7, 0.3, 0.1):
-        out, state = slot.step(model, x, jnp.float32(t), state)
+    for i, t in enumerate((0.9, 0.7, 0.3, 0.1)):
+        out, state = slot.step(model, x, jnp.float32(t), i, state)
         outs.append(out)
     np.testing.assert_allclose(outs[0], 3.0 * (x + 0.5))  # A computes
     np.testing.assert_allclose(outs[1], outs[0])  # A skips: its own tail

@@ -316,7 +316,7 @@ def test_engine_denoise_loop_equals_diffusers():
     sched = make_scheduler("unipc", WAN)
     schedule = jax.tree.map(jnp.asarray, pad_schedule(sched.schedule(steps), 200))
 
-    def model(x, t):  # interleaved [u0, c0, u1, c1]: a different velocity for the two halves
+    def model(x, t, i):  # interleaved [u0, c0, u1, c1]: a different velocity for the two halves
         half = jnp.asarray([0.0, 1.0] * (x.shape[0] // 2)).reshape(-1, *([1] * (x.ndim - 1)))
         return velocity_jnp(x, t) + 0.05 * half
 
