@@ -11,8 +11,12 @@ block, the same module and attribute names), plus:
   are the residuals the UNet adds to its skips and to its mid block's output
   (UNet2DConditionModel's `down_block_additional_residuals`, `mid_block_additional_residual`).
 
-Not implemented (refused at load): guess mode's global pooling (`global_pool_conditions`) and ControlNet-Union /
-XS variants; the config's `controlnet_conditioning_channel_order` "bgr" flips the image's channels as diffusers.
+Guess mode (diffusers' `guess_mode`, per row here): the residuals are scaled by a ramp from 0.1 (conv_in's skip)
+to 1.0 (the mid block's), 10^linspace(-1, 0), times the conditioning scale, so the ControlNet steers the coarse
+levels most; a config with `global_pool_conditions` averages every residual over its height and width instead
+(no ramp; the pipeline then runs guess mode on every row, as diffusers). The config's
+`controlnet_conditioning_channel_order` "bgr" flips the image's channels as diffusers. Not implemented:
+ControlNet-Union / XS variants.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshserve.models.attention import AttentionSettings
@@ -47,12 +52,11 @@ class ControlNetConfig:
     conditioning_channels: int = 3
     conditioning_embedding_out_channels: tuple[int, ...] = (16, 32, 96, 256)
     controlnet_conditioning_channel_order: str = "rgb"
+    global_pool_conditions: bool = False
 
     @classmethod
     def from_config(cls, config: dict) -> ControlNetConfig:
         """From a diffusers controlnet/config.json dict; absent keys take diffusers' defaults."""
-        if config.get("global_pool_conditions", False):
-            raise ValueError("ControlNetModel: global_pool_conditions (guess-mode pooling) is not supported")
         order = config.get("controlnet_conditioning_channel_order", "rgb")
         if order not in ("rgb", "bgr"):
             raise ValueError(f"ControlNetModel: unknown controlnet_conditioning_channel_order {order!r}")
@@ -119,10 +123,12 @@ class ControlNetModel(UNetEncoder):
         conditioning_scale=1.0,
         text_embeds=None,
         time_ids=None,
+        guess_mode=False,
     ):
         """sample [B, h, w, C] latents, timestep [B] or scalar, encoder_hidden_states [B, S, D],
-        controlnet_cond [B, H, W, 3] in [0, 1] (H = h x the VAE's factor), conditioning_scale a scalar or [B]
-        -> (the residuals of the UNet's skips, [B, ...] each; the mid block's residual), in the UNet's dtype."""
+        controlnet_cond [B, H, W, 3] in [0, 1] (H = h x the VAE's factor), conditioning_scale and guess_mode a
+        scalar or [B] -> (the residuals of the UNet's skips, [B, ...] each; the mid block's residual), in the
+        UNet's dtype ([B, 1, 1, C] each with global_pool_conditions)."""
         batch = sample.shape[0]
         emb = self._embed_time(timestep, batch, text_embeds, time_ids)
         context = encoder_hidden_states.astype(self.dtype)
@@ -136,9 +142,24 @@ class ControlNetModel(UNetEncoder):
             skips += list(block_skips)
         if self.mid_block is not None:
             x = self.mid_block(x, emb, context)
-        scale = jnp.asarray(conditioning_scale, self.dtype).reshape(-1, 1, 1, 1)
-        down = [conv(s) * scale for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
-        return down, self.controlnet_mid_block(x) * scale
+        residuals = [conv(s) for conv, s in zip(self.controlnet_down_blocks, skips, strict=True)]
+        residuals.append(self.controlnet_mid_block(x))
+        scales = self._scales(conditioning_scale, guess_mode, len(residuals))
+        residuals = [
+            r * scales[:, k].reshape(-1, 1, 1, 1).astype(self.dtype) for k, r in enumerate(residuals)
+        ]
+        if self.controlnet_config.global_pool_conditions:
+            residuals = [jnp.mean(r, axis=(1, 2), keepdims=True) for r in residuals]
+        return residuals[:-1], residuals[-1]
+
+    def _scales(self, conditioning_scale, guess_mode, count: int):
+        """[B or 1, count] float32: each residual's factor, per row (diffusers computes them in float32)."""
+        scale = jnp.asarray(conditioning_scale, jnp.float32).reshape(-1, 1)
+        if self.controlnet_config.global_pool_conditions:
+            return scale * jnp.ones((1, count), jnp.float32)
+        ramp = jnp.asarray(10.0 ** np.linspace(-1.0, 0.0, count), jnp.float32)  # torch.logspace(-1, 0, count)
+        guess = jnp.asarray(guess_mode).reshape(-1, 1) > 0
+        return jnp.where(guess, ramp[None, :], 1.0) * scale
 
 
 def load_controlnet(

@@ -12,11 +12,18 @@ step as the UNet is; the UNet's own parameter names are unchanged (LoRA adapters
   images, diffusers' repeat_interleave) or one per output image. Resized to the call's size as diffusers'
   control image processor does (PIL: Lanczos; numpy: nearest), in [0, 1], not normalised. Without a height and
   width the output takes the first control image's size (rounded down to the size multiple), as diffusers.
-- `controlnet_conditioning_scale`: per row here (one value, one per prompt or one per image; diffusers: one
-  per call), traced: a new value compiles nothing.
-- Not implemented (refused as unsupported arguments): `control_guidance_start` / `control_guidance_end` (the
-  ControlNet runs on every step, diffusers' default), `guess_mode`, several ControlNets (MultiControlNetModel),
-  the ControlNet img2img and inpaint pipelines; step caches (the ControlNet runs every step: a cached UNet step
+- `controlnet_conditioning_scale`, `control_guidance_start`, `control_guidance_end` and `guess_mode`: per row
+  here (one value, one per prompt or one per image; diffusers: one per call), traced: a new value compiles
+  nothing. The guidance window is diffusers' to the step: step i of the schedule's L model calls has the
+  ControlNet when not (i / L < start or (i + 1) / L > end), worked out on the host in double precision (as
+  diffusers, so a boundary such as 0.3 of 10 steps falls where it does there) as each row's first step and the
+  step it stops before; outside it the residuals are scaled by 0 (the ControlNet still runs: one program for
+  every window). Guess mode: the ControlNet's residuals ramp from 0.1 to 1.0 over its levels
+  (models/sdxl/controlnet.py) and, with CFG, the unconditional pass gets none (diffusers runs the ControlNet on
+  the conditional half only; here it runs on both and the unconditional half's residuals are dropped, the same
+  numbers for twice the ControlNet's work on such a row).
+- Not implemented (refused as unsupported arguments): several ControlNets (MultiControlNetModel), the
+  ControlNet img2img and inpaint pipelines; step caches (the ControlNet runs every step: a cached UNet step
   would still pay for it).
 """
 
@@ -38,7 +45,13 @@ __all__ = ["StableDiffusionXLControlNetPipeline"]
 
 
 class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPipeline):
-    row_fields = (*StableDiffusionXLPipeline.row_fields, "controlnet_conditioning_scale")
+    row_fields = (
+        *StableDiffusionXLPipeline.row_fields,
+        "controlnet_conditioning_scale",
+        "control_guidance_start",
+        "control_guidance_end",
+        "guess_mode",
+    )
     cache_methods = {}
 
     def load(self, folder):
@@ -69,7 +82,14 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
 
     @property
     def defaults(self) -> dict:
-        return {**super().defaults, "controlnet_conditioning_scale": 1.0, **self.folder_defaults}
+        return {
+            **super().defaults,
+            "controlnet_conditioning_scale": 1.0,
+            "control_guidance_start": 0.0,
+            "control_guidance_end": 1.0,
+            "guess_mode": False,
+            **self.folder_defaults,
+        }
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -87,6 +107,21 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
             height, width = image_size(control_image, "control_image", self.limits["size_multiple"])
         return super().__call__(prompt, control_image=control_image, height=height, width=width, **kwargs)
 
+    def step_rows(self, rows: dict, calls: int) -> dict:
+        """Host: each row's ControlNet window as [first step, step it stops before) of the schedule's `calls`
+        model calls, diffusers' controlnet_keep in double precision (see the module docstring)."""
+        first, stop = [], []
+        for start, end in zip(rows["control_guidance_start"], rows["control_guidance_end"], strict=True):
+            if not 0.0 <= start < end <= 1.0:
+                raise PipelineError(
+                    "control_guidance_start and control_guidance_end must satisfy "
+                    f"0 <= start < end <= 1, got {start} and {end}"
+                )
+            kept = [i for i in range(calls) if not (i / calls < start or (i + 1) / calls > end)]
+            first.append(kept[0] if kept else 0)
+            stop.append(kept[-1] + 1 if kept else 0)
+        return {"controlnet_first_step": first, "controlnet_stop_step": stop}
+
     def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
         """Host: one control image per output row, [B, H, W, 3] in [0, 1] at the call's size (diffusers' control
         image processor does not normalise)."""
@@ -96,9 +131,19 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
     def image_inputs(self, vae_state, pixels, mask, *, shape, task):
         return {"control": pixels}
 
-    def unet_residuals(self, unet, x, t, embeds, added, rows, image, do_cfg) -> dict:
+    def unet_residuals(self, unet, x, t, i, embeds, added, rows, image, do_cfg) -> dict:
         control, scale = image["control"], rows["controlnet_conditioning_scale"]
-        if do_cfg:  # both passes of a row: its control image and scale
-            control, scale = interleave(control, control), jnp.repeat(scale, 2)
-        down, mid = unet.controlnet(x, t, embeds, control, scale, **added)
+        in_window = (i >= rows["controlnet_first_step"]) & (i < rows["controlnet_stop_step"])
+        scale = jnp.where(in_window, scale, 0.0)  # diffusers: scale x keep, keep 0 outside the window
+        guess = (rows["guess_mode"] > 0) | unet.controlnet.controlnet_config.global_pool_conditions
+        if do_cfg:  # both passes of a row: its control image, scale and guess mode
+            control, scale, guess = interleave(control, control), jnp.repeat(scale, 2), jnp.repeat(guess, 2)
+        down, mid = unet.controlnet(x, t, embeds, control, scale, guess_mode=guess, **added)
+        if (
+            do_cfg
+        ):  # guess mode: the unconditional pass takes no residuals (interleaved [u0, c0, u1, c1, ...])
+            unconditional = jnp.arange(guess.shape[0]) % 2 == 0
+            dropped = (guess & unconditional).reshape(-1, 1, 1, 1)
+            down = [jnp.where(dropped, 0, r).astype(r.dtype) for r in down]
+            mid = jnp.where(dropped, 0, mid).astype(mid.dtype)
         return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}

@@ -77,3 +77,53 @@ def test_controlnet_residuals_and_the_unet_taking_them_match_diffusers(controlne
     moved = rel_err(nchw(plain), expected)
     log.info("UNet with the ControlNet's residuals: rel err %.2e (without them: %.2e)", err, moved)
     assert err <= 1e-4 and moved > 1e-2
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["guess_mode", "global_pool_conditions"])
+def test_guess_mode_per_row_matches_diffusers(controlnet_folder, tmp_path, pool):
+    """Guess mode's ramp (row 0 on, row 1 off, in one call; diffusers: one call each), and a config with
+    global_pool_conditions (every residual averaged over height and width, no ramp)."""
+    from diffusers import ControlNetModel
+
+    ref = ControlNetModel.from_pretrained(str(controlnet_folder)).eval()
+    folder = controlnet_folder
+    if pool:
+        ref.register_to_config(global_pool_conditions=True)
+        ref.save_pretrained(str(tmp_path))
+        folder = tmp_path
+    ours = load_controlnet(folder)
+    sample, context, text_embeds, time_ids = sdxl_inputs()
+    control, t = _control(2), torch.tensor([500.0, 20.0])
+    added = dict(text_embeds=torch.from_numpy(text_embeds), time_ids=torch.from_numpy(time_ids))
+    expected = []
+    with torch.no_grad():
+        for guess in (True, False):
+            expected.append(
+                ref(
+                    torch.from_numpy(sample),
+                    t,
+                    torch.from_numpy(context),
+                    torch.from_numpy(control),
+                    conditioning_scale=0.7,
+                    guess_mode=guess,
+                    added_cond_kwargs=added,
+                    return_dict=False,
+                )
+            )
+    down, mid = ours(
+        jnp.asarray(sample.transpose(0, 2, 3, 1)),
+        jnp.asarray(t.numpy()),
+        jnp.asarray(context),
+        jnp.asarray(control.transpose(0, 2, 3, 1)),
+        0.7,
+        jnp.asarray(text_embeds),
+        jnp.asarray(time_ids),
+        guess_mode=jnp.asarray([True, False]),
+    )
+    errs = []
+    for row, (ref_down, ref_mid) in enumerate(expected):
+        for g, e in zip([*down, mid], [*ref_down, ref_mid], strict=True):
+            assert g.shape[1:3] == ((1, 1) if pool else e.shape[2:])
+            errs.append(rel_err(nchw(g)[row], e.numpy()[row]))
+    log.info("ControlNet %s per row: max rel err %.2e", "pooled" if pool else "guess mode", max(errs))
+    assert max(errs) <= 1e-4

@@ -91,10 +91,53 @@ def test_what_it_takes_and_refuses(ours):
         ours(PROMPTS, **KW)
     with pytest.raises(PipelineError, match="not both"):
         ours(PROMPTS, image=controls, control_image=controls, **KW)
-    with pytest.raises(UnsupportedArgument, match="guess_mode"):
-        ours(PROMPTS, image=controls, guess_mode=True, **KW)
+    with pytest.raises(PipelineError, match="0 <= start < end <= 1"):
+        ours(PROMPTS, image=controls, control_guidance_start=0.5, control_guidance_end=0.5, **KW)
+    with pytest.raises(UnsupportedArgument, match="controlnet_guidance"):
+        ours(PROMPTS, image=controls, controlnet_guidance=0.5, **KW)
     with pytest.raises(PipelineError, match="cache"):
         ours(PROMPTS, image=controls, cache={"method": "teacache"}, **KW)
+
+
+def test_the_guidance_window_is_diffusers_to_the_step(ours):
+    """diffusers' controlnet_keep, in double precision: 0.3 of 10 steps keeps step 3 (3 / 10 == 0.3 there; in
+    float32, 0.3 rounds up and would drop it), 0.7 keeps step 6."""
+    for calls in (1, 3, 7, 10, 25, 59):
+        for start, end in [(0.0, 1.0), (0.3, 0.7), (0.25, 0.75), (0.1, 0.15), (0.5, 1.0), (0.0, 0.01)]:
+            keep = [
+                1.0 - float(i / calls < start or (i + 1) / calls > end) for i in range(calls)
+            ]  # diffusers'
+            rows = ours.step_rows({"control_guidance_start": [start], "control_guidance_end": [end]}, calls)
+            first, stop = rows["controlnet_first_step"][0], rows["controlnet_stop_step"][0]
+            assert keep == [float(first <= i < stop) for i in range(calls)], (calls, start, end)
+    rows = ours.step_rows({"control_guidance_start": [0.3], "control_guidance_end": [0.7]}, 10)
+    assert (rows["controlnet_first_step"], rows["controlnet_stop_step"]) == ([3], [7])
+
+
+def test_a_guidance_window_and_guess_mode_per_row_match_diffusers(ours, reference):
+    """Row 0 with the ControlNet on steps 1 and 2 of 4 only, row 1 in guess mode (its unconditional pass without
+    residuals, the ramp over levels), in one call compiled once; diffusers: a call for each."""
+    controls, latents = _controls(10), _latents(11)
+    kw = dict(KW, image=controls, num_inference_steps=4, height=H, width=W)
+    window = dict(control_guidance_start=0.25, control_guidance_end=0.75)
+    got = ours(
+        PROMPTS,
+        latents=latents,
+        **kw,
+        control_guidance_start=[0.25, 0.0],  # row 1: diffusers' defaults
+        control_guidance_end=[0.75, 1.0],
+        guess_mode=[False, True],
+    )
+    compiled = ours.compilations
+    expected_window = reference(PROMPTS, latents=torch.from_numpy(latents), **kw, **window).images
+    expected_guess = reference(PROMPTS, latents=torch.from_numpy(latents), **kw, guess_mode=True).images
+    check_pixels(got.images[:1], expected_window[:1], "SDXL ControlNet, steps 1-2 of 4")
+    check_pixels(got.images[1:], expected_guess[1:], "SDXL ControlNet, guess mode")
+    plain = ours(PROMPTS, latents=latents, **kw)
+    assert ours.compilations == compiled  # the window and guess mode are traced
+    moved = [float(np.abs(plain.images[r] - got.images[r]).max()) for r in (0, 1)]
+    log.info("SDXL ControlNet: the window moves row 0 by %.3f, guess mode row 1 by %.3f", *moved)
+    assert min(moved) > 5e-3
 
 
 def test_controlnet_on_a_layout_matches_one_device(ours, tiny_sdxl_controlnet_path):
