@@ -114,6 +114,11 @@ class ModelDefaults(_Frozen):
     negative_aesthetic_score: float | None = None
     # Present (1.0) only for a model with a ControlNet (SDXL): how strongly its residuals steer the UNet.
     controlnet_conditioning_scale: float | None = None
+    # Present (0.0, 1.0, False) with controlnet_conditioning_scale: the fraction of the steps where the ControlNet
+    # starts and stops steering (diffusers' control_guidance_start / _end), and its guess mode.
+    control_guidance_start: float | None = None
+    control_guidance_end: float | None = None
+    guess_mode: bool | None = None
     # Video models: the frame rate their outputs are written at (Wan: 16); None for image models, left out.
     fps: int | None = None
 
@@ -127,6 +132,9 @@ class ModelDefaults(_Frozen):
             "aesthetic_score",
             "negative_aesthetic_score",
             "controlnet_conditioning_scale",
+            "control_guidance_start",
+            "control_guidance_end",
+            "guess_mode",
             "fps",
         ):
             if getattr(self, name) is None:
@@ -370,6 +378,9 @@ class JobParams(_Frozen):
     aesthetic_score: float | None = None  # the SDXL refiner's (None: the model has none)
     negative_aesthetic_score: float | None = None
     controlnet_conditioning_scale: float | None = None  # a ControlNet's (None: the model has none)
+    control_guidance_start: float | None = None  # a ControlNet's window of steps (None: the model has none)
+    control_guidance_end: float | None = None
+    guess_mode: bool | None = None  # a ControlNet's guess mode (None: the model has none)
     fps: int | None = None  # video models: the outputs' frame rate (None: an image model)
     scheduler: str | None = None
     seed: int

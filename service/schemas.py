@@ -312,6 +312,30 @@ class GenerateRequest(_TextRequest):
         "(0: not at all; 1.0, the default). Only models whose `defaults` list it (SDXL with a ControlNet) take it; "
         "for any other model it is a 422.",
     )
+    control_guidance_start: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="diffusers' control_guidance_start: the fraction of the steps after which a ControlNet starts "
+        "steering (0, the default: from the first step). Step i of L runs it unless i / L < start or "
+        "(i + 1) / L > end. Must be below control_guidance_end. Only models whose `defaults` list it (SDXL with a "
+        "ControlNet) take it; for any other model it is a 422.",
+    )
+    control_guidance_end: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="diffusers' control_guidance_end: the fraction of the steps after which a ControlNet stops "
+        "steering (1, the default: to the last step). Only models whose `defaults` list it take it.",
+    )
+    guess_mode: bool | None = Field(
+        None,
+        description="diffusers' guess_mode: the ControlNet steers without the prompt's help (its residuals ramp "
+        "from 0.1 at the finest level to 1.0 at the coarsest, and the unconditional CFG pass gets none); "
+        "diffusers suggests a guidance_scale of 3 to 5. Only models whose `defaults` list it take it.",
+    )
     guidance_scale_2: float | None = Field(
         None,
         ge=0,

@@ -271,12 +271,23 @@ def _normalise(req: GenerateRequest, info: ModelInfo, max_prompt_chars: int) -> 
         "aesthetic_score": "takes no aesthetic_score; leave it out",
         "negative_aesthetic_score": "takes no negative_aesthetic_score; leave it out",
         "controlnet_conditioning_scale": "has no ControlNet; controlnet_conditioning_scale must be left out",
+        "control_guidance_start": "has no ControlNet; control_guidance_start must be left out",
+        "control_guidance_end": "has no ControlNet; control_guidance_end must be left out",
+        "guess_mode": "has no ControlNet; guess_mode must be left out",
     }
     given = {}
     for name, refusal in published.items():
         if getattr(req, name) is not None and getattr(d, name) is None:
             raise FieldError(name, "not_supported", f"{info.id} ({info.family}) {refusal}")
         given[name] = getattr(req, name) if getattr(req, name) is not None else getattr(d, name)
+    window = given["control_guidance_start"], given["control_guidance_end"]
+    if None not in window and not window[0] < window[1]:
+        field = "control_guidance_end" if req.control_guidance_end is not None else "control_guidance_start"
+        raise FieldError(
+            field,
+            "out_of_range",
+            f"control_guidance_start must be below control_guidance_end, got {window[0]} and {window[1]}",
+        )
     guidance = req.guidance_scale if req.guidance_scale is not None else d.guidance_scale
     if req.guidance_scale_2 is None and d.guidance_scale_2 is not None:
         given["guidance_scale_2"] = guidance  # diffusers: left out, it is the call's guidance_scale

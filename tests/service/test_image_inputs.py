@@ -68,9 +68,19 @@ TOY_FILL = TOY.model_copy(
         ),
     }
 )
-# A control model (FLUX.1 Canny / Depth): text-to-image that needs a control image.
+# A control model (SDXL with a ControlNet): text-to-image that needs a control image, with the ControlNet's fields.
+CONTROLNET_DEFAULTS = {
+    "controlnet_conditioning_scale": 1.0,
+    "control_guidance_start": 0.0,
+    "control_guidance_end": 1.0,
+    "guess_mode": False,
+}
 TOY_CONTROL = TOY.model_copy(
-    update={"id": "toy-control", "limits": TOY.limits.model_copy(update={"control_image": True})}
+    update={
+        "id": "toy-control",
+        "limits": TOY.limits.model_copy(update={"control_image": True}),
+        "defaults": TOY.defaults.model_copy(update=CONTROLNET_DEFAULTS),
+    }
 )
 MAX_PIXELS = 4096 * 4096
 
@@ -375,11 +385,19 @@ async def test_an_image_job_carries_a_reference_not_bytes(api_img):
 async def test_a_control_image_job_carries_its_reference_and_runs(api_img):
     client, store, worker = api_img
     worker.start()
-    body = {"model": "toy-control", "prompt": "p", "control_image": data_url(PNG)}
+    body = {
+        "model": "toy-control",
+        "prompt": "p",
+        "control_image": data_url(PNG),
+        "control_guidance_end": 0.5,
+    }
     r = await client.post("/v1/generate", json=body, headers={"Prefer": "wait=10"})
     assert r.status_code in (200, 202), r.text
     params = r.json()["params"]
     assert params["image"] is None and params["strength"] is None
+    # the ControlNet's fields: the given one, the card's defaults for the others
+    assert params["control_guidance_end"] == 0.5 and params["control_guidance_start"] == 0.0
+    assert params["guess_mode"] is False and params["controlnet_conditioning_scale"] == 1.0
     stored = await InputStore.of(store).get(params["control_image"])
     assert Image.open(io.BytesIO(stored)).size == Image.open(io.BytesIO(PNG)).size
     assert r.json()["status"] == "succeeded", r.json()
@@ -428,6 +446,19 @@ REFUSED_REQUESTS = [
     (_bad(controlnet_conditioning_scale=0.5), "controlnet_conditioning_scale", "not_supported"),
     (_bad(controlnet_conditioning_scale=11), "controlnet_conditioning_scale", "less_than_equal"),
     ({"model": "toy-control", "prompt": "p"}, "control_image", "missing"),
+    (_bad(control_guidance_start=0.2), "control_guidance_start", "not_supported"),
+    (_bad(control_guidance_end=0.8), "control_guidance_end", "not_supported"),
+    (_bad(guess_mode=True), "guess_mode", "not_supported"),
+    (_bad(model="toy-control", guess_mode="yes"), "guess_mode", "bool_type"),
+    (_bad(model="toy-control", control_guidance_start=1), "control_guidance_start", "less_than"),
+    (_bad(model="toy-control", control_guidance_end=0), "control_guidance_end", "greater_than"),
+    (_bad(model="toy-control", control_guidance_end=1.5), "control_guidance_end", "less_than_equal"),
+    (
+        {"model": "toy-control", "prompt": "p", "control_guidance_start": 0.6, "control_guidance_end": 0.4},
+        "control_guidance_end",
+        "out_of_range",
+    ),
+    ({"model": "toy-control", "prompt": "p", "control_guidance_start": 0.5}, "control_image", "missing"),
     (
         {"model": "toy-control", "prompt": "p", "control_image": "data:,x"},
         "control_image",

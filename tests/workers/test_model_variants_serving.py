@@ -68,7 +68,13 @@ def served(model: str, pipe, folder, bodies: list[dict], refused: list[tuple[dic
 def direct(pipe, job: dict, **images) -> np.ndarray:
     """A served job's call made directly (the runner's arguments), as 8-bit pixels."""
     p = job["params"]
-    own = ("true_cfg_scale", "controlnet_conditioning_scale")
+    own = (
+        "true_cfg_scale",
+        "controlnet_conditioning_scale",
+        "control_guidance_start",
+        "control_guidance_end",
+        "guess_mode",
+    )
     rows = {name: [p[name]] for name in own if name in pipe.row_fields}
     out = pipe(
         [p["prompt"]],
@@ -170,18 +176,35 @@ def test_sdxl_controlnet_served_with_its_control_image(tiny_sdxl_controlnet_path
         "tiny-sdxl-controlnet",
         pipe,
         tiny_sdxl_controlnet_path,
-        [body, {**body, "controlnet_conditioning_scale": 0.3}],
+        [
+            body,
+            {**body, "controlnet_conditioning_scale": 0.3, "control_guidance_end": 0.5, "guess_mode": True},
+        ],
         [
             ({"prompt": "a ring"}, "control_image", "missing"),
+            (
+                {**body, "control_guidance_start": 0.5, "control_guidance_end": 0.5},
+                "control_guidance_end",
+                "out_of_range",
+            ),
             ({**body, "cache": {"method": "teacache"}}, "cache", "not_supported"),
         ],
         monkeypatch,
     )
     assert card["tasks"] == ["text-to-image"] and card["limits"]["control_image"] is True, card
     assert card["defaults"]["controlnet_conditioning_scale"] == 1.0
+    assert (card["defaults"]["control_guidance_start"], card["defaults"]["control_guidance_end"]) == (
+        0.0,
+        1.0,
+    )
+    assert card["defaults"]["guess_mode"] is False
     assert [j["params"]["controlnet_conditioning_scale"] for j in jobs] == [1.0, 0.3]
+    assert [(j["params"]["control_guidance_end"], j["params"]["guess_mode"]) for j in jobs] == [
+        (1.0, False),
+        (0.5, True),
+    ]
     err = np.abs(steered - direct(pipe, jobs[0], control_image=edges)).max()
     err_weaker = np.abs(weaker - direct(pipe, jobs[1], control_image=edges)).max()
-    print(f"served vs direct: {err}, scale 0.3: {err_weaker}")
+    print(f"served vs direct: {err}, scale 0.3, the first half of the steps, guess mode: {err_weaker}")
     assert err <= 1 and err_weaker <= 1
     assert np.abs(steered - weaker).mean() > 0.5
