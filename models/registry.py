@@ -34,6 +34,17 @@ _FAMILIES = {
         "meshserve.models.sdxl.pipeline_controlnet",
         "StableDiffusionXLControlNetPipeline",
     ),
+    # diffusers' ControlNet img2img and inpaint pipelines: the same folder, the tasks of one class.
+    "StableDiffusionXLControlNetImg2ImgPipeline": (
+        "sdxl",
+        "meshserve.models.sdxl.pipeline_controlnet",
+        "StableDiffusionXLControlNetPipeline",
+    ),
+    "StableDiffusionXLControlNetInpaintPipeline": (
+        "sdxl",
+        "meshserve.models.sdxl.pipeline_controlnet",
+        "StableDiffusionXLControlNetPipeline",
+    ),
     "FluxPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxImg2ImgPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),
     "FluxInpaintPipeline": ("flux", "meshserve.models.flux.pipeline", "FluxPipeline"),

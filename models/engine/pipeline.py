@@ -54,8 +54,8 @@ What a family declares (class attributes) and implements (its stages); everythin
     row_field_fallbacks              row fields that, left out or None, take another's values (Wan 2.2's
                                      guidance_scale_2: guidance_scale's); step_guidance(rows) (traced) the
                                      loop's CFG scales, or a function of the timestep (two experts);
-                                     step_rows(rows, calls) (host) per-row values that depend on the
-                                     schedule's length (a ControlNet's window of steps)
+                                     step_rows(rows, start, calls) (host) per-row values that depend on
+                                     the steps the call runs (a ControlNet's window of steps)
     generator_in_steps               diffusers' pipeline hands its `generator` to the scheduler's step (SDXL):
                                      a `generator=` call replays those draws too (torch_generator.py)
     latents_axes, latents_layout     the loop's latents -> diffusers' layout (`latents=`, output "latent")
@@ -283,6 +283,9 @@ class DiffusionPipeline:
     # Image arguments that condition every task, so that a call with one and no `image=` still runs the
     # image_encode program (FLUX.1 Canny/Depth: control_image); a subset of image_fields.
     condition_fields: tuple[str, ...] = ()
+    # The condition images go through the VAE (diffusers samples their posterior with a call's generator, which
+    # `generator=` cannot replay); False where a control image is read as pixels (an SDXL ControlNet).
+    conditions_encoded: bool = True
     # diffusers' `denoising_end` and `denoising_start` (SDXL; models/engine/denoising_split.py): a call stops
     # before the schedule's end, leaving the last steps to another model (the refiner), whose image-to-image
     # call then takes those latents as `image=` and starts where the first stopped, without adding noise. The
@@ -1005,7 +1008,6 @@ class DiffusionPipeline:
             settings["scheduler"], settings["num_inference_steps"], shape, **custom
         )
         calls = steps  # the schedule's model calls (a split or a strength runs some of them)
-        rows |= self.step_rows(rows, calls)
         start, full_strength, pixels, mask_pixels, crops = 0, False, None, None, None
         check_order(denoising_start, denoising_end)
         # A split's cut-offs read the schedule's timesteps (one copy to the host, only for such a call).
@@ -1048,6 +1050,7 @@ class DiffusionPipeline:
         if denoising_end is not None:
             stop = start + end_steps(denoising_end, timesteps[start:], self.scheduler_config)
         steps = stop - start  # the steps this call runs (and reports)
+        rows |= self.step_rows(rows, start, calls)
         # LoRA: each row's adapter slots and scales, or None (no row has one: the program without adapters).
         lora_rows = self.lora.rows(loras, len(prompts), n, adapter_scale)
         # Text-encoder adapters per prompt [P, K], or None (no row's adapters touch the text encoders: the
@@ -1060,7 +1063,9 @@ class DiffusionPipeline:
         else:  # diffusers' torch.Generator: it draws the starting noise (torch_generator.py)
             # (a task with a strength starts from the picture; one without, from noise: Kontext, image-to-video;
             # diffusers encodes a condition image with the generator's draws before the noise's)
-            from_picture = latent_image is None and (strength is not None or conditioned)
+            from_picture = latent_image is None and (
+                strength is not None or (conditioned and self.conditions_encoded)
+            )
             adds_noise = denoising_start is None  # (diffusers adds none to a denoising_start call's image)
             latents = self._generator_noise(
                 generator, seed, latents, shape, len(prompts) * n, task, from_picture, adds_noise
@@ -1389,9 +1394,10 @@ class DiffusionPipeline:
     # ---------------------------------------------------------------------------------------------
     # Shared host machinery
 
-    def step_rows(self, rows: dict, calls: int) -> dict:
-        """Host: per-row values that depend on the schedule's length (`calls` model calls), added to the rows
-        (a ControlNet's window of steps); none here."""
+    def step_rows(self, rows: dict, start: int, calls: int) -> dict:
+        """Host: per-row values that depend on the model calls the call runs (start..calls: a strength starts
+        later, a denoising_end's cut is not counted, as diffusers), added to the rows (a ControlNet's window of
+        steps); none here."""
         return {}
 
     def step_guidance(self, rows):

@@ -83,14 +83,117 @@ def test_two_images_per_prompt_pair_as_diffusers(ours, reference):
     check_pixels(got, expected, "SDXL ControlNet, 2 prompts x 2 images")
 
 
+def _pictures(seed: int) -> list:
+    """Two smooth PIL pictures to start from (gradients, different)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:H, 0:W] / max(H, W)
+    out = []
+    for _ in range(2):
+        a, b, c = rng.uniform(0.2, 0.8, 3)
+        img = np.stack([a * x + 0.2, b * y + 0.1, c * (1 - x * y)], axis=-1)
+        out.append(Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)))
+    return out
+
+
+@pytest.fixture
+def same_noise(monkeypatch):
+    """diffusers' ControlNet image pipelines draw the test's noise and encode to the posterior's mode."""
+    from diffusers.pipelines.controlnet import (
+        pipeline_controlnet_inpaint_sd_xl,
+        pipeline_controlnet_sd_xl_img2img,
+    )
+
+    from tests.fixtures.diffusers_noise import same_noise as patch_noise
+
+    return patch_noise(monkeypatch, pipeline_controlnet_sd_xl_img2img, pipeline_controlnet_inpaint_sd_xl)
+
+
+@pytest.mark.parametrize("task", ["image-to-image", "inpaint"])
+def test_image_tasks_with_the_controlnet_match_diffusers(ours, reference, same_noise, task):
+    """StableDiffusionXLControlNetImg2ImgPipeline / ...InpaintPipeline: image= the picture, control_image= the
+    control; the window counts the steps the strength leaves (diffusers' len(timesteps)): strength 0.75 of 4
+    steps runs 3, and end 0.5 steers the first of them only (1 / 3 <= 0.5 < 2 / 3)."""
+    from diffusers import (
+        StableDiffusionXLControlNetImg2ImgPipeline,
+        StableDiffusionXLControlNetInpaintPipeline,
+    )
+    from PIL import Image
+
+    cls = {"image-to-image": StableDiffusionXLControlNetImg2ImgPipeline}.get(
+        task, StableDiffusionXLControlNetInpaintPipeline
+    )
+    ref = cls.from_pipe(reference)
+    ref.set_progress_bar_config(disable=True)
+    noise = _latents(12)
+    same_noise["noise"] = noise
+    kw = dict(KW, image=_pictures(13), control_image=_controls(14), num_inference_steps=4, height=H, width=W)
+    kw |= dict(strength=0.75, controlnet_conditioning_scale=0.8, control_guidance_end=0.5)
+    if task == "inpaint":
+        y, x = np.mgrid[0:H, 0:W]
+        kw["mask_image"] = [
+            Image.fromarray((((y > 8) & (x > 12) & (x < 48)) * 255).astype(np.uint8)),
+            Image.fromarray((((y - 24) ** 2 + (x - 30) ** 2 < 15**2) * 255).astype(np.uint8)),
+        ]
+    expected = ref(PROMPTS, **kw).images
+    got = ours(PROMPTS, latents=noise, **kw)
+    check_pixels(got.images, expected, f"SDXL ControlNet {task}, strength 0.75, end 0.5")
+    steered_all = ours(PROMPTS, latents=noise, **{**kw, "control_guidance_end": 1.0}).images
+    assert float(np.abs(steered_all - got.images).max()) > 5e-3  # the window counted the strength's steps
+
+
+def test_inpaint_with_a_9_channel_unet_matches_diffusers(tiny_sdxl_path, tmp_path, same_noise):
+    """The inpainting UNet takes [latents, mask, masked image latents]; the ControlNet (of the 4-channel UNet)
+    the latents alone, as diffusers' StableDiffusionXLControlNetInpaintPipeline."""
+    from diffusers import StableDiffusionXLControlNetInpaintPipeline, StableDiffusionXLPipeline
+    from PIL import Image
+
+    from tests.fixtures.tiny_controlnet import build_tiny_controlnet
+    from tests.fixtures.tiny_sdxl import build_tiny_sdxl
+
+    inpaint = StableDiffusionXLPipeline.from_pretrained(
+        str(build_tiny_sdxl(tmp_path / "inpaint", inpaint=True)), torch_dtype=torch.float32
+    )
+    names = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet", "scheduler")
+    ref = StableDiffusionXLControlNetInpaintPipeline(
+        **{k: inpaint.components[k] for k in names}, controlnet=build_tiny_controlnet(tiny_sdxl_path)
+    )
+    ref.save_pretrained(str(tmp_path / "folder"), safe_serialization=True)
+    ref.set_progress_bar_config(disable=True)
+    ours = load_pipeline(tmp_path / "folder", dtype="float32")
+    assert ours.tasks == ("inpaint",)
+    noise = _latents(16)
+    same_noise["noise"] = noise
+    y, x = np.mgrid[0:H, 0:W]
+    mask = Image.fromarray((((y > 8) & (x > 12) & (x < 48)) * 255).astype(np.uint8))
+    kw = dict(KW, image=_pictures(17), mask_image=mask, control_image=_controls(18), height=H, width=W)
+    expected = ref(PROMPTS, **kw, strength=0.75).images
+    got = ours(PROMPTS, latents=noise, **kw, strength=0.75).images
+    check_pixels(got, expected, "SDXL ControlNet inpaint, 9-channel UNet, strength 0.75")
+
+
+def test_a_generator_reproduces_diffusers_text_to_image(ours, reference):
+    """diffusers draws nothing for the control image (the ControlNet reads its pixels): generator= replays
+    the starting noise as diffusers draws it."""
+    kw = dict(KW, image=_controls(15), height=H, width=W)
+    expected = reference(PROMPTS, generator=torch.Generator().manual_seed(3), **kw).images
+    got = ours(PROMPTS, generator=torch.Generator().manual_seed(3), **kw).images
+    check_pixels(got, expected, "SDXL ControlNet, generator=")
+
+
 def test_what_it_takes_and_refuses(ours):
-    assert ours.tasks == ("text-to-image",) and ours.limits["control_image"] is True
+    assert (
+        ours.tasks == ("text-to-image", "image-to-image", "inpaint") and ours.limits["control_image"] is True
+    )
     assert ours.limits["cache"] is None and ours.defaults["controlnet_conditioning_scale"] == 1.0
     controls = _controls(4)
     with pytest.raises(PipelineError, match="control_image"):
         ours(PROMPTS, **KW)
-    with pytest.raises(PipelineError, match="not both"):
-        ours(PROMPTS, image=controls, control_image=controls, **KW)
+    with pytest.raises(PipelineError, match="control_image="):  # inpaint: image= is the picture
+        ours(PROMPTS, image=controls, mask_image=controls, **KW)
+    with pytest.raises(PipelineError, match="padding_mask_crop"):
+        ours(PROMPTS, image=controls, control_image=controls, mask_image=controls, padding_mask_crop=8, **KW)
     with pytest.raises(PipelineError, match="0 <= start < end <= 1"):
         ours(PROMPTS, image=controls, control_guidance_start=0.5, control_guidance_end=0.5, **KW)
     with pytest.raises(UnsupportedArgument, match="controlnet_guidance"):
@@ -100,17 +203,26 @@ def test_what_it_takes_and_refuses(ours):
 
 
 def test_the_guidance_window_is_diffusers_to_the_step(ours):
-    """diffusers' controlnet_keep, in double precision: 0.3 of 10 steps keeps step 3 (3 / 10 == 0.3 there; in
-    float32, 0.3 rounds up and would drop it), 0.7 keeps step 6."""
+    """diffusers' controlnet_keep over the steps a call runs, in double precision: 0.3 of 10 steps keeps step 3
+    (3 / 10 == 0.3 there; in float32, 0.3 rounds up and would drop it), 0.7 keeps step 6; a strength that
+    starts at step `start` counts the steps from there (diffusers' len(timesteps) after get_timesteps)."""
     for calls in (1, 3, 7, 10, 25, 59):
-        for start, end in [(0.0, 1.0), (0.3, 0.7), (0.25, 0.75), (0.1, 0.15), (0.5, 1.0), (0.0, 0.01)]:
-            keep = [
-                1.0 - float(i / calls < start or (i + 1) / calls > end) for i in range(calls)
-            ]  # diffusers'
-            rows = ours.step_rows({"control_guidance_start": [start], "control_guidance_end": [end]}, calls)
-            first, stop = rows["controlnet_first_step"][0], rows["controlnet_stop_step"][0]
-            assert keep == [float(first <= i < stop) for i in range(calls)], (calls, start, end)
-    rows = ours.step_rows({"control_guidance_start": [0.3], "control_guidance_end": [0.7]}, 10)
+        for start in {0, calls // 3}:
+            runs = calls - start
+            for begin, end in [(0.0, 1.0), (0.3, 0.7), (0.25, 0.75), (0.1, 0.15), (0.5, 1.0), (0.0, 0.01)]:
+                keep = [
+                    1.0 - float(i / runs < begin or (i + 1) / runs > end) for i in range(runs)
+                ]  # diffusers'
+                window = {"control_guidance_start": [begin], "control_guidance_end": [end]}
+                rows = ours.step_rows(window, start, calls)
+                first, stop = rows["controlnet_first_step"][0], rows["controlnet_stop_step"][0]
+                assert keep == [float(first <= start + i < stop) for i in range(runs)], (
+                    calls,
+                    start,
+                    begin,
+                    end,
+                )
+    rows = ours.step_rows({"control_guidance_start": [0.3], "control_guidance_end": [0.7]}, 0, 10)
     assert (rows["controlnet_first_step"], rows["controlnet_stop_step"]) == ([3], [7])
 
 

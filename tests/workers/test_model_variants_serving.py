@@ -172,16 +172,20 @@ def test_sdxl_controlnet_served_with_its_control_image(tiny_sdxl_controlnet_path
     edges = Image.new("RGB", (70, 50), (0, 0, 0))
     ImageDraw.Draw(edges).ellipse((10, 8, 50, 40), outline=(255, 255, 255), width=2)
     body = {"prompt": "a ring", "control_image": data_url(edges), "guidance_scale": 5.0}
-    card, jobs, (steered, weaker) = served(
+    picture = still((220, 20, 20))
+    from_picture = {**body, "image": data_url(picture), "strength": 0.6}
+    card, jobs, (steered, weaker, redrawn) = served(
         "tiny-sdxl-controlnet",
         pipe,
         tiny_sdxl_controlnet_path,
         [
             body,
             {**body, "controlnet_conditioning_scale": 0.3, "control_guidance_end": 0.5, "guess_mode": True},
+            from_picture,
         ],
         [
             ({"prompt": "a ring"}, "control_image", "missing"),
+            ({"prompt": "a ring", "image": data_url(picture)}, "control_image", "missing"),
             (
                 {**body, "control_guidance_start": 0.5, "control_guidance_end": 0.5},
                 "control_guidance_end",
@@ -191,20 +195,25 @@ def test_sdxl_controlnet_served_with_its_control_image(tiny_sdxl_controlnet_path
         ],
         monkeypatch,
     )
-    assert card["tasks"] == ["text-to-image"] and card["limits"]["control_image"] is True, card
+    assert card["tasks"] == ["text-to-image", "image-to-image", "inpaint"], card
+    assert card["limits"]["control_image"] is True
+    assert card["limits"]["strength"]["defaults"]["image-to-image"] == 0.8
     assert card["defaults"]["controlnet_conditioning_scale"] == 1.0
     assert (card["defaults"]["control_guidance_start"], card["defaults"]["control_guidance_end"]) == (
         0.0,
         1.0,
     )
     assert card["defaults"]["guess_mode"] is False
-    assert [j["params"]["controlnet_conditioning_scale"] for j in jobs] == [1.0, 0.3]
+    assert [j["params"]["controlnet_conditioning_scale"] for j in jobs] == [1.0, 0.3, 1.0]
     assert [(j["params"]["control_guidance_end"], j["params"]["guess_mode"]) for j in jobs] == [
         (1.0, False),
         (0.5, True),
+        (1.0, False),
     ]
     err = np.abs(steered - direct(pipe, jobs[0], control_image=edges)).max()
     err_weaker = np.abs(weaker - direct(pipe, jobs[1], control_image=edges)).max()
     print(f"served vs direct: {err}, scale 0.3, the first half of the steps, guess mode: {err_weaker}")
-    assert err <= 1 and err_weaker <= 1
-    assert np.abs(steered - weaker).mean() > 0.5
+    err_redrawn = np.abs(redrawn - direct(pipe, jobs[2], image=picture, control_image=edges)).max()
+    print(f"image-to-image with the control image, strength 0.6: {err_redrawn}")
+    assert err <= 1 and err_weaker <= 1 and err_redrawn <= 1
+    assert np.abs(steered - weaker).mean() > 0.5 and np.abs(steered - redrawn).mean() > 0.5
