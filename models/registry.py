@@ -51,6 +51,8 @@ _FAMILIES = {
     "FluxKontextPipeline": ("flux", "meshserve.models.flux.pipeline_kontext", "FluxKontextPipeline"),
     "FluxFillPipeline": ("flux", "meshserve.models.flux.pipeline_fill", "FluxFillPipeline"),
     "FluxControlPipeline": ("flux", "meshserve.models.flux.pipeline_control", "FluxControlPipeline"),
+    "FluxControlImg2ImgPipeline": ("flux", "meshserve.models.flux.pipeline_control", "FluxControlPipeline"),
+    "FluxControlInpaintPipeline": ("flux", "meshserve.models.flux.pipeline_control", "FluxControlPipeline"),
     "WanPipeline": ("wan", "meshserve.models.wan.pipeline", "WanPipeline"),
     "WanImageToVideoPipeline": ("wan", "meshserve.models.wan.pipeline_i2v", "WanImageToVideoPipeline"),
 }

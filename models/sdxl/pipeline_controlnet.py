@@ -31,17 +31,16 @@ step as the UNet is; the UNet's own parameter names are unchanged (LoRA adapters
 - `generator=` reproduces diffusers' noise for text-to-image (the control image is not encoded: nothing is
   drawn for it); image tasks take seed= or latents= as SDXL's do.
 - Not implemented (refused as unsupported arguments): several ControlNets (MultiControlNetModel),
-  `padding_mask_crop` with a ControlNet; step caches (the ControlNet runs every step: a cached UNet step
+  `padding_mask_crop` (models/engine/control_image.py); step caches (the ControlNet runs every step: a cached UNet step
   would still pay for it).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from meshserve.models.checkpoints.loading import CheckpointError
-from meshserve.models.components.image_processor import control_rows, image_size
+from meshserve.models.components.image_processor import image_size
 from meshserve.models.engine.common import PipelineError
 from meshserve.models.engine.control_image import ControlImageInput
 from meshserve.models.engine.denoise_loop import interleave
@@ -113,20 +112,16 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
         mask_image=None,
         height=None,
         width=None,
-        padding_mask_crop=None,
         **kwargs,
     ):
-        if (
-            control_image is None
-        ):  # diffusers' StableDiffusionXLControlNetPipeline calls the control image `image`
+        # diffusers' StableDiffusionXLControlNetPipeline calls the control image `image`
+        if control_image is None:
             if mask_image is not None:
                 raise PipelineError(
                     "inpainting with a ControlNet takes the control image as control_image= (image= is the "
                     "picture to inpaint)"
                 )
             control_image, image = image, None
-        if padding_mask_crop is not None:
-            raise PipelineError("padding_mask_crop is not supported with a ControlNet")
         if control_image is not None and height is None and width is None:  # diffusers: its size
             height, width = image_size(control_image, "control_image", self.limits["size_multiple"])
         return super().__call__(
@@ -159,22 +154,9 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
             stop.append(start + kept[-1] + 1 if kept else 0)
         return {"controlnet_first_step": first, "controlnet_stop_step": stop}
 
-    def preprocess_images(self, image, mask_image, prompts: int, n: int, settings: dict, control_image=None):
-        """Host: {"control": one control image per output row, [B, H, W, 3] in [0, 1] at the call's size
-        (diffusers' control image processor does not normalise), with an image task also "image" (SDXL's)},
-        and the masks (inpaint) or None."""
-        control = control_rows(control_image, prompts, n, settings["height"], settings["width"])
-        control = ((control + 1) / 2).astype(np.float32)
-        if image is None:
-            return {"control": control}, None
-        pixels, masks = super().preprocess_images(image, mask_image, prompts, n, settings)
-        return {"image": pixels, "control": control}, masks
-
-    def image_inputs(self, vae_state, pixels, mask, *, shape, task):
-        inputs = {}
-        if "image" in pixels:  # image-to-image, inpaint: SDXL's image inputs
-            inputs = super().image_inputs(vae_state, pixels["image"], mask, shape=shape, task=task)
-        return {**inputs, "control": pixels["control"]}
+    def control_inputs(self, vae_state, control, *, shape, task) -> dict:
+        """Traced: the control pixels in [0, 1] (diffusers' control image processor does not normalise)."""
+        return {"control": (control + 1) / 2}
 
     def unet_residuals(self, unet, x, t, i, embeds, added, rows, image, do_cfg) -> dict:
         control, scale = image["control"], rows["controlnet_conditioning_scale"]

@@ -41,11 +41,31 @@ def _controls(seed: int) -> list:
     return out
 
 
+def _pictures(seed: int) -> list:
+    """Two smooth pictures to start from (gradients, different)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:H, 0:W] / max(H, W)
+    out = []
+    for _ in range(2):
+        a, b, c = rng.uniform(0.2, 0.8, 3)
+        img = np.stack([a * x + 0.2, b * y + 0.1, c * (1 - x * y)], axis=-1)
+        out.append(Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)))
+    return out
+
+
 @pytest.fixture
 def same_noise(monkeypatch):
-    from diffusers.pipelines.flux import pipeline_flux_control
+    from diffusers.pipelines.flux import (
+        pipeline_flux_control,
+        pipeline_flux_control_img2img,
+        pipeline_flux_control_inpaint,
+    )
 
-    return patch_noise(monkeypatch, pipeline_flux_control)
+    return patch_noise(
+        monkeypatch, pipeline_flux_control, pipeline_flux_control_img2img, pipeline_flux_control_inpaint
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +92,33 @@ def test_control_matches_diffusers_and_other_controls_compile_nothing(ours, refe
     assert moved > 5e-3
 
 
+@pytest.mark.parametrize("task", ["image-to-image", "inpaint"])
+def test_image_tasks_with_the_control_image_match_diffusers(ours, tiny_flux_control_path, same_noise, task):
+    """FluxControlImg2ImgPipeline / FluxControlInpaintPipeline: image= the picture, control_image= the control,
+    strength 0.75 (the inpaint puts the known region back every step)."""
+    from PIL import Image
+
+    name = {"image-to-image": "FluxControlImg2ImgPipeline"}.get(task, "FluxControlInpaintPipeline")
+    ref = diffusers_pipeline(name, tiny_flux_control_path)
+    same_noise["noise"], packed = flux_noise(7, 2, H, W)
+    kw = dict(KW, image=_pictures(8), control_image=_controls(9), strength=0.75, guidance_scale=3.5)
+    if task == "inpaint":
+        y, x = np.mgrid[0:H, 0:W]
+        kw["mask_image"] = [
+            Image.fromarray((((y > 6) & (x > 10) & (x < 36)) * 255).astype(np.uint8)),
+            Image.fromarray((((y - 18) ** 2 + (x - 22) ** 2 < 12**2) * 255).astype(np.uint8)),
+        ]
+    expected = ref(PROMPTS, **kw).images
+    got = ours(PROMPTS, latents=packed, **kw).images
+    check_pixels(got, expected, f"FLUX.1 Control {task}, strength 0.75")
+
+
 def test_what_it_takes_and_refuses(ours):
     import torch
 
-    assert ours.tasks == ("text-to-image",)
+    assert ours.tasks == ("text-to-image", "image-to-image", "inpaint")
     assert ours.limits["control_image"] is True
-    assert ours.limits["strength"] is None
+    assert ours.limits["strength"]["defaults"] == {"image-to-image": 0.6, "inpaint": 0.6}
     controls = _controls(3)
     with pytest.raises(PipelineError, match="control_image"):
         ours(PROMPTS, **KW)
@@ -85,8 +126,8 @@ def test_what_it_takes_and_refuses(ours):
         ours(PROMPTS, control_image=controls + controls[:1], **KW)
     with pytest.raises(PipelineError, match="generator"):
         ours(PROMPTS, control_image=controls, generator=torch.Generator().manual_seed(0), **KW)
-    with pytest.raises(PipelineError, match="image-to-image"):
-        ours(PROMPTS, control_image=controls, image=controls, **KW)
+    with pytest.raises(PipelineError, match="padding_mask_crop"):
+        ours(PROMPTS, control_image=controls, image=controls, mask_image=controls, padding_mask_crop=4, **KW)
 
 
 def test_a_warmed_up_call_compiles_nothing(ours):

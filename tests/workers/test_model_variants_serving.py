@@ -147,23 +147,31 @@ def test_control_served_with_its_control_image(tiny_flux_control_path, monkeypat
     ImageDraw.Draw(edges).rectangle((10, 8, 50, 40), outline=(255, 255, 255), width=2)
     other = edges.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     body = {"prompt": "a window", "control_image": data_url(edges)}
-    card, jobs, (steered, flipped) = served(
+    picture = still((220, 20, 20))
+    mask = Image.new("L", picture.size, 0)
+    ImageDraw.Draw(mask).rectangle((0, 0, 34, 49), fill=255)  # the left half: repaint
+    inpaint = {**body, "image": data_url(picture), "mask": data_url(mask), "strength": 0.8}
+    card, jobs, (steered, flipped, repainted) = served(
         "tiny-control",
         pipe,
         tiny_flux_control_path,
-        [body, {**body, "control_image": data_url(other)}],
+        [body, {**body, "control_image": data_url(other)}, inpaint],
         [
             ({"prompt": "a window"}, "control_image", "missing"),
-            ({**body, "image": data_url(edges)}, "image", "task_not_supported"),
+            ({"prompt": "a window", "image": data_url(edges)}, "control_image", "missing"),
         ],
         monkeypatch,
     )
-    assert card["tasks"] == ["text-to-image"] and card["limits"]["control_image"] is True, card
+    assert card["tasks"] == ["text-to-image", "image-to-image", "inpaint"], card
+    assert card["limits"]["control_image"] is True
     assert jobs[0]["params"]["control_image"] is not None and jobs[0]["params"]["image"] is None
     err = np.abs(steered - direct(pipe, jobs[0], control_image=edges)).max()
     err_other = np.abs(flipped - direct(pipe, jobs[1], control_image=other)).max()
-    print(f"served vs direct: {err}, {err_other}")
-    assert err <= 1 and err_other <= 1
+    err_inpaint = np.abs(
+        repainted - direct(pipe, jobs[2], image=picture, mask_image=mask, control_image=edges)
+    ).max()
+    print(f"served vs direct: {err}, {err_other}, inpaint {err_inpaint}")
+    assert err <= 1 and err_other <= 1 and err_inpaint <= 1
     assert np.abs(steered - flipped).mean() > 0.5
 
 
