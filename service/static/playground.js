@@ -108,6 +108,16 @@ function selectModel() {
   $("strength-row").hidden = !(takesImage && requestFields.has("strength") && l.strength);
   // A control model (FLUX.1 Canny / Depth) needs its control image on every request.
   $("control-row").hidden = !(requestFields.has("control_image") && l.control_image);
+  // A ControlNet (SDXL): its scale, its window of steps (fractions) and guess mode, where the card's defaults
+  // list them; left empty, the model's defaults apply (the placeholders).
+  const controlnet = requestFields.has("controlnet_conditioning_scale") && d.controlnet_conditioning_scale != null;
+  $("controlnet-row").hidden = !controlnet;
+  if (controlnet) {
+    $("controlnet-scale").placeholder = `${d.controlnet_conditioning_scale} (default)`;
+    $("control-start").placeholder = `${d.control_guidance_start ?? 0}`;
+    $("control-end").placeholder = `${d.control_guidance_end ?? 1}`;
+    $("guess-mode").checked = Boolean(d.guess_mode);
+  }
   const strength = l.strength; // {min (exclusive), max, defaults: {task: value}}: the placeholder is img2img's
   $("strength").max = strength ? strength.max : 1;
   $("strength").placeholder = strength && strength.defaults["image-to-image"] != null
@@ -169,6 +179,14 @@ async function requestBody() {
   if (!$("control-row").hidden) {
     const control = await readDataUrl($("control-image"));
     if (control) body.control_image = control;
+  }
+  if (!$("control-row").hidden && !$("controlnet-row").hidden) {
+    for (const [id, field] of [["controlnet-scale", "controlnet_conditioning_scale"],
+      ["control-start", "control_guidance_start"], ["control-end", "control_guidance_end"]]) {
+      const v = numberOf(id);
+      if (v !== undefined) body[field] = v;
+    }
+    if ($("guess-mode").checked) body.guess_mode = true;
   }
   if (!$("cache-row").hidden && $("cache-method").value) {
     body.cache = { method: $("cache-method").value };

@@ -459,8 +459,51 @@ def test_a_control_model_sends_its_control_image_and_an_edit_model_no_strength(p
         sent[0]["control_image"] == "data:image/png;base64," + base64.b64encode(edges.read_bytes()).decode()
     )
     assert sent[0]["model"] == "canny" and "image" not in sent[0]
+    assert page.is_hidden("#controlnet-row")  # FLUX.1 Canny: no ControlNet fields
     page.select_option("#model", "kontext")
     assert page.is_visible("#image") and page.is_hidden("#strength-row") and page.is_hidden("#control-row")
+
+
+def test_a_controlnet_model_sends_its_scale_window_and_guess_mode(page, servers, tmp_path):
+    """An SDXL ControlNet card (its defaults list controlnet_conditioning_scale and the window): the fields show
+    with the defaults as placeholders; typed values and a ticked guess mode are sent, empty ones left out."""
+    (card,) = httpx.get(servers["open"] + "/v1/models").json()["data"]
+    controlnet = {
+        **card,
+        "id": "sdxl-canny",
+        "tasks": ["text-to-image", "image-to-image", "inpaint"],
+        "limits": {**card["limits"], "control_image": True},
+        "defaults": {
+            **card["defaults"],
+            "controlnet_conditioning_scale": 1.0,
+            "control_guidance_start": 0.0,
+            "control_guidance_end": 1.0,
+            "guess_mode": False,
+        },
+    }
+    sent = []
+
+    def submit(route):
+        sent.append(route.request.post_data_json)
+        route.fulfill(status=422, json={"error": {"code": "caught", "message": "caught", "field": None}})
+
+    page.route("**/v1/models", lambda route: route.fulfill(json={"object": "list", "data": [controlnet]}))
+    page.route("**/v1/generate", submit)
+    _ready(page, servers["open"])
+    assert page.is_visible("#controlnet-row") and page.is_visible("#image-inputs")
+    assert page.get_attribute("#controlnet-scale", "placeholder") == "1 (default)"
+    edges = tmp_path / "edges.png"
+    Image.new("RGB", (64, 64), (0, 0, 0)).save(edges)
+    page.set_input_files("#control-image", str(edges))
+    page.fill("#prompt", README_PROMPT)
+    _generate(page)
+    assert not {"controlnet_conditioning_scale", "control_guidance_start", "guess_mode"} & set(sent[0])
+    page.fill("#controlnet-scale", "0.6")
+    page.fill("#control-end", "0.5")
+    page.check("#guess-mode")
+    _generate(page)
+    assert sent[1]["controlnet_conditioning_scale"] == 0.6 and sent[1]["control_guidance_end"] == 0.5
+    assert sent[1]["guess_mode"] is True and "control_guidance_start" not in sent[1]
 
 
 def test_with_keys_on_the_page_asks_for_one(page, servers):
