@@ -68,15 +68,15 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
         controlnet = self.load_module(
             load_controlnet, folder / "controlnet", UNET_RULES, attention=self.attention
         )
+        # Its residuals must meet the UNet's skips one for one (channels and count: the layers per block).
         a, b = unet.config, controlnet.config
-        if (a.block_out_channels, a.cross_attention_dim, a.addition_embed_type) != (
-            b.block_out_channels,
-            b.cross_attention_dim,
-            b.addition_embed_type,
-        ):
+        fields = ("block_out_channels", "cross_attention_dim", "addition_embed_type")
+        if [getattr(a, f) for f in fields] + [a.per_block("layers_per_block")] != [
+            getattr(b, f) for f in fields
+        ] + [b.per_block("layers_per_block")]:
             raise CheckpointError(
-                f"{folder / 'controlnet'}: its block_out_channels, cross_attention_dim or addition_embed_type "
-                "differ from the UNet's: not a ControlNet of this model"
+                f"{folder / 'controlnet'}: its block_out_channels, layers_per_block, cross_attention_dim or "
+                "addition_embed_type differ from the UNet's: not a ControlNet of this model"
             )
         factor = 2 ** (len(controlnet.controlnet_config.conditioning_embedding_out_channels) - 1)
         if factor != self.vae_scale_factor:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshserve.models import PipelineError, load_pipeline
+from meshserve.models import ModelFolderError, PipelineError, load_pipeline
 from meshserve.models.engine.common import UnsupportedArgument
 from tests.fixtures.parity import check_pixels, diffusers_pipeline, layout_error
 
@@ -278,3 +278,20 @@ def test_a_unet_lora_matches_diffusers_with_the_controlnet(ours, tiny_sdxl_contr
     check_pixels(got, expected, "SDXL ControlNet with a UNet LoRA")
     plain = ours(PROMPTS, latents=latents, **kw).images
     assert float(np.abs(plain - got).max()) > 5e-3
+
+
+def test_a_controlnet_whose_residuals_miss_the_unets_skips_is_refused(tiny_sdxl_controlnet_path, tmp_path):
+    """One layer per block where the UNet has two: its residuals could not meet the UNet's skips."""
+    from diffusers import ControlNetModel
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for part in tiny_sdxl_controlnet_path.iterdir():
+        if part.name != "controlnet":
+            (folder / part.name).symlink_to(part)
+    config = dict(ControlNetModel.load_config(str(tiny_sdxl_controlnet_path / "controlnet")))
+    assert config["layers_per_block"] == 2
+    config = {k: v for k, v in config.items() if not k.startswith("_")} | {"layers_per_block": 1}
+    ControlNetModel.from_config(config).save_pretrained(str(folder / "controlnet"))
+    with pytest.raises(ModelFolderError, match="layers_per_block"):
+        load_pipeline(folder, dtype="float32")
