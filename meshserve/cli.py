@@ -279,12 +279,24 @@ def _cache_argument(spec: str | None) -> dict | None:
 
 
 def _image_inputs(args: argparse.Namespace) -> dict:
-    """--image / --mask / --strength / --padding-mask-crop (and --control-image) as the pipeline's image,
-    mask_image, strength and padding_mask_crop (and control_image), read under the API's decoding rules
-    (service/image_inputs.py: PNG, JPEG or WebP, one frame, EXIF orientation applied)."""
+    """--image / --mask / --strength / --padding-mask-crop (and --control-image with a ControlNet's settings)
+    as the pipeline's image, mask_image, strength and padding_mask_crop (and control_image,
+    controlnet_conditioning_scale, control_guidance_start / _end, guess_mode), read under the API's decoding
+    rules (service/image_inputs.py: PNG, JPEG or WebP, one frame, EXIF orientation applied)."""
     control = {}
     if args.control_image is not None:
         control["control_image"] = _read_image(args.control_image, "control-image")
+    controlnet = {
+        "controlnet_conditioning_scale": args.controlnet_scale,
+        "control_guidance_start": args.control_guidance_start,
+        "control_guidance_end": args.control_guidance_end,
+        "guess_mode": args.guess_mode or None,
+    }
+    for name, value in controlnet.items():
+        if value is not None:
+            if args.control_image is None:
+                raise UsageError(f"--{name.replace('_', '-')} needs --control-image")
+            control[name] = value
     if args.image is None:
         for flag, value in (
             ("--mask", args.mask),
@@ -509,7 +521,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--control-image",
         default=None,
-        help="a FLUX.1 Canny / Depth folder's control image (an edge or depth map; it needs one)",
+        help="a FLUX.1 Canny / Depth or SDXL ControlNet folder's control image (an edge or depth map; it needs one)",
+    )
+    gen.add_argument(
+        "--controlnet-scale",
+        type=float,
+        default=None,
+        help="an SDXL ControlNet's controlnet_conditioning_scale (default: the model's, 1.0)",
+    )
+    gen.add_argument(
+        "--control-guidance-start",
+        type=float,
+        default=None,
+        help="the fraction of the steps after which the ControlNet starts steering (default 0)",
+    )
+    gen.add_argument(
+        "--control-guidance-end",
+        type=float,
+        default=None,
+        help="the fraction of the steps after which the ControlNet stops steering (default 1)",
+    )
+    gen.add_argument(
+        "--guess-mode", action="store_true", help="the ControlNet's guess mode (diffusers' guess_mode)"
     )
     gen.add_argument(
         "--strength", type=float, default=None, help="(0, 1]: how much is repainted (default: the task's)"

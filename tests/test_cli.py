@@ -269,7 +269,7 @@ def test_generate_passes_image_mask_and_strength(tmp_path, monkeypatch, video):
         assert Image.open(out).size == (32, 16)
 
 
-def test_generate_passes_a_control_image_without_an_image(tmp_path, monkeypatch):
+def test_generate_passes_a_control_image_without_an_image(tmp_path, monkeypatch, capsys):
     """--control-image alone (a FLUX.1 Canny / Depth folder's edge or depth map) reaches the pipeline as
     diffusers' control_image, decoded as RGB; no --image needed."""
     from meshserve import cli
@@ -282,7 +282,16 @@ def test_generate_passes_a_control_image_without_an_image(tmp_path, monkeypatch)
     assert cli.main(args) == 0
     (call,) = pipe.calls
     assert call["control_image"].mode == "RGB" and call["control_image"].getpixel((0, 0)) == (255, 255, 255)
-    assert "image" not in call
+    assert "image" not in call and "guess_mode" not in call and "controlnet_conditioning_scale" not in call
+    steer = ["--controlnet-scale", "0.5", "--control-guidance-end", "0.6", "--guess-mode"]
+    assert cli.main([*args, *steer]) == 0  # an SDXL ControlNet's settings, as diffusers names them
+    assert (
+        pipe.calls[1]["controlnet_conditioning_scale"] == 0.5 and pipe.calls[1]["control_guidance_end"] == 0.6
+    )
+    assert pipe.calls[1]["guess_mode"] is True and "control_guidance_start" not in pipe.calls[1]
+    no_control = ["generate", "--prompt", "a cat", "--guess-mode", "-o", str(out)]
+    assert cli.main(no_control) == 2
+    assert "--guess-mode needs --control-image" in capsys.readouterr().err
 
 
 def test_generate_with_a_refiner_hands_the_base_latents_on(tmp_path, monkeypatch, capsys):
