@@ -349,8 +349,8 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         return model
 
     def unet_residuals(self, unet, x, t, i, embeds, added, rows, image, do_cfg) -> dict:
-        """Traced, every step (i: the schedule's step): what the UNet adds to its skips and mid block (a ControlNet's residuals,
-        models/sdxl/pipeline_controlnet.py); none here."""
+        """Traced, every step (i: the schedule's step): what the UNet adds to its skips and mid block (a
+        ControlNet's residuals, models/sdxl/pipeline_controlnet.py); none here."""
         return {}
 
     @property

@@ -2,20 +2,22 @@
 depth or pose map).
 
 Mirrors diffusers' StableDiffusionXLControlNetPipeline, StableDiffusionXLControlNetImg2ImgPipeline and
-StableDiffusionXLControlNetInpaintPipeline with one ControlNetModel (a folder whose model_index.json names one of
-them, with a `controlnet/` component): one class, the task chosen by the images given, as SDXL's. Every step the ControlNet (models/sdxl/controlnet.py) reads
-the UNet's input, timestep, text states and micro-conditioning with the control image, and the UNet adds its
-residuals, times `controlnet_conditioning_scale`, to its skips and mid block. The ControlNet rides inside the
-denoiser's module (as `unet.controlnet`), so it is loaded, placed, split over the pool's mesh and gathered per
-step as the UNet is; the UNet's own parameter names are unchanged (LoRA adapters find their layers).
+StableDiffusionXLControlNetInpaintPipeline with one ControlNetModel (a folder whose model_index.json names
+one of them, with a `controlnet/` component): one class, the task chosen by the images given, as SDXL's.
+Every step the ControlNet (models/sdxl/controlnet.py) reads the UNet's input, timestep, text states and
+micro-conditioning with the control image, and the UNet adds its residuals, times
+`controlnet_conditioning_scale`, to its skips and mid block. The ControlNet rides inside the denoiser's
+module (as `unet.controlnet`), so it is loaded, placed, split over the pool's mesh and gathered per step as the
+UNet is; the UNet's own parameter names are unchanged (LoRA adapters find their layers).
 
 - The control image: `control_image` (the engine's and the API's name; diffusers' Img2Img and Inpaint
   pipelines'), or `image` when no control_image is given (diffusers' text-to-image pipeline's name for it);
   with both, `image` is the picture to start from (image-to-image; with `mask_image`, inpaint), noised to
-  `strength` as SDXL's own image tasks (diffusers' defaults: 0.8 and 0.9999); one for all prompts, one per prompt (repeated over its
-  images, diffusers' repeat_interleave) or one per output image. Resized to the call's size as diffusers'
-  control image processor does (PIL: Lanczos; numpy: nearest), in [0, 1], not normalised. Without a height and
-  width the output takes the first control image's size (rounded down to the size multiple), as diffusers.
+  `strength` as SDXL's own image tasks (diffusers' defaults: 0.8 and 0.9999). One for all prompts, one per
+  prompt (repeated over its images, diffusers' repeat_interleave) or one per output image. Resized to the
+  call's size as diffusers' control image processor does (PIL: Lanczos; numpy: nearest), in [0, 1], not
+  normalised. Without a height and width the output takes the first control image's size (rounded down to the
+  size multiple), as diffusers.
 - `controlnet_conditioning_scale`, `control_guidance_start`, `control_guidance_end` and `guess_mode`: per row
   here (one value, one per prompt or one per image; diffusers: one per call), traced: a new value compiles
   nothing. (diffusers' Img2Img pipeline defaults `controlnet_conditioning_scale` to 0.8; here the card's 1.0,
@@ -25,14 +27,14 @@ step as the UNet is; the UNet's own parameter names are unchanged (LoRA adapters
   diffusers, so a boundary such as 0.3 of 10 steps falls where it does there) as each row's first step and the
   step it stops before; outside it the residuals are scaled by 0 (the ControlNet still runs: one program for
   every window). Guess mode: the ControlNet's residuals ramp from 0.1 to 1.0 over its levels
-  (models/sdxl/controlnet.py) and, with CFG, the unconditional pass gets none (diffusers runs the ControlNet on
-  the conditional half only; here it runs on both and the unconditional half's residuals are dropped, the same
-  numbers for twice the ControlNet's work on such a row).
+  (models/sdxl/controlnet.py) and, with CFG, the unconditional pass gets none (diffusers runs the ControlNet
+  on the conditional half only; here it runs on both and the unconditional half's residuals are dropped, the
+  same numbers for twice the ControlNet's work on such a row).
 - `generator=` reproduces diffusers' noise for text-to-image (the control image is not encoded: nothing is
   drawn for it); image tasks take seed= or latents= as SDXL's do.
 - Not implemented (refused as unsupported arguments): several ControlNets (MultiControlNetModel),
-  `padding_mask_crop` (models/engine/control_image.py); step caches (the ControlNet runs every step: a cached UNet step
-  would still pay for it).
+  `padding_mask_crop` (models/engine/control_image.py); step caches (the ControlNet runs every step: a cached
+  UNet step would still pay for it).
 """
 
 from __future__ import annotations
@@ -169,9 +171,8 @@ class StableDiffusionXLControlNetPipeline(ControlImageInput, StableDiffusionXLPi
         # ControlNet reads the latents alone (diffusers concatenates them after its call).
         latents = x[..., : unet.controlnet.config.in_channels]
         down, mid = unet.controlnet(latents, t, embeds, control, scale, guess_mode=guess, **added)
-        if (
-            do_cfg
-        ):  # guess mode: the unconditional pass takes no residuals (interleaved [u0, c0, u1, c1, ...])
+        # Guess mode: the unconditional pass takes no residuals (interleaved [u0, c0, u1, c1, ...]).
+        if do_cfg:
             unconditional = jnp.arange(guess.shape[0]) % 2 == 0
             dropped = (guess & unconditional).reshape(-1, 1, 1, 1)
             down = [jnp.where(dropped, 0, r).astype(r.dtype) for r in down]

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from meshserve.models import PipelineError, load_pipeline
-from tests.fixtures.parity import check_pixels, diffusers_pipeline, flux_noise, layout_error
+from tests.fixtures.parity import (
+    check_pixels,
+    diffusers_pipeline,
+    flux_noise,
+    gradient_pictures,
+    layout_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +37,7 @@ KW = dict(
 
 
 def _pictures(seed: int) -> list:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:H, 0:W] / max(H, W)
-    out = []
-    for _ in range(2):
-        a, b, c = rng.uniform(0.2, 0.8, 3)
-        img = np.stack([a * x + 0.2, b * y + 0.1, c * (1 - x * y)], axis=-1)
-        img = np.clip(img + 0.05 * rng.standard_normal(img.shape), 0, 1)
-        out.append(Image.fromarray((img * 255).astype(np.uint8)))
-    return out
+    return gradient_pictures(seed, H, W, grain=0.05)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 
 from meshserve.models import ModelFolderError, PipelineError, load_pipeline
 from meshserve.models.engine.common import UnsupportedArgument
-from tests.fixtures.parity import check_pixels, diffusers_pipeline, layout_error
+from tests.fixtures.parity import check_pixels, diffusers_pipeline, gradient_pictures, layout_error
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,7 @@ def test_two_images_per_prompt_pair_as_diffusers(ours, reference):
 
 
 def _pictures(seed: int) -> list:
-    """Two smooth PIL pictures to start from (gradients, different)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:H, 0:W] / max(H, W)
-    out = []
-    for _ in range(2):
-        a, b, c = rng.uniform(0.2, 0.8, 3)
-        img = np.stack([a * x + 0.2, b * y + 0.1, c * (1 - x * y)], axis=-1)
-        out.append(Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8)))
-    return out
+    return gradient_pictures(seed, H, W)
 
 
 @pytest.fixture
